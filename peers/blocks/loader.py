@@ -1,0 +1,37 @@
+"""Selective loading of a span of blocks: open only the shards that hold them and read only their tensors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from peers.blocks.families import Family
+from swarm.errors import BadInputError
+from swarm.ids import Span
+from swarm.model_files import read_tensors, weight_map
+
+log = logging.getLogger(__name__)
+
+
+def load_span(folder: Path, config, family: Family, span: Span, dtype: torch.dtype, device: str) -> torch.nn.ModuleList:
+    """Build the span's layers on the meta device and assign the tensors read from disk (no double allocation)."""
+    if span.end > config.num_hidden_layers:
+        raise BadInputError(f"blocks {span} exceed the model's {config.num_hidden_layers} blocks")
+    mapping = weight_map(folder)
+    layers = []
+    for index in range(span.start, span.end):
+        prefix = family.layer_prefix(index)
+        names = [k for k in mapping if k.startswith(prefix)]
+        state = {k[len(prefix):]: v for k, v in read_tensors(folder, names).items()}
+        state = {k: v.to(dtype=dtype, device=device) for k, v in family.file_to_module(state).items()}
+        with torch.device("meta"):
+            layer = family.layer_cls(config, layer_idx=index)
+        layer.load_state_dict(state, strict=True, assign=True)
+        leftovers = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+        if leftovers:
+            raise BadInputError(f"block {index}: no weights for {leftovers}")
+        layer.requires_grad_(False)
+        layers.append(layer.eval())
+    return torch.nn.ModuleList(layers)

@@ -1,0 +1,77 @@
+"""What this peer runs on and how fast its span is, measured on the real device and cached per (weights, span,
+device, dtype, threads) so restarts skip the probe."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peers.blocks.backend import SpanBackend
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device_name: str
+    device_memory: int  # bytes
+
+
+def probe_hardware(device: str) -> Hardware:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return Hardware(props.name, props.total_memory)
+    name = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(f"cpu: {name}", memory)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_throughput(backend: SpanBackend, *, seq: int = 128, steps: int = 8) -> tuple[float, float]:
+    """(forward tokens/s, single-token inference steps/s) of the whole span."""
+    hidden_size, dev = backend.config.hidden_size, backend.device
+    with torch.inference_mode():
+        x = torch.randn(1, seq, hidden_size, dtype=backend.dtype, device=dev)
+        backend.run(x, backend.span)  # warm-up
+        _sync(dev)
+        t0 = time.perf_counter()
+        backend.run(x, backend.span)
+        _sync(dev)
+        forward_tps = seq / (time.perf_counter() - t0)
+        cache = backend.new_cache()
+        backend.run(x[:, :16], backend.span, cache=cache)
+        one = x[:, :1]
+        _sync(dev)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            backend.run(one, backend.span, cache=cache, past=16 + i)
+        _sync(dev)
+        inference_sps = steps / (time.perf_counter() - t0)
+    return forward_tps, inference_sps
+
+
+def cached_throughput(backend: SpanBackend, cache_dir: Path, key: str) -> tuple[float, float]:
+    path = cache_dir / "throughput" / f"{key}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        return data["forward_tps"], data["inference_sps"]
+    forward_tps, inference_sps = measure_throughput(backend)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"forward_tps": forward_tps, "inference_sps": inference_sps}))
+    os.replace(tmp, path)
+    return forward_tps, inference_sps

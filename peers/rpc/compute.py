@@ -1,0 +1,173 @@
+"""One compute path shared by forward, backward and inference: validate, then run on the single compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from peers.activations import ActivationStore
+from peers.blocks.backend import SpanBackend
+from peers.kv_cache import CacheBudget
+from swarm.config import PeerConfig
+from swarm.errors import ActivationsGoneError, BadInputError, SessionLengthError
+from swarm.ids import Span
+from swarm.protocol import ComputeRequest, OpenSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    id: str
+    sub: Span
+    max_length: int
+    batch: int
+    cache: object
+    reserved: int
+    position: int = 0
+
+
+class ComputeService:
+    def __init__(self, backend: SpanBackend, cfg: PeerConfig) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.hidden_size = backend.config.hidden_size
+        # One thread: a device runs one kernel stream anyway, and torch releases the GIL so the RPC loop stays live.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.budget = CacheBudget(cfg.cache_tokens)
+        self.kept = ActivationStore(cfg.max_kept_activations, cfg.timing.activation_ttl)
+        self.stats: Counter[str] = Counter()
+        self.sessions: dict[str, Session] = {}
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- validation -------------------------------------------------------------------------------------------
+    def _check_sub(self, start: int, end: int) -> Span:
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
+            raise BadInputError(f"invalid block span {start}:{end}")
+        sub = Span(start, end)
+        if sub not in self.backend.span:
+            raise BadInputError(f"this server holds blocks {self.backend.span}, not {sub}")
+        return sub
+
+    def _check_hidden(self, tensors: dict, name: str = "hidden") -> torch.Tensor:
+        hidden = tensors.get(name)
+        if hidden is None:
+            raise BadInputError(f"request has no {name!r} tensor")
+        if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
+            raise BadInputError(f"{name} must be [batch, seq, {self.hidden_size}], got {list(hidden.shape)}")
+        if hidden.dtype != self.backend.dtype:
+            raise BadInputError(f"{name} must be {self.backend.dtype}, got {hidden.dtype}")
+        if hidden.shape[0] * hidden.shape[1] > self.cfg.max_batch_tokens:
+            raise BadInputError(f"batch x seq {hidden.shape[0] * hidden.shape[1]} exceeds {self.cfg.max_batch_tokens}")
+        if hidden.shape[1] == 0:
+            raise BadInputError(f"{name} has no tokens")
+        return hidden
+
+    @staticmethod
+    def _check_aux(tensors: dict, batch: int, n: int, total: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        mask, pos = tensors.get("attention_mask"), tensors.get("position_ids")
+        if mask is not None and (mask.dtype != torch.int64 or tuple(mask.shape) != (batch, total)):
+            raise BadInputError(f"attention_mask must be int64 [{batch}, {total}], got {mask.dtype} {list(mask.shape)}")
+        if pos is not None and (pos.dtype != torch.int64 or tuple(pos.shape) != (batch, n)):
+            raise BadInputError(f"position_ids must be int64 [{batch}, {n}], got {pos.dtype} {list(pos.shape)}")
+        return mask, pos
+
+    # ---- forward / backward -----------------------------------------------------------------------------------
+    async def forward(self, req: ComputeRequest, tensors: dict) -> dict:
+        sub = self._check_sub(req.start, req.end)
+        hidden = self._check_hidden(tensors)
+        mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
+        if req.keep_for_backward and not req.forward_id:
+            raise BadInputError("keep_for_backward needs a forward_id")
+        out = await self._run(self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None)
+        self.stats["forward"] += 1
+        return {"hidden": out}
+
+    def _forward_sync(self, hidden, sub, mask, pos, keep_id):
+        if keep_id is None:
+            with torch.inference_mode():
+                return self.backend.run(hidden, sub, attention_mask=mask, position_ids=pos)
+        with torch.enable_grad():
+            inputs = hidden.detach().requires_grad_(True)
+            outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos)
+        self.kept.put(keep_id, inputs, outputs, sub)
+        return outputs.detach()
+
+    async def backward(self, req: ComputeRequest, tensors: dict) -> dict:
+        sub = self._check_sub(req.start, req.end)
+        grad = self._check_hidden(tensors, "grad_output")
+        kept = self.kept.pop(req.forward_id) if req.forward_id else None
+        if kept is not None and (kept.sub != sub or kept.outputs.shape != grad.shape):
+            raise BadInputError("grad_output does not match the kept forward pass")
+        if kept is None:
+            if "hidden" not in tensors:
+                raise ActivationsGoneError("the forward pass for this backward is gone; resend its inputs")
+            hidden = self._check_hidden(tensors)
+            if hidden.shape != grad.shape:
+                raise BadInputError("grad_output and hidden differ in shape")
+            mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
+        grad_in = await self._run(self._backward_sync, kept, tensors.get("hidden"), grad, sub, tensors)
+        self.stats["backward"] += 1
+        return {"grad_input": grad_in}
+
+    def _backward_sync(self, kept, hidden, grad, sub, tensors):
+        with torch.enable_grad():
+            if kept is None:
+                inputs = hidden.detach().requires_grad_(True)
+                outputs = self.backend.run(
+                    inputs, sub, attention_mask=tensors.get("attention_mask"), position_ids=tensors.get("position_ids")
+                )
+            else:
+                inputs, outputs = kept.inputs, kept.outputs
+            (grad_in,) = torch.autograd.grad(outputs, inputs, grad.to(outputs.device))
+        return grad_in.detach()
+
+    # ---- inference ----------------------------------------------------------------------------------------------
+    async def open_session(self, msg: OpenSession) -> Session:
+        sub = self._check_sub(msg.start, msg.end)
+        if msg.session_id in self.sessions:
+            raise BadInputError(f"session {msg.session_id} is already open here")
+        tokens = msg.batch_size * msg.max_length
+        reserved = await self.budget.reserve(tokens, self.cfg.timing.cache_wait)
+        session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, self.backend.new_cache(), reserved)
+        self.sessions[session.id] = session
+        self.stats["sessions"] += 1
+        return session
+
+    async def close_session(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is not None:
+            session.cache = None
+            await self.budget.release(session.reserved)
+
+    async def step(self, session: Session, position: int, tensors: dict) -> dict:
+        hidden = self._check_hidden(tensors)
+        batch, n = hidden.shape[:2]
+        if batch != session.batch:
+            raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
+        if position != session.position:
+            raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
+        if position + n > session.max_length:
+            raise SessionLengthError(
+                f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
+            )
+        mask, pos = self._check_aux(tensors, batch, n, position + n)
+        out = await self._run(self._step_sync, session, hidden, mask, pos)
+        session.position += n
+        self.stats["inference_steps"] += 1
+        return {"hidden": out}
+
+    def _step_sync(self, session, hidden, mask, pos):
+        with torch.inference_mode():
+            return self.backend.run(
+                hidden, session.sub, attention_mask=mask, position_ids=pos, cache=session.cache, past=session.position
+            )

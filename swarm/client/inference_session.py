@@ -1,0 +1,144 @@
+"""An inference session: one server-side KV cache per hop of a chain, kept in step.
+
+Each hop remembers what it was sent. When a hop fails, the retry helper bans its peer, and the next attempt routes a
+replacement for just that hop's blocks (possibly several peers) and replays the remembered inputs onto it, so the
+new servers rebuild the cache and the session goes on from the same position."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.client.remote import InferenceStream
+from swarm.client.routing import Hop
+from swarm.client.sequential import RemoteBlocks
+from swarm.errors import SessionLengthError
+from swarm.protocol import PROTOCOL_VERSION, OpenSession
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _HopState:
+    hop: Hop
+    stream: InferenceStream | None = None
+    opened: bool = False
+    broken: bool = False  # failed once: the next attempt replaces it
+    inputs: list[torch.Tensor] = field(default_factory=list)  # hidden sent at each step (client dtype)
+    positions: list[torch.Tensor] = field(default_factory=list)
+
+
+class InferenceSession:
+    def __init__(self, blocks: RemoteBlocks, max_length: int, batch_size: int) -> None:
+        self.blocks = blocks
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.session_id = uuid.uuid4().hex
+        self.position = 0
+        self._hops: list[_HopState] = []
+        self._mask: torch.Tensor | None = None  # full attention mask so far, when padding is involved
+        self.tokens: torch.Tensor | None = None  # token ids so far: kept by the model wrapper, never sent
+        self.closed = False
+
+    @property
+    def route(self) -> list[Hop]:
+        return [h.hop for h in self._hops]
+
+    @property
+    def failovers(self) -> int:
+        return self.blocks.retrier.failovers
+
+    def _new_hops(self, start: int, end: int) -> list[_HopState]:
+        route = self.blocks.view.route(start, end, mode="inference", min_cache_tokens=self.batch_size * self.max_length)
+        return [_HopState(hop) for hop in route]
+
+    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
+        hop, timing, loop = state.hop, self.blocks.timing, self.blocks.loop
+        meta: dict = {"step": {"position": position}}
+        if not state.opened:
+            state.stream = loop.run(self.blocks.remote.open_stream(hop), timing.open_timeout)
+            opening = OpenSession(session_id=self.session_id, start=hop.start, end=hop.end,
+                                  max_length=self.max_length, batch_size=self.batch_size)
+            meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
+            state.opened = True
+        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
+        if mask is not None:
+            tensors["attention_mask"] = mask
+        if positions is not None:
+            tensors["position_ids"] = positions
+        out = loop.run(state.stream.exchange(meta, tensors, timing.request_timeout))["hidden"]
+        return out.to(hidden.dtype)
+
+    def _replace(self, index: int) -> None:
+        """Route new servers for hop ``index``'s blocks and replay its history onto them."""
+        old = self._hops[index]
+        if old.stream is not None:
+            old.stream.close()
+        fresh = self._new_hops(old.hop.start, old.hop.end)
+        log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
+                                             "session": self.session_id})
+        if old.inputs:
+            hidden = torch.cat(old.inputs, dim=1)
+            positions = torch.cat(old.positions, dim=1)
+            mask = None if self._mask is None else self._mask[:, : self.position]
+            for state in fresh:
+                state.inputs, state.positions = [hidden], [positions]
+                hidden = self._exchange(state, hidden, mask, positions, 0)
+        self._hops[index : index + 1] = fresh
+
+    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``hidden`` [batch, n, hidden] through every block; ``attention_mask`` covers all positions so far."""
+        if self.closed:
+            raise SessionLengthError("this inference session is closed")
+        batch, n = hidden.shape[:2]
+        if batch != self.batch_size:
+            raise SessionLengthError(f"session opened for batch {self.batch_size}, got batch {batch}")
+        if self.position + n > self.max_length:
+            raise SessionLengthError(
+                f"session of max_length {self.max_length} is at {self.position}; {n} more tokens do not fit"
+            )
+        if attention_mask is not None:
+            self._mask = attention_mask.to(torch.int64)
+        # replays need explicit positions even where the server could infer them
+        explicit_positions = position_ids if position_ids is not None else (
+            torch.arange(self.position, self.position + n).unsqueeze(0).expand(batch, -1))
+        if not self._hops:
+            self._hops = self.blocks.retrier.run(lambda: self._new_hops(0, self.blocks.view.num_blocks), "route")
+        h, index = hidden, 0
+        while index < len(self._hops):
+            def attempt():
+                if self._hops[index].broken:
+                    self._replace(index)
+                state = self._hops[index]
+                try:
+                    return state, self._exchange(state, h, self._mask, position_ids, self.position)
+                except Exception:
+                    state.broken = True
+                    if state.stream is not None:
+                        state.stream.close()
+                    raise
+
+            state, out = self.blocks.retrier.run(attempt, "inference step")
+            state.inputs.append(h)
+            state.positions.append(explicit_positions)
+            h, index = out, index + 1
+        self.position += n
+        self.blocks.last_route = self.route
+        return h
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for state in self._hops:
+                if state.stream is not None:
+                    state.stream.close()
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

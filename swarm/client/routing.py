@@ -1,0 +1,118 @@
+"""Pure routing: from a swarm view to a chain of servers covering blocks ``start:end``.
+
+Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs the network
+latency to s plus (b - a) blocks at s's measured speed. Servers may overlap and be entered mid-span.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from swarm.errors import MissingBlocksError
+from swarm.records import PeerState, ServerRecord
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer_id: str
+    start: int
+    end: int
+    maddrs: tuple[str, ...] = ()
+    dtype: str = "float32"
+
+
+def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
+    """One record per peer (a record appears under every block of its span)."""
+    out: dict[str, ServerRecord] = {}
+    for records in view.values():
+        for r in records:
+            out.setdefault(r.peer_id, r)
+    return out
+
+
+def pick_fingerprint(view: Mapping[int, list[ServerRecord]], num_blocks: int) -> str | None:
+    """The weights to chain: the fingerprint covering the most blocks, then with the most throughput."""
+    best, best_score = None, -1.0
+    by_fp: dict[str, list[ServerRecord]] = {}
+    for r in servers(view).values():
+        if r.state == PeerState.ONLINE:
+            by_fp.setdefault(r.fingerprint, []).append(r)
+    for fp, recs in by_fp.items():
+        covered = set()
+        for r in recs:
+            covered.update(range(r.start, r.end))
+        score = len(covered) * 1e9 + sum(r.forward_tps for r in recs)
+        if score > best_score:
+            best, best_score = fp, score
+    return best
+
+
+def eligible(
+    view: Mapping[int, list[ServerRecord]],
+    *,
+    fingerprint: str | None,
+    banned: frozenset[str] = frozenset(),
+    min_cache_tokens: int = 0,
+) -> list[ServerRecord]:
+    return [
+        r
+        for r in servers(view).values()
+        if r.state == PeerState.ONLINE
+        and (fingerprint is None or r.fingerprint == fingerprint)
+        and r.peer_id not in banned
+        and r.cache_tokens_free >= min_cache_tokens
+    ]
+
+
+def choose_route(
+    records: list[ServerRecord],
+    start: int,
+    end: int,
+    *,
+    mode: str = "inference",
+    latency: Mapping[str, float] | None = None,
+    default_latency: float = 0.003,
+    model_id: str = "",
+) -> list[Hop]:
+    """Cheapest chain covering ``start:end``; ``mode`` picks which measured speed prices a block."""
+    latency = latency or {}
+    points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
+    index = {p: i for i, p in enumerate(points)}
+
+    def block_cost(r: ServerRecord) -> float:
+        speed = r.inference_sps if mode == "inference" else r.forward_tps
+        return 1.0 / max(speed * (r.end - r.start), 1e-9)
+
+    dist = {start: 0.0}
+    prev: dict[int, tuple[int, ServerRecord]] = {}
+    heap = [(0.0, start, "")]
+    while heap:
+        d, a, _ = heapq.heappop(heap)
+        if a == end:
+            break
+        if d > dist.get(a, float("inf")):
+            continue
+        for r in records:
+            if not (r.start <= a < r.end):
+                continue
+            hop_cost = latency.get(r.peer_id, default_latency)
+            per_block = block_cost(r)
+            for b in points[index[a] + 1 :]:
+                if b > r.end:
+                    break
+                nd = d + hop_cost + (b - a) * per_block
+                if nd < dist.get(b, float("inf")) - 1e-15:
+                    dist[b] = nd
+                    prev[b] = (a, r)
+                    heapq.heappush(heap, (nd, b, r.peer_id))
+    if end not in dist:
+        covered = {b for r in records for b in range(r.start, r.end)}
+        raise MissingBlocksError([b for b in range(start, end) if b not in covered], model_id)
+    route, b = [], end
+    while b != start:
+        a, r = prev[b]
+        route.append(Hop(r.peer_id, a, b, r.maddrs, r.dtype))
+        b = a
+    return route[::-1]

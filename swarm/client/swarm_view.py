@@ -1,0 +1,68 @@
+"""The client's view of the swarm: DHT records read at most every ``view_refresh`` seconds, peers it banned after
+failures, and routes over what remains."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+from swarm.client.routing import Hop, choose_route, eligible, pick_fingerprint
+from swarm.config import Timing
+from swarm.dht import read_view
+from swarm.errors import MissingBlocksError
+from swarm.records import ServerRecord
+
+log = logging.getLogger(__name__)
+
+
+class SwarmView:
+    def __init__(self, dht, model_id: str, num_blocks: int, timing: Timing, fingerprint: str | None = None,
+                 hop_latency: float = 0.003) -> None:
+        self.dht = dht
+        self.model_id = model_id
+        self.num_blocks = num_blocks
+        self.timing = timing
+        self.fingerprint = fingerprint
+        self.hop_latency = hop_latency
+        self._lock = threading.Lock()
+        self._view: Mapping[int, list[ServerRecord]] = {}
+        self._read_at = -float("inf")
+        self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
+
+    def snapshot(self, force: bool = False) -> Mapping[int, list[ServerRecord]]:
+        with self._lock:
+            if force or time.monotonic() - self._read_at > self.timing.view_refresh:
+                self._view = read_view(self.dht, self.model_id, self.num_blocks)
+                self._read_at = time.monotonic()
+            return self._view
+
+    def current_fingerprint(self, view: Mapping[int, list[ServerRecord]]) -> str | None:
+        """The user's choice, else whatever weights the swarm serves most completely right now."""
+        return self.fingerprint or pick_fingerprint(view, self.num_blocks)
+
+    def ban(self, peer_id: str, seconds: float) -> None:
+        log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
+        self._banned[peer_id] = time.monotonic() + seconds
+
+    def banned(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(p for p, until in self._banned.items() if until > now)
+
+    def route(self, start: int, end: int, *, mode: str = "inference", min_cache_tokens: int = 0) -> list[Hop]:
+        """A route over live, unbanned peers; waits up to ``missing_blocks_wait`` for missing blocks to appear."""
+        deadline = time.monotonic() + self.timing.missing_blocks_wait
+        force = False
+        while True:
+            view = self.snapshot(force=force)
+            records = eligible(view, fingerprint=self.current_fingerprint(view), banned=self.banned(),
+                               min_cache_tokens=min_cache_tokens)
+            try:
+                return choose_route(records, start, end, mode=mode, default_latency=self.hop_latency,
+                                    model_id=self.model_id)
+            except MissingBlocksError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(min(self.timing.view_refresh, max(deadline - time.monotonic(), 0.0)))
+            force = True

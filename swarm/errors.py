@@ -1,0 +1,86 @@
+"""Errors a user of the swarm can meet. Servers send them back by ``code``; the client re-raises the same class."""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    code = "swarm_error"
+    retriable = False  # True: another peer may succeed where this one failed
+
+
+class BadInputError(SwarmError, ValueError):
+    """The request itself is wrong (shape, dtype, span, metadata): no other peer would accept it either."""
+
+    code = "bad_input"
+
+
+class VersionMismatchError(SwarmError):
+    code = "version_mismatch"
+    retriable = True
+
+
+class MissingBlocksError(SwarmError):
+    """No live peer serves some blocks."""
+
+    code = "missing_blocks"
+
+    def __init__(self, blocks: list[int], model_id: str = "") -> None:
+        self.blocks = blocks
+        super().__init__(f"no live peer serves block(s) {_ranges(blocks)} of model {model_id!r}")
+
+
+class CacheFullError(SwarmError):
+    """The server has no KV-cache room for this session."""
+
+    code = "cache_full"
+    retriable = True
+
+
+class SessionLengthError(BadInputError):
+    """A session went past the max_length it was opened with."""
+
+    code = "session_length"
+
+
+class PeerUnavailableError(SwarmError):
+    """A peer did not answer, dropped the connection or failed internally."""
+
+    code = "peer_unavailable"
+    retriable = True
+
+
+class ActivationsGoneError(SwarmError):
+    """The server no longer holds the forward pass a backward refers to: resend the inputs."""
+
+    code = "activations_gone"
+    retriable = True
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        SwarmError,
+        BadInputError,
+        VersionMismatchError,
+        CacheFullError,
+        SessionLengthError,
+        PeerUnavailableError,
+        ActivationsGoneError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SwarmError:
+    return _BY_CODE.get(code, SwarmError)(message)
+
+
+def _ranges(blocks: list[int]) -> str:
+    out, run = [], []
+    for b in sorted(blocks):
+        if run and b != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(b)
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)

