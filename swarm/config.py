@@ -100,7 +100,9 @@ def load_model_card(name_or_path: str) -> ModelCard:
     card = resources.files("swarm_configs") / "models" / f"{name_or_path}.toml"
     if not card.is_file():
         known = ", ".join(builtin_model_names())
-        raise BadInputError(f"unknown model {name_or_path!r}: not a folder, and not one of the built-in cards ({known})")
+        raise BadInputError(
+            f"unknown model {name_or_path!r}: not a folder, and not one of the built-in cards ({known})"
+        )
     return _card_from_toml(tomllib.loads(card.read_text()))
 
 

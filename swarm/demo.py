@@ -42,8 +42,10 @@ class _TimedStreamer:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m swarm.demo", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence, then name two "
-                                       "famous places to visit there.")
+    p.add_argument(
+        "--prompt",
+        default="What is the capital of France? Answer in one sentence, then name two famous places to visit there.",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--peers", type=int, default=3)
     args = p.parse_args(argv)
@@ -65,17 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model)
         with DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers) as model:
             chat = [{"role": "user", "content": args.prompt}]
-            inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)
+            inputs = tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
             print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
             streamer = _TimedStreamer(tokenizer)
             start = time.perf_counter()
             model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
             gaps = [b - a for a, b in zip([start, *streamer.times], streamer.times, strict=False)]
             decode = gaps[1:] or gaps
-            print(f"\n{len(gaps)} tokens; first token (prefill of {inputs['input_ids'].shape[1]} tokens) "
-                  f"{gaps[0] * 1000:.0f} ms; per token after that: median {statistics.median(decode) * 1000:.1f} ms, "
-                  f"max {max(decode) * 1000:.1f} ms ({1 / statistics.mean(decode):.1f} tokens/s)")
+            print(
+                f"\n{len(gaps)} tokens; first token (prefill of {inputs['input_ids'].shape[1]} tokens) "
+                f"{gaps[0] * 1000:.0f} ms; per token after that: median {statistics.median(decode) * 1000:.1f} ms, "
+                f"max {max(decode) * 1000:.1f} ms ({1 / statistics.mean(decode):.1f} tokens/s)"
+            )
             print("route:")
             for hop in model.route:
                 print(f"  blocks {hop.start}:{hop.end} -> peer {hop.peer_id}")

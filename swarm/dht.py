@@ -18,6 +18,7 @@ from pathlib import Path
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -85,7 +86,7 @@ def load_identity(path: Path | None) -> tuple[str | None, RSAPrivateKey]:
     path = Path(path).expanduser()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        hivemind.P2P.generate_identity(str(path))
+        P2P.generate_identity(str(path))
     proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})
@@ -144,8 +145,9 @@ def announce(dht: hivemind.DHT, validator: RSASignatureValidator, record: Server
     """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
     keys = [block_key(record.model_id, b) for b in range(record.start, record.end)]
     values = [record.to_wire()] * len(keys)
-    result = dht.run_coroutine(partial(_store_records, keys=keys, values=values, expiration=expiration,
-                                       subkey=validator.local_public_key))
+    result = dht.run_coroutine(
+        partial(_store_records, keys=keys, values=values, expiration=expiration, subkey=validator.local_public_key)
+    )
     return all(result.values())
 
 

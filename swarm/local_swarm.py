@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ class PeerProcess:
     proc: subprocess.Popen
     span: str | None
     args: tuple[str, ...]
-    log_path: Path | None
+    log_path: Path
     maddr: str | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
 
@@ -38,20 +39,28 @@ class PeerProcess:
 
     def wait_ready(self, timeout: float) -> str:
         if not self._ready.wait(timeout) or self.maddr is None:
-            tail = self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
+            tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
             raise RuntimeError(f"peer {self.span} did not start (exit code {self.proc.poll()}):\n{tail}")
         return self.maddr
 
 
 class LocalSwarm:
-    def __init__(self, model: str, spans: list[str | None], *, extra_args: tuple[str, ...] = (),
-                 test_timings: bool = False, log_dir: Path | None = None, startup_timeout: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        spans: list[str | None],
+        *,
+        extra_args: tuple[str, ...] = (),
+        test_timings: bool = False,
+        log_dir: Path | None = None,
+        startup_timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.model = model
         self.spans = spans
         self.extra_args = extra_args
         self.test_timings = test_timings
-        self.log_dir = log_dir
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swarm-peers-"))
         self.startup_timeout = startup_timeout
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -67,12 +76,10 @@ class LocalSwarm:
             cmd += ["--blocks", span]
         if self.test_timings:
             cmd.append("--test-timings")
-        log_path = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"peer-{len(self.peers)}-{(span or 'auto').replace(':', '_')}.log"
-        stderr = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - lives with the process
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"peer-{len(self.peers)}-{(span or 'auto').replace(':', '_')}.log"
+        with open(log_path, "w") as stderr:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env)
         peer = PeerProcess(proc, span, tuple(args), log_path)
         threading.Thread(target=peer._watch_stdout, daemon=True).start()
         self.peers.append(peer)

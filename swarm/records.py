@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 
 
-class PeerState(str, Enum):
+class PeerState(StrEnum):
     JOINING = "joining"
     ONLINE = "online"
     STANDBY = "standby"

@@ -35,17 +35,23 @@ def render(model_id: str, view: Mapping[int, list[ServerRecord]], live: Mapping[
     num_blocks = max(r.num_blocks for r in recs)
     runs = coverage(view, num_blocks)
     missing = [f"{a}:{b}" for a, b, n in runs if n == 0]
-    lines = [f"model {model_id}: {num_blocks} blocks, {len(recs)} peers, "
-             + ("fully covered" if not missing else f"NOT covered: blocks {', '.join(missing)}")]
-    header = f"{'peer':<14} {'state':<8} {'blocks':<8} {'fwd tok/s':>10} {'inf step/s':>10} {'cache free':>11} " \
-             f"{'requests':>9}  {'dtype':<8} device"
+    lines = [
+        f"model {model_id}: {num_blocks} blocks, {len(recs)} peers, "
+        + ("fully covered" if not missing else f"NOT covered: blocks {', '.join(missing)}")
+    ]
+    header = (
+        f"{'peer':<14} {'state':<8} {'blocks':<8} {'fwd tok/s':>10} {'inf step/s':>10} {'cache free':>11} "
+        f"{'requests':>9}  {'dtype':<8} device"
+    )
     lines += ["", header, "-" * len(header)]
     for r in recs:
         stats = live.get(r.peer_id, {})
         served = sum(stats.get("stats", {}).values()) if stats else r.requests_served
         cache = f"{stats.get('cache_tokens_free', r.cache_tokens_free)}/{r.cache_tokens_total}"
-        lines.append(f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
-                     f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.device}")
+        lines.append(
+            f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
+            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.device}"
+        )
     lines += ["", "coverage: " + ", ".join(f"{a}:{b} x{n}" for a, b, n in runs)]
     return "\n".join(lines)
 

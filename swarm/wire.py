@@ -75,7 +75,7 @@ class Decoder:
             raise BadInputError("message holds more tensors than its metadata names")
         if len(self._done) < len(self._names):
             return None
-        message = self._meta, {name: _to_tensor(t) for name, t in zip(self._names, self._done)}
+        message = self._meta, {name: _to_tensor(t) for name, t in zip(self._names, self._done, strict=True)}
         self._reset()
         return message
 

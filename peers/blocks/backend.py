@@ -11,7 +11,9 @@ from swarm.ids import Span
 
 
 class SpanBackend:
-    def __init__(self, config, family: Family, layers: torch.nn.ModuleList, span: Span, device: str, dtype: torch.dtype):
+    def __init__(
+        self, config, family: Family, layers: torch.nn.ModuleList, span: Span, device: str, dtype: torch.dtype
+    ):
         self.config = config
         self.family = family
         self.layers = layers

@@ -38,7 +38,9 @@ class Family:
                 out[name.replace("block_sparse_moe.", "mlp.")] = tensor
         if experts:
             order = sorted(experts)
-            out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([experts[e]["w1"], experts[e]["w3"]]) for e in order])
+            out["mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([experts[e]["w1"], experts[e]["w3"]]) for e in order]
+            )
             out["mlp.experts.down_proj"] = torch.stack([experts[e]["w2"] for e in order])
         return out
 

@@ -24,7 +24,7 @@ def load_span(folder: Path, config, family: Family, span: Span, dtype: torch.dty
     for index in range(span.start, span.end):
         prefix = family.layer_prefix(index)
         names = [k for k in mapping if k.startswith(prefix)]
-        state = {k[len(prefix):]: v for k, v in read_tensors(folder, names).items()}
+        state = {k[len(prefix) :]: v for k, v in read_tensors(folder, names).items()}
         state = {k: v.to(dtype=dtype, device=device) for k, v in family.file_to_module(state).items()}
         with torch.device("meta"):
             layer = family.layer_cls(config, layer_idx=index)

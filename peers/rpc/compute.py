@@ -89,7 +89,9 @@ class ComputeService:
         mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
         if req.keep_for_backward and not req.forward_id:
             raise BadInputError("keep_for_backward needs a forward_id")
-        out = await self._run(self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None)
+        out = await self._run(
+            self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None
+        )
         self.stats["forward"] += 1
         return {"hidden": out}
 

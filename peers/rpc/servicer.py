@@ -32,9 +32,13 @@ def _error_reply(e: BaseException, **fields) -> list[wire.Frame]:
         log.info("refused request: %s", e, extra=fields)
         return wire.encode(Reply(ok=False, error_code=e.code, error=str(e)).model_dump())
     if isinstance(e, ValueError):  # pydantic validation of metadata
-        return wire.encode(Reply(ok=False, error_code=BadInputError.code, error=f"malformed metadata: {e}").model_dump())
+        return wire.encode(
+            Reply(ok=False, error_code=BadInputError.code, error=f"malformed metadata: {e}").model_dump()
+        )
     log.exception("request failed", extra=fields)
-    return wire.encode(Reply(ok=False, error_code="swarm_error", error=f"server error: {type(e).__name__}: {e}").model_dump())
+    return wire.encode(
+        Reply(ok=False, error_code="swarm_error", error=f"server error: {type(e).__name__}: {e}").model_dump()
+    )
 
 
 def _check_version(meta: dict) -> None:
@@ -55,7 +59,9 @@ class Servicer:
         await p2p.add_protobuf_handler(
             RPC_FORWARD_STREAM, self.rpc_forward_stream, wire.Frame, stream_input=True, stream_output=True
         )
-        await p2p.add_protobuf_handler(RPC_INFERENCE, self.rpc_inference, wire.Frame, stream_input=True, stream_output=True)
+        await p2p.add_protobuf_handler(
+            RPC_INFERENCE, self.rpc_inference, wire.Frame, stream_input=True, stream_output=True
+        )
         await p2p.add_protobuf_handler(RPC_INFO, self.rpc_info, wire.Frame)
 
     async def _delay(self) -> None:

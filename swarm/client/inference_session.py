@@ -15,7 +15,7 @@ import torch
 from swarm.client.remote import InferenceStream
 from swarm.client.routing import Hop
 from swarm.client.sequential import RemoteBlocks
-from swarm.errors import SessionLengthError
+from swarm.errors import CacheFullError, MissingBlocksError, SessionLengthError
 from swarm.protocol import PROTOCOL_VERSION, OpenSession
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class InferenceSession:
         self._hops: list[_HopState] = []
         self._mask: torch.Tensor | None = None  # full attention mask so far, when padding is involved
         self.tokens: torch.Tensor | None = None  # token ids so far: kept by the model wrapper, never sent
+        self.conversation: torch.Tensor | None = None  # the last generate's whole output
         self.closed = False
 
     @property
@@ -52,7 +53,17 @@ class InferenceSession:
         return self.blocks.retrier.failovers
 
     def _new_hops(self, start: int, end: int) -> list[_HopState]:
-        route = self.blocks.view.route(start, end, mode="inference", min_cache_tokens=self.batch_size * self.max_length)
+        need = self.batch_size * self.max_length
+        try:
+            route = self.blocks.view.route(start, end, mode="inference", min_cache_tokens=need)
+        except MissingBlocksError:
+            self.blocks.view.route(start, end, mode="inference")  # raises if the blocks themselves are missing
+            error = CacheFullError(
+                f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
+                f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"
+            )
+            error.retriable = False
+            raise error from None
         return [_HopState(hop) for hop in route]
 
     def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
@@ -60,8 +71,13 @@ class InferenceSession:
         meta: dict = {"step": {"position": position}}
         if not state.opened:
             state.stream = loop.run(self.blocks.remote.open_stream(hop), timing.open_timeout)
-            opening = OpenSession(session_id=self.session_id, start=hop.start, end=hop.end,
-                                  max_length=self.max_length, batch_size=self.batch_size)
+            opening = OpenSession(
+                session_id=self.session_id,
+                start=hop.start,
+                end=hop.end,
+                max_length=self.max_length,
+                batch_size=self.batch_size,
+            )
             meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
             state.opened = True
         tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
@@ -78,8 +94,10 @@ class InferenceSession:
         if old.stream is not None:
             old.stream.close()
         fresh = self._new_hops(old.hop.start, old.hop.end)
-        log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
-                                             "session": self.session_id})
+        log.info(
+            "replacing a hop",
+            extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
+        )
         if old.inputs:
             hidden = torch.cat(old.inputs, dim=1)
             positions = torch.cat(old.positions, dim=1)
@@ -89,8 +107,9 @@ class InferenceSession:
                 hidden = self._exchange(state, hidden, mask, positions, 0)
         self._hops[index : index + 1] = fresh
 
-    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Run ``hidden`` [batch, n, hidden] through every block; ``attention_mask`` covers all positions so far."""
         if self.closed:
             raise SessionLengthError("this inference session is closed")
@@ -104,13 +123,17 @@ class InferenceSession:
         if attention_mask is not None:
             self._mask = attention_mask.to(torch.int64)
         # replays need explicit positions even where the server could infer them
-        explicit_positions = position_ids if position_ids is not None else (
-            torch.arange(self.position, self.position + n).unsqueeze(0).expand(batch, -1))
+        explicit_positions = (
+            position_ids
+            if position_ids is not None
+            else (torch.arange(self.position, self.position + n).unsqueeze(0).expand(batch, -1))
+        )
         if not self._hops:
             self._hops = self.blocks.retrier.run(lambda: self._new_hops(0, self.blocks.view.num_blocks), "route")
         h, index = hidden, 0
         while index < len(self._hops):
-            def attempt():
+
+            def attempt(index=index, h=h):
                 if self._hops[index].broken:
                     self._replace(index)
                 state = self._hops[index]

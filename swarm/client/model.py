@@ -71,15 +71,24 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ---- loading ------------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, initial_peers=(), dtype: torch.dtype = torch.float32,
-                        timing: Timing | None = None, cache_dir: Path | None = None, fingerprint: str | None = None,
-                        **unused) -> DistributedModelForCausalLM:
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        initial_peers=(),
+        dtype: torch.dtype = torch.float32,
+        timing: Timing | None = None,
+        cache_dir: Path | None = None,
+        fingerprint: str | None = None,
+        **unused,
+    ) -> DistributedModelForCausalLM:
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         if not initial_peers:
             raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
-        cfg = ClientConfig(initial_peers=tuple(initial_peers), timing=timing or Timing(),
-                           cache_dir=cache_dir or default_cache_dir())
+        cfg = ClientConfig(
+            initial_peers=tuple(initial_peers), timing=timing or Timing(), cache_dir=cache_dir or default_cache_dir()
+        )
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -155,7 +164,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise BadInputError("generate needs input_ids")
         if self._session is not None:
             ids, kwargs = self._with_history(ids, kwargs)
-            return super().generate(ids, *args, **kwargs)
+            out = super().generate(ids, *args, **kwargs)
+            self._session.conversation = out if isinstance(out, torch.Tensor) else out.sequences
+            return out
         gen = kwargs.get("generation_config") or self.generation_config
         max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
         max_length = ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or gen.max_length)
@@ -167,24 +178,37 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Inside a session, ``generate`` takes the whole conversation or only its continuation; either way it
         returns the whole conversation, and only unseen tokens go to the servers."""
         session = self._session
-        seen = session.position
-        if not seen or session.tokens is None:
+        # the last generate's output ends with a token the servers have not seen yet
+        history = session.conversation if session.conversation is not None else session.tokens
+        if history is None:
             return ids, kwargs
-        if ids.shape[1] > seen and torch.equal(ids[:, :seen], session.tokens):
+        seen = history.shape[1]
+        if ids.shape[1] > seen and torch.equal(ids[:, :seen], history):
             return ids, kwargs
         mask = kwargs.get("attention_mask")
         if mask is not None:
-            prev = session._mask[:, :seen] if session._mask is not None else torch.ones_like(session.tokens)
+            prev = torch.ones_like(history)
+            if session._mask is not None:
+                prev[:, : session._mask.shape[1]] = session._mask[:, :seen]
             kwargs = dict(kwargs, attention_mask=torch.cat([prev, mask.to(prev.dtype)], dim=1))
-        return torch.cat([session.tokens, ids], dim=1), kwargs
+        return torch.cat([history, ids], dim=1), kwargs
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
         # Whole sequences each step: ``forward`` sends the session only the tokens its servers have not seen.
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                use_cache=None, return_dict=True, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        return_dict=True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise BadInputError("give exactly one of input_ids or inputs_embeds")
         if self._session is not None:

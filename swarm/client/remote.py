@@ -55,15 +55,19 @@ class Remote:
         try:
             peer = await self._peer(hop)
             if len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
-                reply = await asyncio.wait_for(self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame), timeout)
+                reply = await asyncio.wait_for(
+                    self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame), timeout
+                )
                 meta_out, out = wire.decode([reply])
             else:
                 meta_out, out = await asyncio.wait_for(self._stream_call(peer, frames), timeout)
         except SwarmError as e:
-            raise _tag(e, hop.peer_id)
+            raise _tag(e, hop.peer_id) from None
         except Exception as e:
             self._dialled.discard(hop.peer_id)
-            raise _tag(PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id) from None
+            raise _tag(
+                PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id
+            ) from None
         _check(meta_out, hop.peer_id)
         return out
 
@@ -80,7 +84,9 @@ class Remote:
             frame = wire.encode({"protocol_version": PROTOCOL_VERSION})[0]
             reply = await asyncio.wait_for(self.p2p.call_protobuf_handler(peer, RPC_INFO, frame, wire.Frame), timeout)
         except Exception as e:
-            raise _tag(PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id) from None
+            raise _tag(
+                PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id
+            ) from None
         meta, _ = wire.decode([reply])
         _check(meta, hop.peer_id)
         return meta["stats"]
@@ -115,7 +121,9 @@ class InferenceStream:
         except SwarmError:
             raise
         except Exception as e:
-            raise _tag(PeerUnavailableError(f"peer {self.hop.peer_id}: cannot open a session: {e}"), self.hop.peer_id) from None
+            raise _tag(
+                PeerUnavailableError(f"peer {self.hop.peer_id}: cannot open a session: {e}"), self.hop.peer_id
+            ) from None
 
     async def exchange(self, meta: dict, tensors: dict, timeout: float) -> dict:
         for frame in wire.encode(meta, tensors):
@@ -124,7 +132,9 @@ class InferenceStream:
             message = await asyncio.wait_for(wire.read_message(self._responses, self._decoder), timeout)
         except Exception as e:
             self.closed = True
-            raise _tag(PeerUnavailableError(f"peer {self.hop.peer_id} failed: {type(e).__name__}: {e}"), self.hop.peer_id) from None
+            raise _tag(
+                PeerUnavailableError(f"peer {self.hop.peer_id} failed: {type(e).__name__}: {e}"), self.hop.peer_id
+            ) from None
         if message is None:
             self.closed = True
             raise _tag(PeerUnavailableError(f"peer {self.hop.peer_id} closed the session"), self.hop.peer_id)

@@ -20,8 +20,13 @@ T = TypeVar("T")
 
 
 class Retrier:
-    def __init__(self, view: SwarmView, timing: Timing, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        view: SwarmView,
+        timing: Timing,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.view = view
         self.timing = timing
         self.clock = clock

@@ -60,14 +60,16 @@ class RemoteBlocks:
             aux["position_ids"] = position_ids.to(torch.int64)
         return aux
 
-    def forward(self, hidden, attention_mask=None, position_ids=None, *, keep: bool, start: int = 0,
-                end: int | None = None) -> tuple[torch.Tensor, list[Trace]]:
+    def forward(
+        self, hidden, attention_mask=None, position_ids=None, *, keep: bool, start: int = 0, end: int | None = None
+    ) -> tuple[torch.Tensor, list[Trace]]:
         end = self.view.num_blocks if end is None else end
         aux = self._aux(attention_mask, position_ids)
         traces: list[Trace] = []
         position, h = start, hidden.detach()
         while position < end:
-            def attempt():
+
+            def attempt(position=position, h=h):
                 hop = self.view.route(position, end, mode="forward")[0]
                 forward_id = uuid.uuid4().hex if keep else None
                 meta = {"kind": "forward", "keep_for_backward": keep, "forward_id": forward_id}

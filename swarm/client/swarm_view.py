@@ -18,8 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class SwarmView:
-    def __init__(self, dht, model_id: str, num_blocks: int, timing: Timing, fingerprint: str | None = None,
-                 hop_latency: float = 0.003) -> None:
+    def __init__(
+        self,
+        dht,
+        model_id: str,
+        num_blocks: int,
+        timing: Timing,
+        fingerprint: str | None = None,
+        hop_latency: float = 0.003,
+    ) -> None:
         self.dht = dht
         self.model_id = model_id
         self.num_blocks = num_blocks
@@ -56,11 +63,16 @@ class SwarmView:
         force = False
         while True:
             view = self.snapshot(force=force)
-            records = eligible(view, fingerprint=self.current_fingerprint(view), banned=self.banned(),
-                               min_cache_tokens=min_cache_tokens)
+            records = eligible(
+                view,
+                fingerprint=self.current_fingerprint(view),
+                banned=self.banned(),
+                min_cache_tokens=min_cache_tokens,
+            )
             try:
-                return choose_route(records, start, end, mode=mode, default_latency=self.hop_latency,
-                                    model_id=self.model_id)
+                return choose_route(
+                    records, start, end, mode=mode, default_latency=self.hop_latency, model_id=self.model_id
+                )
             except MissingBlocksError:
                 if time.monotonic() >= deadline:
                     raise

@@ -1,0 +1,118 @@
+"""Bad requests get a clear error; the server stays up and an open session of another caller is unharmed."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from swarm import wire
+from swarm.client.routing import Hop
+from swarm.errors import BadInputError, CacheFullError, SessionLengthError, VersionMismatchError
+from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD
+from tests.conftest import local_reference
+from tests.integration.harness import connect, running_swarm
+
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_models):
+    folder = str(tiny_models["llama"])
+    with running_swarm(folder, ["0:4"], "--cache-tokens", "64", "--max-batch-tokens", "512") as swarm:
+        client = connect(folder, swarm)
+        try:
+            yield client, local_reference(tiny_models["llama"])
+        finally:
+            client.close()
+
+
+def _hop(client) -> Hop:
+    client(torch.tensor([[1, 2]]))
+    return client.route[0]
+
+
+def _call(client, hop: Hop, meta: dict, tensors: dict):
+    blocks = client.swarm.blocks
+    return blocks.loop.run(blocks.remote.compute(hop, meta, tensors, 10.0))
+
+
+def _forward_meta(hop: Hop, **over) -> dict:
+    return dict({"kind": "forward", "start": hop.start, "end": hop.end}, **over)
+
+
+def test_bad_requests_get_clear_errors_and_harm_no_session(guarded):
+    client, ref = guarded
+    hop = _hop(client)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    with client.inference_session(max_length=10) as session:
+        with torch.no_grad():
+            first = client(prompt).logits[:, -1]
+
+        with pytest.raises(BadInputError, match=rf"must be \[batch, seq, {HIDDEN}\]"):
+            _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 3, HIDDEN + 1)})
+        with pytest.raises(BadInputError, match="must be torch.float32"):
+            _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 3, HIDDEN, dtype=torch.float64)})
+        with pytest.raises(BadInputError, match="holds blocks 0:4, not 2:6"):
+            _call(client, hop, _forward_meta(hop, start=2, end=6), {"hidden": torch.zeros(1, 3, HIDDEN)})
+        with pytest.raises(BadInputError, match="exceeds 512"):
+            _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(2, 300, HIDDEN)})
+        with pytest.raises(BadInputError, match="attention_mask must be int64"):
+            _call(
+                client,
+                hop,
+                _forward_meta(hop),
+                {"hidden": torch.zeros(1, 3, HIDDEN), "attention_mask": torch.ones(1, 5, dtype=torch.int64)},
+            )
+        with pytest.raises(BadInputError, match="malformed metadata"):
+            _call(client, hop, _forward_meta(hop, kind="sideways"), {"hidden": torch.zeros(1, 3, HIDDEN)})
+
+        # raw frames: garbage metadata and another protocol version
+        p2p, peer = client.swarm.remote.p2p, client.swarm.remote._peer
+        loop = client.swarm.blocks.loop
+
+        async def raw(frame):
+            return wire.decode([await p2p.call_protobuf_handler(await peer(hop), RPC_FORWARD, frame, wire.Frame)])[0]
+
+        reply = loop.run(raw(wire.Frame(metadata=b"\xc1not msgpack")))
+        assert reply["ok"] is False and "malformed metadata" in reply["error"]
+        reply = loop.run(raw(wire.Frame(metadata=msgpack.packb({"_tensors": ["hidden"], "kind": "forward"}))))
+        assert reply["ok"] is False  # names a tensor it does not carry
+        with pytest.raises(VersionMismatchError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"):
+            _call_version(client, hop, PROTOCOL_VERSION + 1)
+
+        # the open session is unharmed
+        with torch.no_grad():
+            second = client(torch.tensor([[9]])).logits[:, -1]
+        assert session.position == 6
+    with torch.no_grad():
+        expected = ref(torch.cat([prompt, torch.tensor([[9]])], dim=1)).logits
+    assert (first - expected[:, 4]).abs().max() < 1e-4
+    assert (second - expected[:, 5]).abs().max() < 1e-4
+
+
+def _call_version(client, hop: Hop, version: int):
+    frames = wire.encode({"protocol_version": version, **_forward_meta(hop)}, {"hidden": torch.zeros(1, 2, HIDDEN)})
+    p2p, loop = client.swarm.remote.p2p, client.swarm.blocks.loop
+
+    async def go():
+        out = await p2p.call_protobuf_handler(await client.swarm.remote._peer(hop), RPC_FORWARD, frames[0], wire.Frame)
+        from swarm.client.remote import _check
+
+        _check(wire.decode([out])[0], hop.peer_id)
+
+    loop.run(go())
+
+
+def test_session_beyond_budget_or_length(guarded):
+    client, _ = guarded
+    with pytest.raises(CacheFullError, match="KV-cache room"):
+        with client.inference_session(max_length=100):
+            client(torch.tensor([[1, 2, 3]]))
+    with client.inference_session(max_length=4):
+        client(torch.tensor([[1, 2, 3]]))
+        with pytest.raises(SessionLengthError, match="max_length 4"):
+            client(torch.tensor([[1, 2]]))
+    # still serving
+    with torch.no_grad():
+        assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)

@@ -1,0 +1,116 @@
+"""Processes: nothing outlives a killed peer or client, SIGTERM leaves cleanly, identities are stable, and a peer
+with perturbed weights really changes the result (so the work is done remotely)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from swarm.dht import _own_children
+from swarm.local_swarm import LocalSwarm
+from tests.conftest import local_reference
+from tests.integration.harness import TEST_SERVER_ARGS, check_forward, connect, running_swarm
+
+
+def _descendants(pid: int) -> list[int]:
+    out, frontier = [], [pid]
+    while frontier:
+        kids = _own_children(frontier.pop())
+        out += kids
+        frontier += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_sigkill_of_a_server_leaves_nothing_behind(tiny_models):
+    with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
+        victim = swarm.peers[1]
+        family = _descendants(victim.pid)
+        assert len(family) >= 2  # the DHT child and its p2pd
+        swarm.kill(victim, signal.SIGKILL)
+        assert _wait_gone(family) == []
+
+
+def test_sigterm_leaves_cleanly_and_identity_is_stable(tiny_models, tmp_path):
+    identity = tmp_path / "peer.id"
+    swarm = LocalSwarm(
+        str(tiny_models["llama"]),
+        ["0:4"],
+        extra_args=(*TEST_SERVER_ARGS, "--identity", str(identity)),
+        test_timings=True,
+    )
+    with swarm:
+        first = swarm.peers[0].maddr
+        family = _descendants(swarm.peers[0].pid)
+        swarm.peers[0].proc.send_signal(signal.SIGTERM)
+        assert swarm.peers[0].proc.wait(30) == 0
+        assert _wait_gone(family) == []
+    assert identity.exists()
+    with LocalSwarm(
+        str(tiny_models["llama"]),
+        ["0:4"],
+        extra_args=(*TEST_SERVER_ARGS, "--identity", str(identity)),
+        test_timings=True,
+    ) as again:
+        assert again.peers[0].maddr.split("/p2p/")[1] == first.split("/p2p/")[1]
+
+
+def test_killed_client_script_leaves_nothing_behind(tiny_models):
+    folder = str(tiny_models["llama"])
+    with running_swarm(folder, ["0:4"]) as swarm:
+        script = textwrap.dedent(f"""
+            import sys, time, torch
+            from swarm import DistributedModelForCausalLM
+            from swarm.config import Timing
+            m = DistributedModelForCausalLM.from_pretrained({folder!r}, initial_peers={swarm.initial_peers!r},
+                                                            timing=Timing.for_tests())
+            m(torch.tensor([[1, 2, 3]]))
+            print("ready", flush=True)
+            time.sleep(600)
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            family = _descendants(proc.pid)
+            assert len(family) >= 2
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            assert _wait_gone(family) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
+
+def test_perturbed_server_breaks_equality(tiny_models):
+    folder = tiny_models["llama"]
+    ref = local_reference(folder)
+    with running_swarm(str(folder), ["0:4"], "--perturb-weights", "0.05") as swarm:
+        with connect(str(folder), swarm) as client:
+            with pytest.raises(AssertionError):
+                check_forward(client, ref, ref.config.vocab_size)
+            ids = torch.tensor([[1, 2, 3, 4]])
+            with torch.no_grad():
+                assert (client(ids).logits - ref(ids).logits).abs().max() > 1e-3

@@ -1,0 +1,149 @@
+"""The real SmolLM2-135M-Instruct split over three real servers, against the same weights run locally."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarm.client.model import LOCAL_PREFIXES
+from tests.conftest import local_reference
+from tests.integration.harness import (
+    check_backward,
+    check_forward,
+    check_greedy,
+    check_session_steps,
+    connect,
+    running_swarm,
+)
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_folder):
+    with running_swarm(MODEL, ["0:10", "10:20", "20:30"]) as swarm:
+        client = connect(MODEL, swarm)
+        try:
+            yield client, local_reference(smollm_folder), swarm
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from swarm import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def _served(client) -> dict[str, int]:
+    """Requests each server on the last route has served, from the servers' own stats."""
+    blocks = client.swarm.blocks
+    return {hop.peer_id: sum(blocks.loop.run(blocks.remote.info(hop, 5.0))["stats"].values()) for hop in client.route}
+
+
+def test_forward_matches_local(smollm):
+    client, ref, _ = smollm
+    check_forward(client, ref, ref.config.vocab_size)
+    assert [(h.start, h.end) for h in client.route] == [(0, 10), (10, 20), (20, 30)]
+
+
+def test_every_server_on_the_route_did_the_work(smollm):
+    client, ref, _ = smollm
+    client(torch.tensor([[1, 2, 3]]))
+    before = _served(client)
+    with torch.no_grad():
+        client(torch.tensor([[4, 5, 6, 7]]))
+    after = _served(client)
+    assert len(after) == 3
+    assert all(after[p] == before[p] + 1 for p in after)
+
+
+def test_client_never_reads_block_tensors(smollm):
+    client, _, _ = smollm
+    assert client.loaded_tensor_names
+    assert all(name.startswith(LOCAL_PREFIXES) for name in client.loaded_tensor_names)
+    assert not any(".layers." in name for name, _ in client.named_parameters())
+
+
+def test_greedy_generation_matches_local(smollm):
+    client, ref, _ = smollm
+    check_greedy(client, ref, ref.config.vocab_size)
+
+
+def test_session_prefill_and_steps_match_local(smollm):
+    client, ref, _ = smollm
+    check_session_steps(client, ref, ref.config.vocab_size)
+
+
+def test_backward_matches_local_and_reaches_client_parameters(smollm):
+    client, ref, _ = smollm
+    check_backward(client, ref, ref.config.vocab_size)
+    client.zero_grad()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    client(ids, labels=ids).loss.backward()
+    assert client.model.embed_tokens.weight.grad is not None
+    assert client.model.embed_tokens.weight.grad.abs().sum() > 0
+    client.zero_grad()
+
+
+def test_chat_answer_and_padded_batch(smollm, tokenizer):
+    client, ref, _ = smollm
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    x = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = client.generate(**x, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, x["input_ids"].shape[1] :])
+
+    tokenizer.padding_side = "left"
+    batch = tokenizer(
+        ["Hello, my name is", "The three primary colors are red, yellow and"], return_tensors="pt", padding=True
+    )
+    assert not bool(batch["attention_mask"].all())
+    ours = client.generate(**batch, max_new_tokens=10, do_sample=False)
+    theirs = ref.generate(**batch, max_new_tokens=10, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_sampling_and_streamer(smollm, tokenizer):
+    from transformers import TextIteratorStreamer
+
+    client, ref, _ = smollm
+    ids = tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
+    torch.manual_seed(7)
+    ours = client.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(7)
+    theirs = ref.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, temperature=0.9)
+    assert torch.equal(ours, theirs)
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    out = client.generate(ids, max_new_tokens=6, do_sample=False, streamer=streamer)
+    assert "".join(streamer) == tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def test_session_continues_a_conversation(smollm, tokenizer):
+    client, ref, _ = smollm
+    first = tokenizer("The sun is", return_tensors="pt")["input_ids"]
+    second = tokenizer(" Also, the moon", return_tensors="pt")["input_ids"]
+    with client.inference_session(max_length=64) as session:
+        a = client.generate(first, max_new_tokens=5, do_sample=False)
+        b = client.generate(second, max_new_tokens=5, do_sample=False)  # only the continuation
+        assert session.position == a.shape[1] + second.shape[1] + 4
+    expected = ref.generate(torch.cat([a, second], dim=1), max_new_tokens=5, do_sample=False)
+    assert torch.equal(b, expected)
+
+
+def test_status_shows_coverage_and_work(smollm):
+    _, _, swarm = smollm
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[1]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "30 blocks, 3 peers, fully covered" in out.stdout
+    for span in ("0:10", "10:20", "20:30"):
+        assert span in out.stdout

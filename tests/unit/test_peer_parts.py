@@ -1,0 +1,60 @@
+"""Server-side pure parts: KV-cache budget, kept activations, selective loading, family key conversion."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from peers.activations import ActivationStore
+from peers.blocks.families import family_for
+from peers.blocks.loader import load_span
+from peers.kv_cache import CacheBudget
+from swarm import model_files
+from swarm.errors import CacheFullError
+from swarm.ids import Span
+from tests.conftest import make_tiny_model
+
+
+async def test_cache_budget_waits_then_refuses():
+    budget = CacheBudget(100)
+    await budget.reserve(60, timeout=0.1)
+    with pytest.raises(CacheFullError, match="no KV-cache room"):
+        await budget.reserve(50, timeout=0.05)
+    with pytest.raises(CacheFullError, match="whole budget"):
+        await budget.reserve(101, timeout=0.05)
+    waiter = asyncio.create_task(budget.reserve(50, timeout=2.0))
+    await asyncio.sleep(0.05)
+    await budget.release(60)
+    assert await waiter == 50 and budget.free == 50
+
+
+def test_activation_store_expires_and_bounds():
+    now = [0.0]
+    store = ActivationStore(max_entries=2, ttl=10.0, clock=lambda: now[0])
+    t = torch.zeros(1)
+    store.put("a", t, t, Span(0, 1))
+    store.put("b", t, t, Span(0, 1))
+    store.put("c", t, t, Span(0, 1))
+    assert store.pop("a") is None and len(store) == 2
+    now[0] = 11.0
+    assert store.pop("b") is None and store.pop("c") is None
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("mixtral", {"num_local_experts": 3})])
+def test_load_span_reads_only_its_blocks(tmp_path, monkeypatch, model_type, extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path / "m", model_type, **extra)
+    config = AutoConfig.from_pretrained(folder)
+    read = []
+    original = model_files.read_tensors
+    monkeypatch.setattr("peers.blocks.loader.read_tensors", lambda f, names: read.extend(names) or original(f, names))
+    layers = load_span(folder, config, family_for(config), Span(1, 3), torch.float32, "cpu")
+    assert read and all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in read)
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for ours, theirs in zip(layers, full.model.layers[1:3], strict=True):
+        theirs_state = theirs.state_dict()
+        for name, tensor in ours.state_dict().items():
+            assert torch.equal(tensor, theirs_state[name]), name

@@ -1,0 +1,73 @@
+"""Routing over a swarm view: coverage, overlaps, mid-span entry, speed, bans, fingerprints, missing blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.client.routing import choose_route, eligible, pick_fingerprint
+from swarm.errors import MissingBlocksError
+from swarm.records import PeerState
+from tests.unit.test_basics import record
+
+
+def view_of(*records, num_blocks=8):
+    view = {b: [] for b in range(num_blocks)}
+    for r in records:
+        for b in range(r.start, r.end):
+            view[b].append(r)
+    return view
+
+
+def spans(route):
+    return [(h.peer_id, h.start, h.end) for h in route]
+
+
+def test_chain_covers_all_blocks_and_prefers_fewer_hops():
+    recs = [
+        record(peer_id="a", start=0, end=4),
+        record(peer_id="b", start=4, end=8),
+        record(peer_id="c", start=0, end=8),
+    ]
+    assert spans(choose_route(recs, 0, 8)) == [("c", 0, 8)]
+    assert spans(choose_route(recs[:2], 0, 8)) == [("a", 0, 4), ("b", 4, 8)]
+
+
+def test_enters_a_server_mid_span_and_respects_speed():
+    fast = record(peer_id="fast", start=2, end=8, inference_sps=1000.0)
+    slow = record(peer_id="slow", start=0, end=5, inference_sps=1.0)
+    route = choose_route([fast, slow], 0, 8)
+    assert spans(route) == [("slow", 0, 2), ("fast", 2, 8)]
+    assert spans(choose_route([fast, slow], 3, 8)) == [("fast", 3, 8)]
+
+
+def test_latency_shifts_the_choice():
+    a = record(peer_id="a", start=0, end=8)
+    b = record(peer_id="b", start=0, end=8)
+    assert spans(choose_route([a, b], 0, 8, latency={"a": 0.5, "b": 0.001}))[0][0] == "b"
+
+
+def test_missing_blocks_are_named():
+    with pytest.raises(MissingBlocksError) as info:
+        choose_route([record(start=0, end=3), record(peer_id="b", start=5, end=8)], 0, 8, model_id="m")
+    assert info.value.blocks == [3, 4]
+
+
+def test_eligibility_bans_states_cache_and_fingerprints():
+    recs = [
+        record(peer_id="a"),
+        record(peer_id="b", state=PeerState.LEAVING),
+        record(peer_id="c", fingerprint="x"),
+        record(peer_id="d", cache_tokens_free=5),
+        record(peer_id="e"),
+    ]
+    view = view_of(*recs)
+    names = {r.peer_id for r in eligible(view, fingerprint="fp", banned=frozenset({"e"}), min_cache_tokens=10)}
+    assert names == {"a"}
+
+
+def test_pick_fingerprint_prefers_full_coverage():
+    view = view_of(
+        record(peer_id="a", end=8, fingerprint="good", forward_tps=1),
+        record(peer_id="b", end=4, fingerprint="partial", forward_tps=1e6),
+    )
+    assert pick_fingerprint(view, 8) == "good"
