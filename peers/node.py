@@ -14,6 +14,7 @@ from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.hardware import cached_throughput, probe_hardware
 from peers.rpc.compute import ComputeService
+from peers.rpc.direct_server import DirectServer
 from peers.rpc.servicer import Servicer
 from swarm import __version__
 from swarm.config import PeerConfig, load_model_card
@@ -33,6 +34,17 @@ def _perturb(layers: torch.nn.Module, scale: float) -> None:
     with torch.no_grad():
         for p in layers.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+
+
+def _direct_address(cfg: PeerConfig, port: int) -> str | None:
+    """Where others should dial the TCP data plane: the listen host, or the announced IP behind a wildcard."""
+    host = cfg.host
+    if host in ("0.0.0.0", "::"):
+        announced = [m.split("/")[2] for m in cfg.announce_maddrs if m.startswith(("/ip4/", "/ip6/"))]
+        if not announced:
+            return None  # nobody could dial a wildcard address; libp2p only
+        host = announced[0]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None) -> None:
@@ -101,6 +113,7 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
                 software_version=__version__,
                 protocol_version=PROTOCOL_VERSION,
                 requests_served=sum(compute.stats.values()),
+                direct_address=direct_address,
             )
 
         def info() -> dict:
@@ -116,7 +129,13 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
             }
 
         p2p = await dht.replicate_p2p()
-        await Servicer(compute, info, cfg.added_latency_ms / 1000).register(p2p)
+        servicer = Servicer(compute, info, cfg.added_latency_ms / 1000)
+        await servicer.register(p2p)
+        direct_address = None
+        if cfg.direct_port is not None:
+            direct = DirectServer(servicer)
+            port = await direct.start(cfg.host, cfg.direct_port)
+            direct_address = _direct_address(cfg, port)
         announcer = Announcer(dht, validator, make_record, cfg.timing)
         await announcer.publish(PeerState.ONLINE)
         refresher = asyncio.create_task(announcer.run())

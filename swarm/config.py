@@ -130,6 +130,8 @@ class PeerConfig:
     perturb_weights: float = 0.0  # testing only: add noise to the weights after fingerprinting
     max_kept_activations: int = 64  # forward passes kept for a pending backward
     max_message_bytes: int = 256 * 1024 * 1024  # a request larger than this is refused
+    inline_tokens: int = 8  # inference steps of at most this many tokens run on the RPC loop, not the compute thread
+    direct_port: int | None = 0  # plain-TCP data plane port (0 = any, None = off); see swarm/direct.py
 
 
 @dataclass(frozen=True)
@@ -138,3 +140,4 @@ class ClientConfig:
     timing: Timing = field(default_factory=Timing)
     cache_dir: Path = field(default_factory=default_cache_dir)
     hop_latency_s: float = 0.003  # routing's prior for one network hop before it has measured any
+    direct: str = "auto"  # plain-TCP data plane: "auto" (loopback/private addresses only), "always", "never"

@@ -46,6 +46,7 @@ class ServerRecord(BaseModel):
     software_version: str
     protocol_version: int
     requests_served: int = 0
+    direct_address: str | None = None  # host:port of the plain-TCP data plane (swarm.direct), if offered
 
     @property
     def span(self) -> Span:

@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of running peers")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0 = any free port)")
+    p.add_argument(
+        "--direct-port",
+        default="0",
+        help="plain-TCP data plane port (0 = any free port, 'off' = libp2p only); see swarm/direct.py",
+    )
     p.add_argument("--announce-maddr", nargs="+", default=[], help="address(es) others should dial")
     p.add_argument("--identity", type=Path, help="identity file (stable peer id + record key); created if missing")
     p.add_argument("--device", default="cpu")
@@ -48,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         host=args.host,
         port=args.port,
         announce_maddrs=tuple(args.announce_maddr),
+        direct_port=None if args.direct_port == "off" else int(args.direct_port),
         identity=args.identity,
         device=args.device,
         dtype=args.dtype,

@@ -12,14 +12,13 @@ from collections.abc import AsyncIterator, Iterable
 
 import msgpack
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.errors import BadInputError
 
 FRAME_BYTES = 2 * 1024 * 1024
-ALLOWED_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32"}
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")}
 
 Frame = runtime_pb2.ExpertRequest
 Message = tuple[dict, dict[str, torch.Tensor]]
@@ -31,7 +30,7 @@ def encode(meta: dict, tensors: dict[str, torch.Tensor] | None = None) -> list[F
     frames = [Frame(metadata=msgpack.packb(header, use_bin_type=True))]
     size = 0
     for tensor in tensors.values():
-        serialized = serialize_torch_tensor(tensor.detach().cpu())
+        serialized = _serialize(tensor)
         for part in split_for_streaming(serialized, FRAME_BYTES):
             if size + len(part.buffer) > FRAME_BYTES and len(frames[-1].tensors) > 0:
                 frames.append(Frame())
@@ -110,10 +109,26 @@ def _unpack_meta(raw: bytes) -> dict:
     return meta
 
 
+def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """Raw little-endian bytes of a contiguous tensor (hivemind's Tensor message, no compression). Our own codec:
+    hivemind's generic one costs ~0.5 ms per small tensor, which is most of a decode step's overhead."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise BadInputError(f"tensor dtype {name!r} cannot be sent")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return runtime_pb2.Tensor(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
+
+
 def _to_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    if serialized.dtype not in ALLOWED_DTYPES:
-        raise BadInputError(f"tensor dtype {serialized.dtype!r} is not accepted")
-    try:
-        return deserialize_torch_tensor(serialized)
-    except Exception as e:
-        raise BadInputError(f"malformed tensor: {e}") from None
+    dtype = DTYPES.get(serialized.dtype)
+    if dtype is None or serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise BadInputError(f"tensor dtype {serialized.dtype!r} / compression {serialized.compression} is not accepted")
+    shape = tuple(serialized.size)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if numel * dtype.itemsize != len(serialized.buffer):
+        raise BadInputError(f"malformed tensor: {len(serialized.buffer)} bytes for shape {list(shape)} {dtype}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(serialized.buffer), dtype=dtype).view(shape)

@@ -47,7 +47,9 @@ class ComputeService:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn, *args, small: bool = False):
+        if small:  # a few tokens: computing inline beats two thread hand-offs (the loop waits ~ms anyway)
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # ---- validation -------------------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ class ComputeService:
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
             )
         mask, pos = self._check_aux(tensors, batch, n, position + n)
-        out = await self._run(self._step_sync, session, hidden, mask, pos)
+        out = await self._run(self._step_sync, session, hidden, mask, pos, small=batch * n <= self.cfg.inline_tokens)
         session.position += n
         self.stats["inference_steps"] += 1
         return {"hidden": out}

@@ -15,7 +15,7 @@ import torch
 from swarm.client.remote import InferenceStream
 from swarm.client.routing import Hop
 from swarm.client.sequential import RemoteBlocks
-from swarm.errors import CacheFullError, MissingBlocksError, SessionLengthError
+from swarm.errors import CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
 from swarm.protocol import PROTOCOL_VERSION, OpenSession
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,10 @@ class InferenceSession:
             raise error from None
         return [_HopState(hop) for hop in route]
 
-    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
-        hop, timing, loop = state.hop, self.blocks.timing, self.blocks.loop
+    def _message(self, state: _HopState, hidden, mask, positions, position: int) -> tuple[dict, dict]:
+        hop = state.hop
         meta: dict = {"step": {"position": position}}
         if not state.opened:
-            state.stream = loop.run(self.blocks.remote.open_stream(hop), timing.open_timeout)
             opening = OpenSession(
                 session_id=self.session_id,
                 start=hop.start,
@@ -79,14 +78,33 @@ class InferenceSession:
                 batch_size=self.batch_size,
             )
             meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
-            state.opened = True
         tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
         if mask is not None:
             tensors["attention_mask"] = mask
         if positions is not None:
             tensors["position_ids"] = positions
+        return meta, tensors
+
+    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
+        timing, loop = self.blocks.timing, self.blocks.loop
+        meta, tensors = self._message(state, hidden, mask, positions, position)
+        if not state.opened:
+            state.stream = loop.run(self.blocks.remote.open_stream(state.hop), timing.open_timeout)
+            state.opened = True
         out = loop.run(state.stream.exchange(meta, tensors, timing.request_timeout))["hidden"]
         return out.to(hidden.dtype)
+
+    async def _chain(self, hidden, mask, positions, outs: list[torch.Tensor]) -> None:
+        """The common case in one trip to the event loop: every hop open and healthy. Stops at the first hop that
+        is not; ``outs`` holds what the hops before it returned."""
+        h = hidden
+        for state in self._hops:
+            if not state.opened or state.broken:
+                return
+            meta, tensors = self._message(state, h, mask, positions, self.position)
+            out = await state.stream.exchange(meta, tensors, self.blocks.timing.request_timeout)
+            h = out["hidden"].to(hidden.dtype)
+            outs.append(h)
 
     def _replace(self, index: int) -> None:
         """Route new servers for hop ``index``'s blocks and replay its history onto them."""
@@ -130,8 +148,22 @@ class InferenceSession:
         )
         if not self._hops:
             self._hops = self.blocks.retrier.run(lambda: self._new_hops(0, self.blocks.view.num_blocks), "route")
-        h, index = hidden, 0
-        while index < len(self._hops):
+        outs: list[torch.Tensor] = []
+        try:
+            self.blocks.loop.run(self._chain(hidden, self._mask, position_ids, outs))
+        except SwarmError as e:
+            failed = self._hops[len(outs)]
+            failed.broken = True
+            if not e.retriable:
+                raise
+            self.blocks.retrier.note_failure(e, "inference step")
+        h = hidden
+        for state, out in zip(self._hops, outs, strict=False):
+            state.inputs.append(h)
+            state.positions.append(explicit_positions)
+            h = out
+        index = len(outs)
+        while index < len(self._hops):  # opening hops, and replacing failed ones, under the retry helper
 
             def attempt(index=index, h=h):
                 if self._hops[index].broken:

@@ -36,7 +36,7 @@ class _Swarm:
         self.dht, _ = start_dht(initial_peers=cfg.initial_peers, client_mode=True, timeout=cfg.timing.open_timeout * 6)
         try:
             self.loop = LoopThread()
-            self.remote = Remote(self.loop.run(self.dht.replicate_p2p()))
+            self.remote = Remote(self.loop.run(self.dht.replicate_p2p()), cfg.direct)
             self.view = SwarmView(self.dht, model_id, num_blocks, cfg.timing, fingerprint, cfg.hop_latency_s)
             self.retrier = Retrier(self.view, cfg.timing)
             self.blocks = RemoteBlocks(self.view, self.remote, self.loop, self.retrier, cfg.timing)
@@ -80,14 +80,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         timing: Timing | None = None,
         cache_dir: Path | None = None,
         fingerprint: str | None = None,
+        direct: str = "auto",
         **unused,
     ) -> DistributedModelForCausalLM:
+        """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
+
+        ``direct``: use servers' plain-TCP data plane "auto" (only on loopback/private networks), "always" or
+        "never" (libp2p only). ``fingerprint`` pins the exact weights; by default the best-covered ones are used.
+        """
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         if not initial_peers:
             raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
+        if direct not in ("auto", "always", "never"):
+            raise BadInputError("direct must be 'auto', 'always' or 'never'")
         cfg = ClientConfig(
-            initial_peers=tuple(initial_peers), timing=timing or Timing(), cache_dir=cache_dir or default_cache_dir()
+            direct=direct,
+            initial_peers=tuple(initial_peers),
+            timing=timing or Timing(),
+            cache_dir=cache_dir or default_cache_dir(),
         )
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)

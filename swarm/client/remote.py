@@ -1,7 +1,9 @@
-"""Calls to one server: forward/backward (unary or streamed by size), the inference stream, and info.
+"""Calls to one server: forward/backward, the inference stream, and info.
 
-Transport failures become ``PeerUnavailableError``; error replies become the error class the server named. Every
-call has a timeout."""
+Each call goes over the plain-TCP data plane when the server offers one and the client's policy allows it
+(``swarm.direct``), else over libp2p (unary when the message fits one frame, streamed otherwise). Transport failures
+become ``PeerUnavailableError``; error replies become the error class the server named. Every call has a timeout,
+and every error carries the ``peer_id`` it came from so the retry helper knows whom to ban."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm import wire
 from swarm.client.routing import Hop
+from swarm.direct import DirectConnection, trusted_path
 from swarm.errors import PeerUnavailableError, SwarmError, error_from_code
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE, RPC_INFO, Reply
 
@@ -24,21 +27,32 @@ def _tag(e: SwarmError, peer_id: str) -> SwarmError:
     return e
 
 
+def _unavailable(peer_id: str, what: str, e: BaseException | None = None) -> SwarmError:
+    detail = f": {type(e).__name__}: {e}" if e is not None else ""
+    return _tag(PeerUnavailableError(f"peer {peer_id} {what}{detail}"), peer_id)
+
+
 def _check(meta: dict, peer_id: str) -> None:
     try:
         reply = Reply.model_validate(meta)
     except ValueError as e:
-        raise _tag(PeerUnavailableError(f"peer {peer_id} sent a malformed reply: {e}"), peer_id) from None
+        raise _unavailable(peer_id, "sent a malformed reply", e) from None
     if not reply.ok:
         raise _tag(error_from_code(reply.error_code or "swarm_error", f"peer {peer_id}: {reply.error}"), peer_id)
 
 
 class Remote:
-    """One client's connection state: its P2P replica and the peers it has dialled."""
+    """One client's transport state: its P2P replica, the peers it has dialled, and its direct-TCP policy."""
 
-    def __init__(self, p2p: P2P) -> None:
+    def __init__(self, p2p: P2P, direct: str = "auto") -> None:
         self.p2p = p2p
+        self.direct = direct
         self._dialled: set[str] = set()
+
+    def use_direct(self, hop: Hop) -> bool:
+        if not hop.direct or self.direct == "never":
+            return False
+        return self.direct == "always" or trusted_path(hop.direct)
 
     async def _peer(self, hop: Hop) -> PeerID:
         peer = PeerID.from_base58(hop.peer_id)
@@ -46,54 +60,60 @@ class Remote:
             try:
                 await self.p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in hop.maddrs])
             except Exception as e:
-                raise _tag(PeerUnavailableError(f"cannot reach peer {hop.peer_id}: {e}"), hop.peer_id) from None
+                raise _unavailable(hop.peer_id, "cannot be reached", e) from None
             self._dialled.add(hop.peer_id)
         return peer
 
     async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float) -> dict:
         frames = wire.encode(dict(meta, protocol_version=PROTOCOL_VERSION), tensors)
         try:
-            peer = await self._peer(hop)
-            if len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
-                reply = await asyncio.wait_for(
-                    self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame), timeout
-                )
-                meta_out, out = wire.decode([reply])
-            else:
-                meta_out, out = await asyncio.wait_for(self._stream_call(peer, frames), timeout)
+            message = await asyncio.wait_for(self._exchange_once(hop, frames), timeout)
         except SwarmError as e:
             raise _tag(e, hop.peer_id) from None
         except Exception as e:
             self._dialled.discard(hop.peer_id)
-            raise _tag(
-                PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id
-            ) from None
-        _check(meta_out, hop.peer_id)
-        return out
-
-    async def _stream_call(self, peer: PeerID, frames: list[wire.Frame]):
-        responses = await self.p2p.iterate_protobuf_handler(peer, RPC_FORWARD_STREAM, frames, wire.Frame)
-        message = await wire.read_message(responses, wire.Decoder())
+            raise _unavailable(hop.peer_id, "failed", e) from None
         if message is None:
-            raise PeerUnavailableError("stream closed without a reply")
-        return message
+            raise _unavailable(hop.peer_id, "closed the call without a reply")
+        _check(message[0], hop.peer_id)
+        return message[1]
+
+    async def _exchange_once(self, hop: Hop, frames: list[wire.Frame]):
+        if self.use_direct(hop):
+            conn = await DirectConnection.open(hop.direct, RPC_FORWARD)
+            try:
+                await conn.send(frames)
+                return await wire.read_message(conn.responses, wire.Decoder())
+            finally:
+                conn.close()
+        peer = await self._peer(hop)
+        if len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
+            reply = await self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame)
+            return wire.decode([reply])
+        responses = await self.p2p.iterate_protobuf_handler(peer, RPC_FORWARD_STREAM, frames, wire.Frame)
+        return await wire.read_message(responses, wire.Decoder())
 
     async def info(self, hop: Hop, timeout: float) -> dict:
         try:
             peer = await self._peer(hop)
             frame = wire.encode({"protocol_version": PROTOCOL_VERSION})[0]
             reply = await asyncio.wait_for(self.p2p.call_protobuf_handler(peer, RPC_INFO, frame, wire.Frame), timeout)
+        except SwarmError:
+            raise
         except Exception as e:
-            raise _tag(
-                PeerUnavailableError(f"peer {hop.peer_id} failed: {type(e).__name__}: {e}"), hop.peer_id
-            ) from None
+            raise _unavailable(hop.peer_id, "failed", e) from None
         meta, _ = wire.decode([reply])
         _check(meta, hop.peer_id)
         return meta["stats"]
 
     async def open_stream(self, hop: Hop) -> InferenceStream:
         stream = InferenceStream(self, hop)
-        await stream.start()
+        try:
+            await stream.start()
+        except SwarmError:
+            raise
+        except Exception as e:
+            raise _unavailable(hop.peer_id, "cannot open a session", e) from None
         return stream
 
 
@@ -103,50 +123,54 @@ class InferenceStream:
     def __init__(self, remote: Remote, hop: Hop) -> None:
         self.remote = remote
         self.hop = hop
-        self._outbox: asyncio.Queue[wire.Frame | None] = asyncio.Queue()
-        self._responses = None
         self._decoder = wire.Decoder()
+        self._responses = None
+        self._direct: DirectConnection | None = None
+        self._outbox: asyncio.Queue[wire.Frame | None] | None = None
         self.closed = False
+
+    async def start(self) -> None:
+        if self.remote.use_direct(self.hop):
+            self._direct = await DirectConnection.open(self.hop.direct, RPC_INFERENCE)
+            self._responses = self._direct.responses
+            return
+        self._outbox = asyncio.Queue()
+        peer = await self.remote._peer(self.hop)
+        self._responses = await self.remote.p2p.iterate_protobuf_handler(
+            peer, RPC_INFERENCE, self._requests(), wire.Frame
+        )
 
     async def _requests(self):
         while (frame := await self._outbox.get()) is not None:
             yield frame
 
-    async def start(self) -> None:
-        try:
-            peer = await self.remote._peer(self.hop)
-            self._responses = await self.remote.p2p.iterate_protobuf_handler(
-                peer, RPC_INFERENCE, self._requests(), wire.Frame
-            )
-        except SwarmError:
-            raise
-        except Exception as e:
-            raise _tag(
-                PeerUnavailableError(f"peer {self.hop.peer_id}: cannot open a session: {e}"), self.hop.peer_id
-            ) from None
-
     async def exchange(self, meta: dict, tensors: dict, timeout: float) -> dict:
-        for frame in wire.encode(meta, tensors):
-            self._outbox.put_nowait(frame)
+        """Send one step and wait for its reply."""
         try:
+            frames = wire.encode(meta, tensors)
+            if self._direct is not None:
+                await self._direct.send(frames)
+            else:
+                for frame in frames:
+                    self._outbox.put_nowait(frame)
             message = await asyncio.wait_for(wire.read_message(self._responses, self._decoder), timeout)
         except Exception as e:
-            self.closed = True
-            raise _tag(
-                PeerUnavailableError(f"peer {self.hop.peer_id} failed: {type(e).__name__}: {e}"), self.hop.peer_id
-            ) from None
+            self.close()
+            raise _unavailable(self.hop.peer_id, "failed", e) from None
         if message is None:
-            self.closed = True
-            raise _tag(PeerUnavailableError(f"peer {self.hop.peer_id} closed the session"), self.hop.peer_id)
-        meta_out, out = message
+            self.close()
+            raise _unavailable(self.hop.peer_id, "closed the session")
         try:
-            _check(meta_out, self.hop.peer_id)
+            _check(message[0], self.hop.peer_id)
         except SwarmError:
-            self.closed = True  # the server ends a session at its first error
+            self.close()  # the server ends a session at its first error
             raise
-        return out
+        return message[1]
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._outbox.put_nowait(None)
+            if self._direct is not None:
+                self._direct.close()
+            elif self._outbox is not None:
+                self._outbox.put_nowait(None)

@@ -41,13 +41,17 @@ class Retrier:
             try:
                 return attempt()
             except SwarmError as e:
-                peer = getattr(e, "peer_id", None)
                 if not e.retriable or self.clock() > deadline:
                     raise
-                if peer is not None:
-                    n = self.failures[peer] = self.failures.get(peer, 0) + 1
-                    self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
-                self.failovers += 1
-                log.warning("%s failed, failing over: %s", what, e, extra={"peer": peer})
+                self.note_failure(e, what)
                 self.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def note_failure(self, e: SwarmError, what: str = "call") -> None:
+        """Ban the peer behind a retriable failure (for a time doubling with each of its failures) and count it."""
+        peer = getattr(e, "peer_id", None)
+        if peer is not None:
+            n = self.failures[peer] = self.failures.get(peer, 0) + 1
+            self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
+        self.failovers += 1
+        log.warning("%s failed, failing over: %s", what, e, extra={"peer": peer})

@@ -21,6 +21,7 @@ class Hop:
     end: int
     maddrs: tuple[str, ...] = ()
     dtype: str = "float32"
+    direct: str | None = None
 
 
 def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
@@ -113,6 +114,6 @@ def choose_route(
     route, b = [], end
     while b != start:
         a, r = prev[b]
-        route.append(Hop(r.peer_id, a, b, r.maddrs, r.dtype))
+        route.append(Hop(r.peer_id, a, b, r.maddrs, r.dtype, r.direct_address))
         b = a
     return route[::-1]

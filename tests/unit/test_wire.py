@@ -54,7 +54,15 @@ def test_refuses_oversized_malformed_and_unknown_dtypes():
         wire.decode([wire.Frame(metadata=b"\xc1")])
     with pytest.raises(BadInputError, match="malformed metadata"):
         wire.decode([wire.Frame(metadata=msgpack.packb([1, 2]))])
+    with pytest.raises(BadInputError, match="cannot be sent"):
+        wire.encode({}, {"b": torch.zeros(3, dtype=torch.bool)})
+    frames = wire.encode({}, {"h": torch.zeros(3)})
+    frames[0].tensors[0].dtype = "bool"
     with pytest.raises(BadInputError, match="not accepted"):
-        wire.decode(wire.encode({}, {"b": torch.zeros(3, dtype=torch.bool)}))
+        wire.decode(frames)
+    frames[0].tensors[0].dtype = "float32"
+    frames[0].tensors[0].size[:] = [4]
+    with pytest.raises(BadInputError, match="malformed tensor"):
+        wire.decode(frames)
     with pytest.raises(BadInputError, match="ended before"):
         wire.decode([wire.Frame(metadata=msgpack.packb({"_tensors": ["h"]}))])

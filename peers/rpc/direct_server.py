@@ -1,0 +1,49 @@
+"""Serves the servicer's streaming RPCs over plain TCP (see ``swarm.direct`` for why and how)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from peers.rpc.servicer import Servicer
+from swarm.direct import frames_of, read_frame, write_frame
+from swarm.protocol import RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
+
+log = logging.getLogger(__name__)
+
+
+class DirectServer:
+    def __init__(self, servicer: Servicer) -> None:
+        self.handlers = {
+            RPC_FORWARD: servicer.rpc_forward_stream,  # over TCP there is no frame limit to dodge: one path
+            RPC_FORWARD_STREAM: servicer.rpc_forward_stream,
+            RPC_INFERENCE: servicer.rpc_inference,
+        }
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            hello = await read_frame(reader)
+            handler = self.handlers.get(hello.uid) if hello is not None else None
+            if handler is None:
+                return
+            async for frame in handler(frames_of(reader), None):
+                write_frame(writer, frame)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; its session ends with the handler
+        except Exception:
+            log.exception("direct connection failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
