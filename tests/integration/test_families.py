@@ -19,7 +19,8 @@ from tests.integration.harness import (
 def family_swarm(request, tiny_models):
     folder = tiny_models[request.param]
     with running_swarm(str(folder), ["0:2", "1:4"]) as swarm:  # overlapping spans: entered mid-span
-        client = connect(str(folder), swarm)
+        # half the families talk over libp2p only, half over the direct TCP data plane: both paths stay tested
+        client = connect(str(folder), swarm, direct="never" if request.param in ("llama", "qwen2") else "auto")
         try:
             yield client, local_reference(folder), swarm
         finally:

@@ -147,3 +147,15 @@ def test_status_shows_coverage_and_work(smollm):
     assert "30 blocks, 3 peers, fully covered" in out.stdout
     for span in ("0:10", "10:20", "20:30"):
         assert span in out.stdout
+
+
+def test_libp2p_path_streams_large_messages(smollm):
+    """Over libp2p only (no direct TCP), a forward whose hidden states exceed one p2pd frame is streamed in chunks."""
+    _, ref, swarm = smollm
+    with connect(MODEL, swarm, direct="never") as client:
+        torch.manual_seed(5)
+        ids = torch.randint(0, ref.config.vocab_size, (2, 700))  # 2 x 700 x 576 floats = 3.2 MB per hop
+        with torch.no_grad():
+            ours, theirs = client(ids).logits, ref(ids).logits
+        assert (ours - theirs).abs().max().item() < 1e-4
+        assert not any(client.swarm.remote.use_direct(h) for h in client.route)
