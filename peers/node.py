@@ -145,10 +145,15 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
         await stop.wait()
         log.info("leaving", extra=fields)
         refresher.cancel()
+        compute.leaving = True
         try:
             await asyncio.wait_for(announcer.publish(PeerState.LEAVING), cfg.timing.open_timeout)
         except Exception:
             log.warning("could not announce leaving", extra=fields)
+        # New sessions now avoid this peer; give the open ones a grace period to finish (or fail over).
+        deadline = asyncio.get_running_loop().time() + cfg.timing.leave_grace
+        while compute.sessions and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
     finally:
         if compute is not None:
             compute.close()

@@ -25,7 +25,8 @@ class Timing:
 
     record_ttl: float = 30.0  # a DHT record expires this long after its last refresh
     announce_period: float = 10.0  # a peer refreshes its records this often (< record_ttl)
-    request_timeout: float = 30.0  # one remote forward/backward/inference step
+    request_timeout: float = 30.0  # one remote forward/backward, or an inference step of many tokens
+    step_timeout: float = 5.0  # an inference step of a few tokens: a frozen server is detected this fast
     open_timeout: float = 10.0  # opening an inference stream, DHT lookups
     cache_wait: float = 2.0  # an inference session waits this long for KV-cache room, then is refused
     view_refresh: float = 5.0  # the client re-reads the swarm view at most this often
@@ -33,6 +34,8 @@ class Timing:
     missing_blocks_wait: float = 10.0  # how long the client waits for blocks nobody serves before failing
     retry_budget: float = 60.0  # total time one call may spend failing over before the error reaches the user
     ban_base: float = 15.0  # a failed peer is avoided this long, doubling with each further failure
+    leave_grace: float = 20.0  # a leaving server keeps serving its open sessions this long
+    slow_factor: float = 10.0  # a hop this many times slower than announced (3 steps running) is moved
 
     @staticmethod
     def for_tests() -> Timing:
@@ -40,6 +43,7 @@ class Timing:
             record_ttl=6.0,
             announce_period=1.5,
             request_timeout=20.0,
+            step_timeout=2.0,
             open_timeout=5.0,
             cache_wait=0.5,
             view_refresh=0.5,
@@ -47,6 +51,7 @@ class Timing:
             missing_blocks_wait=2.0,
             retry_budget=20.0,
             ban_base=5.0,
+            leave_grace=3.0,
         )
 
 

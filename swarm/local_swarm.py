@@ -71,7 +71,7 @@ class LocalSwarm:
         return [p.maddr for p in self.peers if p.maddr and p.proc.poll() is None]
 
     def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
-        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, *args, *self.extra_args]
+        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, *self.extra_args, *args]  # peer args win
         if span:
             cmd += ["--blocks", span]
         if self.test_timings:
@@ -103,10 +103,13 @@ class LocalSwarm:
             peer.wait_ready(self.startup_timeout)
         return peer
 
+    def peer_by_id(self, peer_id: str) -> PeerProcess:
+        return next(p for p in self.peers if p.maddr and p.maddr.endswith("/p2p/" + peer_id))
+
     def kill(self, peer: PeerProcess, sig: int = signal.SIGKILL) -> None:
         if peer.proc.poll() is None:
             os.kill(peer.pid, sig)
-            if sig in (signal.SIGKILL, signal.SIGTERM):
+            if sig == signal.SIGKILL:
                 peer.proc.wait(30)
 
     def stop(self) -> None:

@@ -14,7 +14,7 @@ from peers.activations import ActivationStore
 from peers.blocks.backend import SpanBackend
 from peers.kv_cache import CacheBudget
 from swarm.config import PeerConfig
-from swarm.errors import ActivationsGoneError, BadInputError, SessionLengthError
+from swarm.errors import ActivationsGoneError, BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import ComputeRequest, OpenSession
 
@@ -43,6 +43,7 @@ class ComputeService:
         self.kept = ActivationStore(cfg.max_kept_activations, cfg.timing.activation_ttl)
         self.stats: Counter[str] = Counter()
         self.sessions: dict[str, Session] = {}
+        self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -138,6 +139,8 @@ class ComputeService:
 
     # ---- inference ----------------------------------------------------------------------------------------------
     async def open_session(self, msg: OpenSession) -> Session:
+        if self.leaving:
+            raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
         sub = self._check_sub(msg.start, msg.end)
         if msg.session_id in self.sessions:
             raise BadInputError(f"session {msg.session_id} is already open here")

@@ -1,12 +1,15 @@
 """An inference session: one server-side KV cache per hop of a chain, kept in step.
 
-Each hop remembers what it was sent. When a hop fails, the retry helper bans its peer, and the next attempt routes a
-replacement for just that hop's blocks (possibly several peers) and replays the remembered inputs onto it, so the
-new servers rebuild the cache and the session goes on from the same position."""
+Each hop remembers what it was sent. When a hop fails (error, dropped connection, or no answer within the step
+timeout), the retry helper bans its peer, and the next attempt routes a replacement for just that hop's blocks
+(possibly several peers) and replays the remembered inputs onto it, so the new servers rebuild the cache and the
+session goes on from the same position. A hop that stays far slower than its server announced is moved the same
+way, if another route exists."""
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,13 +23,16 @@ from swarm.protocol import PROTOCOL_VERSION, OpenSession
 
 log = logging.getLogger(__name__)
 
+SLOW_STEPS = 3  # consecutive slow steps before a hop is moved
+
 
 @dataclass
 class _HopState:
     hop: Hop
     stream: InferenceStream | None = None
     opened: bool = False
-    broken: bool = False  # failed once: the next attempt replaces it
+    broken: bool = False  # failed (or too slow): the next attempt replaces it
+    slow_steps: int = 0
     inputs: list[torch.Tensor] = field(default_factory=list)  # hidden sent at each step (client dtype)
     positions: list[torch.Tensor] = field(default_factory=list)
 
@@ -52,6 +58,7 @@ class InferenceSession:
     def failovers(self) -> int:
         return self.blocks.retrier.failovers
 
+    # ---- routing ------------------------------------------------------------------------------------------------
     def _new_hops(self, start: int, end: int) -> list[_HopState]:
         need = self.batch_size * self.max_length
         try:
@@ -65,46 +72,6 @@ class InferenceSession:
             error.retriable = False
             raise error from None
         return [_HopState(hop) for hop in route]
-
-    def _message(self, state: _HopState, hidden, mask, positions, position: int) -> tuple[dict, dict]:
-        hop = state.hop
-        meta: dict = {"step": {"position": position}}
-        if not state.opened:
-            opening = OpenSession(
-                session_id=self.session_id,
-                start=hop.start,
-                end=hop.end,
-                max_length=self.max_length,
-                batch_size=self.batch_size,
-            )
-            meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
-        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
-        if mask is not None:
-            tensors["attention_mask"] = mask
-        if positions is not None:
-            tensors["position_ids"] = positions
-        return meta, tensors
-
-    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
-        timing, loop = self.blocks.timing, self.blocks.loop
-        meta, tensors = self._message(state, hidden, mask, positions, position)
-        if not state.opened:
-            state.stream = loop.run(self.blocks.remote.open_stream(state.hop), timing.open_timeout)
-            state.opened = True
-        out = loop.run(state.stream.exchange(meta, tensors, timing.request_timeout))["hidden"]
-        return out.to(hidden.dtype)
-
-    async def _chain(self, hidden, mask, positions, outs: list[torch.Tensor]) -> None:
-        """The common case in one trip to the event loop: every hop open and healthy. Stops at the first hop that
-        is not; ``outs`` holds what the hops before it returned."""
-        h = hidden
-        for state in self._hops:
-            if not state.opened or state.broken:
-                return
-            meta, tensors = self._message(state, h, mask, positions, self.position)
-            out = await state.stream.exchange(meta, tensors, self.blocks.timing.request_timeout)
-            h = out["hidden"].to(hidden.dtype)
-            outs.append(h)
 
     def _replace(self, index: int) -> None:
         """Route new servers for hop ``index``'s blocks and replay its history onto them."""
@@ -120,11 +87,86 @@ class InferenceSession:
             hidden = torch.cat(old.inputs, dim=1)
             positions = torch.cat(old.positions, dim=1)
             mask = None if self._mask is None else self._mask[:, : self.position]
-            for state in fresh:
-                state.inputs, state.positions = [hidden], [positions]
-                hidden = self._exchange(state, hidden, mask, positions, 0)
+            try:
+                for state in fresh:
+                    state.inputs, state.positions = [hidden], [positions]
+                    hidden = self._exchange(state, hidden, mask, positions, 0)
+            except BaseException:
+                for state in fresh:
+                    if state.stream is not None:
+                        state.stream.close()
+                raise
         self._hops[index : index + 1] = fresh
 
+    # ---- one hop --------------------------------------------------------------------------------------------------
+    def _message(self, state: _HopState, hidden, mask, positions, position: int) -> tuple[dict, dict]:
+        hop = state.hop
+        meta: dict = {"step": {"position": position}}
+        if not state.opened:
+            opening = OpenSession(
+                session_id=uuid.uuid4().hex,  # per hop: one server may hold two hops of this session
+                start=hop.start,
+                end=hop.end,
+                max_length=self.max_length,
+                batch_size=self.batch_size,
+            )
+            meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
+        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
+        if mask is not None:
+            tensors["attention_mask"] = mask
+        if positions is not None:
+            tensors["position_ids"] = positions
+        return meta, tensors
+
+    def _timeout(self, hidden: torch.Tensor) -> float:
+        timing = self.blocks.timing
+        return timing.step_timeout if hidden.shape[0] * hidden.shape[1] <= 8 else timing.request_timeout
+
+    def _observe(self, state: _HopState, elapsed: float, tokens: int) -> None:
+        """Feed routing's latency estimates, and move a hop that stays far slower than its server announced when
+        another route is expected to be at least twice as fast (no ban: a slow peer is still a working one)."""
+        view, hop = self.blocks.view, state.hop
+        expected = hop.step_seconds * tokens + view.hop_latency
+        view.observe(hop.peer_id, elapsed, expected)
+        state.slow_steps = state.slow_steps + 1 if elapsed > self.blocks.timing.slow_factor * expected else 0
+        if state.slow_steps < SLOW_STEPS:
+            return
+        state.slow_steps = 0
+        try:
+            other = view.route(hop.start, hop.end, mode="inference", exclude=frozenset({hop.peer_id}), wait=False)
+        except SwarmError:
+            return  # nowhere else to go
+        estimate = sum(view.hop_latency + view.latency.get(h.peer_id, 0.0) + h.step_seconds * tokens for h in other)
+        if estimate < elapsed / 2:
+            log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
+            state.broken = True
+
+    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
+        timing, loop = self.blocks.timing, self.blocks.loop
+        meta, tensors = self._message(state, hidden, mask, positions, position)
+        if not state.opened:
+            state.stream = loop.run(self.blocks.remote.open_stream(state.hop), timing.open_timeout)
+            state.opened = True
+        t0 = time.perf_counter()
+        out = loop.run(state.stream.exchange(meta, tensors, self._timeout(hidden)))["hidden"]
+        self._observe(state, time.perf_counter() - t0, hidden.shape[1])
+        return out.to(hidden.dtype)
+
+    async def _chain(self, hidden, mask, positions, outs: list[torch.Tensor], times: list[float]) -> None:
+        """The common case in one trip to the event loop: every hop open and healthy. Stops at the first hop that
+        is not; ``outs`` holds what the hops before it returned."""
+        h = hidden
+        for state in self._hops:
+            if not state.opened or state.broken:
+                return
+            meta, tensors = self._message(state, h, mask, positions, self.position)
+            t0 = time.perf_counter()
+            out = await state.stream.exchange(meta, tensors, self._timeout(hidden))
+            times.append(time.perf_counter() - t0)
+            h = out["hidden"].to(hidden.dtype)
+            outs.append(h)
+
+    # ---- a step through every hop ---------------------------------------------------------------------------------
     def step(
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -141,16 +183,15 @@ class InferenceSession:
         if attention_mask is not None:
             self._mask = attention_mask.to(torch.int64)
         # replays need explicit positions even where the server could infer them
-        explicit_positions = (
-            position_ids
-            if position_ids is not None
-            else (torch.arange(self.position, self.position + n).unsqueeze(0).expand(batch, -1))
-        )
+        explicit = position_ids if position_ids is not None else torch.arange(self.position, self.position + n)
+        explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
         if not self._hops:
             self._hops = self.blocks.retrier.run(lambda: self._new_hops(0, self.blocks.view.num_blocks), "route")
+
         outs: list[torch.Tensor] = []
+        times: list[float] = []
         try:
-            self.blocks.loop.run(self._chain(hidden, self._mask, position_ids, outs))
+            self.blocks.loop.run(self._chain(hidden, self._mask, position_ids, outs, times))
         except SwarmError as e:
             failed = self._hops[len(outs)]
             failed.broken = True
@@ -158,9 +199,10 @@ class InferenceSession:
                 raise
             self.blocks.retrier.note_failure(e, "inference step")
         h = hidden
-        for state, out in zip(self._hops, outs, strict=False):
+        for state, out, elapsed in zip(self._hops, outs, times, strict=False):
             state.inputs.append(h)
-            state.positions.append(explicit_positions)
+            state.positions.append(explicit)
+            self._observe(state, elapsed, n)
             h = out
         index = len(outs)
         while index < len(self._hops):  # opening hops, and replacing failed ones, under the retry helper
@@ -179,7 +221,7 @@ class InferenceSession:
 
             state, out = self.blocks.retrier.run(attempt, "inference step")
             state.inputs.append(h)
-            state.positions.append(explicit_positions)
+            state.positions.append(explicit)
             h, index = out, index + 1
         self.position += n
         self.blocks.last_route = self.route

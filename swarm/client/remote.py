@@ -41,6 +41,11 @@ def _check(meta: dict, peer_id: str) -> None:
         raise _tag(error_from_code(reply.error_code or "swarm_error", f"peer {peer_id}: {reply.error}"), peer_id)
 
 
+async def _aiter(frames: list[wire.Frame]):
+    for frame in frames:
+        yield frame
+
+
 class Remote:
     """One client's transport state: its P2P replica, the peers it has dialled, and its direct-TCP policy."""
 
@@ -90,7 +95,7 @@ class Remote:
         if len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
             reply = await self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame)
             return wire.decode([reply])
-        responses = await self.p2p.iterate_protobuf_handler(peer, RPC_FORWARD_STREAM, frames, wire.Frame)
+        responses = await self.p2p.iterate_protobuf_handler(peer, RPC_FORWARD_STREAM, _aiter(frames), wire.Frame)
         return await wire.read_message(responses, wire.Decoder())
 
     async def info(self, hop: Hop, timeout: float) -> dict:

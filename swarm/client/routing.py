@@ -22,6 +22,8 @@ class Hop:
     maddrs: tuple[str, ...] = ()
     dtype: str = "float32"
     direct: str | None = None
+    step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
+    token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
 
 
 def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
@@ -98,7 +100,7 @@ def choose_route(
         for r in records:
             if not (r.start <= a < r.end):
                 continue
-            hop_cost = latency.get(r.peer_id, default_latency)
+            hop_cost = default_latency + latency.get(r.peer_id, 0.0)
             per_block = block_cost(r)
             for b in points[index[a] + 1 :]:
                 if b > r.end:
@@ -114,6 +116,18 @@ def choose_route(
     route, b = [], end
     while b != start:
         a, r = prev[b]
-        route.append(Hop(r.peer_id, a, b, r.maddrs, r.dtype, r.direct_address))
+        share = (b - a) / (r.end - r.start)
+        route.append(
+            Hop(
+                r.peer_id,
+                a,
+                b,
+                r.maddrs,
+                r.dtype,
+                r.direct_address,
+                step_seconds=share / max(r.inference_sps, 1e-9),
+                token_seconds=share / max(r.forward_tps, 1e-9),
+            )
+        )
         b = a
     return route[::-1]

@@ -7,6 +7,7 @@ recomputed elsewhere."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -49,7 +50,13 @@ class RemoteBlocks:
 
     def _call(self, hop: Hop, meta: dict, tensors: dict) -> dict:
         meta = dict(meta, start=hop.start, end=hop.end)
-        return self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout))
+        t0 = time.perf_counter()
+        out = self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout))
+        first = next(iter(tensors.values()))
+        tokens = first.shape[0] * first.shape[1]
+        passes = 1 if meta["kind"] == "forward" else 2  # a backward costs about two forwards
+        self.view.observe(hop.peer_id, time.perf_counter() - t0, passes * tokens * hop.token_seconds)
+        return out
 
     @staticmethod
     def _aux(attention_mask, position_ids) -> dict:
@@ -70,7 +77,9 @@ class RemoteBlocks:
         while position < end:
 
             def attempt(position=position, h=h):
-                hop = self.view.route(position, end, mode="forward")[0]
+                plan = self.view.route(position, end, mode="forward")
+                self.last_route = [t.hop for t in traces] + plan  # the route as currently planned, for observers
+                hop = plan[0]
                 forward_id = uuid.uuid4().hex if keep else None
                 meta = {"kind": "forward", "keep_for_backward": keep, "forward_id": forward_id}
                 out = self._call(hop, meta, dict(aux, hidden=h.to(_wire_dtype(hop))))["hidden"]

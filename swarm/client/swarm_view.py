@@ -37,6 +37,7 @@ class SwarmView:
         self._view: Mapping[int, list[ServerRecord]] = {}
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
+        self.latency: dict[str, float] = {}  # peer -> observed seconds beyond its announced compute (EWMA)
 
     def snapshot(self, force: bool = False) -> Mapping[int, list[ServerRecord]]:
         with self._lock:
@@ -53,25 +54,48 @@ class SwarmView:
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
         self._banned[peer_id] = time.monotonic() + seconds
 
+    def observe(self, peer_id: str, elapsed: float, expected: float) -> None:
+        """Learn how much slower than announced a peer really is; routing adds it to the peer's hop cost, so a
+        peer that is alive but slow is routed around."""
+        excess = max(elapsed - expected, 0.0)
+        old = self.latency.get(peer_id)
+        self.latency[peer_id] = excess if old is None else 0.7 * old + 0.3 * excess
+
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
         return frozenset(p for p, until in self._banned.items() if until > now)
 
-    def route(self, start: int, end: int, *, mode: str = "inference", min_cache_tokens: int = 0) -> list[Hop]:
-        """A route over live, unbanned peers; waits up to ``missing_blocks_wait`` for missing blocks to appear."""
-        deadline = time.monotonic() + self.timing.missing_blocks_wait
+    def route(
+        self,
+        start: int,
+        end: int,
+        *,
+        mode: str = "inference",
+        min_cache_tokens: int = 0,
+        exclude: frozenset[str] = frozenset(),
+        wait: bool = True,
+    ) -> list[Hop]:
+        """A route over live, unbanned peers; waits up to ``missing_blocks_wait`` for missing blocks to appear
+        (at once with ``wait=False``)."""
+        deadline = time.monotonic() + (self.timing.missing_blocks_wait if wait else 0.0)
         force = False
         while True:
             view = self.snapshot(force=force)
             records = eligible(
                 view,
                 fingerprint=self.current_fingerprint(view),
-                banned=self.banned(),
+                banned=self.banned() | exclude,
                 min_cache_tokens=min_cache_tokens,
             )
             try:
                 return choose_route(
-                    records, start, end, mode=mode, default_latency=self.hop_latency, model_id=self.model_id
+                    records,
+                    start,
+                    end,
+                    mode=mode,
+                    latency=self.latency,
+                    default_latency=self.hop_latency,
+                    model_id=self.model_id,
                 )
             except MissingBlocksError:
                 if time.monotonic() >= deadline:

@@ -1,0 +1,211 @@
+"""Peers vanish at any moment and the user loses nothing: real servers on loopback, killed by PID.
+
+Every kill test checks that the killed peer was on the route when it died and that a failover really happened."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from swarm.errors import MissingBlocksError
+from tests.conftest import local_reference
+from tests.integration.harness import connect, running_swarm
+
+REPLICATED = ["0:2", "0:2", "2:4", "2:4"]
+SLOW = ("--added-latency-ms", "400")
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models):
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_models):
+    return local_reference(tiny_models["llama"])
+
+
+def prompt() -> torch.Tensor:
+    torch.manual_seed(11)
+    return torch.randint(0, 320, (1, 9))
+
+
+class KillDuringGeneration:
+    """A streamer that, after token k, SIGKILLs (or freezes) the server serving hop ``hop`` of the current route."""
+
+    def __init__(self, client, swarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
+        self.client, self.swarm, self.plan, self.sig = client, swarm, plan, sig
+        self.count = -1  # the first put() is the prompt
+        self.killed: list[str] = []
+        self.kill_times: list[float] = []
+        self.token_times: list[float] = []
+
+    def put(self, value) -> None:
+        self.count += 1
+        self.token_times.append(time.perf_counter())
+        if self.count in self.plan:
+            victim = self.client.route[self.plan[self.count]].peer_id
+            self.killed.append(victim)
+            peer = self.swarm.peer_by_id(victim)
+            if self.sig == signal.SIGSTOP:
+                peer.proc.send_signal(signal.SIGSTOP)
+            else:
+                self.swarm.kill(peer, self.sig)
+            self.kill_times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def kill_later(swarm, client, hop: int, delay: float) -> tuple[threading.Thread, list[str]]:
+    """Kill the server of ``hop`` on the client's route ``delay`` seconds from now (inside a slow request)."""
+    killed: list[str] = []
+
+    def run():
+        time.sleep(delay)
+        victim = client.route[hop].peer_id
+        killed.append(victim)
+        swarm.kill(swarm.peer_by_id(victim))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, killed
+
+
+def test_kill_mid_generation_keeps_every_token(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=64, do_sample=False)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+        killer = KillDuringGeneration(client, swarm, {20: 1})
+        out = client.generate(ids, max_new_tokens=64, do_sample=False, streamer=killer)
+        assert torch.equal(out, expected)
+        assert killer.killed and client.failovers >= 1
+        assert killer.killed[0] not in {h.peer_id for h in client.route}
+
+
+def test_several_kills_during_one_generation(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=64, do_sample=False)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+        killer = KillDuringGeneration(client, swarm, {10: 0, 30: 1})
+        out = client.generate(ids, max_new_tokens=64, do_sample=False, streamer=killer)
+        assert torch.equal(out, expected)
+        assert len(set(killer.killed)) == 2 and client.failovers >= 2
+
+
+def test_kill_during_prefill_forward_and_backward(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    spans = ["0:2", "0:2", "0:2", "2:4", "2:4", "2:4"]  # three kills, one replica left of each span at the end
+    with running_swarm(folder, spans, *SLOW) as swarm, connect(folder, swarm) as client:
+        # prefill: the first request to hop 0 takes >= 400 ms; the kill lands inside it
+        client(ids[:, :2])  # learn a route first, so the killer knows whom to kill
+        thread, killed = kill_later(swarm, client, hop=0, delay=0.15)
+        out = client.generate(ids, max_new_tokens=4, do_sample=False)
+        thread.join()
+        assert torch.equal(out, expected) and killed
+
+        # forward of a long sequence, kill inside hop 1's request
+        long = torch.randint(0, 320, (2, 200))
+        failovers = client.failovers
+        thread, killed = kill_later(swarm, client, hop=1, delay=0.6)
+        with torch.no_grad():
+            ours = client(long).logits
+        thread.join()
+        assert (ours - ref(long).logits).abs().max() < 1e-4
+        assert killed and client.failovers > failovers
+
+        # backward: kill hop 0's server while the backward walks back to it
+        emb = client.model.embed_tokens(long).detach().requires_grad_()
+        ref_emb = ref.model.embed_tokens(long).detach().requires_grad_()
+        loss = client(inputs_embeds=emb, labels=long).loss
+        failovers = client.failovers
+        victim_hop = client.route[0]
+        thread, killed = kill_later(swarm, client, hop=0, delay=0.1)
+        loss.backward()
+        thread.join()
+        ref(inputs_embeds=ref_emb, labels=long).loss.backward()
+        assert killed == [victim_hop.peer_id] and client.failovers > failovers
+        assert (emb.grad - ref_emb.grad).abs().max() < 1e-5
+
+
+def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
+    ids = prompt()
+    with running_swarm(folder, ["0:4", "0:2", "2:4"]) as swarm:
+        bootstrap = swarm.peers[0]
+        swarm.kill(bootstrap)
+        others = [p.maddr for p in swarm.peers[1:]]
+        with connect(folder, swarm) as client:  # initial_peers lists only live peers now
+            assert bootstrap.maddr not in swarm.initial_peers and swarm.initial_peers == others
+            out = client.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+        client(torch.tensor([[1, 2, 3]]))
+        for peer in swarm.peers:
+            if peer.span == "2:4":
+                swarm.kill(peer)
+        t0 = time.monotonic()
+        with pytest.raises(MissingBlocksError) as info:
+            client(torch.tensor([[1, 2, 3]]))
+        assert info.value.blocks == [2, 3]
+        assert time.monotonic() - t0 < client.swarm.blocks.timing.missing_blocks_wait + 10
+
+
+def test_frozen_server_is_routed_around(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+        freezer = KillDuringGeneration(client, swarm, {8: 1}, sig=signal.SIGSTOP)
+        try:
+            out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=freezer)
+            assert torch.equal(out, expected) and client.failovers >= 1
+            frozen_at = freezer.kill_times[0]
+            stall = next(t for t in freezer.token_times if t > frozen_at) - frozen_at
+            assert stall < client.swarm.blocks.timing.step_timeout + 3
+        finally:
+            for peer_id in freezer.killed:
+                swarm.peer_by_id(peer_id).proc.send_signal(signal.SIGCONT)
+
+
+def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+        leaver = KillDuringGeneration(client, swarm, {6: 0}, sig=signal.SIGTERM)
+        out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=leaver)
+        assert torch.equal(out, expected)
+        time.sleep(2 * client.swarm.blocks.timing.view_refresh)  # the client's view is refreshed this often
+        with torch.no_grad():
+            client(ids)
+        assert leaver.killed[0] not in {h.peer_id for h in client.route}  # new calls avoid the leaving peer
+
+
+def test_slow_server_is_routed_around(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=16, do_sample=False)
+    with running_swarm(folder, ["0:4"]) as swarm:
+        # announces itself 10x faster than the honest peer, but answers 200 ms late
+        slow = swarm.add_peer("0:4", "--throughput", "1000", "--added-latency-ms", "200")
+        slow_id = slow.maddr.split("/p2p/")[1]
+        with connect(folder, swarm) as client:
+            seen = []
+
+            class Watch:
+                def put(self, value):
+                    if client.route:
+                        seen.append(client.route[0].peer_id)
+
+                def end(self):
+                    pass
+
+            streamer = Watch()
+            out = client.generate(ids, max_new_tokens=16, do_sample=False, streamer=streamer)
+            assert torch.equal(out, expected)
+            assert seen[0] == slow_id and seen[-1] != slow_id
