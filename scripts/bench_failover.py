@@ -90,7 +90,7 @@ def main() -> None:
     for name, result, sab in (("SIGKILL x3", out, killer), ("SIGSTOP x1", out_frozen, freezer)):
         got = result.shape[1] - ids.shape[1]
         stalls = sab.stalls()
-        print(f"\n{name} during a {new}-token generation (kills after tokens {sorted(sab.plan)}):")
+        print(f"\n{name} during a {new}-token generation (after tokens {sorted(sab.plan)}):")
         print(f"  tokens lost: {new - got}; output identical to the undisturbed run: {torch.equal(result, reference)}")
         print(
             f"  stall per failure: median {statistics.median(stalls):.3f} s, max {max(stalls):.3f} s "
