@@ -1,0 +1,203 @@
+"""The broker's pure planner: (swarm view, model, policy) -> assignment of spans to peers.
+
+Model of the swarm: a peer with throughput t (blocks per unit time) serving a span of L blocks adds t / L to the
+throughput of each block of its span; the swarm's throughput is its bottleneck, the smallest total over all blocks,
+and can be no more than (sum of t) / (number of blocks). A peer holds at most memory // block_bytes blocks.
+
+The plan: pinned peers stay where they are; peers that already serve keep their span unless moving raises the
+bottleneck by more than the hysteresis; a standby whose preloaded span covers a hole is promoted before anyone
+loads from disk; new peers take the window where blocks are weakest, using all the memory they offer; local-search
+rounds then move peers while that raises the bottleneck; finally the weakest peers beyond the replication need
+become standbys holding the most fragile spans.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from swarm.ids import Span
+
+
+class Role(StrEnum):
+    SERVE = "serve"
+    STANDBY = "standby"
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    peer_id: str
+    throughput: float  # blocks per unit time
+    memory: int  # bytes available for blocks
+    pinned: Span | None = None  # --blocks: counted, never moved
+    span: Span | None = None  # what it holds now (serving or preloaded)
+    role: Role | None = None  # what it does with it now
+
+
+@dataclass(frozen=True)
+class Policy:
+    replication: int = 1  # each block served by at least this many peers where possible
+    standby_fraction: float = 0.1  # of the unpinned peers, kept back as standbys once replication is met
+    hysteresis: float = 0.1  # a serving peer moves only if the bottleneck rises by this fraction
+    rounds: int = 3  # local-search passes
+
+
+@dataclass(frozen=True)
+class Placement:
+    span: Span
+    role: Role
+
+
+@dataclass(frozen=True)
+class Plan:
+    placements: dict[str, Placement] = field(default_factory=dict)
+    bottleneck: float = 0.0
+    upper_bound: float = 0.0
+    unplaceable: tuple[str, ...] = ()  # peers without memory for one block
+
+    def moves_from(self, peers: list[PeerInfo]) -> int:
+        """How many peers must load something new to follow this plan."""
+        return sum(1 for p in peers if p.peer_id in self.placements and self.placements[p.peer_id].span != p.span)
+
+
+def capacity(peer: PeerInfo, num_blocks: int, block_bytes: int) -> int:
+    return min(num_blocks, peer.memory // max(block_bytes, 1))
+
+
+def _totals(num_blocks: int, spans: dict[str, Span], speed: dict[str, float]) -> list[float]:
+    totals = [0.0] * num_blocks
+    for pid, span in spans.items():
+        share = speed[pid] / len(span)
+        for b in range(span.start, span.end):
+            totals[b] += share
+    return totals
+
+
+def _best_window(totals: list[float], length: int, share: float) -> Span:
+    """The window that most raises the weakest blocks: maximise the sum of 1 / total over the window, i.e. cover
+    the blocks where each unit of throughput matters most (holes first)."""
+    n = len(totals)
+    weights = [1.0 / (t + share * 1e-3 + 1e-12) for t in totals]
+    best, best_score, acc = 0, -1.0, sum(weights[:length])
+    for s in range(0, n - length + 1):
+        if s:
+            acc += weights[s + length - 1] - weights[s - 1]
+        if acc > best_score * (1 + 1e-12):
+            best, best_score = s, acc
+    return Span(best, best + length)
+
+
+def _add(totals: list[float], span: Span, share: float) -> None:
+    for b in range(span.start, span.end):
+        totals[b] += share
+
+
+def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy: Policy = Policy()) -> Plan:
+    speed = {p.peer_id: max(p.throughput, 1e-9) for p in peers}
+    cap = {p.peer_id: capacity(p, num_blocks, block_bytes) for p in peers}
+    unplaceable = tuple(p.peer_id for p in peers if cap[p.peer_id] < 1 and p.pinned is None)
+    spans: dict[str, Span] = {}
+    for p in peers:
+        if p.pinned is not None:
+            spans[p.peer_id] = p.pinned
+        elif p.span is not None and p.role == Role.SERVE and len(p.span) <= cap[p.peer_id]:
+            spans[p.peer_id] = p.span
+    totals = _totals(num_blocks, spans, speed)
+
+    # holes first: promote standbys whose preloaded span covers a block nobody serves
+    for p in sorted(peers, key=lambda q: -speed[q.peer_id]):
+        if p.peer_id in spans or p.role != Role.STANDBY or p.span is None or len(p.span) > cap[p.peer_id]:
+            continue
+        if any(totals[b] == 0 for b in range(p.span.start, p.span.end)):
+            spans[p.peer_id] = p.span
+            _add(totals, p.span, speed[p.peer_id] / len(p.span))
+
+    # everyone else: strongest first, into the weakest window their memory allows
+    free = [p for p in peers if p.peer_id not in spans and cap[p.peer_id] >= 1 and p.pinned is None]
+    for p in sorted(free, key=lambda q: -speed[q.peer_id]):
+        length = cap[p.peer_id]
+        share = speed[p.peer_id] / length
+        span = _best_window(totals, length, share)
+        spans[p.peer_id] = span
+        _add(totals, span, share)
+
+    # local search: move a peer if the bottleneck (or, at equal bottleneck, the count of weakest blocks) improves;
+    # peers that already held their span must gain more than the hysteresis to move
+    movable = [p for p in peers if p.pinned is None and p.peer_id in spans]
+    for _ in range(policy.rounds):
+        changed = False
+        for p in sorted(movable, key=lambda q: speed[q.peer_id]):
+            old = spans[p.peer_id]
+            share = speed[p.peer_id] / len(old)
+            before = min(totals)
+            weak_before = _weak(totals, before)
+            _add(totals, old, -share)
+            candidate = _best_window(totals, len(old), share)
+            _add(totals, candidate, share)
+            after = min(totals)
+            if p.span == old:  # it already holds this span: moving costs a reload, so demand a real gain
+                better = after > before * (1 + policy.hysteresis) + 1e-12
+            else:
+                better = after > before + 1e-12 or (after >= before - 1e-12 and _weak(totals, after) < weak_before)
+            if candidate != old and better:
+                spans[p.peer_id] = candidate
+                changed = True
+            else:
+                _add(totals, candidate, -share)
+                _add(totals, old, share)
+        if not changed:
+            break
+
+    placements = {pid: Placement(span, Role.SERVE) for pid, span in spans.items()}
+    placements = _choose_standbys(peers, placements, totals, speed, policy)
+    serving = {pid: pl.span for pid, pl in placements.items() if pl.role == Role.SERVE}
+    final = _totals(num_blocks, serving, speed)
+    return Plan(
+        placements,
+        min(final) if final else 0.0,
+        sum(speed[p.peer_id] for p in peers if cap[p.peer_id] >= 1) / max(num_blocks, 1),
+        unplaceable,
+    )
+
+
+def _weak(totals: list[float], level: float) -> int:
+    return sum(1 for t in totals if t <= level + 1e-12)
+
+
+def _choose_standbys(peers, placements, totals, speed, policy) -> dict[str, Placement]:
+    """The weakest unpinned peers become standbys while every block keeps ``replication`` serving peers; a standby
+    preloads the most fragile window (fewest serving replicas) of its length."""
+    unpinned = sorted(
+        (p for p in peers if p.pinned is None and p.peer_id in placements), key=lambda q: speed[q.peer_id]
+    )
+    want = math.floor(len(unpinned) * policy.standby_fraction)
+    if want == 0:
+        return placements
+    n = len(totals)
+    replicas = [0] * n
+    for pl in placements.values():
+        for b in range(pl.span.start, pl.span.end):
+            replicas[b] += 1
+    out = dict(placements)
+    chosen = 0
+    for p in unpinned:
+        if chosen >= want:
+            break
+        span = out[p.peer_id].span
+        if any(replicas[b] - 1 < policy.replication for b in range(span.start, span.end)):
+            continue  # it is needed to keep the replication
+        for b in range(span.start, span.end):
+            replicas[b] -= 1
+        out[p.peer_id] = Placement(span, Role.STANDBY)
+        chosen += 1
+    # point each standby at the most fragile window of its length (fewest serving replicas)
+    for pid, pl in list(out.items()):
+        if pl.role != Role.STANDBY:
+            continue
+        length = len(pl.span)
+        fragile = _best_window([float(r) for r in replicas], length, 1.0)
+        if (peer := next(p for p in peers if p.peer_id == pid)).span == pl.span and peer.role == Role.STANDBY:
+            fragile = pl.span  # already preloaded: keep it warm rather than reload
+        out[pid] = Placement(fragile, Role.STANDBY)
+    return out

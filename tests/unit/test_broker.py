@@ -1,0 +1,109 @@
+"""The planner on heterogeneous swarms, and the election with an injected clock."""
+
+from __future__ import annotations
+
+import random
+
+from peers.broker.election import Election, Lease, newest_assignment, winner
+from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm
+from swarm.ids import Span
+
+GB = 1024**3
+
+
+def test_full_coverage_and_memory_limits():
+    peers = [PeerInfo(f"p{i}", 1.0, 10 * GB) for i in range(6)] + [PeerInfo("big", 5.0, 80 * GB)]
+    plan = plan_swarm(peers, 40, 2 * GB, Policy(standby_fraction=0.0))
+    for pid, pl in plan.placements.items():
+        cap = 5 if pid != "big" else 40
+        assert len(pl.span) <= cap
+    served = {b for pl in plan.placements.values() for b in range(pl.span.start, pl.span.end)}
+    assert served == set(range(40)) and plan.bottleneck > 0
+
+
+def test_heterogeneous_bottleneck_near_upper_bound():
+    rng = random.Random(0)
+    kinds = [(10, 1.0), (24, 2.5), (80, 5.0)]
+    peers = [PeerInfo(f"p{i}", *reversed(kinds[rng.randrange(3)])) for i in range(60)]
+    peers = [PeerInfo(p.peer_id, p.throughput, int(p.memory) * GB) for p in peers]
+    plan = plan_swarm(peers, 24, 2 * GB, Policy(standby_fraction=0.0))
+    assert plan.bottleneck >= 0.85 * plan.upper_bound
+
+
+def test_pinned_peers_never_move_and_too_small_peers_are_reported():
+    pinned = PeerInfo("pinned", 1.0, 100 * GB, pinned=Span(0, 3))
+    tiny = PeerInfo("tiny", 1.0, GB // 2)
+    plan = plan_swarm([pinned, tiny, PeerInfo("free", 1.0, 100 * GB)], 8, GB)
+    assert plan.placements["pinned"].span == Span(0, 3)
+    assert plan.unplaceable == ("tiny",) and "tiny" not in plan.placements
+
+
+def test_hysteresis_keeps_serving_peers_put():
+    peers = [PeerInfo(f"p{i}", 1.0 + 0.01 * i, 4 * GB) for i in range(8)]
+    first = plan_swarm(peers, 16, GB, Policy(standby_fraction=0.0))
+    settled = [
+        PeerInfo(p.peer_id, p.throughput, p.memory, span=first.placements[p.peer_id].span, role=Role.SERVE)
+        for p in peers
+    ]
+    # a slightly faster newcomer must not shuffle everyone
+    again = plan_swarm([*settled, PeerInfo("new", 1.05, 4 * GB)], 16, GB, Policy(standby_fraction=0.0))
+    assert again.moves_from(settled) <= 1
+
+
+def test_standby_pool_and_promotion():
+    peers = [PeerInfo(f"p{i}", 1.0 + i * 0.1, 4 * GB) for i in range(10)]
+    plan = plan_swarm(peers, 8, GB, Policy(replication=2, standby_fraction=0.2))
+    standbys = [pid for pid, pl in plan.placements.items() if pl.role == Role.STANDBY]
+    assert len(standbys) == 2
+    current = [
+        PeerInfo(
+            p.peer_id,
+            p.throughput,
+            p.memory,
+            span=plan.placements[p.peer_id].span,
+            role=plan.placements[p.peer_id].role,
+        )
+        for p in peers
+    ]
+    # every server of some block leaves: a standby holding that block is promoted without loading anything
+    hole = plan.placements[standbys[0]].span.start
+    gone = {p.peer_id for p in current if p.role == Role.SERVE and hole in p.span}
+    after = plan_swarm(
+        [p for p in current if p.peer_id not in gone], 8, GB, Policy(replication=2, standby_fraction=0.2)
+    )
+    promoted = after.placements[standbys[0]]
+    assert promoted.role == Role.SERVE and promoted.span == plan.placements[standbys[0]].span
+
+
+class FakeStore:
+    def __init__(self):
+        self.leases: dict[str, Lease] = {}
+
+    def read(self):
+        return list(self.leases.values())
+
+    def write(self, lease):
+        self.leases[lease.holder] = lease
+
+
+def test_election_lease_expiry_contenders_and_stale_terms():
+    now = [0.0]
+    store = FakeStore()
+    a = Election("a", store, lambda: now[0], lease_seconds=10)
+    b = Election("b", store, lambda: now[0], lease_seconds=10)
+    assert a.tick() is not None and a.held.term == 1
+    assert b.tick() is None  # a holds it
+    now[0] = 5.0
+    assert a.tick().expires == 15.0  # renewed
+    now[0] = 30.0  # a went silent: its lease lapsed
+    assert b.tick().term == 2 and a.tick() is None  # b wins term 2; a, back, does not reclaim
+    assert winner(store.read(), now[0]).holder == "b"
+    # two contenders claiming the same term resolve to the same winner
+    store2 = FakeStore()
+    store2.write(Lease(3, "y", 100.0))
+    store2.write(Lease(3, "x", 100.0))
+    assert winner(store2.read(), 0.0).holder == "x"
+    # followers obey the newest (term, broker) and never go back
+    seen = newest_assignment([(2, "b")], None)
+    assert newest_assignment([(1, "a")], seen) == (2, "b")
+    assert newest_assignment([(3, "z"), (3, "c")], seen) == (3, "c")
