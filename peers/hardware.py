@@ -75,3 +75,18 @@ def cached_throughput(backend: SpanBackend, cache_dir: Path, key: str) -> tuple[
     tmp.write_text(json.dumps({"forward_tps": forward_tps, "inference_sps": inference_sps}))
     os.replace(tmp, path)
     return forward_tps, inference_sps
+
+
+def usable_memory(device: str) -> int:
+    """Bytes this peer can give to blocks: 90% of free GPU memory, or half of the available RAM on CPU (the rest is
+    for activations, KV caches and the other processes of a volunteer's machine)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free * 0.9)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", 0) // 2
+    except OSError:
+        return probe_hardware(device).device_memory // 2

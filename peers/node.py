@@ -1,29 +1,34 @@
-"""Wires one volunteer peer together: DHT, span of blocks, compute, RPC servicer and announcer."""
+"""Wires one volunteer peer together: DHT, its span of blocks (which can change), compute, RPC servicer, announcer,
+follower and broker candidate."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from hivemind.utils import get_dht_time
 
-from peers.announcer import Announcer
 from peers.blocks.backend import SpanBackend
-from peers.blocks.families import family_for
-from peers.blocks.loader import load_span
-from peers.hardware import cached_throughput, probe_hardware
+from peers.blocks.families import Family, family_for
+from peers.blocks.loader import block_bytes, load_span
+from peers.broker.loop import run_broker
+from peers.broker.planner import Role
+from peers.follower import run_follower
+from peers.hardware import Hardware, cached_throughput, probe_hardware, usable_memory
 from peers.rpc.compute import ComputeService
 from peers.rpc.direct_server import DirectServer
 from peers.rpc.servicer import Servicer
 from swarm import __version__
 from swarm.config import PeerConfig, load_model_card
-from swarm.dht import start_dht
+from swarm.dht import announce, start_dht, store_own
 from swarm.errors import BadInputError
-from swarm.ids import Span
+from swarm.ids import Span, peers_key
 from swarm.model_files import load_config, model_folder, weights_fingerprint
 from swarm.protocol import PROTOCOL_VERSION
-from swarm.records import PeerState, ServerRecord
+from swarm.records import PeerRecord, PeerState, ServerRecord
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +52,161 @@ def _direct_address(cfg: PeerConfig, port: int) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None) -> None:
-    torch.set_num_threads(cfg.threads)
-    if not cfg.new_swarm and not cfg.initial_peers:
-        raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one")
+@dataclass
+class Model:
+    """What a peer knows of the model it serves."""
+
+    name: str
+    folder: object
+    config: object
+    family: Family
+    dtype: torch.dtype
+    dtype_name: str
+    fingerprint: str
+    block_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_hidden_layers
+
+
+class Peer:
+    """One peer's changing state: the span it holds, what it does with it, and how it tells the swarm."""
+
+    def __init__(self, cfg: PeerConfig, model: Model, dht, validator, hardware: Hardware, max_blocks: int) -> None:
+        self.cfg, self.model, self.dht, self.validator, self.hardware = cfg, model, dht, validator, hardware
+        self.max_blocks = max_blocks
+        self.peer_id = dht.peer_id.to_base58()
+        self.compute = ComputeService(None, cfg, model.config.hidden_size, model.dtype, model.num_blocks)
+        self.span: Span | None = None
+        self.role: Role | None = None
+        self.state = PeerState.JOINING
+        self.block_tps = 0.0  # forward tokens/s of one block
+        self.maddrs: list[str] = []
+        self.direct_address: str | None = None
+        self._lock = asyncio.Lock()
+
+    # ---- spans ----------------------------------------------------------------------------------------------------
+    def _load(self, span: Span) -> SpanBackend:
+        m = self.model
+        layers = load_span(m.folder, m.config, m.family, span, m.dtype, self.cfg.device)
+        if self.cfg.perturb_weights:
+            _perturb(layers, self.cfg.perturb_weights)
+        backend = SpanBackend(m.config, m.family, layers, span, self.cfg.device, m.dtype)
+        if self.cfg.throughput is not None:
+            self.block_tps = self.cfg.throughput
+        else:
+            key = f"{m.fingerprint}-{span.start}-{span.end}-{self.cfg.device}-{self.cfg.threads}".replace(":", "_")
+            forward_tps, _ = cached_throughput(backend, self.cfg.cache_dir, key)
+            self.block_tps = forward_tps * len(span)
+        return backend
+
+    async def hold(self, span: Span, role: Role) -> None:
+        """Serve (or keep warm as a standby) ``span``. Make-before-break: a new span is loaded and announced before
+        the old one is dropped; a standby promoted to the span it preloaded starts serving at once."""
+        async with self._lock:
+            fields = {"peer": self.peer_id, "span": str(span)}
+            old = self.span
+            if span != old:
+                log.info("loading blocks as %s", role.value, extra=fields)
+                backend = await asyncio.to_thread(self._load, span)
+                self.compute.set_backend(backend)
+                self.span = span
+            elif role != self.role:
+                log.info("%s -> %s", self.role.value if self.role else "none", role.value, extra=fields)
+            self.role = role
+            self.state = PeerState.ONLINE if role == Role.SERVE else PeerState.STANDBY
+            self.compute.serving = role == Role.SERVE
+            await self.publish()
+            if old is not None and old != span:
+                await self._retract(old, span)
+
+    async def _retract(self, old: Span, new: Span) -> None:
+        """Mark blocks of the old span that the new one lacks as left, so routes stop using them here."""
+        gone = [b for b in range(old.start, old.end) if b not in new]
+        if gone:
+            record = self._server_record(Span(gone[0], gone[-1] + 1), PeerState.LEAVING)
+            await asyncio.to_thread(
+                announce, self.dht, self.validator, record, get_dht_time() + self.cfg.timing.record_ttl
+            )
+
+    # ---- announcing -----------------------------------------------------------------------------------------------
+    def _server_record(self, span: Span, state: PeerState) -> ServerRecord:
+        per_block = max(self.block_tps, 1e-9)
+        return ServerRecord(
+            peer_id=self.peer_id,
+            maddrs=tuple(self.maddrs),
+            state=state,
+            start=span.start,
+            end=span.end,
+            model_id=self.model.name,
+            num_blocks=self.model.num_blocks,
+            fingerprint=self.model.fingerprint,
+            dtype=self.model.dtype_name,
+            device=self.hardware.device_name,
+            device_memory=self.hardware.device_memory,
+            forward_tps=per_block / len(span),
+            inference_sps=per_block / len(span),
+            cache_tokens_free=self.compute.budget.free,
+            cache_tokens_total=self.compute.budget.total,
+            software_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            requests_served=sum(self.compute.stats.values()),
+            direct_address=self.direct_address,
+        )
+
+    async def publish(self, state: PeerState | None = None) -> None:
+        if state is not None:
+            self.state = state
+        now = get_dht_time()
+        expiration = now + self.cfg.timing.record_ttl
+        heartbeat = PeerRecord(
+            peer_id=self.peer_id,
+            state=self.state,
+            start=self.span.start if self.span else None,
+            end=self.span.end if self.span else None,
+            pinned=self.cfg.blocks is not None,
+            block_throughput=self.block_tps,
+            memory=self.max_blocks * self.model.block_bytes,
+            max_blocks=self.max_blocks,
+            updated_at=now,
+            broker_capable=self.cfg.broker,
+        )
+        await asyncio.to_thread(
+            store_own,
+            self.dht,
+            self.validator,
+            peers_key(self.model.name),
+            heartbeat.model_dump(mode="json"),
+            expiration,
+        )
+        if self.span is not None:
+            record = self._server_record(self.span, self.state)
+            await asyncio.to_thread(announce, self.dht, self.validator, record, expiration)
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.timing.announce_period)
+            try:
+                await self.publish()
+            except Exception:
+                log.exception("announce failed; will retry", extra={"peer": self.peer_id})
+
+    def info(self) -> dict:
+        return {
+            "peer_id": self.peer_id,
+            "span": str(self.span) if self.span else None,
+            "role": self.role.value if self.role else None,
+            "model_id": self.model.name,
+            "fingerprint": self.model.fingerprint,
+            "stats": dict(self.compute.stats),
+            "open_sessions": len(self.compute.sessions),
+            "cache_tokens_free": self.compute.budget.free,
+            "kept_activations": len(self.compute.kept),
+        }
+
+
+def _model(cfg: PeerConfig) -> Model:
     card = load_model_card(cfg.model)
     folder = model_folder(card, cfg.cache_dir)
     config = load_config(folder)
@@ -59,12 +215,40 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise BadInputError(f"unknown dtype {dtype_name!r}")
-    span = cfg.blocks or Span(0, config.num_hidden_layers)
-    if span.end > config.num_hidden_layers:
-        raise BadInputError(f"--blocks {span} exceeds the model's {config.num_hidden_layers} blocks")
+    if cfg.blocks is not None and cfg.blocks.end > config.num_hidden_layers:
+        raise BadInputError(f"--blocks {cfg.blocks} exceeds the model's {config.num_hidden_layers} blocks")
     family = family_for(config)
-    fingerprint = weights_fingerprint(folder, dtype_name, cfg.cache_dir)
+    return Model(
+        card.name,
+        folder,
+        config,
+        family,
+        dtype,
+        dtype_name,
+        weights_fingerprint(folder, dtype_name, cfg.cache_dir),
+        block_bytes(folder, family, dtype),
+    )
 
+
+def _max_blocks(cfg: PeerConfig, model: Model) -> int:
+    fits = usable_memory(cfg.device) // max(model.block_bytes, 1)
+    limit = min(fits, model.num_blocks, cfg.max_blocks or model.num_blocks)
+    if cfg.blocks is not None:
+        return len(cfg.blocks)
+    if limit < 1:
+        raise BadInputError(
+            f"too little memory for even one block of {model.name} ({model.block_bytes / 2**20:.0f} MiB in "
+            f"{model.dtype_name}): this peer cannot serve it"
+        )
+    return limit
+
+
+async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None) -> None:
+    torch.set_num_threads(cfg.threads)
+    if not cfg.new_swarm and not cfg.initial_peers:
+        raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one")
+    model = _model(cfg)
+    max_blocks = _max_blocks(cfg, model)
     # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
     dht, validator = start_dht(
         initial_peers=cfg.initial_peers,
@@ -74,87 +258,55 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
         identity=cfg.identity,
         timeout=cfg.timing.open_timeout * 6,
     )
-    compute = None
+    peer = None
+    tasks: list[asyncio.Task] = []
     try:
-        peer_id = dht.peer_id.to_base58()
+        peer = Peer(cfg, model, dht, validator, probe_hardware(cfg.device), max_blocks)
         maddrs = [str(m) for m in (cfg.announce_maddrs or dht.get_visible_maddrs())]
-        maddrs = [m if "/p2p/" in m else f"{m}/p2p/{peer_id}" for m in maddrs]
-        fields = {"peer": peer_id, "span": str(span)}
-        log.info("loading blocks", extra=fields)
-        layers = load_span(folder, config, family, span, dtype, cfg.device)
-        if cfg.perturb_weights:
-            _perturb(layers, cfg.perturb_weights)
-        backend = SpanBackend(config, family, layers, span, cfg.device, dtype)
-        hardware = probe_hardware(cfg.device)
-        if cfg.throughput is not None:
-            forward_tps = inference_sps = cfg.throughput
-        else:
-            key = f"{fingerprint}-{span.start}-{span.end}-{cfg.device}-{cfg.threads}".replace(":", "_")
-            forward_tps, inference_sps = cached_throughput(backend, cfg.cache_dir, key)
-        compute = ComputeService(backend, cfg)
-
-        def make_record(state: PeerState) -> ServerRecord:
-            return ServerRecord(
-                peer_id=peer_id,
-                maddrs=tuple(maddrs),
-                state=state,
-                start=span.start,
-                end=span.end,
-                model_id=card.name,
-                num_blocks=config.num_hidden_layers,
-                fingerprint=fingerprint,
-                dtype=dtype_name,
-                device=hardware.device_name,
-                device_memory=hardware.device_memory,
-                forward_tps=forward_tps,
-                inference_sps=inference_sps,
-                cache_tokens_free=compute.budget.free,
-                cache_tokens_total=compute.budget.total,
-                software_version=__version__,
-                protocol_version=PROTOCOL_VERSION,
-                requests_served=sum(compute.stats.values()),
-                direct_address=direct_address,
-            )
-
-        def info() -> dict:
-            return {
-                "peer_id": peer_id,
-                "span": str(span),
-                "model_id": card.name,
-                "fingerprint": fingerprint,
-                "stats": dict(compute.stats),
-                "open_sessions": len(compute.sessions),
-                "cache_tokens_free": compute.budget.free,
-                "kept_activations": len(compute.kept),
-            }
-
+        peer.maddrs = [m if "/p2p/" in m else f"{m}/p2p/{peer.peer_id}" for m in maddrs]
         p2p = await dht.replicate_p2p()
-        servicer = Servicer(compute, info, cfg.added_latency_ms / 1000)
+        servicer = Servicer(peer.compute, peer.info, cfg.added_latency_ms / 1000)
         await servicer.register(p2p)
-        direct_address = None
         if cfg.direct_port is not None:
-            direct = DirectServer(servicer)
-            port = await direct.start(cfg.host, cfg.direct_port)
-            direct_address = _direct_address(cfg, port)
-        announcer = Announcer(dht, validator, make_record, cfg.timing)
-        await announcer.publish(PeerState.ONLINE)
-        refresher = asyncio.create_task(announcer.run())
-        log.info("serving", extra=fields)
+            port = await DirectServer(servicer).start(cfg.host, cfg.direct_port)
+            peer.direct_address = _direct_address(cfg, port)
+        if cfg.blocks is not None:
+            await peer.hold(cfg.blocks, Role.SERVE)
+        else:
+            if cfg.throughput is None:  # measure one block so the broker can place this peer
+                await asyncio.to_thread(peer._load, Span(0, 1))
+            else:
+                peer.block_tps = cfg.throughput
+            await peer.publish(PeerState.JOINING)
+        tasks.append(asyncio.create_task(peer.heartbeat()))
+        if cfg.blocks is None:
+            tasks.append(asyncio.create_task(run_follower(peer)))
+        if cfg.broker:
+            tasks.append(asyncio.create_task(run_broker(peer)))
+        log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
         if on_ready is not None:
-            on_ready(maddrs)
+            on_ready(peer.maddrs)
         await stop.wait()
-        log.info("leaving", extra=fields)
-        refresher.cancel()
-        compute.leaving = True
-        try:
-            await asyncio.wait_for(announcer.publish(PeerState.LEAVING), cfg.timing.open_timeout)
-        except Exception:
-            log.warning("could not announce leaving", extra=fields)
-        # New sessions now avoid this peer; give the open ones a grace period to finish (or fail over).
-        deadline = asyncio.get_running_loop().time() + cfg.timing.leave_grace
-        while compute.sessions and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)
+        await _leave(peer, tasks)
     finally:
-        if compute is not None:
-            compute.close()
+        for task in tasks:
+            task.cancel()
+        if peer is not None:
+            peer.compute.close()
         dht.shutdown()
+
+
+async def _leave(peer: Peer, tasks: list[asyncio.Task]) -> None:
+    log.info("leaving", extra={"peer": peer.peer_id, "span": str(peer.span)})
+    for task in tasks:
+        task.cancel()
+    peer.compute.leaving = True
+    try:
+        await asyncio.wait_for(peer.publish(PeerState.LEAVING), peer.cfg.timing.open_timeout)
+    except Exception:
+        log.warning("could not announce leaving", extra={"peer": peer.peer_id})
+    # New sessions now avoid this peer; give the open ones a grace period to finish (or fail over).
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + peer.cfg.timing.leave_grace
+    while peer.compute.sessions and loop.time() < deadline:
+        await asyncio.sleep(0.1)

@@ -36,6 +36,9 @@ class Timing:
     ban_base: float = 15.0  # a failed peer is avoided this long, doubling with each further failure
     leave_grace: float = 20.0  # a leaving server keeps serving its open sessions this long
     slow_factor: float = 10.0  # a hop this many times slower than announced (3 steps running) is moved
+    broker_period: float = 5.0  # the broker replans, and followers look for new assignments, this often
+    lease_seconds: float = 30.0  # a broker's lease; a new broker is elected within two of these after it dies
+    heartbeat_timeout: float = 15.0  # the broker counts a peer dead after this long without a heartbeat
 
     @staticmethod
     def for_tests() -> Timing:
@@ -52,6 +55,9 @@ class Timing:
             retry_budget=20.0,
             ban_base=5.0,
             leave_grace=3.0,
+            broker_period=0.5,
+            lease_seconds=3.0,
+            heartbeat_timeout=3.0,
         )
 
 
@@ -137,6 +143,10 @@ class PeerConfig:
     max_message_bytes: int = 256 * 1024 * 1024  # a request larger than this is refused
     inline_tokens: int = 8  # inference steps of at most this many tokens run on the RPC loop, not the compute thread
     direct_port: int | None = 0  # plain-TCP data plane port (0 = any, None = off); see swarm/direct.py
+    max_blocks: int | None = None  # most blocks this peer will hold (None: as many as its memory allows)
+    broker: bool = True  # stand for the broker role
+    replication: int = 1  # broker policy: serving peers per block where possible
+    standby_fraction: float = 0.1  # broker policy: share of unpinned peers kept as warm standbys
 
 
 @dataclass(frozen=True)

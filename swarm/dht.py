@@ -162,3 +162,23 @@ def read_view(dht: hivemind.DHT, model_id: str, num_blocks: int) -> dict[int, li
             if record is not None and record.model_id == model_id and b in record.span:
                 view[b].append(record)
     return view
+
+
+async def _get_subkeys(_dht, node, key) -> dict:
+    found = await node.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {sub: v.value for sub, v in found.value.items()}
+
+
+def store_own(dht: hivemind.DHT, validator: RSASignatureValidator, key: str, value: dict, expiration: float) -> bool:
+    """Store ``value`` under ``key`` in this peer's own signed subkey."""
+    result = dht.run_coroutine(
+        partial(_store_records, keys=[key], values=[value], expiration=expiration, subkey=validator.local_public_key)
+    )
+    return all(result.values())
+
+
+def read_all(dht: hivemind.DHT, key: str) -> list:
+    """Every subkey's value under ``key`` (each peer's own entry)."""
+    return list(dht.run_coroutine(partial(_get_subkeys, key=key)).values())

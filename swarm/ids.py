@@ -42,3 +42,18 @@ def parse_span(text: str) -> Span:
 def block_key(model_id: str, block: int) -> str:
     """DHT key of one block's server records; namespaced by model so several models share one swarm."""
     return f"swarm/{model_id}/block/{block}"
+
+
+def peers_key(model_id: str) -> str:
+    """Every peer's heartbeat record (hardware, state, span), what the broker plans with."""
+    return f"swarm/{model_id}/peers"
+
+
+def broker_key(model_id: str) -> str:
+    """Broker leases, one subkey per candidate."""
+    return f"swarm/{model_id}/broker"
+
+
+def assignment_key(model_id: str) -> str:
+    """The broker's assignments, one subkey per broker that issued one."""
+    return f"swarm/{model_id}/assignment"

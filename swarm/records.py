@@ -69,3 +69,48 @@ def parse_record(value: Any) -> ServerRecord | None:
         log.debug("skipping a malformed record: %s", e)
         return None
     return record if record.start < record.end else None
+
+
+class PeerRecord(BaseModel):
+    """Every peer's heartbeat under the model's peers key: what the broker plans with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    peer_id: str
+    state: PeerState
+    start: int | None = None  # the span it holds (serving or preloaded), if any
+    end: int | None = None
+    pinned: bool = False  # --blocks: the broker counts it but never moves it
+    block_throughput: float = Field(ge=0)  # blocks per second (forward tokens/s of one block)
+    memory: int = Field(ge=0)  # bytes it offers for blocks
+    max_blocks: int = Field(ge=0)
+    updated_at: float  # DHT time of this heartbeat
+    broker_capable: bool = True
+
+    @property
+    def span(self) -> Span | None:
+        return Span(self.start, self.end) if self.start is not None and self.end is not None else None
+
+
+class Assignment(BaseModel):
+    """A broker's plan, stamped with its term: peers obey only the newest (term, broker) they have seen."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    term: int
+    broker: str
+    issued_at: float
+    placements: dict[str, tuple[int, int, str]]  # peer id -> (start, end, "serve" | "standby")
+
+
+def parse_as(cls, value: Any):
+    """``value`` as ``cls`` (a record model), or None if it is of another schema version or malformed."""
+    if not isinstance(value, dict) or value.get("schema_version") != SCHEMA_VERSION:
+        return None
+    try:
+        return cls.model_validate(value)
+    except ValidationError as e:
+        log.debug("skipping a malformed %s: %s", cls.__name__, e)
+        return None

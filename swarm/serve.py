@@ -17,7 +17,17 @@ from swarm.logs import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.serve", description=__doc__)
     p.add_argument("--model", default="smollm2-135m", help="a name from configs/models or a Hugging Face folder")
-    p.add_argument("--blocks", type=parse_span, help="span START:END of blocks to serve (default: all)")
+    p.add_argument(
+        "--blocks",
+        type=parse_span,
+        help="pin this peer to span START:END (default: serve what the swarm's broker assigns)",
+    )
+    p.add_argument("--max-blocks", type=int, help="most blocks to hold (default: as many as memory allows)")
+    p.add_argument("--no-broker", action="store_true", help="never take the broker role")
+    p.add_argument("--replication", type=int, default=1, help="broker policy: serving peers per block")
+    p.add_argument(
+        "--standby-fraction", type=float, default=0.1, help="broker policy: share of peers kept as warm standbys"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--new-swarm", action="store_true", help="start a new swarm")
     g.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of running peers")
@@ -35,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (batch x length)")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="largest batch x seq of one request")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--throughput", default="auto", help="'auto' (measure once and cache) or a number in tokens/s")
+    p.add_argument(
+        "--throughput",
+        default="auto",
+        help="'auto' (measure once and cache) or forward tokens/s of ONE block (skips the probe)",
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="converted models, probes (default ~/.cache/swarm)")
     p.add_argument("--added-latency-ms", type=float, default=0.0, help="delay each request (emulate distance)")
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
@@ -54,6 +68,10 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         port=args.port,
         announce_maddrs=tuple(args.announce_maddr),
         direct_port=None if args.direct_port == "off" else int(args.direct_port),
+        max_blocks=args.max_blocks,
+        broker=not args.no_broker,
+        replication=args.replication,
+        standby_fraction=args.standby_fraction,
         identity=args.identity,
         device=args.device,
         dtype=args.dtype,

@@ -11,8 +11,10 @@ from swarm.client.loop import LoopThread
 from swarm.client.remote import Remote
 from swarm.client.routing import Hop, servers
 from swarm.config import Timing
-from swarm.dht import read_view, start_dht
+from swarm.dht import read_all, read_view, start_dht
 from swarm.errors import SwarmError
+from swarm.ids import broker_key
+from swarm.lease import Lease, winner
 from swarm.records import PeerState, ServerRecord
 
 
@@ -28,7 +30,9 @@ def coverage(view: Mapping[int, list[ServerRecord]], num_blocks: int) -> list[tu
     return runs
 
 
-def render(model_id: str, view: Mapping[int, list[ServerRecord]], live: Mapping[str, dict]) -> str:
+def render(
+    model_id: str, view: Mapping[int, list[ServerRecord]], live: Mapping[str, dict], broker: dict | None = None
+) -> str:
     recs = sorted(servers(view).values(), key=lambda r: (r.start, r.end, r.peer_id))
     if not recs:
         return f"model {model_id}: no peers found"
@@ -53,7 +57,14 @@ def render(model_id: str, view: Mapping[int, list[ServerRecord]], live: Mapping[
             f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.device}"
         )
     lines += ["", "coverage: " + ", ".join(f"{a}:{b} x{n}" for a, b, n in runs)]
+    if broker:
+        lines.append(f"broker: ..{broker.holder[-12:]} (term {broker.term})")
     return "\n".join(lines)
+
+
+def current_broker(values: list, now: float) -> Lease | None:
+    leases = [Lease(v["term"], v["holder"], v["expires"]) for v in values if isinstance(v, dict) and "term" in v]
+    return winner(leases, now)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 live[r.peer_id] = loop.run(remote.info(Hop(r.peer_id, r.start, r.end, r.maddrs), timing.open_timeout))
             except SwarmError:
                 pass  # the record stands in for a peer that did not answer
-        print(render(args.model, view, live))
+        from hivemind.utils import get_dht_time
+
+        broker = current_broker(read_all(dht, broker_key(args.model)), get_dht_time())
+        print(render(args.model, view, live, broker))
     finally:
         loop.close()
         dht.shutdown()

@@ -35,3 +35,21 @@ def load_span(folder: Path, config, family: Family, span: Span, dtype: torch.dty
         layer.requires_grad_(False)
         layers.append(layer.eval())
     return torch.nn.ModuleList(layers)
+
+
+def block_bytes(folder: Path, family: Family, dtype: torch.dtype) -> int:
+    """Bytes one block takes in ``dtype``, from the safetensors headers alone (block 0; all blocks are alike)."""
+    from safetensors import safe_open
+
+    mapping = weight_map(folder)
+    prefix = family.layer_prefix(0)
+    total = 0
+    for file in {mapping[k] for k in mapping if k.startswith(prefix)}:
+        with safe_open(str(folder / file), "pt") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    numel = 1
+                    for dim in f.get_slice(key).get_shape():
+                        numel *= dim
+                    total += numel * dtype.itemsize
+    return total

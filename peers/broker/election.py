@@ -9,37 +9,12 @@ only the highest they have seen (``newest_assignment``), so a broker cut off and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
+from swarm.lease import Lease, newest_assignment, winner
 
-@dataclass(frozen=True, order=True)
-class Lease:
-    term: int
-    holder: str
-    expires: float
-
-    def valid(self, now: float) -> bool:
-        return self.expires > now
-
-
-def winner(leases: Iterable[Lease], now: float) -> Lease | None:
-    live = [lease for lease in leases if lease.valid(now)]
-    if not live:
-        return None
-    top = max(lease.term for lease in live)
-    return min((lease for lease in live if lease.term == top), key=lambda lease: lease.holder)
-
-
-def newest_assignment(items: Iterable[tuple[int, str]], seen: tuple[int, str] | None) -> tuple[int, str] | None:
-    """Of (term, broker) stamps, the one a follower obeys: the highest term (ties: smallest broker id), and never
-    one older than what it already obeyed."""
-    best = seen
-    for term, broker in items:
-        if best is None or term > best[0] or (term == best[0] and broker < best[1]):
-            best = (term, broker)
-    return best
+__all__ = ["Election", "Lease", "LeaseStore", "newest_assignment", "winner"]
 
 
 class LeaseStore(Protocol):
@@ -55,11 +30,16 @@ class Election:
         self.clock = clock
         self.lease_seconds = lease_seconds
         self.held: Lease | None = None
+        self.max_term = 0  # highest term ever seen here: terms only grow, even if old leases vanish from the store
 
     def tick(self) -> Lease | None:
         """One round: renew, claim or stand by. Returns the lease this peer holds now, or None."""
         now = self.clock()
-        current = winner(self.store.read(), now)
+        leases = self.store.read()
+        self.max_term = max([self.max_term, *(lease.term for lease in leases)])
+        current = winner(leases, now)
+        if current is not None and current.holder == self.me and (self.held is None or self.held.term != current.term):
+            current = None  # a leftover claim of ours that lost a tie earlier: take over with a fresh term instead
         if current is not None and current.holder == self.me:
             if current.expires - now < self.lease_seconds * 2 / 3:  # renew well before expiry
                 current = Lease(current.term, self.me, now + self.lease_seconds)
@@ -67,8 +47,8 @@ class Election:
             self.held = current
             return current
         if current is None:
-            seen = [lease.term for lease in self.store.read()]
-            claim = Lease(max(seen, default=0) + 1, self.me, now + self.lease_seconds)
+            claim = Lease(self.max_term + 1, self.me, now + self.lease_seconds)
+            self.max_term = claim.term
             self.store.write(claim)
             # another candidate may have claimed the same term: everyone resolves the same winner on the next read
             resolved = winner(self.store.read(), now)

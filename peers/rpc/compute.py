@@ -33,10 +33,15 @@ class Session:
 
 
 class ComputeService:
-    def __init__(self, backend: SpanBackend, cfg: PeerConfig) -> None:
+    def __init__(
+        self, backend: SpanBackend | None, cfg: PeerConfig, hidden_size: int, dtype: torch.dtype, num_blocks: int
+    ) -> None:
         self.backend = backend
+        self.num_blocks = num_blocks
         self.cfg = cfg
-        self.hidden_size = backend.config.hidden_size
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.serving = backend is not None  # a standby holds weights but takes no requests
         # One thread: a device runs one kernel stream anyway, and torch releases the GIL so the RPC loop stays live.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.budget = CacheBudget(cfg.cache_tokens)
@@ -44,6 +49,10 @@ class ComputeService:
         self.stats: Counter[str] = Counter()
         self.sessions: dict[str, Session] = {}
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
+
+    def set_backend(self, backend: SpanBackend) -> None:
+        """Swap in a newly loaded span. Sessions on blocks the new span lacks end at their next step."""
+        self.backend = backend
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -55,11 +64,15 @@ class ComputeService:
 
     # ---- validation -------------------------------------------------------------------------------------------
     def _check_sub(self, start: int, end: int) -> Span:
+        if self.backend is None or not self.serving:
+            raise PeerUnavailableError("this peer serves no blocks right now (joining or standby)")
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end):
             raise BadInputError(f"invalid block span {start}:{end}")
+        if end > self.num_blocks:
+            raise BadInputError(f"unknown blocks {start}:{end}: the model has {self.num_blocks} blocks")
         sub = Span(start, end)
-        if sub not in self.backend.span:
-            raise BadInputError(f"this server holds blocks {self.backend.span}, not {sub}")
+        if sub not in self.backend.span:  # a stale view of the swarm, most likely: retriable elsewhere
+            raise PeerUnavailableError(f"this server holds blocks {self.backend.span}, not {sub}")
         return sub
 
     def _check_hidden(self, tensors: dict, name: str = "hidden") -> torch.Tensor:
@@ -68,8 +81,8 @@ class ComputeService:
             raise BadInputError(f"request has no {name!r} tensor")
         if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size:
             raise BadInputError(f"{name} must be [batch, seq, {self.hidden_size}], got {list(hidden.shape)}")
-        if hidden.dtype != self.backend.dtype:
-            raise BadInputError(f"{name} must be {self.backend.dtype}, got {hidden.dtype}")
+        if hidden.dtype != self.dtype:
+            raise BadInputError(f"{name} must be {self.dtype}, got {hidden.dtype}")
         if hidden.shape[0] * hidden.shape[1] > self.cfg.max_batch_tokens:
             raise BadInputError(f"batch x seq {hidden.shape[0] * hidden.shape[1]} exceeds {self.cfg.max_batch_tokens}")
         if hidden.shape[1] == 0:
@@ -163,6 +176,8 @@ class ComputeService:
             raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
         if position != session.position:
             raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
+        if session.sub not in self.backend.span:
+            raise PeerUnavailableError(f"this peer moved to blocks {self.backend.span}; reopen the session elsewhere")
         if position + n > session.max_length:
             raise SessionLengthError(
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"

@@ -53,7 +53,7 @@ def test_bad_requests_get_clear_errors_and_harm_no_session(guarded):
             _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 3, HIDDEN + 1)})
         with pytest.raises(BadInputError, match="must be torch.float32"):
             _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 3, HIDDEN, dtype=torch.float64)})
-        with pytest.raises(BadInputError, match="holds blocks 0:4, not 2:6"):
+        with pytest.raises(BadInputError, match="unknown blocks 2:6: the model has 4 blocks"):
             _call(client, hop, _forward_meta(hop, start=2, end=6), {"hidden": torch.zeros(1, 3, HIDDEN)})
         with pytest.raises(BadInputError, match="exceeds 512"):
             _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(2, 300, HIDDEN)})

@@ -103,6 +103,16 @@ def test_election_lease_expiry_contenders_and_stale_terms():
     store2.write(Lease(3, "y", 100.0))
     store2.write(Lease(3, "x", 100.0))
     assert winner(store2.read(), 0.0).holder == "x"
+    # a claim that lost a tie and lingers does not make its owner broker later with that same term
+    store3 = FakeStore()
+    x = Election("x", store3, lambda: now[0], lease_seconds=10)
+    z = Election("z", store3, lambda: now[0], lease_seconds=10)
+    assert x.tick().term == 1
+    store3.write(Lease(1, "z", now[0] + 10))  # z claimed term 1 at the same moment and lost the tie to x
+    assert z.tick() is None and x.tick().term == 1
+    now[0] += 10.5  # x dies silently; z's old claim (written later) would still be valid...
+    store3.write(Lease(1, "z", now[0] + 5))
+    assert z.tick().term == 2  # ...but z takes over with a fresh term
     # followers obey the newest (term, broker) and never go back
     seen = newest_assignment([(2, "b")], None)
     assert newest_assignment([(1, "a")], seen) == (2, "b")
