@@ -232,7 +232,7 @@ def _model(cfg: PeerConfig) -> Model:
 
 def _max_blocks(cfg: PeerConfig, model: Model) -> int:
     fits = usable_memory(cfg.device) // max(model.block_bytes, 1)
-    limit = min(fits, model.num_blocks, cfg.max_blocks or model.num_blocks)
+    limit = min(fits, model.num_blocks, model.num_blocks if cfg.max_blocks is None else cfg.max_blocks)
     if cfg.blocks is not None:
         return len(cfg.blocks)
     if limit < 1:

@@ -21,35 +21,9 @@ import torch
 
 from swarm import DistributedModelForCausalLM
 from swarm.config import Timing
-from swarm.local_swarm import LocalSwarm
+from swarm.local_swarm import Disturber, LocalSwarm
 
 SPANS = ["0:10", "0:10", "10:20", "10:20", "20:30", "20:30"]
-
-
-class Saboteur:
-    """A streamer that disturbs the server of a given hop after given tokens and timestamps every token."""
-
-    def __init__(self, model, swarm, plan: dict[int, int], sig: int) -> None:
-        self.model, self.swarm, self.plan, self.sig = model, swarm, plan, sig
-        self.count, self.times, self.events, self.victims = -1, [], [], []
-
-    def put(self, value) -> None:
-        self.count += 1
-        self.times.append(time.perf_counter())
-        if self.count in self.plan:
-            peer = self.swarm.peer_by_id(self.model.route[self.plan[self.count]].peer_id)
-            self.victims.append(peer)
-            if self.sig == signal.SIGSTOP:
-                peer.proc.send_signal(signal.SIGSTOP)
-            else:
-                self.swarm.kill(peer, self.sig)
-            self.events.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def stalls(self) -> list[float]:
-        return [next(t for t in self.times if t > e) - e for e in self.events]
 
 
 def main() -> None:
@@ -68,12 +42,12 @@ def main() -> None:
         with DistributedModelForCausalLM.from_pretrained(
             "smollm2-135m", initial_peers=swarm.initial_peers, timing=timing
         ) as model:
-            clean = Saboteur(model, swarm, {}, signal.SIGKILL)
+            clean = Disturber(model, swarm, {}, signal.SIGKILL)
             reference = model.generate(ids, streamer=clean, **gen)
             per_token = statistics.median(b - a for a, b in zip(clean.times[1:], clean.times[2:], strict=False))
 
             moments = sorted(rng.sample(range(8, args.tokens - 8), 3))
-            killer = Saboteur(model, swarm, {m: hop for hop, m in enumerate(moments)}, signal.SIGKILL)
+            killer = Disturber(model, swarm, {m: hop for hop, m in enumerate(moments)}, signal.SIGKILL)
             before = model.failovers
             out = model.generate(ids, streamer=killer, **gen)
             kill_failovers = model.failovers - before
@@ -81,7 +55,7 @@ def main() -> None:
             for peer in killer.victims:  # bring each span back to two replicas before the freeze
                 swarm.add_peer(peer.span)
             time.sleep(timing.view_refresh + 1)
-            freezer = Saboteur(model, swarm, {rng.randrange(8, args.tokens - 8): rng.randrange(3)}, signal.SIGSTOP)
+            freezer = Disturber(model, swarm, {rng.randrange(8, args.tokens - 8): rng.randrange(3)}, signal.SIGSTOP)
             out_frozen = model.generate(ids, streamer=freezer, **gen)
             for peer in freezer.victims:
                 peer.proc.send_signal(signal.SIGCONT)

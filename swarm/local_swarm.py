@@ -136,3 +136,39 @@ class LocalSwarm:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Disturber:
+    """A Hugging Face streamer for failure drills: after token k of ``plan`` ({token: hop index}) it sends ``sig``
+    to the server on that hop of the model's current route (SIGKILL, SIGSTOP to freeze, SIGTERM to make it leave),
+    and it timestamps every token so stalls can be measured."""
+
+    def __init__(self, model, swarm: LocalSwarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
+        self.model, self.swarm, self.plan, self.sig = model, swarm, plan, sig
+        self.count = -1  # generate's first put() is the prompt
+        self.times: list[float] = []
+        self.events: list[float] = []
+        self.victims: list[PeerProcess] = []
+
+    @property
+    def killed(self) -> list[str]:
+        return [p.maddr.split("/p2p/")[1] for p in self.victims]
+
+    def put(self, value) -> None:
+        self.count += 1
+        self.times.append(time.perf_counter())
+        if self.count in self.plan:
+            peer = self.swarm.peer_by_id(self.model.route[self.plan[self.count]].peer_id)
+            self.victims.append(peer)
+            if self.sig == signal.SIGKILL:
+                self.swarm.kill(peer)
+            else:
+                peer.proc.send_signal(self.sig)
+            self.events.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def stalls(self) -> list[float]:
+        """Seconds from each disturbance to the next token."""
+        return [next(t for t in self.times if t > e) - e for e in self.events]

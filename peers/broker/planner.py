@@ -61,6 +61,17 @@ class Plan:
         return sum(1 for p in peers if p.peer_id in self.placements and self.placements[p.peer_id].span != p.span)
 
 
+def settled(peers: list[PeerInfo], plan: Plan) -> list[PeerInfo]:
+    """The peers as they will be once they have followed ``plan`` (for simulations and tests of replanning)."""
+    out = []
+    for p in peers:
+        pl = plan.placements.get(p.peer_id)
+        out.append(
+            PeerInfo(p.peer_id, p.throughput, p.memory, p.pinned, pl.span if pl else None, pl.role if pl else None)
+        )
+    return out
+
+
 def capacity(peer: PeerInfo, num_blocks: int, block_bytes: int) -> int:
     return min(num_blocks, peer.memory // max(block_bytes, 1))
 

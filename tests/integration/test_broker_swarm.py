@@ -40,6 +40,12 @@ def covered(dht, model, num_blocks) -> bool:
     return all(any(r.state == PeerState.ONLINE for r in view[b]) for b in range(num_blocks))
 
 
+def bottleneck(dht, model: str, num_blocks: int) -> float:
+    """The smallest total forward throughput over all blocks (each server adds its per-block share)."""
+    view = read_view(dht, model, num_blocks)
+    return min(sum(r.forward_tps for r in view[b] if r.state == PeerState.ONLINE) for b in range(num_blocks))
+
+
 def broker(dht, model: str) -> Lease | None:
     from hivemind.utils import get_dht_time
 
@@ -108,9 +114,14 @@ def test_broker_places_promotes_and_survives(tiny_models):
                     "a new broker",
                 )
                 assert new.term > lease.term and time.monotonic() - t0 < 2 * timing.lease_seconds + 5
-            # 4. a newcomer joins and the swarm covers every block again
-            swarm.add_peer(None)
+            # 4. a faster newcomer joins: the broker puts it to work where blocks are weakest
+            wait_for(lambda: covered(dht, folder_id(folder), 4), 30, "coverage")
+            before = bottleneck(dht, folder_id(folder), 4)
+            newcomer = swarm.add_peer(None, "--throughput", "300")
+            new_id = newcomer.maddr.split("/p2p/")[1]
+            wait_for(lambda: roles(dht, folder_id(folder), 4).get(new_id, ("",))[0] == "online", 30, "the newcomer")
             wait_for(lambda: covered(dht, folder_id(folder), 4), 30, "coverage after the newcomer")
+            assert bottleneck(dht, folder_id(folder), 4) >= before
         finally:
             dht.shutdown()
 

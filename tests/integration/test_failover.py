@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from swarm.errors import MissingBlocksError
+from swarm.local_swarm import Disturber
 from tests.conftest import local_reference
 from tests.integration.harness import connect, running_swarm
 
@@ -34,33 +35,6 @@ def prompt() -> torch.Tensor:
     return torch.randint(0, 320, (1, 9))
 
 
-class KillDuringGeneration:
-    """A streamer that, after token k, SIGKILLs (or freezes) the server serving hop ``hop`` of the current route."""
-
-    def __init__(self, client, swarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
-        self.client, self.swarm, self.plan, self.sig = client, swarm, plan, sig
-        self.count = -1  # the first put() is the prompt
-        self.killed: list[str] = []
-        self.kill_times: list[float] = []
-        self.token_times: list[float] = []
-
-    def put(self, value) -> None:
-        self.count += 1
-        self.token_times.append(time.perf_counter())
-        if self.count in self.plan:
-            victim = self.client.route[self.plan[self.count]].peer_id
-            self.killed.append(victim)
-            peer = self.swarm.peer_by_id(victim)
-            if self.sig == signal.SIGSTOP:
-                peer.proc.send_signal(signal.SIGSTOP)
-            else:
-                self.swarm.kill(peer, self.sig)
-            self.kill_times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def kill_later(swarm, client, hop: int, delay: float) -> tuple[threading.Thread, list[str]]:
     """Kill the server of ``hop`` on the client's route ``delay`` seconds from now (inside a slow request)."""
     killed: list[str] = []
@@ -80,7 +54,7 @@ def test_kill_mid_generation_keeps_every_token(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=64, do_sample=False)
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
-        killer = KillDuringGeneration(client, swarm, {20: 1})
+        killer = Disturber(client, swarm, {20: 1})
         out = client.generate(ids, max_new_tokens=64, do_sample=False, streamer=killer)
         assert torch.equal(out, expected)
         assert killer.killed and client.failovers >= 1
@@ -91,7 +65,7 @@ def test_several_kills_during_one_generation(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=64, do_sample=False)
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
-        killer = KillDuringGeneration(client, swarm, {10: 0, 30: 1})
+        killer = Disturber(client, swarm, {10: 0, 30: 1})
         out = client.generate(ids, max_new_tokens=64, do_sample=False, streamer=killer)
         assert torch.equal(out, expected)
         assert len(set(killer.killed)) == 2 and client.failovers >= 2
@@ -162,12 +136,12 @@ def test_frozen_server_is_routed_around(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
-        freezer = KillDuringGeneration(client, swarm, {8: 1}, sig=signal.SIGSTOP)
+        freezer = Disturber(client, swarm, {8: 1}, sig=signal.SIGSTOP)
         try:
             out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=freezer)
             assert torch.equal(out, expected) and client.failovers >= 1
-            frozen_at = freezer.kill_times[0]
-            stall = next(t for t in freezer.token_times if t > frozen_at) - frozen_at
+            frozen_at = freezer.events[0]
+            stall = next(t for t in freezer.times if t > frozen_at) - frozen_at
             assert stall < client.swarm.blocks.timing.step_timeout + 3
         finally:
             for peer_id in freezer.killed:
@@ -178,7 +152,7 @@ def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
-        leaver = KillDuringGeneration(client, swarm, {6: 0}, sig=signal.SIGTERM)
+        leaver = Disturber(client, swarm, {6: 0}, sig=signal.SIGTERM)
         out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=leaver)
         assert torch.equal(out, expected)
         time.sleep(2 * client.swarm.blocks.timing.view_refresh)  # the client's view is refreshed this often

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from peers.broker.election import Election, Lease, newest_assignment, winner
-from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm
+from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm, settled
 from swarm.ids import Span
 
 GB = 1024**3
@@ -41,13 +41,10 @@ def test_pinned_peers_never_move_and_too_small_peers_are_reported():
 def test_hysteresis_keeps_serving_peers_put():
     peers = [PeerInfo(f"p{i}", 1.0 + 0.01 * i, 4 * GB) for i in range(8)]
     first = plan_swarm(peers, 16, GB, Policy(standby_fraction=0.0))
-    settled = [
-        PeerInfo(p.peer_id, p.throughput, p.memory, span=first.placements[p.peer_id].span, role=Role.SERVE)
-        for p in peers
-    ]
+    current = settled(peers, first)
     # a slightly faster newcomer must not shuffle everyone
-    again = plan_swarm([*settled, PeerInfo("new", 1.05, 4 * GB)], 16, GB, Policy(standby_fraction=0.0))
-    assert again.moves_from(settled) <= 1
+    again = plan_swarm([*current, PeerInfo("new", 1.05, 4 * GB)], 16, GB, Policy(standby_fraction=0.0))
+    assert again.moves_from(current) <= 1
 
 
 def test_standby_pool_and_promotion():
@@ -55,16 +52,7 @@ def test_standby_pool_and_promotion():
     plan = plan_swarm(peers, 8, GB, Policy(replication=2, standby_fraction=0.2))
     standbys = [pid for pid, pl in plan.placements.items() if pl.role == Role.STANDBY]
     assert len(standbys) == 2
-    current = [
-        PeerInfo(
-            p.peer_id,
-            p.throughput,
-            p.memory,
-            span=plan.placements[p.peer_id].span,
-            role=plan.placements[p.peer_id].role,
-        )
-        for p in peers
-    ]
+    current = settled(peers, plan)
     # every server of some block leaves: a standby holding that block is promoted without loading anything
     hole = plan.placements[standbys[0]].span.start
     gone = {p.peer_id for p in current if p.role == Role.SERVE and hole in p.span}
@@ -117,3 +105,19 @@ def test_election_lease_expiry_contenders_and_stale_terms():
     seen = newest_assignment([(2, "b")], None)
     assert newest_assignment([(1, "a")], seen) == (2, "b")
     assert newest_assignment([(3, "z"), (3, "c")], seen) == (3, "c")
+
+
+def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
+    import pytest
+
+    from peers import node
+    from swarm.config import PeerConfig
+    from swarm.errors import BadInputError
+
+    model = node.Model("m", None, type("C", (), {"num_hidden_layers": 30})(), None, None, "float32", "fp", 4 * GB)
+    monkeypatch.setattr(node, "usable_memory", lambda device: 3 * GB)
+    with pytest.raises(BadInputError, match="too little memory for even one block of m"):
+        node._max_blocks(PeerConfig(), model)
+    monkeypatch.setattr(node, "usable_memory", lambda device: 9 * GB)
+    assert node._max_blocks(PeerConfig(), model) == 2
+    assert node._max_blocks(PeerConfig(max_blocks=1), model) == 1
