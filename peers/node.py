@@ -171,6 +171,8 @@ class Peer:
             max_blocks=self.max_blocks,
             updated_at=now,
             broker_capable=self.cfg.broker,
+            network_mbps=self.cfg.network_mbps,
+            token_bytes=self.model.config.hidden_size * self.model.dtype.itemsize,
         )
         await asyncio.to_thread(
             store_own,

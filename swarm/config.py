@@ -144,6 +144,7 @@ class PeerConfig:
     inline_tokens: int = 8  # inference steps of at most this many tokens run on the RPC loop, not the compute thread
     direct_port: int | None = 0  # plain-TCP data plane port (0 = any, None = off); see swarm/direct.py
     max_blocks: int | None = None  # most blocks this peer will hold (None: as many as its memory allows)
+    network_mbps: float | None = None  # declared link bandwidth; the broker caps the peer by it
     broker: bool = True  # stand for the broker role
     replication: int = 1  # broker policy: serving peers per block where possible
     standby_fraction: float = 0.1  # broker policy: share of unpinned peers kept as warm standbys

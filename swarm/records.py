@@ -87,6 +87,8 @@ class PeerRecord(BaseModel):
     max_blocks: int = Field(ge=0)
     updated_at: float  # DHT time of this heartbeat
     broker_capable: bool = True
+    network_mbps: float | None = None  # declared link bandwidth (None: unknown, not a limit)
+    token_bytes: int = 0  # bytes one token's hidden state takes on the wire (in the serving dtype)
 
     @property
     def span(self) -> Span | None:

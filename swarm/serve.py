@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-blocks", type=int, help="most blocks to hold (default: as many as memory allows)")
     p.add_argument("--no-broker", action="store_true", help="never take the broker role")
+    p.add_argument(
+        "--network-mbps",
+        type=float,
+        help="this peer's link bandwidth in Mbit/s, for the broker's placement (default: unknown)",
+    )
     p.add_argument("--replication", type=int, default=1, help="broker policy: serving peers per block")
     p.add_argument(
         "--standby-fraction", type=float, default=0.1, help="broker policy: share of peers kept as warm standbys"
@@ -69,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         announce_maddrs=tuple(args.announce_maddr),
         direct_port=None if args.direct_port == "off" else int(args.direct_port),
         max_blocks=args.max_blocks,
+        network_mbps=args.network_mbps,
         broker=not args.no_broker,
         replication=args.replication,
         standby_fraction=args.standby_fraction,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from hivemind.utils import get_dht_time
 
@@ -44,16 +45,11 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float) 
         if r.state == PeerState.LEAVING or now - r.updated_at > heartbeat_timeout:
             continue
         role = Role.SERVE if r.state == PeerState.ONLINE else Role.STANDBY if r.state == PeerState.STANDBY else None
-        out.append(
-            PeerInfo(
-                r.peer_id,
-                r.block_throughput,
-                r.memory,
-                pinned=r.span if r.pinned else None,
-                span=r.span,
-                role=role,
-            )
-        )
+        link = math.inf
+        if r.network_mbps and r.token_bytes:  # every token crosses the link twice: into and out of the span
+            link = r.network_mbps * 1e6 / 8 / (2 * r.token_bytes)
+        pinned = r.span if r.pinned else None
+        out.append(PeerInfo(r.peer_id, r.block_throughput, r.memory, pinned, r.span, role, link_tokens=link))
     return out
 
 

@@ -4,6 +4,9 @@ Model of the swarm: a peer with throughput t (blocks per unit time) serving a sp
 throughput of each block of its span; the swarm's throughput is its bottleneck, the smallest total over all blocks,
 and can be no more than (sum of t) / (number of blocks). A peer holds at most memory // block_bytes blocks.
 
+A slow link caps a peer: it passes at most ``link_tokens`` tokens per unit time whatever its compute, so its share
+of each block is min(t / L, link_tokens); such a peer is worth most on a long span.
+
 The plan: pinned peers stay where they are; peers that already serve keep their span unless moving raises the
 bottleneck by more than the hysteresis; a standby whose preloaded span covers a hole is promoted before anyone
 loads from disk; new peers take the window where blocks are weakest, using all the memory they offer; local-search
@@ -33,6 +36,7 @@ class PeerInfo:
     pinned: Span | None = None  # --blocks: counted, never moved
     span: Span | None = None  # what it holds now (serving or preloaded)
     role: Role | None = None  # what it does with it now
+    link_tokens: float = math.inf  # tokens per unit time its network link can carry in and out (inf: unknown)
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,12 @@ def capacity(peer: PeerInfo, num_blocks: int, block_bytes: int) -> int:
     return min(num_blocks, peer.memory // max(block_bytes, 1))
 
 
-def _totals(num_blocks: int, spans: dict[str, Span], speed: dict[str, float]) -> list[float]:
+def _totals(num_blocks: int, spans: dict[str, Span], share) -> list[float]:
     totals = [0.0] * num_blocks
     for pid, span in spans.items():
-        share = speed[pid] / len(span)
+        each = share(pid, len(span))
         for b in range(span.start, span.end):
-            totals[b] += share
+            totals[b] += each
     return totals
 
 
@@ -106,6 +110,12 @@ def _add(totals: list[float], span: Span, share: float) -> None:
 
 def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy: Policy = Policy()) -> Plan:
     speed = {p.peer_id: max(p.throughput, 1e-9) for p in peers}
+    link = {p.peer_id: p.link_tokens for p in peers}
+
+    def share(pid: str, length: int) -> float:
+        """What a peer adds to each block of a span of ``length`` blocks."""
+        return min(speed[pid] / length, link[pid])
+
     cap = {p.peer_id: capacity(p, num_blocks, block_bytes) for p in peers}
     unplaceable = tuple(p.peer_id for p in peers if cap[p.peer_id] < 1 and p.pinned is None)
     spans: dict[str, Span] = {}
@@ -114,7 +124,7 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
             spans[p.peer_id] = p.pinned
         elif p.span is not None and p.role == Role.SERVE and len(p.span) <= cap[p.peer_id]:
             spans[p.peer_id] = p.span
-    totals = _totals(num_blocks, spans, speed)
+    totals = _totals(num_blocks, spans, share)
 
     # holes first: promote standbys whose preloaded span covers a block nobody serves
     for p in sorted(peers, key=lambda q: -speed[q.peer_id]):
@@ -122,16 +132,16 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
             continue
         if any(totals[b] == 0 for b in range(p.span.start, p.span.end)):
             spans[p.peer_id] = p.span
-            _add(totals, p.span, speed[p.peer_id] / len(p.span))
+            _add(totals, p.span, share(p.peer_id, len(p.span)))
 
     # everyone else: strongest first, into the weakest window their memory allows
     free = [p for p in peers if p.peer_id not in spans and cap[p.peer_id] >= 1 and p.pinned is None]
     for p in sorted(free, key=lambda q: -speed[q.peer_id]):
         length = cap[p.peer_id]
-        share = speed[p.peer_id] / length
-        span = _best_window(totals, length, share)
+        each = share(p.peer_id, length)
+        span = _best_window(totals, length, each)
         spans[p.peer_id] = span
-        _add(totals, span, share)
+        _add(totals, span, each)
 
     # local search: move a peer if the bottleneck (or, at equal bottleneck, the count of weakest blocks) improves;
     # peers that already held their span must gain more than the hysteresis to move
@@ -140,12 +150,12 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
         changed = False
         for p in sorted(movable, key=lambda q: speed[q.peer_id]):
             old = spans[p.peer_id]
-            share = speed[p.peer_id] / len(old)
+            each = share(p.peer_id, len(old))
             before = min(totals)
             weak_before = _weak(totals, before)
-            _add(totals, old, -share)
-            candidate = _best_window(totals, len(old), share)
-            _add(totals, candidate, share)
+            _add(totals, old, -each)
+            candidate = _best_window(totals, len(old), each)
+            _add(totals, candidate, each)
             after = min(totals)
             if p.span == old:  # it already holds this span: moving costs a reload, so demand a real gain
                 better = after > before * (1 + policy.hysteresis) + 1e-12
@@ -155,21 +165,18 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
                 spans[p.peer_id] = candidate
                 changed = True
             else:
-                _add(totals, candidate, -share)
-                _add(totals, old, share)
+                _add(totals, candidate, -each)
+                _add(totals, old, each)
         if not changed:
             break
 
     placements = {pid: Placement(span, Role.SERVE) for pid, span in spans.items()}
     placements = _choose_standbys(peers, placements, totals, speed, policy)
     serving = {pid: pl.span for pid, pl in placements.items() if pl.role == Role.SERVE}
-    final = _totals(num_blocks, serving, speed)
-    return Plan(
-        placements,
-        min(final) if final else 0.0,
-        sum(speed[p.peer_id] for p in peers if cap[p.peer_id] >= 1) / max(num_blocks, 1),
-        unplaceable,
-    )
+    final = _totals(num_blocks, serving, share)
+    # each peer's most: its compute, or its link times the blocks it can hold, whichever is smaller
+    bound = sum(min(speed[p.peer_id], link[p.peer_id] * cap[p.peer_id]) for p in peers if cap[p.peer_id] >= 1)
+    return Plan(placements, min(final) if final else 0.0, bound / max(num_blocks, 1), unplaceable)
 
 
 def _weak(totals: list[float], level: float) -> int:

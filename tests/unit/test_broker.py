@@ -121,3 +121,45 @@ def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
     monkeypatch.setattr(node, "usable_memory", lambda device: 9 * GB)
     assert node._max_blocks(PeerConfig(), model) == 2
     assert node._max_blocks(PeerConfig(max_blocks=1), model) == 1
+
+
+def test_slow_links_cap_a_peer_and_favour_long_spans():
+    # a data-centre card behind a thin link: its share of each block is capped by what its link can carry
+    fast_link = PeerInfo("dc", 8.0, 80 * GB)
+    thin_link = PeerInfo("home-dc", 8.0, 80 * GB, link_tokens=0.2)
+    consumer = [PeerInfo(f"c{i}", 1.0, 10 * GB) for i in range(8)]
+    plan_fast = plan_swarm([fast_link, *consumer], 16, 2 * GB, Policy(standby_fraction=0.0))
+    plan_thin = plan_swarm([thin_link, *consumer], 16, 2 * GB, Policy(standby_fraction=0.0))
+    assert plan_thin.bottleneck < plan_fast.bottleneck
+    assert plan_thin.upper_bound < plan_fast.upper_bound
+    assert len(plan_thin.placements["home-dc"].span) == 16  # the longest span it can hold: fewest crossings
+
+
+def test_live_peers_drop_missed_heartbeats_and_convert_links():
+    from peers.broker.loop import live_peers
+    from swarm.records import PeerRecord, PeerState
+
+    def rec(pid, updated, **kw):
+        return PeerRecord(
+            peer_id=pid,
+            state=PeerState.ONLINE,
+            start=0,
+            end=2,
+            block_throughput=10.0,
+            memory=GB,
+            max_blocks=2,
+            updated_at=updated,
+            **kw,
+        )
+
+    peers = live_peers(
+        [
+            rec("fresh", 99.0, network_mbps=8.0, token_bytes=1000),
+            rec("silent", 80.0),
+            rec("leaving", 99.0).model_copy(update={"state": PeerState.LEAVING}),
+        ],
+        now=100.0,
+        heartbeat_timeout=15.0,
+    )
+    assert [p.peer_id for p in peers] == ["fresh"]
+    assert peers[0].link_tokens == 500.0 and peers[0].role == Role.SERVE and peers[0].span == Span(0, 2)
