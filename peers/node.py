@@ -186,13 +186,22 @@ class Peer:
             record = self._server_record(self.span, self.state)
             await asyncio.to_thread(announce, self.dht, self.validator, record, expiration)
 
-    async def heartbeat(self) -> None:
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        """Refresh this peer's records; a peer that cannot reach its DHT (the DHT process died, or the machinery
+        under it) is invisible to the swarm, so after a few failed rounds it leaves rather than lingers."""
+        failures = 0
         while True:
             await asyncio.sleep(self.cfg.timing.announce_period)
             try:
                 await self.publish()
+                failures = 0
             except Exception:
-                log.exception("announce failed; will retry", extra={"peer": self.peer_id})
+                failures += 1
+                log.exception("announce failed (%d in a row)", failures, extra={"peer": self.peer_id})
+            if failures >= 3 or not self.dht.is_alive():
+                log.error("cannot reach the DHT any more; leaving", extra={"peer": self.peer_id})
+                stop.set()
+                return
 
     def info(self) -> dict:
         return {
@@ -280,7 +289,7 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
             else:
                 peer.block_tps = cfg.throughput
             await peer.publish(PeerState.JOINING)
-        tasks.append(asyncio.create_task(peer.heartbeat()))
+        tasks.append(asyncio.create_task(peer.heartbeat(stop)))
         if cfg.blocks is None:
             tasks.append(asyncio.create_task(run_follower(peer)))
         if cfg.broker:

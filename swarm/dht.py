@@ -141,20 +141,27 @@ async def _get_many(_dht, node, keys) -> dict:
     return out
 
 
+DHT_CALL_TIMEOUT = 30.0  # a DHT child that died or hangs must not hang its caller (or its exit) forever
+
+
+def _call(dht: hivemind.DHT, fn, timeout: float = DHT_CALL_TIMEOUT):
+    if not dht.is_alive():
+        raise RuntimeError("the DHT process is not running")
+    return dht.run_coroutine(fn, return_future=True).result(timeout)
+
+
 def announce(dht: hivemind.DHT, validator: RSASignatureValidator, record: ServerRecord, expiration: float) -> bool:
     """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
     keys = [block_key(record.model_id, b) for b in range(record.start, record.end)]
     values = [record.to_wire()] * len(keys)
-    result = dht.run_coroutine(
-        partial(_store_records, keys=keys, values=values, expiration=expiration, subkey=validator.local_public_key)
-    )
-    return all(result.values())
+    fn = partial(_store_records, keys=keys, values=values, expiration=expiration, subkey=validator.local_public_key)
+    return all(_call(dht, fn).values())
 
 
 def read_view(dht: hivemind.DHT, model_id: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
     """Every valid record for each block; records of other schema versions or malformed ones are skipped."""
     keys = [block_key(model_id, b) for b in range(num_blocks)]
-    found = dht.run_coroutine(partial(_get_many, keys=keys))
+    found = _call(dht, partial(_get_many, keys=keys))
     view: dict[int, list[ServerRecord]] = {b: [] for b in range(num_blocks)}
     for b, key in enumerate(keys):
         for value in found.get(key, {}).values():
@@ -173,12 +180,10 @@ async def _get_subkeys(_dht, node, key) -> dict:
 
 def store_own(dht: hivemind.DHT, validator: RSASignatureValidator, key: str, value: dict, expiration: float) -> bool:
     """Store ``value`` under ``key`` in this peer's own signed subkey."""
-    result = dht.run_coroutine(
-        partial(_store_records, keys=[key], values=[value], expiration=expiration, subkey=validator.local_public_key)
-    )
-    return all(result.values())
+    fn = partial(_store_records, keys=[key], values=[value], expiration=expiration, subkey=validator.local_public_key)
+    return all(_call(dht, fn).values())
 
 
 def read_all(dht: hivemind.DHT, key: str) -> list:
     """Every subkey's value under ``key`` (each peer's own entry)."""
-    return list(dht.run_coroutine(partial(_get_subkeys, key=key)).values())
+    return list(_call(dht, partial(_get_subkeys, key=key)).values())

@@ -114,3 +114,12 @@ def test_perturbed_server_breaks_equality(tiny_models):
             ids = torch.tensor([[1, 2, 3, 4]])
             with torch.no_grad():
                 assert (client(ids).logits - ref(ids).logits).abs().max() > 1e-3
+
+
+def test_a_server_whose_dht_dies_leaves_instead_of_hanging(tiny_models):
+    with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
+        victim = swarm.peers[1]
+        dht_child = [c for c in _own_children(victim.pid) if b"swarm.serve" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(dht_child) == 1  # the forked DHT process (hivemind may also run a torch_shm_manager child)
+        os.kill(dht_child[0], signal.SIGKILL)  # its p2pd follows it
+        assert victim.proc.wait(60) is not None  # the serve process notices and exits on its own
