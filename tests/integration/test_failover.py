@@ -108,15 +108,27 @@ def test_kill_during_prefill_forward_and_backward(folder, ref):
 
 
 def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
+    from swarm import DistributedModelForCausalLM
+    from swarm.config import Timing
+
     ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=8, do_sample=False)
     with running_swarm(folder, ["0:4", "0:2", "2:4"]) as swarm:
         bootstrap = swarm.peers[0]
-        swarm.kill(bootstrap)
+        # a client that entered through the bootstrap peer alone
+        early = DistributedModelForCausalLM.from_pretrained(
+            folder, initial_peers=[bootstrap.maddr], timing=Timing.for_tests()
+        )
+        try:
+            early(ids)
+            swarm.kill(bootstrap)
+            assert torch.equal(early.generate(ids, max_new_tokens=8, do_sample=False), expected)
+        finally:
+            early.close()
         others = [p.maddr for p in swarm.peers[1:]]
         with connect(folder, swarm) as client:  # initial_peers lists only live peers now
             assert bootstrap.maddr not in swarm.initial_peers and swarm.initial_peers == others
-            out = client.generate(ids, max_new_tokens=8, do_sample=False)
-        assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False))
+            assert torch.equal(client.generate(ids, max_new_tokens=8, do_sample=False), expected)
 
 
 def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
