@@ -127,24 +127,23 @@ class ComputeService:
         kept = self.kept.pop(req.forward_id) if req.forward_id else None
         if kept is not None and (kept.sub != sub or kept.outputs.shape != grad.shape):
             raise BadInputError("grad_output does not match the kept forward pass")
-        if kept is None:
+        hidden = mask = pos = None
+        if kept is None:  # recompute the forward from the inputs the client resent
             if "hidden" not in tensors:
                 raise ActivationsGoneError("the forward pass for this backward is gone; resend its inputs")
             hidden = self._check_hidden(tensors)
             if hidden.shape != grad.shape:
                 raise BadInputError("grad_output and hidden differ in shape")
             mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
-        grad_in = await self._run(self._backward_sync, kept, tensors.get("hidden"), grad, sub, tensors)
+        grad_in = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub)
         self.stats["backward"] += 1
         return {"grad_input": grad_in}
 
-    def _backward_sync(self, kept, hidden, grad, sub, tensors):
+    def _backward_sync(self, kept, hidden, mask, pos, grad, sub):
         with torch.enable_grad():
             if kept is None:
                 inputs = hidden.detach().requires_grad_(True)
-                outputs = self.backend.run(
-                    inputs, sub, attention_mask=tensors.get("attention_mask"), position_ids=tensors.get("position_ids")
-                )
+                outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos)
             else:
                 inputs, outputs = kept.inputs, kept.outputs
             (grad_in,) = torch.autograd.grad(outputs, inputs, grad.to(outputs.device))

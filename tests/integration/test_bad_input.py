@@ -116,3 +116,23 @@ def test_session_beyond_budget_or_length(guarded):
     # still serving
     with torch.no_grad():
         assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)
+
+
+def test_backward_recomputes_when_the_server_dropped_the_forward(guarded):
+    from swarm.errors import ActivationsGoneError
+
+    client, _ = guarded
+    hop = _hop(client)
+    torch.manual_seed(0)
+    hidden, grad = torch.randn(1, 5, HIDDEN), torch.randn(1, 5, HIDDEN)
+    _call(client, hop, _forward_meta(hop, keep_for_backward=True, forward_id="kept-1"), {"hidden": hidden})
+    kept = _call(client, hop, dict(_forward_meta(hop), kind="backward", forward_id="kept-1"), {"grad_output": grad})
+    with pytest.raises(ActivationsGoneError):
+        _call(client, hop, dict(_forward_meta(hop), kind="backward", forward_id="never-kept"), {"grad_output": grad})
+    again = _call(
+        client,
+        hop,
+        dict(_forward_meta(hop), kind="backward", forward_id="never-kept"),
+        {"grad_output": grad, "hidden": hidden},
+    )
+    assert torch.allclose(kept["grad_input"], again["grad_input"], atol=1e-6)
