@@ -24,14 +24,18 @@ from swarm.model_files import load_config, model_folder
 SPANS = {"tiny-llama": ["0:4", "4:8"], "smollm2-135m": ["0:10", "10:20", "20:30"]}
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def paired(local, swarm, repeats: int) -> tuple[float, float]:
+    """Median times of two functions, measured alternately (local, swarm, local, ...) after a warm-up of each, so
+    slow drifts of this shared machine (page cache, clocks, neighbours) weigh on both sides alike."""
+    local()
+    swarm()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((local, times[0]), (swarm, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def bench(model_name: str, args) -> list[tuple[str, float, float]]:
@@ -56,20 +60,20 @@ def bench(model_name: str, args) -> list[tuple[str, float, float]]:
             out_r = remote.generate(prompt, **gen)
             out_l = local.generate(prompt, **gen)
             assert torch.equal(out_r, out_l), "swarm and local generations differ"
-            t_local = timed(lambda: local.generate(prompt, **gen), args.repeats)
-            t_swarm = timed(lambda: remote.generate(prompt, **gen), args.repeats)
+            t_local, t_swarm = paired(
+                lambda: local.generate(prompt, **gen), lambda: remote.generate(prompt, **gen), args.repeats
+            )
             rows.append(("decode tokens/s", args.new_tokens / t_local, args.new_tokens / t_swarm))
             with torch.no_grad():
-                f_local = timed(lambda: local(long), args.repeats)
-                f_swarm = timed(lambda: remote(long), args.repeats)
-            rows.append((f"forward [1, {args.seq}] s", f_local, f_swarm))
+                rows.append(
+                    (f"forward [1, {args.seq}] s", *paired(lambda: local(long), lambda: remote(long), args.repeats))
+                )
             for p in local.model.layers.parameters():
                 p.requires_grad_(False)
             rows.append(
                 (
                     f"forward+backward [1, {args.seq}] s",
-                    timed(lambda: train_step(local), args.repeats),
-                    timed(lambda: train_step(remote), args.repeats),
+                    *paired(lambda: train_step(local), lambda: train_step(remote), args.repeats),
                 )
             )
             hops = len(spans)
