@@ -90,3 +90,26 @@ def usable_memory(device: str) -> int:
         return info.get("MemAvailable", 0) // 2
     except OSError:
         return probe_hardware(device).device_memory // 2
+
+
+async def estimate_link_mbps(
+    p2p, records, own_peer_id: str, payload: int = 4 * 1024 * 1024, timeout: float = 10.0
+) -> float | None:
+    """A rough estimate of this peer's link: time a payload sent to one live peer over the path real traffic takes
+    (direct TCP where allowed, else libp2p). None when no other peer answers (e.g. the first peer of a swarm)."""
+    from swarm.client.remote import Remote
+    from swarm.client.routing import Hop
+    from swarm.errors import SwarmError
+
+    remote = Remote(p2p)
+    for r in records:
+        if r.peer_id == own_peer_id:
+            continue
+        hop = Hop(r.peer_id, r.start, r.end, r.maddrs, r.dtype, r.direct_address)
+        try:
+            await remote.send_payload(hop, 64 * 1024, timeout)  # connect and warm up
+            seconds = await remote.send_payload(hop, payload, timeout)
+        except SwarmError:
+            continue
+        return payload * 8 / seconds / 1e6
+    return None

@@ -17,13 +17,14 @@ from peers.blocks.loader import block_bytes, load_span
 from peers.broker.loop import run_broker
 from peers.broker.planner import Role
 from peers.follower import run_follower
-from peers.hardware import Hardware, cached_throughput, probe_hardware, usable_memory
+from peers.hardware import Hardware, cached_throughput, estimate_link_mbps, probe_hardware, usable_memory
 from peers.rpc.compute import ComputeService
 from peers.rpc.direct_server import DirectServer
 from peers.rpc.servicer import Servicer
 from swarm import __version__
+from swarm.client.routing import servers
 from swarm.config import PeerConfig, load_model_card
-from swarm.dht import announce, start_dht, store_own
+from swarm.dht import announce, read_view, start_dht, store_own
 from swarm.errors import BadInputError
 from swarm.ids import Span, peers_key
 from swarm.model_files import load_config, model_folder, weights_fingerprint
@@ -84,6 +85,7 @@ class Peer:
         self.block_tps = 0.0  # forward tokens/s of one block
         self.maddrs: list[str] = []
         self.direct_address: str | None = None
+        self.network_mbps = cfg.network_mbps  # declared, or estimated once at start
         self._lock = asyncio.Lock()
 
     # ---- spans ----------------------------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ class Peer:
             max_blocks=self.max_blocks,
             updated_at=now,
             broker_capable=self.cfg.broker,
-            network_mbps=self.cfg.network_mbps,
+            network_mbps=self.network_mbps,
             token_bytes=self.model.config.hidden_size * self.model.dtype.itemsize,
         )
         await asyncio.to_thread(
@@ -281,6 +283,17 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
         if cfg.direct_port is not None:
             port = await DirectServer(servicer).start(cfg.host, cfg.direct_port)
             peer.direct_address = _direct_address(cfg, port)
+        if peer.network_mbps is None and cfg.initial_peers:
+            try:
+                view = await asyncio.to_thread(read_view, dht, model.name, model.num_blocks)
+                peer.network_mbps = await estimate_link_mbps(p2p, list(servers(view).values()), peer.peer_id)
+                log.info(
+                    "link estimate %s Mbit/s",
+                    f"{peer.network_mbps:.0f}" if peer.network_mbps else "unknown",
+                    extra={"peer": peer.peer_id},
+                )
+            except Exception:
+                log.warning("could not estimate the link", extra={"peer": peer.peer_id})
         if cfg.blocks is not None:
             await peer.hold(cfg.blocks, Role.SERVE)
         else:

@@ -14,6 +14,7 @@ from swarm import wire
 from swarm.errors import BadInputError, SwarmError, VersionMismatchError
 from swarm.protocol import (
     PROTOCOL_VERSION,
+    RPC_BANDWIDTH,
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
@@ -63,6 +64,9 @@ class Servicer:
             RPC_INFERENCE, self.rpc_inference, wire.Frame, stream_input=True, stream_output=True
         )
         await p2p.add_protobuf_handler(RPC_INFO, self.rpc_info, wire.Frame)
+        await p2p.add_protobuf_handler(
+            RPC_BANDWIDTH, self.rpc_bandwidth, wire.Frame, stream_input=True, stream_output=True
+        )
 
     async def _delay(self) -> None:
         if self.added_latency_s:
@@ -131,6 +135,20 @@ class Servicer:
         finally:
             if session is not None:
                 await self.compute.close_session(session)
+
+    async def rpc_bandwidth(self, frames: AsyncIterator[wire.Frame], context: P2PContext):
+        """Receive one payload message and report its size: what a joining peer times to estimate its link."""
+        try:
+            message = await wire.read_message(frames, wire.Decoder(self.max_bytes))
+            if message is None:
+                raise BadInputError("empty bandwidth probe")
+            received = sum(t.numel() * t.element_size() for t in message[1].values())
+        except Exception as e:
+            for f in _error_reply(e):
+                yield f
+            return
+        for f in wire.encode(Reply(stats={"bytes": received}).model_dump()):
+            yield f
 
     async def rpc_info(self, frame: wire.Frame, context: P2PContext) -> wire.Frame:
         return wire.encode(Reply(stats=self.info()).model_dump())[0]

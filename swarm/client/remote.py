@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -17,7 +19,15 @@ from swarm import wire
 from swarm.client.routing import Hop
 from swarm.direct import DirectConnection, trusted_path
 from swarm.errors import PeerUnavailableError, SwarmError, error_from_code
-from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE, RPC_INFO, Reply
+from swarm.protocol import (
+    PROTOCOL_VERSION,
+    RPC_BANDWIDTH,
+    RPC_FORWARD,
+    RPC_FORWARD_STREAM,
+    RPC_INFERENCE,
+    RPC_INFO,
+    Reply,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +93,33 @@ class Remote:
         _check(message[0], hop.peer_id)
         return message[1]
 
-    async def _exchange_once(self, hop: Hop, frames: list[wire.Frame]):
+    async def send_payload(self, hop: Hop, nbytes: int, timeout: float) -> float:
+        """Seconds to send ``nbytes`` to a peer and hear it arrived, over the path real traffic would take."""
+        frames = wire.encode({"protocol_version": PROTOCOL_VERSION}, {"payload": torch.zeros(nbytes // 4)})
+        t0 = time.perf_counter()
+        try:
+            message = await asyncio.wait_for(self._exchange_once(hop, frames, RPC_BANDWIDTH, streamed=True), timeout)
+        except Exception as e:
+            raise _unavailable(hop.peer_id, "failed the bandwidth probe", e) from None
+        if message is None:
+            raise _unavailable(hop.peer_id, "closed the bandwidth probe")
+        _check(message[0], hop.peer_id)
+        return time.perf_counter() - t0
+
+    async def _exchange_once(self, hop: Hop, frames: list[wire.Frame], rpc: str = RPC_FORWARD, streamed=False):
         if self.use_direct(hop):
-            conn = await DirectConnection.open(hop.direct, RPC_FORWARD)
+            conn = await DirectConnection.open(hop.direct, rpc)
             try:
                 await conn.send(frames)
                 return await wire.read_message(conn.responses, wire.Decoder())
             finally:
                 conn.close()
         peer = await self._peer(hop)
-        if len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
-            reply = await self.p2p.call_protobuf_handler(peer, RPC_FORWARD, frames[0], wire.Frame)
+        if not streamed and len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
+            reply = await self.p2p.call_protobuf_handler(peer, rpc, frames[0], wire.Frame)
             return wire.decode([reply])
-        responses = await self.p2p.iterate_protobuf_handler(peer, RPC_FORWARD_STREAM, _aiter(frames), wire.Frame)
+        stream_rpc = RPC_FORWARD_STREAM if rpc == RPC_FORWARD else rpc
+        responses = await self.p2p.iterate_protobuf_handler(peer, stream_rpc, _aiter(frames), wire.Frame)
         return await wire.read_message(responses, wire.Decoder())
 
     async def info(self, hop: Hop, timeout: float) -> dict:

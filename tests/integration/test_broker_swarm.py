@@ -11,9 +11,9 @@ import torch
 from swarm.client.routing import servers
 from swarm.config import Timing
 from swarm.dht import read_all, read_view, start_dht
-from swarm.ids import broker_key
+from swarm.ids import broker_key, peers_key
 from swarm.lease import Lease
-from swarm.records import PeerState
+from swarm.records import PeerRecord, PeerState, parse_as
 from swarm.status import current_broker
 from tests.conftest import local_reference
 from tests.integration.harness import running_swarm
@@ -73,6 +73,9 @@ def test_broker_places_promotes_and_survives(tiny_models):
                 "a standby",
             )
             standby_id, (_, s_start, s_end) = next((p, v) for p, v in state.items() if v[0] == "standby")
+            # peers that joined a running swarm measured their link to it and told the broker
+            heartbeats = [parse_as(PeerRecord, v) for v in read_all(dht, peers_key(folder_id(folder)))]
+            assert sum(1 for r in heartbeats if r and r.network_mbps and r.network_mbps > 0) >= 1
 
             with DistributedModelForCausalLM.from_pretrained(
                 folder, initial_peers=swarm.initial_peers, timing=timing
