@@ -27,11 +27,14 @@ class Hop:
 
 
 def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
-    """One record per peer (a record appears under every block of its span)."""
+    """One record per peer (a record appears under every block of its span). A peer that moved leaves `leaving`
+    records under blocks it dropped until they expire: its current record is the one that is not leaving."""
     out: dict[str, ServerRecord] = {}
     for records in view.values():
         for r in records:
-            out.setdefault(r.peer_id, r)
+            seen = out.get(r.peer_id)
+            if seen is None or (seen.state == PeerState.LEAVING and r.state != PeerState.LEAVING):
+                out[r.peer_id] = r
     return out
 
 

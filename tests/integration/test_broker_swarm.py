@@ -35,6 +35,11 @@ def roles(dht, model: str, num_blocks: int) -> dict[str, tuple[str, int, int]]:
     return {r.peer_id: (r.state.value, r.start, r.end) for r in servers(read_view(dht, model, num_blocks)).values()}
 
 
+def serving(dht, model: str, blocks) -> set[str]:
+    view = read_view(dht, model, max(blocks) + 1)
+    return {r.peer_id for b in blocks for r in view[b] if r.state == PeerState.ONLINE}
+
+
 def covered(dht, model, num_blocks) -> bool:
     view = read_view(dht, model, num_blocks)
     return all(any(r.state == PeerState.ONLINE for r in view[b]) for b in range(num_blocks))
@@ -83,7 +88,11 @@ def test_broker_places_promotes_and_survives(tiny_models):
                 assert torch.equal(client.generate(ids, max_new_tokens=24, do_sample=False), expected)
 
                 # 2. kill every server of the standby's span mid-generation: the standby is promoted, tokens intact
-                victims = [p for p, (s, a, b) in state.items() if s == "online" and a < s_end and s_start < b]
+                victims = wait_for(
+                    lambda: serving(dht, folder_id(folder), range(s_start, s_end)) - {standby_id},
+                    10,
+                    "the servers of the standby's span",
+                )
                 killed = []
 
                 class Killer:

@@ -71,3 +71,12 @@ def test_pick_fingerprint_prefers_full_coverage():
         record(peer_id="b", end=4, fingerprint="partial", forward_tps=1e6),
     )
     assert pick_fingerprint(view, 8) == "good"
+
+
+def test_a_moved_peer_is_known_by_its_current_record():
+    from swarm.client.routing import servers
+
+    old = record(peer_id="m", start=0, end=4, state=PeerState.LEAVING)
+    new = record(peer_id="m", start=4, end=8)
+    assert servers(view_of(old, new))["m"].span == new.span
+    assert servers(view_of(record(peer_id="gone", state=PeerState.LEAVING)))["gone"].state == PeerState.LEAVING
