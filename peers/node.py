@@ -83,6 +83,7 @@ class Peer:
         self.role: Role | None = None
         self.state = PeerState.JOINING
         self.block_tps = 0.0  # forward tokens/s of one block
+        self.block_sps = 0.0  # single-token inference steps/s of one block
         self.maddrs: list[str] = []
         self.direct_address: str | None = None
         self.network_mbps = cfg.network_mbps  # declared, or estimated once at start
@@ -96,11 +97,11 @@ class Peer:
             _perturb(layers, self.cfg.perturb_weights)
         backend = SpanBackend(m.config, m.family, layers, span, self.cfg.device, m.dtype)
         if self.cfg.throughput is not None:
-            self.block_tps = self.cfg.throughput
+            self.block_tps = self.block_sps = self.cfg.throughput
         else:
             key = f"{m.fingerprint}-{span.start}-{span.end}-{self.cfg.device}-{self.cfg.threads}".replace(":", "_")
-            forward_tps, _ = cached_throughput(backend, self.cfg.cache_dir, key)
-            self.block_tps = forward_tps * len(span)
+            forward_tps, inference_sps = cached_throughput(backend, self.cfg.cache_dir, key)
+            self.block_tps, self.block_sps = forward_tps * len(span), inference_sps * len(span)
         return backend
 
     async def hold(self, span: Span, role: Role) -> None:
@@ -134,7 +135,7 @@ class Peer:
 
     # ---- announcing -----------------------------------------------------------------------------------------------
     def _server_record(self, span: Span, state: PeerState) -> ServerRecord:
-        per_block = max(self.block_tps, 1e-9)
+        per_block, per_block_steps = max(self.block_tps, 1e-9), max(self.block_sps, 1e-9)
         return ServerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self.maddrs),
@@ -148,7 +149,7 @@ class Peer:
             device=self.hardware.device_name,
             device_memory=self.hardware.device_memory,
             forward_tps=per_block / len(span),
-            inference_sps=per_block / len(span),
+            inference_sps=per_block_steps / len(span),
             cache_tokens_free=self.compute.budget.free,
             cache_tokens_total=self.compute.budget.total,
             software_version=__version__,
@@ -300,7 +301,7 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
             if cfg.throughput is None:  # measure one block so the broker can place this peer
                 await asyncio.to_thread(peer._load, Span(0, 1))
             else:
-                peer.block_tps = cfg.throughput
+                peer.block_tps = peer.block_sps = cfg.throughput
             await peer.publish(PeerState.JOINING)
         tasks.append(asyncio.create_task(peer.heartbeat(stop)))
         if cfg.blocks is None:
