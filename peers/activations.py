@@ -20,6 +20,7 @@ class Kept:
     outputs: torch.Tensor  # the span's output, still attached to the graph
     sub: Span
     created: float
+    adapter: object = None  # the request's adapter leaves (peers.adapters.Adapter), whose gradients backward returns
 
 
 class ActivationStore:
@@ -29,9 +30,9 @@ class ActivationStore:
         self.clock = clock
         self._items: OrderedDict[str, Kept] = OrderedDict()
 
-    def put(self, key: str, inputs: torch.Tensor, outputs: torch.Tensor, sub: Span) -> None:
+    def put(self, key: str, inputs: torch.Tensor, outputs: torch.Tensor, sub: Span, adapter=None) -> None:
         self._expire()
-        self._items[key] = Kept(inputs, outputs, sub, self.clock())
+        self._items[key] = Kept(inputs, outputs, sub, self.clock(), adapter)
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
 

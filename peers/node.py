@@ -217,6 +217,8 @@ class Peer:
             "open_sessions": len(self.compute.sessions),
             "cache_tokens_free": self.compute.budget.free,
             "kept_activations": len(self.compute.kept),
+            "adapter_clients": len(self.compute.adapters),
+            "adapter_bytes": self.compute.adapters.nbytes,
         }
 
 

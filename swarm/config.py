@@ -31,6 +31,7 @@ class Timing:
     cache_wait: float = 2.0  # an inference session waits this long for KV-cache room, then is refused
     view_refresh: float = 5.0  # the client re-reads the swarm view at most this often
     activation_ttl: float = 120.0  # activations kept on a server for a pending backward
+    adapter_ttl: float = 600.0  # a client's cached adapter is dropped after this long unused
     missing_blocks_wait: float = 10.0  # how long the client waits for blocks nobody serves before failing
     retry_budget: float = 60.0  # total time one call may spend failing over before the error reaches the user
     ban_base: float = 15.0  # a failed peer is avoided this long, doubling with each further failure
@@ -140,6 +141,7 @@ class PeerConfig:
     added_latency_ms: float = 0.0  # emulate a distant peer (benchmarks, fault tests)
     perturb_weights: float = 0.0  # testing only: add noise to the weights after fingerprinting
     max_kept_activations: int = 64  # forward passes kept for a pending backward
+    max_adapter_bytes: int = 512 * 1024 * 1024  # clients' cached adapters (LoRA, deep prompts), all together
     max_message_bytes: int = 256 * 1024 * 1024  # a request larger than this is refused
     inline_tokens: int = 8  # inference steps of at most this many tokens run on the RPC loop, not the compute thread
     direct_port: int | None = 0  # plain-TCP data plane port (0 = any, None = off); see swarm/direct.py

@@ -56,6 +56,12 @@ class ActivationsGoneError(SwarmError):
     retriable = True
 
 
+class AdapterMissingError(SwarmError):
+    """The server holds no copy of this client's adapter at the version referenced: resend the tensors."""
+
+    code = "adapter_missing"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -66,6 +72,7 @@ _BY_CODE = {
         SessionLengthError,
         PeerUnavailableError,
         ActivationsGoneError,
+        AdapterMissingError,
     )
 }
 

@@ -21,6 +21,9 @@ class Span:
     def __len__(self) -> int:
         return self.end - self.start
 
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
     def __contains__(self, other: object) -> bool:
         if isinstance(other, Span):
             return self.start <= other.start and other.end <= self.end

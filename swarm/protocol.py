@@ -24,20 +24,37 @@ class _Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class AdapterRef(_Msg):
+    """A client's trainable extras for the requested blocks (LoRA pairs, deep prompts), by content version.
+
+    With ``has_tensors`` the request carries them as named tensors (``lora.{block}.{module}.A``/``.B``,
+    ``deep.{block}``) and the server caches them for this client; without, the server uses its cached copy of that
+    version or answers ``adapter_missing`` so the client resends. ``client`` is a random 256-bit token: the only key
+    to the cache, so no other client can reach these tensors."""
+
+    client: str = Field(min_length=32, max_length=128)
+    version: int = Field(ge=0)
+    has_tensors: bool
+    scaling: float = 1.0  # LoRA: alpha / r
+
+
 class ComputeRequest(_Msg):
     """A forward or backward over blocks ``start:end`` (which the server must hold).
 
     Tensors: ``hidden`` [batch, seq, hidden]; optional ``attention_mask`` [batch, seq] (1 = real token),
     ``position_ids`` [batch, seq]; for backward ``grad_output`` and, if the server may have dropped the forward,
-    ``hidden`` again to recompute it.
+    ``hidden`` again to recompute it. A backward's reply holds ``grad_input`` and, for each adapter tensor the
+    forward used, ``grad.{its name}``.
     """
 
     protocol_version: int = PROTOCOL_VERSION
-    kind: Literal["forward", "backward"]
+    kind: Literal["forward", "backward", "release"]  # release: drop this client's cached adapter (start/end unused)
     start: int
     end: int
     keep_for_backward: bool = False  # forward: hold the graph so a backward needs no recompute
     forward_id: str | None = None  # forward: the name to keep it under; backward: which forward
+    adapter: AdapterRef | None = None
+    input_grad: bool = True  # backward: False when nobody needs the gradient of ``hidden`` (a frozen first hop)
     extras: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -50,6 +67,7 @@ class OpenSession(_Msg):
     end: int
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0)
+    adapter: AdapterRef | None = None
     extras: dict[str, Any] = Field(default_factory=dict)
 
 

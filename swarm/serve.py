@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="largest batch x seq of one request")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
+        "--max-adapter-mb", type=float, default=512, help="room for clients' LoRA adapters / deep prompts, all together"
+    )
+    p.add_argument(
         "--throughput",
         default="auto",
         help="'auto' (measure once and cache) or forward tokens/s of ONE block (skips the probe)",
@@ -83,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         dtype=args.dtype,
         cache_tokens=args.cache_tokens,
         max_batch_tokens=args.max_batch_tokens,
+        max_adapter_bytes=int(args.max_adapter_mb * 1024 * 1024),
         threads=args.threads,
         throughput=None if args.throughput == "auto" else float(args.throughput),
         cache_dir=args.cache_dir or default_cache_dir(),

@@ -49,6 +49,7 @@ class Decoder:
 
     def __init__(self, max_bytes: int = 1 << 62) -> None:
         self.max_bytes = max_bytes
+        self.total_bytes = 0  # every frame fed so far (traffic accounting)
         self._reset()
 
     def _reset(self) -> None:
@@ -59,7 +60,9 @@ class Decoder:
         self._bytes = 0
 
     def feed(self, frame: Frame) -> Message | None:
-        self._bytes += frame.ByteSize()
+        size = frame.ByteSize()
+        self._bytes += size
+        self.total_bytes += size
         if self._bytes > self.max_bytes:
             raise BadInputError(f"message larger than the limit of {self.max_bytes} bytes")
         if self._meta is None:

@@ -1,13 +1,20 @@
-"""Runs a span of decoder layers: forward with or without a KV cache, and backward."""
+"""Runs a span of decoder layers: forward with or without a KV cache, and backward, with or without a client's
+adapter (LoRA pairs applied by forward hooks on the linear modules, deep prompts added to the prompt positions)."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from peers.adapters import Adapter
 from peers.blocks.families import Family
+from swarm.errors import BadInputError
 from swarm.ids import Span
+from swarm.tuning import linear_modules
 
 
 class SpanBackend:
@@ -22,6 +29,25 @@ class SpanBackend:
         self.dtype = dtype
         self.rotary = family.rotary_cls(config).to(self.device)  # weightless: built here, not loaded
         self.sliding = [family.is_sliding(config, i) for i in range(span.start, span.end)]
+        self.linears = linear_modules(layers[0]) if len(layers) else {}
+        # The adapter of the request being computed. A context variable, not an attribute: small inference steps run
+        # on the RPC loop's thread while the compute thread may be running another client's request.
+        self._active: ContextVar[Adapter | None] = ContextVar("adapter", default=None)
+        for i, layer in enumerate(layers):
+            for path, module in layer.named_modules():
+                if path in self.linears:
+                    module.register_forward_hook(self._lora_hook((span.start + i, path)))
+
+    def _lora_hook(self, key: tuple[int, str]):
+        def hook(module, args, output):
+            adapter = self._active.get()
+            pair = adapter.lora.get(key) if adapter is not None else None
+            if pair is None:
+                return None
+            a, b = pair
+            return output + F.linear(F.linear(args[0], a), b) * adapter.scaling
+
+        return hook
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -35,8 +61,16 @@ class SpanBackend:
         position_ids: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
         past: int = 0,
+        adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Blocks ``sub`` (inside this span) over ``hidden`` [batch, n, hidden]; ``past`` tokens already cached."""
+        token = self._active.set(adapter)
+        try:
+            return self._run(hidden, sub, attention_mask, position_ids, cache, past, adapter)
+        finally:
+            self._active.reset(token)
+
+    def _run(self, hidden, sub, attention_mask, position_ids, cache, past, adapter) -> torch.Tensor:
         hidden = hidden.to(self.device)
         batch, n = hidden.shape[:2]
         if position_ids is None:
@@ -59,7 +93,15 @@ class SpanBackend:
                 position_ids=position_ids,
                 layer_idx=self.span.start + first,
             )
+        prompts = adapter.prompt_tokens if adapter is not None else 0
+        if prompts and past == 0 and n < prompts:
+            raise BadInputError(f"deep prompts of {prompts} tokens need at least that many positions, got {n}")
+        if prompts and 0 < past < prompts:
+            raise BadInputError(f"a step at position {past} falls inside the deep prompts' {prompts} positions")
         for i in local:
+            deep = adapter.deep.get(self.span.start + i) if prompts and past == 0 else None
+            if deep is not None:  # the prompt positions of this block's input get the block's own prompt added
+                hidden = torch.cat([hidden[:, :prompts] + deep.to(hidden.dtype), hidden[:, prompts:]], dim=1)
             out = self.layers[i](
                 hidden,
                 attention_mask=masks[self.sliding[i]],

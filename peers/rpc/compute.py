@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from peers.activations import ActivationStore
+from peers.adapters import Adapter, AdapterCache, parse_adapter
 from peers.blocks.backend import SpanBackend
 from peers.kv_cache import CacheBudget
 from swarm.config import PeerConfig
 from swarm.errors import ActivationsGoneError, BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
-from swarm.protocol import ComputeRequest, OpenSession
+from swarm.protocol import AdapterRef, ComputeRequest, OpenSession
+from swarm.tuning import GRAD_PREFIX, is_adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class Session:
     cache: object
     reserved: int
     position: int = 0
+    adapter: Adapter | None = None  # the client's adapter, bound for the session's life
 
 
 class ComputeService:
@@ -46,6 +49,7 @@ class ComputeService:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.budget = CacheBudget(cfg.cache_tokens)
         self.kept = ActivationStore(cfg.max_kept_activations, cfg.timing.activation_ttl)
+        self.adapters = AdapterCache(cfg.max_adapter_bytes, cfg.timing.adapter_ttl)
         self.stats: Counter[str] = Counter()
         self.sessions: dict[str, Session] = {}
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
@@ -98,6 +102,26 @@ class ComputeService:
             raise BadInputError(f"position_ids must be int64 [{batch}, {n}], got {pos.dtype} {list(pos.shape)}")
         return mask, pos
 
+    def _adapter(self, ref: AdapterRef | None, tensors: dict, sub: Span) -> Adapter | None:
+        """The request's adapter: the tensors it carries (then cached for this client), or the cached version."""
+        if ref is None:
+            if any(is_adapter_name(name) for name in tensors):
+                raise BadInputError("request carries adapter tensors but no adapter reference")
+            return None
+        if not ref.has_tensors:
+            return self.adapters.get(ref, sub)
+        adapter = parse_adapter(tensors, sub, self.backend.linears, self.hidden_size, self.dtype, ref.scaling)
+        self.adapters.put(ref, adapter, sub)
+        self.stats["adapter_uploads"] += 1
+        return adapter
+
+    async def release(self, req: ComputeRequest, tensors: dict) -> dict:
+        """The client is done: drop its cached adapter now rather than at the idle timeout."""
+        if req.adapter is None:
+            raise BadInputError("release names no adapter")
+        self.adapters.drop(req.adapter.client)
+        return {}
+
     # ---- forward / backward -----------------------------------------------------------------------------------
     async def forward(self, req: ComputeRequest, tensors: dict) -> dict:
         sub = self._check_sub(req.start, req.end)
@@ -105,20 +129,22 @@ class ComputeService:
         mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
         if req.keep_for_backward and not req.forward_id:
             raise BadInputError("keep_for_backward needs a forward_id")
+        adapter = self._adapter(req.adapter, tensors, sub)
         out = await self._run(
-            self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None
+            self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None, adapter
         )
         self.stats["forward"] += 1
         return {"hidden": out}
 
-    def _forward_sync(self, hidden, sub, mask, pos, keep_id):
+    def _forward_sync(self, hidden, sub, mask, pos, keep_id, adapter):
         if keep_id is None:
             with torch.inference_mode():
-                return self.backend.run(hidden, sub, attention_mask=mask, position_ids=pos)
+                return self.backend.run(hidden, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
         with torch.enable_grad():
             inputs = hidden.detach().requires_grad_(True)
-            outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos)
-        self.kept.put(keep_id, inputs, outputs, sub)
+            adapter = adapter.trainable() if adapter is not None else None
+            outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
+        self.kept.put(keep_id, inputs, outputs, sub, adapter)
         return outputs.detach()
 
     async def backward(self, req: ComputeRequest, tensors: dict) -> dict:
@@ -135,30 +161,41 @@ class ComputeService:
             if hidden.shape != grad.shape:
                 raise BadInputError("grad_output and hidden differ in shape")
             mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
-        grad_in = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub)
+        adapter = self._adapter(req.adapter, tensors, sub) if kept is None else None
+        out = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub, adapter, req.input_grad)
         self.stats["backward"] += 1
-        return {"grad_input": grad_in}
+        return out
 
-    def _backward_sync(self, kept, hidden, mask, pos, grad, sub):
+    def _backward_sync(self, kept, hidden, mask, pos, grad, sub, adapter, input_grad: bool) -> dict:
         with torch.enable_grad():
             if kept is None:
                 inputs = hidden.detach().requires_grad_(True)
-                outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos)
+                adapter = adapter.trainable() if adapter is not None else None
+                outputs = self.backend.run(inputs, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
             else:
-                inputs, outputs = kept.inputs, kept.outputs
-            (grad_in,) = torch.autograd.grad(outputs, inputs, grad.to(outputs.device))
-        return grad_in.detach()
+                inputs, outputs, adapter = kept.inputs, kept.outputs, kept.adapter
+            named = adapter.named() if adapter is not None else {}
+            wrt = ([inputs] if input_grad else []) + list(named.values())
+            if not wrt:
+                raise BadInputError("backward asks for no gradient: no input gradient and no adapter")
+            grads = list(torch.autograd.grad(outputs, wrt, grad.to(outputs.device), allow_unused=True))
+        out = {"grad_input": grads.pop(0).detach()} if input_grad else {}
+        for (name, tensor), g in zip(named.items(), grads, strict=True):
+            out[GRAD_PREFIX + name] = torch.zeros_like(tensor) if g is None else g.detach()
+        return out
 
     # ---- inference ----------------------------------------------------------------------------------------------
-    async def open_session(self, msg: OpenSession) -> Session:
+    async def open_session(self, msg: OpenSession, tensors: dict) -> Session:
         if self.leaving:
             raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
         sub = self._check_sub(msg.start, msg.end)
         if msg.session_id in self.sessions:
             raise BadInputError(f"session {msg.session_id} is already open here")
+        adapter = self._adapter(msg.adapter, tensors, sub)
         tokens = msg.batch_size * msg.max_length
         reserved = await self.budget.reserve(tokens, self.cfg.timing.cache_wait)
-        session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, self.backend.new_cache(), reserved)
+        cache = self.backend.new_cache()
+        session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, cache, reserved, adapter=adapter)
         self.sessions[session.id] = session
         self.stats["sessions"] += 1
         return session
@@ -190,5 +227,11 @@ class ComputeService:
     def _step_sync(self, session, hidden, mask, pos):
         with torch.inference_mode():
             return self.backend.run(
-                hidden, session.sub, attention_mask=mask, position_ids=pos, cache=session.cache, past=session.position
+                hidden,
+                session.sub,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=session.cache,
+                past=session.position,
+                adapter=session.adapter,
             )

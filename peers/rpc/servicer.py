@@ -77,7 +77,9 @@ class Servicer:
             _check_version(meta)
             req = ComputeRequest.model_validate(meta)
             await self._delay()
-            handler = self.compute.forward if req.kind == "forward" else self.compute.backward
+            handler = {"forward": self.compute.forward, "backward": self.compute.backward}.get(
+                req.kind, self.compute.release
+            )
             out = await handler(req, tensors)
             return wire.encode(Reply().model_dump(), out)
         except Exception as e:
@@ -118,7 +120,7 @@ class Servicer:
                 meta, tensors = message
                 if session is None:
                     _check_version(meta)
-                    session = await self.compute.open_session(OpenSession.model_validate(meta["open"]))
+                    session = await self.compute.open_session(OpenSession.model_validate(meta["open"]), tensors)
                     log.info("session opened", extra={"session": session.id, "span": str(session.sub)})
                 if "step" not in meta:
                     for f in wire.encode(Reply().model_dump()):

@@ -18,7 +18,7 @@ import torch
 from swarm.client.remote import InferenceStream
 from swarm.client.routing import Hop
 from swarm.client.sequential import RemoteBlocks
-from swarm.errors import CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
+from swarm.errors import AdapterMissingError, CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
 from swarm.protocol import PROTOCOL_VERSION, OpenSession
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class _HopState:
     opened: bool = False
     broken: bool = False  # failed (or too slow): the next attempt replaces it
     slow_steps: int = 0
+    send_adapter: bool = False  # open with the adapter's tensors even if the server should have them
     inputs: list[torch.Tensor] = field(default_factory=list)  # hidden sent at each step (client dtype)
     positions: list[torch.Tensor] = field(default_factory=list)
 
@@ -48,6 +49,7 @@ class InferenceSession:
         self._mask: torch.Tensor | None = None  # full attention mask so far, when padding is involved
         self.tokens: torch.Tensor | None = None  # token ids so far: kept by the model wrapper, never sent
         self.conversation: torch.Tensor | None = None  # the last generate's whole output
+        self.prefix = 0  # trainable prompt positions the model put in front of the first step (prompt tuning)
         self.closed = False
 
     @property
@@ -102,16 +104,23 @@ class InferenceSession:
     def _message(self, state: _HopState, hidden, mask, positions, position: int) -> tuple[dict, dict]:
         hop = state.hop
         meta: dict = {"step": {"position": position}}
+        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
         if not state.opened:
+            # the adapter is bound to the server's session at open: named by version, its tensors sent only when
+            # that server lacks this version (or when a reference came back adapter_missing: state.send_adapter)
+            adapters = self.blocks._remote_adapters()
+            send = adapters is not None and (state.send_adapter or self.blocks.adapter_needs_sending(hop))
             opening = OpenSession(
                 session_id=uuid.uuid4().hex,  # per hop: one server may hold two hops of this session
                 start=hop.start,
                 end=hop.end,
                 max_length=self.max_length,
                 batch_size=self.batch_size,
+                adapter=adapters.ref(send) if adapters is not None else None,
             )
             meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
-        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
+            if send:
+                tensors.update(adapters.payload(hop.start, hop.end, tensors["hidden"].dtype))
         if mask is not None:
             tensors["attention_mask"] = mask
         if positions is not None:
@@ -143,12 +152,23 @@ class InferenceSession:
 
     def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
         timing, loop = self.blocks.timing, self.blocks.loop
+        opening = not state.opened
         meta, tensors = self._message(state, hidden, mask, positions, position)
-        if not state.opened:
+        if opening:
             state.stream = loop.run(self.blocks.remote.open_stream(state.hop), timing.open_timeout)
             state.opened = True
         t0 = time.perf_counter()
-        out = loop.run(state.stream.exchange(meta, tensors, self._timeout(hidden)))["hidden"]
+        try:
+            out = loop.run(state.stream.exchange(meta, tensors, self._timeout(hidden)))["hidden"]
+        except AdapterMissingError:
+            if not opening or state.send_adapter:
+                raise
+            # the server dropped its cached copy: open this hop again, with the adapter's tensors this time
+            self.blocks.adapter_delivered(state.hop, False)
+            state.opened, state.send_adapter = False, True
+            return self._exchange(state, hidden, mask, positions, position)
+        if opening and self.blocks._remote_adapters() is not None:
+            self.blocks.adapter_delivered(state.hop)
         self._observe(state, time.perf_counter() - t0, hidden.shape[1])
         return out.to(hidden.dtype)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -63,6 +64,7 @@ class Remote:
         self.p2p = p2p
         self.direct = direct
         self._dialled: set[str] = set()
+        self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
 
     def use_direct(self, hop: Hop) -> bool:
         if not hop.direct or self.direct == "never":
@@ -81,6 +83,7 @@ class Remote:
 
     async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float) -> dict:
         frames = wire.encode(dict(meta, protocol_version=PROTOCOL_VERSION), tensors)
+        self.traffic["sent_bytes"] += wire.encoded_size(frames)
         try:
             message = await asyncio.wait_for(self._exchange_once(hop, frames), timeout)
         except SwarmError as e:
@@ -107,20 +110,27 @@ class Remote:
         return time.perf_counter() - t0
 
     async def _exchange_once(self, hop: Hop, frames: list[wire.Frame], rpc: str = RPC_FORWARD, streamed=False):
-        if self.use_direct(hop):
-            conn = await DirectConnection.open(hop.direct, rpc)
-            try:
-                await conn.send(frames)
-                return await wire.read_message(conn.responses, wire.Decoder())
-            finally:
-                conn.close()
-        peer = await self._peer(hop)
-        if not streamed and len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
-            reply = await self.p2p.call_protobuf_handler(peer, rpc, frames[0], wire.Frame)
-            return wire.decode([reply])
-        stream_rpc = RPC_FORWARD_STREAM if rpc == RPC_FORWARD else rpc
-        responses = await self.p2p.iterate_protobuf_handler(peer, stream_rpc, _aiter(frames), wire.Frame)
-        return await wire.read_message(responses, wire.Decoder())
+        decoder = wire.Decoder()
+        try:
+            if self.use_direct(hop):
+                conn = await DirectConnection.open(hop.direct, rpc)
+                try:
+                    await conn.send(frames)
+                    return await wire.read_message(conn.responses, decoder)
+                finally:
+                    conn.close()
+            peer = await self._peer(hop)
+            if not streamed and len(frames) == 1 and frames[0].ByteSize() < wire.FRAME_BYTES:
+                reply = await self.p2p.call_protobuf_handler(peer, rpc, frames[0], wire.Frame)
+                message = decoder.feed(reply)
+                if message is None:
+                    raise _unavailable(hop.peer_id, "sent a reply that ends before all its tensors")
+                return message
+            stream_rpc = RPC_FORWARD_STREAM if rpc == RPC_FORWARD else rpc
+            responses = await self.p2p.iterate_protobuf_handler(peer, stream_rpc, _aiter(frames), wire.Frame)
+            return await wire.read_message(responses, decoder)
+        finally:
+            self.traffic["received_bytes"] += decoder.total_bytes
 
     async def info(self, hop: Hop, timeout: float) -> dict:
         try:
@@ -177,12 +187,15 @@ class InferenceStream:
         """Send one step and wait for its reply."""
         try:
             frames = wire.encode(meta, tensors)
+            self.remote.traffic["sent_bytes"] += wire.encoded_size(frames)
+            received = self._decoder.total_bytes
             if self._direct is not None:
                 await self._direct.send(frames)
             else:
                 for frame in frames:
                     self._outbox.put_nowait(frame)
             message = await asyncio.wait_for(wire.read_message(self._responses, self._decoder), timeout)
+            self.remote.traffic["received_bytes"] += self._decoder.total_bytes - received
         except Exception as e:
             self.close()
             raise _unavailable(self.hop.peer_id, "failed", e) from None

@@ -136,3 +136,53 @@ def test_backward_recomputes_when_the_server_dropped_the_forward(guarded):
         {"grad_output": grad, "hidden": hidden},
     )
     assert torch.allclose(kept["grad_input"], again["grad_input"], atol=1e-6)
+
+
+def test_bad_adapters_get_clear_errors_and_stay_private(guarded):
+    from swarm.errors import AdapterMissingError
+
+    client, ref = guarded
+    hop = _hop(client)
+    mine, other = "a" * 64, "b" * 64
+    hidden = torch.randn(1, 3, HIDDEN)
+
+    def forward(tensors: dict, client_id: str = mine, has_tensors: bool = True, version: int = 1):
+        adapter = {"client": client_id, "version": version, "has_tensors": has_tensors, "scaling": 2.0}
+        return _call(client, hop, _forward_meta(hop, adapter=adapter), dict(tensors, hidden=hidden))
+
+    a, b = torch.randn(4, HIDDEN), torch.randn(HIDDEN, 4)
+    with pytest.raises(BadInputError, match=r"must be A \[rank, 64\] and B \[64, rank\]"):
+        forward({"lora.0.self_attn.q_proj.A": a, "lora.0.self_attn.q_proj.B": b[:-1]})
+    with pytest.raises(BadInputError, match="no linear module 'self_attn.qkv'"):
+        forward({"lora.0.self_attn.qkv.A": a, "lora.0.self_attn.qkv.B": b})
+    with pytest.raises(BadInputError, match="lacks its B matrix"):
+        forward({"lora.1.self_attn.q_proj.A": a})
+    with pytest.raises(BadInputError, match="must be torch.float32"):
+        forward({"lora.0.self_attn.q_proj.A": a.double(), "lora.0.self_attn.q_proj.B": b.double()})
+    with pytest.raises(BadInputError, match="outside the requested blocks"):
+        _call(
+            client,
+            hop,
+            _forward_meta(hop, end=2, adapter={"client": mine, "version": 1, "has_tensors": True}),
+            {"hidden": hidden, "lora.3.self_attn.q_proj.A": a, "lora.3.self_attn.q_proj.B": b},
+        )
+    with pytest.raises(BadInputError, match="malformed adapter tensor name"):
+        forward({"lora.x.A": a})
+    with pytest.raises(BadInputError, match="no adapter reference"):
+        _call(client, hop, _forward_meta(hop), {"hidden": hidden, "deep.0": torch.zeros(2, HIDDEN)})
+    with pytest.raises(BadInputError, match="malformed metadata"):
+        forward({}, client_id="short")
+    with pytest.raises(AdapterMissingError):
+        forward({}, has_tensors=False)
+
+    good = {"lora.0.self_attn.q_proj.A": a, "lora.0.self_attn.q_proj.B": b}
+    with_adapter = forward(good)["hidden"]
+    assert torch.equal(forward({}, has_tensors=False)["hidden"], with_adapter)  # the cached copy
+    plain = _call(client, hop, _forward_meta(hop), {"hidden": hidden})["hidden"]
+    assert not torch.allclose(plain, with_adapter)
+    with pytest.raises(AdapterMissingError):  # another client cannot use it
+        forward({}, client_id=other, has_tensors=False)
+    with pytest.raises(AdapterMissingError):  # nor can a stale version
+        forward({}, has_tensors=False, version=2)
+    with torch.no_grad():  # still serving
+        assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)

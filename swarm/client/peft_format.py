@@ -1,0 +1,123 @@
+"""Adapters on disk in the PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``, PEFT's key names),
+so an adapter trained through the swarm loads into a local model with the ``peft`` library, and the reverse.
+
+LoRA and prompt tuning are PEFT's own types. Deep prompts have no PEFT equivalent; they are saved in the same
+layout under the type ``SWARM_DEEP_PROMPT`` (input prompts as PEFT names them, plus ``deep_prompt_embeddings``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from swarm.client.adapters import ClientAdapters, _key
+from swarm.errors import BadInputError
+from swarm.tuning import TuningSpec
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+LORA_PREFIX = "base_model.model.model.layers."
+PEFT_TYPES = {"lora": "LORA", "prompt": "PROMPT_TUNING", "deep_prompt": "SWARM_DEEP_PROMPT"}
+
+
+def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = adapters.spec
+    config: dict = {"peft_type": PEFT_TYPES[spec.mode], "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model}
+    config["inference_mode"] = True
+    tensors: dict[str, torch.Tensor] = {}
+    if spec.mode == "lora":
+        config.update(
+            r=spec.lora_rank,
+            lora_alpha=spec.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(spec.lora_targets),
+            bias="none",
+            fan_in_fan_out=False,
+            use_rslora=False,
+            use_dora=False,
+            init_lora_weights=True,
+        )
+        for block, layer in enumerate(adapters.lora):
+            for path in adapters.targets:
+                pair = layer[_key(path)]
+                tensors[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
+                tensors[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
+    else:
+        config.update(
+            num_virtual_tokens=spec.num_prompt_tokens,
+            token_dim=adapters.prompts.shape[1],
+            num_transformer_submodules=1,
+            num_attention_heads=num_heads,
+            num_layers=adapters.num_blocks,
+            prompt_tuning_init="RANDOM",
+        )
+        tensors["prompt_embeddings"] = adapters.prompts
+        if spec.mode == "deep_prompt":
+            tensors["deep_prompt_embeddings"] = adapters.deep
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS))
+    (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def read_spec(folder: Path) -> TuningSpec:
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except FileNotFoundError:
+        raise BadInputError(f"{folder} holds no {CONFIG}: not a PEFT adapter folder") from None
+    except ValueError as e:
+        raise BadInputError(f"{folder / CONFIG} is not valid JSON: {e}") from None
+    kind = {v: k for k, v in PEFT_TYPES.items()}.get(config.get("peft_type"))
+    if kind is None:
+        raise BadInputError(f"adapter type {config.get('peft_type')!r} is not supported (LORA, PROMPT_TUNING)")
+    if kind == "lora":
+        unsupported = {
+            k: config.get(k)
+            for k in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias")
+            if config.get(k)
+        }
+        if config.get("bias", "none") != "none":
+            unsupported["bias"] = config["bias"]
+        if config.get("lora_dropout", 0.0):
+            unsupported["lora_dropout"] = config["lora_dropout"]
+        if unsupported:
+            raise BadInputError(f"unsupported LoRA settings in {folder / CONFIG}: {unsupported}")
+        targets = config.get("target_modules")
+        if isinstance(targets, str) or not targets:
+            raise BadInputError(f"{folder / CONFIG}: target_modules must be a list of module names, got {targets!r}")
+        return TuningSpec("lora", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
+                          lora_targets=tuple(targets))  # fmt: skip
+    return TuningSpec(kind, num_prompt_tokens=int(config["num_virtual_tokens"]))
+
+
+def load_into(adapters: ClientAdapters, folder: Path) -> None:
+    """Copy a saved adapter's tensors into ``adapters`` (built from the same spec); shapes are checked first."""
+    state = load_file(str(Path(folder) / WEIGHTS))
+    expected: dict[str, torch.Tensor] = {}
+    if adapters.spec.mode == "lora":
+        for block, layer in enumerate(adapters.lora):
+            for path in adapters.targets:
+                pair = layer[_key(path)]
+                expected[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
+                expected[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
+    else:
+        expected["prompt_embeddings"] = adapters.prompts
+        if adapters.spec.mode == "deep_prompt":
+            expected["deep_prompt_embeddings"] = adapters.deep
+    unknown = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state))
+    if unknown or missing:
+        raise BadInputError(
+            f"adapter in {folder} does not fit this model: unknown tensors {unknown[:4]}, missing {missing[:4]}"
+        )
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise BadInputError(
+                f"adapter tensor {name} has shape {list(state[name].shape)}, this model needs {list(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in expected.items():
+            param.copy_(state[name])
