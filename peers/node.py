@@ -92,10 +92,15 @@ class Peer:
     # ---- spans ----------------------------------------------------------------------------------------------------
     def _load(self, span: Span) -> SpanBackend:
         m = self.model
-        layers = load_span(m.folder, m.config, m.family, span, m.dtype, self.cfg.device)
-        if self.cfg.perturb_weights:
-            _perturb(layers, self.cfg.perturb_weights)
-        backend = SpanBackend(m.config, m.family, layers, span, self.cfg.device, m.dtype)
+        if self.cfg.train is not None:
+            from peers.train_node import load_trainable
+
+            backend = load_trainable(self, span)
+        else:
+            layers = load_span(m.folder, m.config, m.family, span, m.dtype, self.cfg.device)
+            if self.cfg.perturb_weights:
+                _perturb(layers, self.cfg.perturb_weights)
+            backend = SpanBackend(m.config, m.family, layers, span, self.cfg.device, m.dtype)
         if self.cfg.throughput is not None:
             self.block_tps = self.block_sps = self.cfg.throughput
         else:
@@ -113,6 +118,8 @@ class Peer:
             if span != old:
                 log.info("loading blocks as %s", role.value, extra=fields)
                 backend = await asyncio.to_thread(self._load, span)
+                if self.compute.trainer is not None:
+                    self.compute.trainer.launch_averager()  # on the main thread, which the event loop runs on
                 self.compute.set_backend(backend)
                 self.span = span
             elif role != self.role:
@@ -223,6 +230,10 @@ class Peer:
 
 
 def _model(cfg: PeerConfig) -> Model:
+    if cfg.train is not None:
+        from peers.train_node import training_model
+
+        return training_model(cfg)
     card = load_model_card(cfg.model)
     folder = model_folder(card, cfg.cache_dir)
     config = load_config(folder)
@@ -300,16 +311,20 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
         if cfg.blocks is not None:
             await peer.hold(cfg.blocks, Role.SERVE)
         else:
-            if cfg.throughput is None:  # measure one block so the broker can place this peer
+            if cfg.throughput is None and cfg.train is None:  # measure one block so the broker can place this peer
                 await asyncio.to_thread(peer._load, Span(0, 1))
             else:
-                peer.block_tps = peer.block_sps = cfg.throughput
+                peer.block_tps = peer.block_sps = cfg.throughput or 100.0
             await peer.publish(PeerState.JOINING)
         tasks.append(asyncio.create_task(peer.heartbeat(stop)))
         if cfg.blocks is None:
             tasks.append(asyncio.create_task(run_follower(peer)))
         if cfg.broker:
             tasks.append(asyncio.create_task(run_broker(peer)))
+        if cfg.train is not None:
+            from peers.train_node import follow_global_step
+
+            tasks.append(asyncio.create_task(follow_global_step(peer, max(1.0, cfg.timing.broker_period))))
         log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
         if on_ready is not None:
             on_ready(peer.maddrs)
@@ -319,6 +334,8 @@ async def run_peer(cfg: PeerConfig, stop: asyncio.Event, on_ready: Callable[[lis
         for task in tasks:
             task.cancel()
         if peer is not None:
+            if peer.compute.trainer is not None:
+                peer.compute.trainer.close()
             peer.compute.close()
         dht.shutdown()
 

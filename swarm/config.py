@@ -150,6 +150,8 @@ class PeerConfig:
     broker: bool = True  # stand for the broker role
     replication: int = 1  # broker policy: serving peers per block where possible
     standby_fraction: float = 0.1  # broker policy: share of unpinned peers kept as warm standbys
+    train: Path | None = None  # a pre-training run's TOML: serve a trainable stage of it (peers/train_node.py)
+    checkpoint_dir: Path | None = None  # where a trainable stage checkpoints (default: under the run's directory)
 
 
 @dataclass(frozen=True)

@@ -63,18 +63,24 @@ def _terminate_children_and_exit(signum, frame) -> None:  # noqa: ARG001 - signa
     os._exit(0)
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """In a forked child: ask the kernel for SIGTERM when the parent dies, which then kills and reaps this child's
+    own children (exit at once if the parent is already gone)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: fall back to hivemind's own behaviour
+        log.warning("cannot ask for a parent-death signal; a killed parent may leave its children behind")
+    signal.signal(signal.SIGTERM, _terminate_children_and_exit)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(0)
+
+
 class OwnedDHT(hivemind.DHT):
     """A hivemind DHT whose child process (and its p2pd) never outlives the process that created it."""
 
     def run(self) -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:  # not Linux: fall back to hivemind's own behaviour
-            log.warning("cannot ask for a parent-death signal; a killed parent may leave its DHT behind")
-        signal.signal(signal.SIGTERM, _terminate_children_and_exit)
-        if os.getppid() != self._parent_pid:  # the parent died before the request took effect
-            os._exit(0)
+        die_with_parent(self._parent_pid)
         super().run()
 
 

@@ -62,6 +62,13 @@ class AdapterMissingError(SwarmError):
     code = "adapter_missing"
 
 
+class StaleStepError(BadInputError):
+    """A trainer is behind the stage it called (another trainer finished the global step): it must step too. The
+    message ends with ``(server step N)``."""
+
+    code = "stale_step"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -73,6 +80,7 @@ _BY_CODE = {
         PeerUnavailableError,
         ActivationsGoneError,
         AdapterMissingError,
+        StaleStepError,
     )
 }
 

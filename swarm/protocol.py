@@ -38,6 +38,14 @@ class AdapterRef(_Msg):
     scaling: float = 1.0  # LoRA: alpha / r
 
 
+class TrainTag(_Msg):
+    """On a pre-training run's requests: the global step the trainer is in, and (backward) how many samples the
+    micro-batch holds, which the stage counts toward the global batch."""
+
+    step: int = Field(ge=0)
+    samples: int = Field(default=0, ge=0)
+
+
 class ComputeRequest(_Msg):
     """A forward or backward over blocks ``start:end`` (which the server must hold).
 
@@ -48,13 +56,16 @@ class ComputeRequest(_Msg):
     """
 
     protocol_version: int = PROTOCOL_VERSION
-    kind: Literal["forward", "backward", "release"]  # release: drop this client's cached adapter (start/end unused)
+    # release: drop this client's cached adapter; state: a trainable stage's weights and optimizer state (for a joining
+    # replica, or an export); step: a trainer says global step ``train.step`` has begun. None of these uses start/end.
+    kind: Literal["forward", "backward", "release", "state", "step"]
     start: int
     end: int
     keep_for_backward: bool = False  # forward: hold the graph so a backward needs no recompute
     forward_id: str | None = None  # forward: the name to keep it under; backward: which forward
     adapter: AdapterRef | None = None
     input_grad: bool = True  # backward: False when nobody needs the gradient of ``hidden`` (a frozen first hop)
+    train: TrainTag | None = None
     extras: dict[str, Any] = Field(default_factory=dict)
 
 

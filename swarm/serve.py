@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--added-latency-ms", type=float, default=0.0, help="delay each request (emulate distance)")
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
     p.add_argument("--perturb-weights", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--train", type=Path, help="serve a trainable stage of this pre-training run (a run TOML file)")
+    p.add_argument("--checkpoint-dir", type=Path, help="where a trainable stage checkpoints (default: the run's)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -93,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         timing=Timing.for_tests() if args.test_timings else Timing(),
         added_latency_ms=args.added_latency_ms,
         perturb_weights=args.perturb_weights,
+        train=args.train,
+        checkpoint_dir=args.checkpoint_dir,
     )
 
 

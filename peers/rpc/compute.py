@@ -15,7 +15,13 @@ from peers.adapters import Adapter, AdapterCache, parse_adapter
 from peers.blocks.backend import SpanBackend
 from peers.kv_cache import CacheBudget
 from swarm.config import PeerConfig
-from swarm.errors import ActivationsGoneError, BadInputError, PeerUnavailableError, SessionLengthError
+from swarm.errors import (
+    ActivationsGoneError,
+    BadInputError,
+    PeerUnavailableError,
+    SessionLengthError,
+    StaleStepError,
+)
 from swarm.ids import Span
 from swarm.protocol import AdapterRef, ComputeRequest, OpenSession
 from swarm.tuning import GRAD_PREFIX, is_adapter_name
@@ -53,6 +59,7 @@ class ComputeService:
         self.stats: Counter[str] = Counter()
         self.sessions: dict[str, Session] = {}
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
+        self.trainer = None  # peers.training.SpanTrainer on a pre-training run's peer
 
     def set_backend(self, backend: SpanBackend) -> None:
         """Swap in a newly loaded span. Sessions on blocks the new span lacks end at their next step."""
@@ -115,6 +122,41 @@ class ComputeService:
         self.stats["adapter_uploads"] += 1
         return adapter
 
+    def reply_stats(self) -> dict:
+        return {"step": self.trainer.step} if self.trainer is not None else {}
+
+    async def in_compute(self, fn, *args):
+        """Run ``fn`` on the compute thread, between requests (optimizer steps that the swarm's progress calls for)."""
+        return await self._run(fn, *args)
+
+    async def state(self, req: ComputeRequest, tensors: dict) -> dict:
+        """A trainable stage's weights and optimizer state, for a joining replica or an export."""
+        if self.trainer is None:
+            raise BadInputError("this peer holds no trainable stage")
+        meta, out = await self._run(self.trainer.export_state)
+        return {name: t.clone() for name, t in out.items()} | {"_step": torch.tensor(meta["step"])}
+
+    async def advance(self, req: ComputeRequest, tensors: dict) -> dict:
+        """A trainer finished a global step: take ours now (a replica that saw none of the step's micro-batches would
+        otherwise wait for its next request), without making the trainer wait for it or for an averaging round."""
+        if self.trainer is None or req.train is None:
+            raise BadInputError("step notice to a peer that holds no trainable stage, or without a step")
+        if req.train.step > self.trainer.step:
+            task = asyncio.ensure_future(self.in_compute(self.trainer.catch_up, req.train.step))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning("step failed"))
+        return {}
+
+    def _train(self, req: ComputeRequest, backward: bool):
+        """The trainer of a training request, with the stage brought to the request's step."""
+        if req.train is None:
+            return None
+        if self.trainer is None:
+            raise BadInputError("training request to a peer that holds no trainable stage")
+        if backward and req.train.step < self.trainer.step:  # the step moved on since this micro-batch's forward
+            raise StaleStepError(f"backward for step {req.train.step}: server step {self.trainer.step}")
+        self.trainer.before_request(req.train.step)
+        return self.trainer
+
     async def release(self, req: ComputeRequest, tensors: dict) -> dict:
         """The client is done: drop its cached adapter now rather than at the idle timeout."""
         if req.adapter is None:
@@ -130,13 +172,14 @@ class ComputeService:
         if req.keep_for_backward and not req.forward_id:
             raise BadInputError("keep_for_backward needs a forward_id")
         adapter = self._adapter(req.adapter, tensors, sub)
-        out = await self._run(
-            self._forward_sync, hidden, sub, mask, pos, req.forward_id if req.keep_for_backward else None, adapter
-        )
+        keep_id = req.forward_id if req.keep_for_backward else None
+        out = await self._run(self._forward_sync, hidden, sub, mask, pos, keep_id, adapter, req)
         self.stats["forward"] += 1
         return {"hidden": out}
 
-    def _forward_sync(self, hidden, sub, mask, pos, keep_id, adapter):
+    def _forward_sync(self, hidden, sub, mask, pos, keep_id, adapter, req=None):
+        if req is not None:
+            self._train(req, backward=False)
         if keep_id is None:
             with torch.inference_mode():
                 return self.backend.run(hidden, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
@@ -162,11 +205,25 @@ class ComputeService:
                 raise BadInputError("grad_output and hidden differ in shape")
             mask, pos = self._check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
         adapter = self._adapter(req.adapter, tensors, sub) if kept is None else None
-        out = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub, adapter, req.input_grad)
+        out = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub, adapter, req.input_grad, req)
         self.stats["backward"] += 1
+        if self.trainer is not None and self.trainer.unfinished:  # averaging/checkpoint after this reply goes out
+            asyncio.get_running_loop().call_soon(
+                lambda: asyncio.ensure_future(self.in_compute(self.trainer.finish_step))
+            )
         return out
 
-    def _backward_sync(self, kept, hidden, mask, pos, grad, sub, adapter, input_grad: bool) -> dict:
+    def _backward_sync(self, kept, hidden, mask, pos, grad, sub, adapter, input_grad: bool, req=None) -> dict:
+        trainer = self._train(req, backward=True) if req is not None else None
+        try:
+            return self._backward_grads(kept, hidden, mask, pos, grad, sub, adapter, input_grad, trainer, req)
+        except RuntimeError as e:
+            if kept is not None and "modified by an inplace operation" in str(e):
+                # an optimizer step changed the weights after this forward: the client recomputes it
+                raise ActivationsGoneError("the weights changed since this forward pass; resend its inputs") from None
+            raise
+
+    def _backward_grads(self, kept, hidden, mask, pos, grad, sub, adapter, input_grad, trainer, req) -> dict:
         with torch.enable_grad():
             if kept is None:
                 inputs = hidden.detach().requires_grad_(True)
@@ -175,10 +232,17 @@ class ComputeService:
             else:
                 inputs, outputs, adapter = kept.inputs, kept.outputs, kept.adapter
             named = adapter.named() if adapter is not None else {}
-            wrt = ([inputs] if input_grad else []) + list(named.values())
+            weights = self.trainer.params if trainer is not None else []
+            wrt = ([inputs] if input_grad else []) + list(named.values()) + weights
             if not wrt:
                 raise BadInputError("backward asks for no gradient: no input gradient and no adapter")
             grads = list(torch.autograd.grad(outputs, wrt, grad.to(outputs.device), allow_unused=True))
+        if weights:  # a trainable stage: accumulate its weights' gradients toward the global batch
+            for p, g in zip(weights, grads[len(grads) - len(weights) :], strict=True):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+            del grads[len(grads) - len(weights) :]
+            trainer.after_backward(req.train.samples)
         out = {"grad_input": grads.pop(0).detach()} if input_grad else {}
         for (name, tensor), g in zip(named.items(), grads, strict=True):
             out[GRAD_PREFIX + name] = torch.zeros_like(tensor) if g is None else g.detach()

@@ -77,11 +77,15 @@ class Servicer:
             _check_version(meta)
             req = ComputeRequest.model_validate(meta)
             await self._delay()
-            handler = {"forward": self.compute.forward, "backward": self.compute.backward}.get(
-                req.kind, self.compute.release
-            )
+            handler = {
+                "forward": self.compute.forward,
+                "backward": self.compute.backward,
+                "release": self.compute.release,
+                "state": self.compute.state,
+                "step": self.compute.advance,
+            }[req.kind]
             out = await handler(req, tensors)
-            return wire.encode(Reply().model_dump(), out)
+            return wire.encode(Reply(stats=self.compute.reply_stats()).model_dump(), out)
         except Exception as e:
             return _error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
 

@@ -37,7 +37,9 @@ class _Swarm:
     """The client's connection: DHT (client mode), event loop, view, retry helper; closed with the model."""
 
     def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprint: str | None) -> None:
-        self.dht, _ = start_dht(initial_peers=cfg.initial_peers, client_mode=True, timeout=cfg.timing.open_timeout * 6)
+        self.dht, self.validator = start_dht(
+            initial_peers=cfg.initial_peers, client_mode=True, timeout=cfg.timing.open_timeout * 6
+        )
         try:
             self.loop = LoopThread()
             self.remote = Remote(self.loop.run(self.dht.replicate_p2p()), cfg.direct)

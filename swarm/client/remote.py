@@ -81,7 +81,7 @@ class Remote:
             self._dialled.add(hop.peer_id)
         return peer
 
-    async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float) -> dict:
+    async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float, stats: dict | None = None) -> dict:
         frames = wire.encode(dict(meta, protocol_version=PROTOCOL_VERSION), tensors)
         self.traffic["sent_bytes"] += wire.encoded_size(frames)
         try:
@@ -94,6 +94,8 @@ class Remote:
         if message is None:
             raise _unavailable(hop.peer_id, "closed the call without a reply")
         _check(message[0], hop.peer_id)
+        if stats is not None:
+            stats.update(message[0].get("stats") or {})
         return message[1]
 
     async def send_payload(self, hop: Hop, nbytes: int, timeout: float) -> float:

@@ -81,9 +81,13 @@ def choose_route(
     latency: Mapping[str, float] | None = None,
     default_latency: float = 0.003,
     model_id: str = "",
+    noise: Mapping[str, float] | None = None,
 ) -> list[Hop]:
-    """Cheapest chain covering ``start:end``; ``mode`` picks which measured speed prices a block."""
-    latency = latency or {}
+    """Cheapest chain covering ``start:end``; ``mode`` picks which measured speed prices a block.
+
+    ``noise`` (peer -> factor) scales each server's cost: with independent Exp(1) factors, a choice between replicas
+    falls to each with probability proportional to its speed (SWARM's stochastic wiring of training micro-batches)."""
+    latency, noise = latency or {}, noise or {}
     points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
     index = {p: i for i, p in enumerate(points)}
 
@@ -103,8 +107,9 @@ def choose_route(
         for r in records:
             if not (r.start <= a < r.end):
                 continue
-            hop_cost = default_latency + latency.get(r.peer_id, 0.0)
-            per_block = block_cost(r)
+            factor = noise.get(r.peer_id, 1.0)
+            hop_cost = (default_latency + latency.get(r.peer_id, 0.0)) * factor
+            per_block = block_cost(r) * factor
             for b in points[index[a] + 1 :]:
                 if b > r.end:
                     break

@@ -48,6 +48,8 @@ class RemoteBlocks:
         self.timing = timing
         self.last_route: list[Hop] = []
         self.adapters: ClientAdapters | None = None  # set by the model when it tunes remote blocks
+        self.train_tag: dict | None = None  # a pre-training trainer's {"step", "samples"}, sent with every call
+        self.server_steps: dict[str, int] = {}  # peer -> the global step its stage last reported
         self._known: dict[tuple[str, int, int], tuple[int, Hop]] = {}  # (peer, start, end) -> adapter version held
 
     def __call__(self, hidden: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
@@ -114,8 +116,13 @@ class RemoteBlocks:
                 payload = adapters.payload(hop.start, hop.end, _wire_dtype(hop))
                 self.remote.traffic["adapter_bytes_sent"] += sum(t.nbytes for t in payload.values())
                 tensors = dict(tensors, **payload)
+        if self.train_tag is not None:
+            meta["train"] = self.train_tag
+        stats: dict = {}
         t0 = time.perf_counter()
-        out = self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout))
+        out = self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout, stats))
+        if "step" in stats:
+            self.server_steps[hop.peer_id] = int(stats["step"])
         first = tensors.get("hidden", tensors.get("grad_output"))
         tokens = first.shape[0] * first.shape[1]
         passes = 1 if meta["kind"] == "forward" else 2  # a backward costs about two forwards
@@ -141,7 +148,7 @@ class RemoteBlocks:
         while position < end:
 
             def attempt(position=position, h=h):
-                plan = self.view.route(position, end, mode="forward")
+                plan = self.view.route(position, end, mode="forward", stochastic=self.train_tag is not None)
                 self.last_route = [t.hop for t in traces] + plan  # the route as currently planned, for observers
                 hop = plan[0]
                 forward_id = uuid.uuid4().hex if keep else None

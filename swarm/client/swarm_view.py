@@ -4,6 +4,7 @@ failures, and routes over what remains."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ class SwarmView:
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
         self.latency: dict[str, float] = {}  # peer -> observed seconds beyond its announced compute (EWMA)
+        self._rng = random.Random()  # stochastic wiring of training micro-batches (routing.choose_route's noise)
 
     def snapshot(self, force: bool = False) -> Mapping[int, list[ServerRecord]]:
         with self._lock:
@@ -74,6 +76,7 @@ class SwarmView:
         min_cache_tokens: int = 0,
         exclude: frozenset[str] = frozenset(),
         wait: bool = True,
+        stochastic: bool = False,
     ) -> list[Hop]:
         """A route over live, unbanned peers; waits up to ``missing_blocks_wait`` for missing blocks to appear
         (at once with ``wait=False``)."""
@@ -96,6 +99,7 @@ class SwarmView:
                     latency=self.latency,
                     default_latency=self.hop_latency,
                     model_id=self.model_id,
+                    noise={r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None,
                 )
             except MissingBlocksError:
                 if time.monotonic() >= deadline:

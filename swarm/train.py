@@ -1,0 +1,63 @@
+"""``python -m swarm.train RUN.toml --initial-peers MADDR --data PATH``: a trainer of a pre-training run.
+
+It owns the embeddings, final norm and LM head (trainable), reads the text at ``--data`` (a file or a folder; by
+default the Python standard library's own modules), and drives micro-batches forward and backward through the
+swarm's stages, with a progress bar of tokens/s and loss. It checkpoints every ``[checkpoint] every_steps`` and
+resumes from its last checkpoint (parameters, optimizer, data position) when started again."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from swarm.config import Timing
+from swarm.errors import SwarmError
+from swarm.logs import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swarm.train", description=__doc__)
+    p.add_argument("run", help="the run's TOML file (see configs/runs/)")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    p.add_argument("--data", type=Path, default=None, help="a text file or folder (default: Python's own modules)")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many global steps (default: the run's)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the run's checkpoint dir / trainer")
+    p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    configure_logging(args.log_level)
+
+    import torch
+    from tqdm import tqdm
+
+    from swarm.training.data import Samples, corpus_files, tokenize
+    from swarm.training.run import load_run
+    from swarm.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    try:
+        run = load_run(args.run)
+        vocab = run.hf_config().vocab_size
+        data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed)
+        timing = Timing.for_tests() if args.test_timings else Timing()
+        with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as tr:
+            total = args.steps if args.steps is not None else run.total_steps
+            bar = tqdm(total=total, initial=min(tr.step, total), unit="step")
+            while tr.step < total:
+                t0 = time.perf_counter()
+                loss = tr.train_step()
+                tokens = run.target_batch_size * run.seq_len / (time.perf_counter() - t0)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens:.0f}")
+                print(f"step {tr.step} loss {loss:.6f}", file=sys.stderr if bar.disable else sys.stdout, flush=True)
+            bar.close()
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Pre-training through the swarm: trainable stages on real peers over loopback, against the same training in one
+process (same per-tensor seeds, data order, optimizer and schedule)."""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.config import Timing
+from swarm.records import PeerState
+from swarm.training.data import Samples, corpus_files, tokenize
+from swarm.training.local import LocalTraining
+from swarm.training.run import load_run
+from swarm.training.trainer import Trainer
+from tests.integration.harness import running_swarm
+
+SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_run(folder: Path, **sections) -> Path:
+    """The shipped tiny run with some fields replaced: ``write_run(tmp, checkpoint={"every_steps": 5})``."""
+    data = tomllib.loads(SHIPPED.read_text())
+    data["checkpoint"]["dir"] = str(folder / "checkpoints")
+    for section, fields in sections.items():
+        data[section].update(fields)
+    lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, fields in data.items():
+        if isinstance(fields, dict):
+            lines += [f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in fields.items()]
+    path = folder / "run.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus_ids():
+    return tokenize(corpus_files(None), "bytes", 256)
+
+
+def close_all(ours: list[float], theirs: list[float], tol: float = 1e-5) -> bool:
+    return all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(ours, theirs, strict=True))
+
+
+def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, torch.Tensor]]:
+    """A stage's step and weights as one peer holds them, over the ``state`` RPC."""
+    from swarm.client.routing import Hop
+
+    blocks = trainer.blocks
+    record = next(r for rs in blocks.view.snapshot(force=True).values() for r in rs if r.peer_id == peer_id)
+    hop = Hop(peer_id, stage.start, stage.end, record.maddrs, record.dtype, record.direct_address)
+    out = blocks.loop.run(blocks.remote.compute(hop, {"kind": "state", "start": 0, "end": 1}, {}, 30.0))
+    return int(out.pop("_step")), {k: v for k, v in out.items() if k.startswith("param.")}
+
+
+def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path, corpus_ids):
+    from transformers import AutoModelForCausalLM
+
+    from swarm.export import export
+
+    run_file = write_run(tmp_path, checkpoint={"every_steps": 5}, averaging={"every_steps": 0})
+    run = load_run(run_file)
+    data = Samples(corpus_ids, run.seq_len, run.seed)
+    local = LocalTraining(run, data)
+    expected = [local.train_step() for _ in range(20)]
+    spans = [str(s) for s in run.stages]
+    with running_swarm("tiny-llama", spans, "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
+            first = [trainer.train_step() for _ in range(12)]
+            assert len({h.peer_id for h in trainer.model.route}) == 3
+    assert close_all(first, expected[:12]), (first, expected[:12])
+    assert expected[11] < expected[0] - 0.3  # it learns
+
+    # the whole run stops and starts again: peers and trainer resume from their step-10 checkpoints
+    with running_swarm("tiny-llama", spans, "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
+            assert (trainer.step, trainer.position) == (10, 10 * run.target_batch_size)
+            rest = [trainer.train_step() for _ in range(10)]
+            export(run, tmp_path / "from-swarm", tuple(swarm.initial_peers))
+    assert close_all(rest, expected[10:]), (rest, expected[10:])
+    export(run, tmp_path / "from-checkpoints")  # step 20 is a checkpoint step: the same weights
+    reference = local.model.state_dict()
+    for name in ("from-swarm", "from-checkpoints"):
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).state_dict()
+        assert set(exported) == set(reference)
+        for key, value in reference.items():
+            assert (exported[key] - value).abs().max().item() < 1e-5, (name, key)
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def replicas_agree(trainer: Trainer, swarm, run, step: int) -> bool:
+    for stage in run.stages:
+        ids = [r.peer_id for rs in trainer.blocks.view.snapshot(force=True).values() for r in rs
+               if (r.start, r.end) == (stage.start, stage.end) and r.state == PeerState.ONLINE]  # fmt: skip
+        states = [stage_state(trainer, pid, stage) for pid in sorted(set(ids))]
+        if len(states) < 2 or any(s < step for s, _ in states):
+            return False
+        first = states[0][1]
+        if any((first[k] - other[k]).abs().max().item() > 1e-6 for _, other in states[1:] for k in first):
+            return False
+    return True
+
+
+def test_replicas_average_and_track_the_local_loss(tmp_path, corpus_ids):
+    run_file = write_run(
+        tmp_path,
+        stages={"spans": ["0:3", "3:6"]},
+        checkpoint={"every_steps": 0},
+        averaging={"every_steps": 5, "matchmaking_seconds": 1.0},
+    )
+    run = load_run(run_file)
+    data = Samples(corpus_ids, run.seq_len, run.seed)
+    local = LocalTraining(run, data)
+    expected = [local.train_step() for _ in range(100)]
+    with running_swarm("tiny-llama", ["0:3", "0:3", "3:6", "3:6"], "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
+            losses, used = [], set()
+            for step in range(1, 101):
+                losses.append(trainer.train_step())
+                used |= {h.peer_id for h in trainer.model.route}
+                if step % 5 == 0:  # an averaging round: every replica pair ends it with the same weights
+                    wait_for(lambda s=step: replicas_agree(trainer, swarm, run, s), 30, f"averaging at {step}")
+    assert len(used) == 4  # micro-batches were wired to both replicas of each stage
+    tail = sum(losses[-10:]) / 10
+    assert abs(tail - sum(expected[-10:]) / 10) <= 0.05 * sum(expected[-10:]) / 10, (losses[-10:], expected[-10:])
+
+
+def test_a_killed_replica_is_carried_by_the_other_and_rejoins_from_its_weights(tmp_path, corpus_ids):
+    run_file = write_run(tmp_path, stages={"spans": ["0:3", "3:6"]}, checkpoint={"every_steps": 0},
+                         averaging={"every_steps": 5, "matchmaking_seconds": 1.0})  # fmt: skip
+    run = load_run(run_file)
+    data = Samples(corpus_ids, run.seq_len, run.seed)
+    stage = run.stages[0]
+    with running_swarm("tiny-llama", ["0:3", "0:3", "3:6"], "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
+            losses = [trainer.train_step() for _ in range(4)]
+            victim = trainer.model.route[0].peer_id
+            swarm.kill(swarm.peer_by_id(victim))
+            losses += [trainer.train_step() for _ in range(4)]  # the other replica carries the stage
+            assert victim not in {h.peer_id for h in trainer.model.route}
+            assert trainer.model.failovers >= 1
+            survivor = trainer.model.route[0].peer_id
+            fresh = swarm.add_peer("0:3", "--train", str(run_file))  # a restarted peer: downloads the state
+            fresh_id = fresh.maddr.rsplit("/", 1)[1]
+            step_a, weights_a = stage_state(trainer, survivor, stage)
+            step_b, weights_b = stage_state(trainer, fresh_id, stage)
+            assert step_a == step_b == trainer.step
+            assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+            losses += [trainer.train_step() for _ in range(4)]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
