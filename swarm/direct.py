@@ -64,6 +64,7 @@ class DirectConnection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.responses = frames_of(reader)
+        self.decoder = wire.Decoder()  # replies of a kept-open connection, message after message
 
     @classmethod
     async def open(cls, address: str, rpc: str) -> DirectConnection:

@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 1
 RPC_FORWARD = "swarm.forward"  # unary: small forward or backward
 RPC_FORWARD_STREAM = "swarm.forward_stream"  # streamed: the same, for messages over one frame
 RPC_INFERENCE = "swarm.inference"  # bidirectional stream: one session, one step per message group
+RPC_COMPUTE_LOOP = "swarm.compute_loop"  # direct TCP only: forward/backward requests back to back on one connection
 RPC_INFO = "swarm.info"  # unary: the server's live stats
 RPC_BANDWIDTH = "swarm.bandwidth"  # streamed: swallows a payload and says how much arrived (link estimates)
 

@@ -11,6 +11,7 @@ from hivemind.utils import get_dht_time
 
 from peers.broker.election import Election, Lease
 from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm
+from peers.broker.stages import plan_stages
 from swarm.dht import read_all, store_own
 from swarm.ids import assignment_key, broker_key, peers_key
 from swarm.records import Assignment, PeerRecord, PeerState, parse_as
@@ -60,7 +61,11 @@ def plan_once(peer, term: int) -> Assignment:
     peers = live_peers(records, now, peer.cfg.timing.heartbeat_timeout)
     per_block = max(peer.model.block_bytes, 1)
     policy = Policy(replication=peer.cfg.replication, standby_fraction=peer.cfg.standby_fraction)
-    plan = plan_swarm(peers, peer.model.num_blocks, per_block, policy)
+    run = getattr(peer.model, "run", None)  # a pre-training run: whole stages, balanced (peers/broker/stages.py)
+    if run is not None:
+        plan = plan_stages(peers, run.stages, per_block)
+    else:
+        plan = plan_swarm(peers, peer.model.num_blocks, per_block, policy)
     placements = {
         pid: (pl.span.start, pl.span.end, pl.role.value)
         for pid, pl in plan.placements.items()

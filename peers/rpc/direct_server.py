@@ -8,7 +8,7 @@ import logging
 
 from peers.rpc.servicer import Servicer
 from swarm.direct import frames_of, read_frame, write_frame
-from swarm.protocol import RPC_BANDWIDTH, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
+from swarm.protocol import RPC_BANDWIDTH, RPC_COMPUTE_LOOP, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,7 @@ class DirectServer:
             RPC_FORWARD_STREAM: servicer.rpc_forward_stream,
             RPC_INFERENCE: servicer.rpc_inference,
             RPC_BANDWIDTH: servicer.rpc_bandwidth,
+            RPC_COMPUTE_LOOP: servicer.rpc_compute_loop,
         }
         self.server: asyncio.Server | None = None
 

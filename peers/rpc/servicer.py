@@ -111,6 +111,22 @@ class Servicer:
         for f in await self._compute(*message):
             yield f
 
+    async def rpc_compute_loop(self, frames: AsyncIterator[wire.Frame], context: P2PContext):
+        """Compute requests back to back on one (direct TCP) connection, each answered in order: a client keeps a few
+        such connections per server instead of opening one per call. A request that cannot be read ends it."""
+        decoder = wire.Decoder(self.max_bytes)
+        while True:
+            try:
+                message = await wire.read_message(frames, decoder)
+            except Exception as e:
+                for f in _error_reply(e):
+                    yield f
+                return
+            if message is None:
+                return
+            for f in await self._compute(*message):
+                yield f
+
     async def rpc_inference(self, frames: AsyncIterator[wire.Frame], context: P2PContext):
         """One session per stream: the first message opens it (and may carry the first step), each further message
         is one step; the session and its cache room end with the stream, or at the first error."""

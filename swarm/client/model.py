@@ -52,6 +52,7 @@ class _Swarm:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
+            self.loop.loop.call_soon_threadsafe(self.remote.close)
             self.loop.run(self.remote.p2p.shutdown(), 5)
         self.loop.close()
         self.dht.shutdown()

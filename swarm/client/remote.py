@@ -23,6 +23,7 @@ from swarm.errors import PeerUnavailableError, SwarmError, error_from_code
 from swarm.protocol import (
     PROTOCOL_VERSION,
     RPC_BANDWIDTH,
+    RPC_COMPUTE_LOOP,
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
@@ -31,6 +32,7 @@ from swarm.protocol import (
 )
 
 log = logging.getLogger(__name__)
+POOL_SIZE = 4  # idle compute connections kept per server (a trainer keeps a few micro-batches in flight)
 
 
 def _tag(e: SwarmError, peer_id: str) -> SwarmError:
@@ -65,6 +67,7 @@ class Remote:
         self.direct = direct
         self._dialled: set[str] = set()
         self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
+        self._idle: dict[str, list[DirectConnection]] = {}  # direct address -> kept-open compute connections
 
     def use_direct(self, hop: Hop) -> bool:
         if not hop.direct or self.direct == "never":
@@ -114,6 +117,8 @@ class Remote:
     async def _exchange_once(self, hop: Hop, frames: list[wire.Frame], rpc: str = RPC_FORWARD, streamed=False):
         decoder = wire.Decoder()
         try:
+            if self.use_direct(hop) and rpc == RPC_FORWARD:
+                return await self._pooled_exchange(hop.direct, frames, decoder)
             if self.use_direct(hop):
                 conn = await DirectConnection.open(hop.direct, rpc)
                 try:
@@ -133,6 +138,33 @@ class Remote:
             return await wire.read_message(responses, decoder)
         finally:
             self.traffic["received_bytes"] += decoder.total_bytes
+
+    async def _pooled_exchange(self, address: str, frames: list[wire.Frame], decoder: wire.Decoder):
+        """One compute call over an idle kept-open connection to ``address`` (or a new one); the connection goes
+        back to the pool only after a complete reply, so a broken or abandoned one is never reused."""
+        idle = self._idle.setdefault(address, [])
+        conn = idle.pop() if idle else await DirectConnection.open(address, RPC_COMPUTE_LOOP)
+        try:
+            await conn.send(frames)
+            message = await wire.read_message(conn.responses, conn.decoder)
+        except BaseException:
+            conn.close()
+            raise
+        decoder.total_bytes += conn.decoder.total_bytes
+        conn.decoder.total_bytes = 0
+        if message is None:
+            conn.close()
+        elif len(idle) < POOL_SIZE:
+            idle.append(conn)
+        else:
+            conn.close()
+        return message
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
 
     async def info(self, hop: Hop, timeout: float) -> dict:
         try:

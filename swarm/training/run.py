@@ -31,6 +31,7 @@ class RunConfig:
     total_steps: int
     target_batch_size: int
     micro_batch_size: int
+    pipeline_depth: int  # micro-batches a trainer keeps in flight at once, so stages compute in parallel
     average_every: int
     matchmaking_seconds: float
     checkpoint_every: int
@@ -123,6 +124,7 @@ def load_run(path: str | Path) -> RunConfig:
         total_steps=_get(data, "schedule", "total_steps", 1000, int),
         target_batch_size=_get(data, "batch", "target_batch_size", None, int),
         micro_batch_size=_get(data, "batch", "micro_batch_size", None, int),
+        pipeline_depth=_get(data, "batch", "pipeline_depth", 2, int),
         average_every=_get(data, "averaging", "every_steps", 10, int),
         matchmaking_seconds=_get(data, "averaging", "matchmaking_seconds", 2.0, float),
         checkpoint_every=_get(data, "checkpoint", "every_steps", 10, int),
@@ -131,6 +133,8 @@ def load_run(path: str | Path) -> RunConfig:
     )
     if run.schedule not in ("constant", "cosine"):
         raise BadInputError(f"run config: schedule kind must be constant or cosine, got {run.schedule!r}")
+    if run.pipeline_depth < 1:
+        raise BadInputError("run config: pipeline_depth must be at least 1")
     if run.target_batch_size % run.micro_batch_size:
         raise BadInputError("run config: target_batch_size must be a multiple of micro_batch_size")
     ends = [s.end for s in run.stages]

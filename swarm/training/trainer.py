@@ -15,6 +15,7 @@ import re
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
+SOLO_RECHECK = 5.0  # seconds between looks for other trainers while training alone
+STALE_TRAINER = 60.0  # a trainer whose progress is older than this is gone
 
 
 def build_local_parts(run: RunConfig, config) -> DistributedModelForCausalLM:
@@ -116,8 +119,10 @@ class Trainer:
         self.checkpoint_dir = checkpoint_dir or run.checkpoint_dir / "trainer"
         self.trainer_id = self.model.swarm.dht.peer_id.to_base58()
         self._publisher = _Publisher(self.model.swarm, run.trainers_key, cfg.timing.record_ttl * 10, self.trainer_id)
-        self._others: tuple[float, int] = (0.0, 0)  # (read at, samples of other trainers at this step)
+        self._others: tuple[float, int] = (-1e9, 0)  # (read at, samples of other trainers at this step)
+        self._peers_seen = False  # other live trainers at the last read
         self.averager: OwnedAverager | None = None
+        self._pool = ThreadPoolExecutor(run.pipeline_depth, thread_name_prefix="micro-batch")
         self.load_latest_checkpoint()
         self._set_lr()
 
@@ -127,36 +132,57 @@ class Trainer:
 
     # ---- one global step --------------------------------------------------------------------------------------------
     def _other_samples(self) -> int:
-        """Samples other trainers processed for this step (read from the DHT at most twice a second)."""
+        """Samples other trainers processed for this step, read from the DHT at most twice a second while there are
+        other trainers, and every few seconds while this one trains alone (a DHT read costs more than a step)."""
         read_at, cached = self._others
-        if time.monotonic() - read_at < 0.5:
+        if time.monotonic() - read_at < (0.5 if self._peers_seen else SOLO_RECHECK):
             return cached
-        total = 0
+        total, now, self._peers_seen = 0, get_dht_time(), False
         for value in read_all(self.model.swarm.dht, self.run.trainers_key):
-            if isinstance(value, dict) and value.get("step") == self.step and value.get("trainer") != self.trainer_id:
+            if not isinstance(value, dict) or value.get("trainer") == self.trainer_id:
+                continue
+            if now - float(value.get("updated", 0)) < STALE_TRAINER:
+                self._peers_seen = True
+            if value.get("step") == self.step:
                 total += int(value.get("samples", 0))
         self._others = (time.monotonic(), total)
         return total
 
+    def _micro_batch(self, batch: torch.Tensor) -> float:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        (loss * batch.shape[0]).backward()  # a sum over samples: each party divides by the samples it saw
+        return loss.item()
+
     def train_step(self) -> float:
         """Micro-batches until the swarm has processed the global batch, then this trainer's optimizer step. Returns
-        the mean loss of this trainer's micro-batches (the batch's loss, when it is the only trainer)."""
+        the mean loss of this trainer's micro-batches (the batch's loss, when it is the only trainer).
+
+        Up to ``pipeline_depth`` micro-batches are in flight at once (one thread each), so while one stage works
+        on a micro-batch the next stage works on another: the stages' machines compute in parallel."""
         run, mb, losses = self.run, self.run.micro_batch_size, []
         start_step = self.step
-        while self.step == start_step and self.samples + self._other_samples() < run.target_batch_size:
-            batch = self.data.batch(self.position, mb)
-            self.blocks.train_tag = {"step": self.step, "samples": mb}
-            try:
-                loss = self.model(input_ids=batch, labels=batch).loss
-                (loss * mb).backward()  # a sum over samples: each party divides by the samples it saw
-            except StaleStepError as e:  # another trainer finished the step: catch up with the swarm
-                found = re.search(r"server step (\d+)", str(e))
-                self._apply_step(int(found.group(1)) if found else self.step + 1)
+        while self.step == start_step:
+            room = run.target_batch_size - self.samples - self._other_samples()
+            if room <= 0:
                 break
-            self.position += mb
-            self.samples += mb
-            losses.append(loss.item())
-            self._publisher.set(self.step, self.samples)
+            n = max(1, min(run.pipeline_depth, room // mb))
+            self.blocks.train_tag = {"step": self.step, "samples": mb}
+            batches = [self.data.batch(self.position + i * mb, mb) for i in range(n)]
+            results = [self._pool.submit(self._micro_batch, b) for b in batches]
+            stale = None
+            for result in results:
+                try:
+                    losses.append(result.result())
+                except StaleStepError as e:  # another trainer finished the step: catch up with the swarm
+                    stale = e
+            done = len(results) - (stale is not None) * sum(1 for r in results if r.exception() is not None)
+            self.position += done * mb
+            self.samples += done * mb
+            if self._peers_seen:  # alone, only step boundaries are published (what peers catch up from)
+                self._publisher.set(self.step, self.samples)
+            if stale is not None:
+                found = re.search(r"server step (\d+)", str(stale))
+                self._apply_step(int(found.group(1)) if found else self.step + 1)
         if self.step == start_step:
             self._apply_step(self.step + 1)
         return statistics.fmean(losses) if losses else float("nan")
@@ -170,7 +196,7 @@ class Trainer:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step, self.samples = max(to_step, self.step + 1), 0
-        self._others = (0.0, 0)
+        self._others = (-1e9, 0) if self._peers_seen else (self._others[0], 0)
         self._set_lr()
         self._publisher.set(self.step, 0)
         self._notify_step()
@@ -236,6 +262,7 @@ class Trainer:
         return True
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self._publisher.close()
         if self.averager is not None:
             self.averager.shutdown()

@@ -170,3 +170,44 @@ def test_a_killed_replica_is_carried_by_the_other_and_rejoins_from_its_weights(t
             assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
             losses += [trainer.train_step() for _ in range(4)]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+def test_the_broker_places_stages_and_the_commands_train_and_export(tmp_path, corpus_ids):
+    """Peers started without --blocks are spread over the run's stages by the broker; ``python -m swarm.train``
+    trains through them (the losses of a local run), and ``python -m swarm.export`` writes a loadable model."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from swarm.dht import read_view, start_dht
+
+    run_file = write_run(tmp_path, checkpoint={"every_steps": 2}, averaging={"every_steps": 0})
+    run = load_run(run_file)
+    local = LocalTraining(run, Samples(corpus_ids, run.seq_len, run.seed))
+    expected = [local.train_step() for _ in range(4)]
+    with running_swarm("tiny-llama", [None, None, None], "--train", str(run_file)) as swarm:
+        dht, _ = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True)
+        try:
+
+            def placed():
+                view = read_view(dht, run.model_id, 6)
+                held = {(r.start, r.end) for rs in view.values() for r in rs if r.state == PeerState.ONLINE}
+                return held == {(s.start, s.end) for s in run.stages}
+
+            wait_for(placed, 60, "the broker to place one peer on each stage")
+        finally:
+            dht.shutdown()
+        command = [sys.executable, "-m", "swarm.train", str(run_file), "--initial-peers", *swarm.initial_peers]
+        done = subprocess.run([*command, "--steps", "4", "--test-timings"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert close_all(losses, expected), (losses, expected)
+    out = tmp_path / "exported"
+    exported = subprocess.run(
+        [sys.executable, "-m", "swarm.export", str(run_file), "--out", str(out)], capture_output=True, text=True
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for key, value in local.model.state_dict().items():
+        assert (model.state_dict()[key] - value).abs().max().item() < 1e-5, key
