@@ -79,12 +79,16 @@ class SpanTrainer:
 
     def apply_step(self, finish: bool = True) -> None:
         self.finish_step()  # a deferred round of the previous step comes first
-        if self.samples:
-            with torch.no_grad():
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.div_(self.samples)
-            self.opt.step()
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    # A replica that saw none of this step's micro-batches still steps, on a zero gradient: Adam's
+                    # momentum carries it on (and weight decay applies) as on the replicas that saw them. Left idle
+                    # it would drag every averaging round back toward where it stood.
+                    p.grad = torch.zeros_like(p)
+                elif self.samples:
+                    p.grad.div_(self.samples)
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         log.info("step %d applied (%d samples)", self.step + 1, self.samples, extra={"span": str(self.span)})
         self.step, self.samples = self.step + 1, 0

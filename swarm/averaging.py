@@ -35,13 +35,14 @@ class OwnedAverager(DecentralizedAverager):
             min_matchmaking_time=run.matchmaking_seconds,
             request_timeout=1.0,
             allreduce_timeout=run.matchmaking_seconds * 5,
+            client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
         )
 
 
 def average_round(averager: DecentralizedAverager, run, what: str) -> bool:
     """One round with whoever is there; a failed round leaves the tensors as they were (the next one catches up)."""
     try:
-        result = averager.step(timeout=run.matchmaking_seconds * 5, allow_retries=False)
+        result = averager.step(timeout=run.matchmaking_seconds * 5, allow_retries=True)
     except Exception as e:
         log.warning("averaging round failed: %s", e, extra={"span": what})
         return False

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="the run's TOML file (see configs/runs/)")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
     p.add_argument("--data", type=Path, default=None, help="a text file or folder (default: Python's own modules)")
+    p.add_argument("--shard", default="0/1", help="K/N: with N trainers on the same text, this one reads share K")
     p.add_argument("--steps", type=int, default=None, help="stop after this many global steps (default: the run's)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the run's checkpoint dir / trainer")
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = load_run(args.run)
         vocab = run.hf_config().vocab_size
-        data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed)
+        k, n = (int(x) for x in args.shard.split("/"))
+        data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed, (k, n))
         timing = Timing.for_tests() if args.test_timings else Timing()
         with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as tr:
             total = args.steps if args.steps is not None else run.total_steps

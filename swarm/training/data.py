@@ -54,12 +54,17 @@ def tokenize(files: list[Path], tokenizer: str, vocab_size: int) -> torch.Tensor
 class Samples:
     """Non-overlapping windows of ``seq_len`` tokens, shuffled per epoch by the run's seed."""
 
-    def __init__(self, ids: torch.Tensor, seq_len: int, seed: int) -> None:
+    def __init__(self, ids: torch.Tensor, seq_len: int, seed: int, shard: tuple[int, int] = (0, 1)) -> None:
+        """``shard=(k, n)``: this reader takes every n-th sample starting at the k-th, so n trainers fed the same
+        text and seed never process the same sample."""
         self.count = ids.numel() // seq_len
         if self.count < 1:
             raise BadInputError(f"the text has {ids.numel()} tokens, fewer than one sample of {seq_len}")
         self.windows = ids[: self.count * seq_len].view(self.count, seq_len)
         self.seed = seed
+        self.shard = shard
+        if not 0 <= shard[0] < shard[1]:
+            raise BadInputError(f"shard {shard[0]}/{shard[1]} does not exist")
         self._orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -70,5 +75,7 @@ class Samples:
 
     def batch(self, position: int, size: int) -> torch.Tensor:
         """Samples ``position`` .. ``position + size - 1`` of the endless shuffled sequence."""
-        rows = [self._order(i // self.count)[i % self.count] for i in range(position, position + size)]
+        k, n = self.shard
+        indices = (i * n + k for i in range(position, position + size))
+        rows = [self._order(i // self.count)[i % self.count] for i in indices]
         return self.windows[torch.stack(rows)]

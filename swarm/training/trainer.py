@@ -33,7 +33,6 @@ from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
-SOLO_RECHECK = 5.0  # seconds between looks for other trainers while training alone
 STALE_TRAINER = 60.0  # a trainer whose progress is older than this is gone
 
 
@@ -102,7 +101,10 @@ class Trainer:
         timing: Timing | None = None,
         checkpoint_dir: Path | None = None,
         direct: str = "auto",
+        average_trainers: bool = True,
     ) -> None:
+        """``average_trainers``: start hivemind's averager for the trainers' own parameters (needs the main thread;
+        used only while other trainers feed the run)."""
         self.run, self.data = run, data
         config = run.hf_config()
         config._attn_implementation = "sdpa"
@@ -116,12 +118,19 @@ class Trainer:
         self.step = 0  # global steps done
         self.position = 0  # samples consumed from the data
         self.samples = 0  # processed by this trainer in the current step
+        self.processed = 0  # samples this trainer computed since it started (not those refused as stale)
         self.checkpoint_dir = checkpoint_dir or run.checkpoint_dir / "trainer"
         self.trainer_id = self.model.swarm.dht.peer_id.to_base58()
         self._publisher = _Publisher(self.model.swarm, run.trainers_key, cfg.timing.record_ttl * 10, self.trainer_id)
         self._others: tuple[float, int] = (-1e9, 0)  # (read at, samples of other trainers at this step)
         self._peers_seen = False  # other live trainers at the last read
+        self._solo_recheck = 2 * max(cfg.timing.view_refresh, 1.0)  # seconds between looks while training alone
+        # Trainers' own parameters are replicas too when several trainers feed the run. hivemind starts its averager
+        # process from the main thread only, so it starts here (where a trainer is made), not at the first round.
         self.averager: OwnedAverager | None = None
+        if average_trainers and run.average_every:
+            prefix = f"{run.model_id}_trainers"
+            self.averager = OwnedAverager.for_run([p.data for p in self.params], self.model.swarm.dht, prefix, run)
         self._pool = ThreadPoolExecutor(run.pipeline_depth, thread_name_prefix="micro-batch")
         self.load_latest_checkpoint()
         self._set_lr()
@@ -135,7 +144,7 @@ class Trainer:
         """Samples other trainers processed for this step, read from the DHT at most twice a second while there are
         other trainers, and every few seconds while this one trains alone (a DHT read costs more than a step)."""
         read_at, cached = self._others
-        if time.monotonic() - read_at < (0.5 if self._peers_seen else SOLO_RECHECK):
+        if time.monotonic() - read_at < (0.5 if self._peers_seen else self._solo_recheck):
             return cached
         total, now, self._peers_seen = 0, get_dht_time(), False
         for value in read_all(self.model.swarm.dht, self.run.trainers_key):
@@ -169,15 +178,16 @@ class Trainer:
             self.blocks.train_tag = {"step": self.step, "samples": mb}
             batches = [self.data.batch(self.position + i * mb, mb) for i in range(n)]
             results = [self._pool.submit(self._micro_batch, b) for b in batches]
-            stale = None
+            stale, wave = None, []
             for result in results:
                 try:
-                    losses.append(result.result())
+                    wave.append(result.result())
                 except StaleStepError as e:  # another trainer finished the step: catch up with the swarm
                     stale = e
-            done = len(results) - (stale is not None) * sum(1 for r in results if r.exception() is not None)
-            self.position += done * mb
-            self.samples += done * mb
+            losses += wave
+            self.position += len(results) * mb  # a micro-batch refused as stale is dropped, never read twice
+            self.samples += len(wave) * mb
+            self.processed += len(wave) * mb
             if self._peers_seen:  # alone, only step boundaries are published (what peers catch up from)
                 self._publisher.set(self.step, self.samples)
             if stale is not None:
@@ -225,12 +235,9 @@ class Trainer:
     def _average(self) -> None:
         """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several."""
         others = [v for v in read_all(self.model.swarm.dht, self.run.trainers_key) if isinstance(v, dict)]
-        if len(others) < 2:
+        now = get_dht_time()
+        if self.averager is None or sum(now - float(v.get("updated", 0)) < STALE_TRAINER for v in others) < 2:
             return
-        if self.averager is None:
-            tensors = [p.data for p in self.params]
-            self.averager = OwnedAverager.for_run(tensors, self.model.swarm.dht, f"{self.run.model_id}_trainers",
-                                                  self.run)  # fmt: skip
         average_round(self.averager, self.run, "trainer")
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
