@@ -3,6 +3,7 @@ adapter (LoRA pairs applied by forward hooks on the linear modules, deep prompts
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 
 import torch
@@ -33,10 +34,27 @@ class SpanBackend:
         # The adapter of the request being computed. A context variable, not an attribute: small inference steps run
         # on the RPC loop's thread while the compute thread may be running another client's request.
         self._active: ContextVar[Adapter | None] = ContextVar("adapter", default=None)
-        for i, layer in enumerate(layers):
-            for path, module in layer.named_modules():
-                if path in self.linears:
-                    module.register_forward_hook(self._lora_hook((span.start + i, path)))
+        # Hooks exist only while some request with LoRA runs: a hooked module takes torch's slow call path, which
+        # would cost every plain decode step ~1 ms per hop. Counted, since requests overlap (see _active).
+        self._hooked = [
+            (module, (span.start + i, path))
+            for i, layer in enumerate(layers)
+            for path, module in layer.named_modules()
+            if path in self.linears
+        ]
+        self._hook_handles: list = []
+        self._hook_users = 0
+        self._hook_lock = threading.Lock()
+
+    def _hooks(self, on: bool) -> None:
+        with self._hook_lock:
+            self._hook_users += 1 if on else -1
+            if on and self._hook_users == 1:
+                self._hook_handles = [m.register_forward_hook(self._lora_hook(key)) for m, key in self._hooked]
+            elif not on and self._hook_users == 0:
+                for handle in self._hook_handles:
+                    handle.remove()
+                self._hook_handles = []
 
     def _lora_hook(self, key: tuple[int, str]):
         def hook(module, args, output):
@@ -64,10 +82,15 @@ class SpanBackend:
         adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Blocks ``sub`` (inside this span) over ``hidden`` [batch, n, hidden]; ``past`` tokens already cached."""
+        lora = adapter is not None and bool(adapter.lora)
         token = self._active.set(adapter)
+        if lora:
+            self._hooks(True)
         try:
             return self._run(hidden, sub, attention_mask, position_ids, cache, past, adapter)
         finally:
+            if lora:
+                self._hooks(False)
             self._active.reset(token)
 
     def _run(self, hidden, sub, attention_mask, position_ids, cache, past, adapter) -> torch.Tensor:
