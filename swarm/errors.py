@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class SwarmError(Exception):
     code = "swarm_error"
@@ -99,3 +102,13 @@ def _ranges(blocks: list[int]) -> str:
     if run:
         out.append(run)
     return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
+def run_command(body: Callable[[], object]) -> int:
+    """An entry point's body: a SwarmError becomes one ``error: ...`` line on stderr and exit code 2."""
+    try:
+        body()
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

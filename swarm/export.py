@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.errors import BadInputError, SwarmError
+from swarm.errors import BadInputError, SwarmError, run_command
 from swarm.logs import configure_logging
 from swarm.training.run import RunConfig, load_run
 
@@ -106,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer-checkpoint-dir", type=Path, default=None)
     args = p.parse_args(argv)
     configure_logging("WARNING")
-    try:
-        export(load_run(args.run), args.out, tuple(args.initial_peers), args.trainer_checkpoint_dir)
-    except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(
+        lambda: export(load_run(args.run), args.out, tuple(args.initial_peers), args.trainer_checkpoint_dir)
+    )
 
 
 if __name__ == "__main__":

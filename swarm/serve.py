@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from swarm.config import PeerConfig, Timing, default_cache_dir
-from swarm.errors import SwarmError
+from swarm.errors import run_command
 from swarm.ids import parse_span
 from swarm.logs import configure_logging
 
@@ -117,12 +117,7 @@ async def _main(cfg: PeerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    try:
-        asyncio.run(_main(config_from_args(args)))
-    except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: asyncio.run(_main(config_from_args(args))))
 
 
 if __name__ == "__main__":

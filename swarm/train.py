@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from swarm.config import Timing
-from swarm.errors import SwarmError
+from swarm.errors import run_command
 from swarm.logs import configure_logging
 
 
@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     configure_logging(args.log_level)
 
+    return run_command(lambda: _train(args))
+
+
+def _train(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
@@ -38,27 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    try:
-        run = load_run(args.run)
-        vocab = run.hf_config().vocab_size
-        k, n = (int(x) for x in args.shard.split("/"))
-        data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed, (k, n))
-        timing = Timing.for_tests() if args.test_timings else Timing()
-        with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as tr:
-            total = args.steps if args.steps is not None else run.total_steps
-            bar = tqdm(total=total, initial=min(tr.step, total), unit="step")
-            while tr.step < total:
-                t0 = time.perf_counter()
-                loss = tr.train_step()
-                tokens = run.target_batch_size * run.seq_len / (time.perf_counter() - t0)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens:.0f}")
-                print(f"step {tr.step} loss {loss:.6f}", file=sys.stderr if bar.disable else sys.stdout, flush=True)
-            bar.close()
-    except SwarmError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    run = load_run(args.run)
+    vocab = run.hf_config().vocab_size
+    k, n = (int(x) for x in args.shard.split("/"))
+    data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed, (k, n))
+    timing = Timing.for_tests() if args.test_timings else Timing()
+    with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as trainer:
+        total = args.steps if args.steps is not None else run.total_steps
+        bar = tqdm(total=total, initial=min(trainer.step, total), unit="step")
+        while trainer.step < total:
+            t0 = time.perf_counter()
+            loss = trainer.train_step()
+            tokens = run.target_batch_size * run.seq_len / (time.perf_counter() - t0)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens:.0f}")
+            print(f"step {trainer.step} loss {loss:.6f}", flush=True)  # the bar goes to stderr; a log line here
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,22 @@ LORA_PREFIX = "base_model.model.model.layers."
 PEFT_TYPES = {"lora": "LORA", "prompt": "PROMPT_TUNING", "deep_prompt": "SWARM_DEEP_PROMPT"}
 
 
+def peft_tensors(adapters: ClientAdapters) -> dict[str, torch.Tensor]:
+    """The adapter's parameters under PEFT's file key names."""
+    out: dict[str, torch.Tensor] = {}
+    if adapters.spec.mode == "lora":
+        for block, layer in enumerate(adapters.lora):
+            for path in adapters.targets:
+                pair = layer[_key(path)]
+                out[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
+                out[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
+        return out
+    out["prompt_embeddings"] = adapters.prompts
+    if adapters.spec.mode == "deep_prompt":
+        out["deep_prompt_embeddings"] = adapters.deep
+    return out
+
+
 def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,11 +57,6 @@ def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int
             use_dora=False,
             init_lora_weights=True,
         )
-        for block, layer in enumerate(adapters.lora):
-            for path in adapters.targets:
-                pair = layer[_key(path)]
-                tensors[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
-                tensors[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
     else:
         config.update(
             num_virtual_tokens=spec.num_prompt_tokens,
@@ -55,9 +66,7 @@ def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int
             num_layers=adapters.num_blocks,
             prompt_tuning_init="RANDOM",
         )
-        tensors["prompt_embeddings"] = adapters.prompts
-        if spec.mode == "deep_prompt":
-            tensors["deep_prompt_embeddings"] = adapters.deep
+    tensors = peft_tensors(adapters)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS))
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
@@ -96,17 +105,7 @@ def read_spec(folder: Path) -> TuningSpec:
 def load_into(adapters: ClientAdapters, folder: Path) -> None:
     """Copy a saved adapter's tensors into ``adapters`` (built from the same spec); shapes are checked first."""
     state = load_file(str(Path(folder) / WEIGHTS))
-    expected: dict[str, torch.Tensor] = {}
-    if adapters.spec.mode == "lora":
-        for block, layer in enumerate(adapters.lora):
-            for path in adapters.targets:
-                pair = layer[_key(path)]
-                expected[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
-                expected[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
-    else:
-        expected["prompt_embeddings"] = adapters.prompts
-        if adapters.spec.mode == "deep_prompt":
-            expected["deep_prompt_embeddings"] = adapters.deep
+    expected = peft_tensors(adapters)
     unknown = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unknown or missing:

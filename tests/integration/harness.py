@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -80,3 +81,14 @@ def check_backward(client, ref, vocab: int) -> None:
     assert ours_in.grad is not None
     assert (ours_in.grad - theirs_in.grad).abs().max().item() < 1e-5
     assert ours_in.grad.abs().sum() > 0
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

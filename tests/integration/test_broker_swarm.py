@@ -16,19 +16,9 @@ from swarm.lease import Lease
 from swarm.records import PeerRecord, PeerState, parse_as
 from swarm.status import current_broker
 from tests.conftest import local_reference
-from tests.integration.harness import running_swarm
+from tests.integration.harness import running_swarm, wait_for
 
 POLICY = ("--max-blocks", "2", "--standby-fraction", "0.25")
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def roles(dht, model: str, num_blocks: int) -> dict[str, tuple[str, int, int]]:

@@ -3,7 +3,6 @@ process (same per-tensor seeds, data order, optimizer and schedule)."""
 
 from __future__ import annotations
 
-import time
 import tomllib
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.local import LocalTraining
 from swarm.training.run import load_run
 from swarm.training.trainer import Trainer
-from tests.integration.harness import running_swarm
+from tests.integration.harness import running_swarm, wait_for
 
 SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
 
@@ -98,16 +97,6 @@ def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path
         assert set(exported) == set(reference)
         for key, value in reference.items():
             assert (exported[key] - value).abs().max().item() < 1e-5, (name, key)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def replicas_agree(trainer: Trainer, swarm, run, step: int) -> bool:
