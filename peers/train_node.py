@@ -14,14 +14,13 @@ from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.training import SpanTrainer
 from swarm.client.remote import Remote
-from swarm.client.routing import Hop
 from swarm.config import PeerConfig
 from swarm.dht import read_all, read_view
 from swarm.errors import BadInputError
 from swarm.ids import Span
-from swarm.records import PeerState
 from swarm.training.init import init_module
 from swarm.training.run import load_run
+from swarm.training.state import freshest_state, stage_servers
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +53,7 @@ def training_model(cfg: PeerConfig):
 
 
 def _replicas(peer, span: Span) -> list:
-    view = read_view(peer.dht, peer.model.name, peer.model.num_blocks)
-    return [
-        r
-        for r in view.get(span.start, [])
-        if r.start == span.start and r.end == span.end and r.state == PeerState.ONLINE and r.peer_id != peer.peer_id
-    ]
+    return stage_servers(read_view(peer.dht, peer.model.name, peer.model.num_blocks), span, exclude=peer.peer_id)
 
 
 def _download(peer, span: Span) -> tuple[dict, dict] | None:
@@ -67,23 +61,11 @@ def _download(peer, span: Span) -> tuple[dict, dict] | None:
     records = _replicas(peer, span)
     if not records:
         return None
-    loop = asyncio.new_event_loop()
+    loop = asyncio.new_event_loop()  # this runs on a loader thread, apart from the peer's own loop
     try:
-        p2p = loop.run_until_complete(peer.dht.replicate_p2p())
-        remote = Remote(p2p, "auto")
-        best = None
-        for r in records:
-            hop = Hop(r.peer_id, span.start, span.end, tuple(r.maddrs), r.dtype, r.direct_address)
-            meta = {"kind": "state", "start": span.start, "end": span.end}
-            try:
-                out = loop.run_until_complete(remote.compute(hop, meta, {}, peer.cfg.timing.open_timeout))
-            except Exception as e:
-                log.warning("replica %s did not send its state: %s", r.peer_id, e, extra={"span": str(span)})
-                continue
-            step = int(out.pop("_step"))
-            if best is None or step > best[0]["step"]:
-                best = ({"step": step, "span": str(span)}, out)
-        return best
+        remote = Remote(loop.run_until_complete(peer.dht.replicate_p2p()), "auto")
+        found = loop.run_until_complete(freshest_state(remote, records, span, peer.cfg.timing.open_timeout))
+        return None if found is None else ({"step": found[0], "span": str(span)}, found[1])
     finally:
         loop.close()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.errors import BadInputError, SwarmError, run_command
+from swarm.errors import BadInputError, run_command
 from swarm.logs import configure_logging
 from swarm.training.run import RunConfig, load_run
 
@@ -35,9 +35,8 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...]) -> dict[st
     """Each stage's weights from one live peer serving exactly that stage (the one with the highest step)."""
     from swarm.client.loop import LoopThread
     from swarm.client.remote import Remote
-    from swarm.client.routing import Hop
     from swarm.dht import read_view, start_dht
-    from swarm.records import PeerState
+    from swarm.training.state import freshest_state, stage_servers
 
     dht, _ = start_dht(initial_peers=initial_peers, client_mode=True)
     loop = LoopThread()
@@ -47,21 +46,14 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...]) -> dict[st
         view = read_view(dht, run.model_id, run.stages[-1].end)
         out = {}
         for stage in run.stages:
-            best = None
-            for r in view.get(stage.start, []):
-                if (r.start, r.end) != (stage.start, stage.end) or r.state != PeerState.ONLINE:
-                    continue
-                hop = Hop(r.peer_id, stage.start, stage.end, tuple(r.maddrs), r.dtype, r.direct_address)
-                try:
-                    got = loop.run(remote.compute(hop, {"kind": "state", "start": 0, "end": 1}, {}, 60.0))
-                except SwarmError:
-                    continue
-                step = int(got.pop("_step"))
-                if best is None or step > best[0]:
-                    best = (step, {k.removeprefix("param."): v for k, v in got.items() if k.startswith("param.")})
-            if best is None:
+            found = loop.run(freshest_state(remote, stage_servers(view, stage), stage, 60.0))
+            if found is None:
                 raise BadInputError(f"no live peer serves stage {stage} of run {run.name}")
-            out[str(stage)] = best
+            step, tensors = found
+            out[str(stage)] = (
+                step,
+                {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")},
+            )
         return out
     finally:
         with contextlib.suppress(Exception):

@@ -60,6 +60,7 @@ class ComputeService:
         self.sessions: dict[str, Session] = {}
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
         self.trainer = None  # peers.training.SpanTrainer on a pre-training run's peer
+        self._tasks: set[asyncio.Task] = set()
 
     def set_backend(self, backend: SpanBackend) -> None:
         """Swap in a newly loaded span. Sessions on blocks the new span lacks end at their next step."""
@@ -122,9 +123,6 @@ class ComputeService:
         self.stats["adapter_uploads"] += 1
         return adapter
 
-    def reply_stats(self) -> dict:
-        return {"step": self.trainer.step} if self.trainer is not None else {}
-
     async def in_compute(self, fn, *args):
         """Run ``fn`` on the compute thread, between requests (optimizer steps that the swarm's progress calls for)."""
         return await self._run(fn, *args)
@@ -142,9 +140,20 @@ class ComputeService:
         if self.trainer is None or req.train is None:
             raise BadInputError("step notice to a peer that holds no trainable stage, or without a step")
         if req.train.step > self.trainer.step:
-            task = asyncio.ensure_future(self.in_compute(self.trainer.catch_up, req.train.step))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning("step failed"))
+            self._background(self.trainer.catch_up, req.train.step)
         return {}
+
+    def _background(self, fn, *args) -> None:
+        """Queue ``fn`` on the compute thread without anyone waiting for it; its failure is logged."""
+
+        def done(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("background %s failed: %s", fn.__name__, task.exception())
+
+        task = asyncio.ensure_future(self.in_compute(fn, *args))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(done)
 
     def _train(self, req: ComputeRequest, backward: bool):
         """The trainer of a training request, with the stage brought to the request's step."""
@@ -208,9 +217,7 @@ class ComputeService:
         out = await self._run(self._backward_sync, kept, hidden, mask, pos, grad, sub, adapter, req.input_grad, req)
         self.stats["backward"] += 1
         if self.trainer is not None and self.trainer.unfinished:  # averaging/checkpoint after this reply goes out
-            asyncio.get_running_loop().call_soon(
-                lambda: asyncio.ensure_future(self.in_compute(self.trainer.finish_step))
-            )
+            self._background(self.trainer.finish_step)
         return out
 
     def _backward_sync(self, kept, hidden, mask, pos, grad, sub, adapter, input_grad: bool, req=None) -> dict:

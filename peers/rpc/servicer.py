@@ -85,7 +85,7 @@ class Servicer:
                 "step": self.compute.advance,
             }[req.kind]
             out = await handler(req, tensors)
-            return wire.encode(Reply(stats=self.compute.reply_stats()).model_dump(), out)
+            return wire.encode(Reply().model_dump(), out)
         except Exception as e:
             return _error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
 

@@ -84,7 +84,7 @@ class Remote:
             self._dialled.add(hop.peer_id)
         return peer
 
-    async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float, stats: dict | None = None) -> dict:
+    async def compute(self, hop: Hop, meta: dict, tensors: dict, timeout: float) -> dict:
         frames = wire.encode(dict(meta, protocol_version=PROTOCOL_VERSION), tensors)
         self.traffic["sent_bytes"] += wire.encoded_size(frames)
         try:
@@ -97,9 +97,11 @@ class Remote:
         if message is None:
             raise _unavailable(hop.peer_id, "closed the call without a reply")
         _check(message[0], hop.peer_id)
-        if stats is not None:
-            stats.update(message[0].get("stats") or {})
         return message[1]
+
+    async def broadcast(self, hops: list[Hop], meta: dict, timeout: float) -> None:
+        """The same small request to many servers at once, best effort (notices: a step began, a client left)."""
+        await asyncio.gather(*(self.compute(h, meta, {}, timeout) for h in hops), return_exceptions=True)
 
     async def send_payload(self, hop: Hop, nbytes: int, timeout: float) -> float:
         """Seconds to send ``nbytes`` to a peer and hear it arrived, over the path real traffic would take."""

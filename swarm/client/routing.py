@@ -25,6 +25,12 @@ class Hop:
     step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
     token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
 
+    @classmethod
+    def of(cls, r: ServerRecord, start: int | None = None, end: int | None = None, **speeds) -> Hop:
+        """A hop to the server of record ``r``, over blocks ``start:end`` (default: its whole span)."""
+        start, end = r.start if start is None else start, r.end if end is None else end
+        return cls(r.peer_id, start, end, tuple(r.maddrs), r.dtype, r.direct_address, **speeds)
+
 
 def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
     """One record per peer (a record appears under every block of its span). A peer that moved leaves `leaving`
@@ -126,13 +132,10 @@ def choose_route(
         a, r = prev[b]
         share = (b - a) / (r.end - r.start)
         route.append(
-            Hop(
-                r.peer_id,
+            Hop.of(
+                r,
                 a,
                 b,
-                r.maddrs,
-                r.dtype,
-                r.direct_address,
                 step_seconds=share / max(r.inference_sps, 1e-9),
                 token_seconds=share / max(r.forward_tps, 1e-9),
             )

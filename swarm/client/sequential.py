@@ -10,7 +10,6 @@ server has not seen this version yet; backward replies carry the adapter's gradi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -49,7 +48,6 @@ class RemoteBlocks:
         self.last_route: list[Hop] = []
         self.adapters: ClientAdapters | None = None  # set by the model when it tunes remote blocks
         self.train_tag: dict | None = None  # a pre-training trainer's {"step", "samples"}, sent with every call
-        self.server_steps: dict[str, int] = {}  # peer -> the global step its stage last reported
         self._known: dict[tuple[str, int, int], tuple[int, Hop]] = {}  # (peer, start, end) -> adapter version held
 
     def __call__(self, hidden: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
@@ -95,17 +93,11 @@ class RemoteBlocks:
         adapters = self._remote_adapters()
         if adapters is None:
             return
-        hops = {hop.peer_id: hop for _, hop in self._known.values()}
+        hops = list({hop.peer_id: hop for _, hop in self._known.values()}.values())
         meta = {"kind": "release", "start": 0, "end": 1, "adapter": adapters.ref(False).model_dump()}
-
-        async def go():
-            await asyncio.gather(
-                *(self.remote.compute(h, meta, {}, timeout) for h in hops.values()), return_exceptions=True
-            )
-
         if hops:
             with contextlib.suppress(Exception):
-                self.loop.run(go(), timeout + 1)
+                self.loop.run(self.remote.broadcast(hops, meta, timeout), timeout + 1)
         self._known.clear()
 
     def _exchange(self, hop: Hop, meta: dict, tensors: dict, adapters=None, send=False) -> dict:
@@ -118,11 +110,8 @@ class RemoteBlocks:
                 tensors = dict(tensors, **payload)
         if self.train_tag is not None:
             meta["train"] = self.train_tag
-        stats: dict = {}
         t0 = time.perf_counter()
-        out = self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout, stats))
-        if "step" in stats:
-            self.server_steps[hop.peer_id] = int(stats["step"])
+        out = self.loop.run(self.remote.compute(hop, meta, tensors, self.timing.request_timeout))
         first = tensors.get("hidden", tensors.get("grad_output"))
         tokens = first.shape[0] * first.shape[1]
         passes = 1 if meta["kind"] == "forward" else 2  # a backward costs about two forwards

@@ -8,7 +8,6 @@ saw. Several trainers average their own parameters through hivemind every ``aver
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -219,18 +218,9 @@ class Trainer:
         """Tell every stage server of the run that the step has begun, so replicas that saw none of its micro-batches
         step now and replicas reach their averaging rounds together. Best effort: a peer that misses it takes the
         step at its next request, or from the progress in the DHT."""
-        view = self.blocks.view.snapshot()
-        hops = [
-            Hop(r.peer_id, r.start, r.end, r.maddrs, r.dtype, r.direct_address)
-            for r in eligible(view, fingerprint=self.run.fingerprint)
-        ]
+        hops = [Hop.of(r) for r in eligible(self.blocks.view.snapshot(), fingerprint=self.run.fingerprint)]
         meta = {"kind": "step", "start": 0, "end": 1, "train": {"step": self.step}}
-        remote, timeout = self.blocks.remote, self.blocks.timing.step_timeout
-
-        async def notify():
-            await asyncio.gather(*(remote.compute(h, meta, {}, timeout) for h in hops), return_exceptions=True)
-
-        self.blocks.loop.run(notify())
+        self.blocks.loop.run(self.blocks.remote.broadcast(hops, meta, self.blocks.timing.step_timeout))
 
     def _average(self) -> None:
         """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several."""

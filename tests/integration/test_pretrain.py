@@ -60,7 +60,7 @@ def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, t
 
     blocks = trainer.blocks
     record = next(r for rs in blocks.view.snapshot(force=True).values() for r in rs if r.peer_id == peer_id)
-    hop = Hop(peer_id, stage.start, stage.end, record.maddrs, record.dtype, record.direct_address)
+    hop = Hop.of(record, stage.start, stage.end)
     out = blocks.loop.run(blocks.remote.compute(hop, {"kind": "state", "start": 0, "end": 1}, {}, 30.0))
     return int(out.pop("_step")), {k: v for k, v in out.items() if k.startswith("param.")}
 
