@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from peers.adapters import Adapter
 from swarm.ids import Span
 
 
@@ -20,7 +21,7 @@ class Kept:
     outputs: torch.Tensor  # the span's output, still attached to the graph
     sub: Span
     created: float
-    adapter: object = None  # the request's adapter leaves (peers.adapters.Adapter), whose gradients backward returns
+    adapter: Adapter | None = None  # the request's adapter leaves, whose gradients backward returns
 
 
 class ActivationStore:
@@ -30,7 +31,9 @@ class ActivationStore:
         self.clock = clock
         self._items: OrderedDict[str, Kept] = OrderedDict()
 
-    def put(self, key: str, inputs: torch.Tensor, outputs: torch.Tensor, sub: Span, adapter=None) -> None:
+    def put(
+        self, key: str, inputs: torch.Tensor, outputs: torch.Tensor, sub: Span, adapter: Adapter | None = None
+    ) -> None:
         self._expire()
         self._items[key] = Kept(inputs, outputs, sub, self.clock(), adapter)
         while len(self._items) > self.max_entries:

@@ -38,7 +38,9 @@ class Adapter:
     def trainable(self) -> Adapter:
         """A copy whose tensors are fresh leaves that require grad (sharing storage), so a backward can return
         their gradients without touching the cached tensors."""
-        leaf = lambda t: t.detach().requires_grad_(True)  # noqa: E731
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().requires_grad_(True)
+
         return Adapter(
             self.scaling,
             {k: (leaf(a), leaf(b)) for k, (a, b) in self.lora.items()},
@@ -74,7 +76,7 @@ def parse_adapter(
                 raise BadInputError(f"deep prompt {name!r} must be [tokens, {hidden_size}], got {list(t.shape)}")
             adapter.deep[block] = t
             continue
-        if path not in linears:
+        if path is None or which is None or path not in linears:
             raise BadInputError(f"adapter tensor {name!r}: blocks have no linear module {path!r}")
         pairs.setdefault((block, path), {})[which] = t
     for (block, path), pair in pairs.items():

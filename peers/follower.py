@@ -5,36 +5,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
-from peers.broker.election import newest_assignment
 from peers.broker.planner import Role
-from swarm.dht import read_all
+from swarm.dht import RecordStore
 from swarm.ids import Span, assignment_key
-from swarm.records import Assignment, parse_as
+from swarm.lease import newest_assignment
+from swarm.records import Assignment
 
 log = logging.getLogger(__name__)
 
 
-async def run_follower(peer) -> None:
+class Holder(Protocol):
+    """What the follower moves: a peer's span and role."""
+
+    @property
+    def span(self) -> Span | None: ...
+
+    @property
+    def role(self) -> Role | None: ...
+
+    async def hold(self, span: Span, role: Role) -> None: ...
+
+
+async def run_follower(store: RecordStore, model_id: str, holder: Holder, period: float) -> None:
+    me = store.peer_id
     seen: tuple[int, str] | None = None
     while True:
-        await asyncio.sleep(peer.cfg.timing.broker_period)
+        await asyncio.sleep(period)
         try:
-            values = await asyncio.to_thread(read_all, peer.dht, assignment_key(peer.model.name))
-            plans = [a for a in (parse_as(Assignment, v) for v in values) if a is not None]
+            plans = await asyncio.to_thread(store.read, assignment_key(model_id), Assignment)
             seen = newest_assignment(((a.term, a.broker) for a in plans), seen)
             current = [a for a in plans if (a.term, a.broker) == seen]
             if not current:
                 continue  # we already obeyed something newer than anything visible now
             plan = max(current, key=lambda a: a.issued_at)  # the broker revises its plan within its term
-            mine = plan.placements.get(peer.peer_id)
+            mine = plan.placements.get(me)
             if mine is None:
                 continue
-            start, end, role = mine
-            span, role = Span(start, end), Role(role)
-            if (span, role) != (peer.span, peer.role):
-                await peer.hold(span, role)
+            span, role = mine.span, Role(mine.role)
+            if (span, role) != (holder.span, holder.role):
+                await holder.hold(span, role)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("could not apply the broker's assignment", extra={"peer": peer.peer_id})
+            log.exception("could not apply the broker's assignment", extra={"peer": me})

@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 
 from peers.blocks.backend import SpanBackend
+from swarm.errors import SwarmError
+from swarm.records import ServerRecord
+from swarm.rpc.hop import Hop
+from swarm.rpc.remote import Remote
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def cached_throughput(backend: SpanBackend, cache_dir: Path, key: str) -> tuple[
     path = cache_dir / "throughput" / f"{key}.json"
     if path.exists():
         data = json.loads(path.read_text())
-        return data["forward_tps"], data["inference_sps"]
+        return float(data["forward_tps"]), float(data["inference_sps"])
     forward_tps, inference_sps = measure_throughput(backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -93,19 +97,14 @@ def usable_memory(device: str) -> int:
 
 
 async def estimate_link_mbps(
-    p2p, records, own_peer_id: str, payload: int = 4 * 1024 * 1024, timeout: float = 10.0
+    remote: Remote, records: list[ServerRecord], own_peer_id: str, payload: int, timeout: float
 ) -> float | None:
     """A rough estimate of this peer's link: time a payload sent to one live peer over the path real traffic takes
     (direct TCP where allowed, else libp2p). None when no other peer answers (e.g. the first peer of a swarm)."""
-    from swarm.client.remote import Remote
-    from swarm.client.routing import Hop
-    from swarm.errors import SwarmError
-
-    remote = Remote(p2p)
     for r in records:
         if r.peer_id == own_peer_id:
             continue
-        hop = Hop(r.peer_id, r.start, r.end, r.maddrs, r.dtype, r.direct_address)
+        hop = Hop.of(r)
         try:
             await remote.send_payload(hop, 64 * 1024, timeout)  # connect and warm up
             seconds = await remote.send_payload(hop, payload, timeout)

@@ -14,19 +14,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from swarm.client.routing import servers
-from swarm.dht import read_view, start_dht
+from swarm.config import Timing
+from swarm.dht import start_dht
 from swarm.local_swarm import LocalSwarm
-from swarm.records import PeerState
+from swarm.records import PeerState, View, servers
 
-HEARTBEAT_TIMEOUT = 3.0  # Timing.for_tests()
+HEARTBEAT_TIMEOUT = Timing.for_tests().heartbeat_timeout
 
 
-def covered(view, num_blocks: int) -> bool:
+def covered(view: View, num_blocks: int) -> bool:
     return all(any(r.state == PeerState.ONLINE for r in view[b]) for b in range(num_blocks))
 
 
-def sole_server(view, num_blocks: int) -> str | None:
+def sole_server(view: View, num_blocks: int) -> str | None:
     for b in range(num_blocks):
         online = [r.peer_id for r in view[b] if r.state == PeerState.ONLINE]
         if len(online) == 1:
@@ -37,11 +37,11 @@ def sole_server(view, num_blocks: int) -> str | None:
 def run_case(model: str, peers: int, max_blocks: int, standby_fraction: float, num_blocks: int) -> tuple[float, bool]:
     args = ("--throughput", "100", "--max-blocks", str(max_blocks), "--standby-fraction", str(standby_fraction))
     with LocalSwarm(model, [None] * peers, extra_args=args, test_timings=True) as swarm:
-        dht, _ = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True)
+        store = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True)
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                view = read_view(dht, model, num_blocks)
+                view = store.view(model, num_blocks)
                 has_standby = any(r.state == PeerState.STANDBY for r in servers(view).values())
                 if (
                     covered(view, num_blocks)
@@ -55,7 +55,7 @@ def run_case(model: str, peers: int, max_blocks: int, standby_fraction: float, n
             t0 = time.monotonic()
             swarm.kill(swarm.peer_by_id(victim))
             while True:
-                view = read_view(dht, model, num_blocks)
+                view = store.view(model, num_blocks)
                 online = [r for r in servers(view).values() if r.peer_id != victim]
                 restored = all(
                     any(r.state == PeerState.ONLINE and b in r.span for r in online) for b in range(num_blocks)
@@ -66,7 +66,7 @@ def run_case(model: str, peers: int, max_blocks: int, standby_fraction: float, n
                     raise RuntimeError("coverage not restored in 120 s")
                 time.sleep(0.05)
         finally:
-            dht.shutdown()
+            store.shutdown()
 
 
 def main() -> None:

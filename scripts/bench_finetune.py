@@ -58,7 +58,7 @@ def main() -> None:
                 params = [q for q in model.parameters() if q.requires_grad]
                 sides[name] = (model, torch.optim.AdamW(params, lr=1e-3), [], [])
             n_params = sum(q.numel() for q in remote.adapters.parameters())
-            traffic = remote.swarm.remote.traffic
+            traffic = remote.connection.remote.traffic
 
             def step(name: str, batch: torch.Tensor) -> None:
                 model, opt, times, losses = sides[name]

@@ -4,7 +4,8 @@
     python scripts/bench_pretrain.py --steps 100 --plot losses.png
 
 Both sides start from the same per-tensor seeds, read the same samples in the same order and use AdamW with the
-same schedule, so their loss curves must coincide (printed side by side, and plotted to a PNG). Steps alternate
+same schedule, so their loss curves must coincide (printed side by side, and plotted to a PNG with
+matplotlib). Steps alternate
 (local, swarm, local, ...) so slow drifts of this machine weigh on both alike; every process uses one torch thread.
 Bytes are counted over every message the trainer sent and received.
 """
@@ -13,62 +14,40 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import struct
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
+from swarm.client.training.local import LocalTraining
+from swarm.client.training.trainer import Trainer
 from swarm.config import Timing
 from swarm.local_swarm import LocalSwarm
 from swarm.training.data import Samples, corpus_files, tokenize
-from swarm.training.local import LocalTraining
 from swarm.training.run import load_run
-from swarm.training.trainer import Trainer
 
 SHIPPED = Path(__file__).parents[1] / "configs" / "runs" / "tiny-llama.toml"
 
 
-def save_plot(path: Path, series: dict[str, list[float]], width: int = 720, height: int = 420) -> None:
-    """A line plot as a PNG, with no plotting library: white canvas, axes, one colour per series."""
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
-    pixels = [[(255, 255, 255)] * width for _ in range(height)]
-    left, right, top, bottom = 50, width - 20, 20, height - 40
-    values = [v for s in series.values() for v in s]
-    lo, hi = min(values), max(values)
-    steps = max(len(s) for s in series.values())
+def save_plot(path: Path, losses: dict[str, list[float]], title: str) -> None:
+    """Both loss curves on labelled axes (matplotlib, drawn off-screen)."""
+    import matplotlib
 
-    def dot(x: int, y: int, colour) -> None:
-        for dx in (0, 1):
-            for dy in (0, 1):
-                if 0 <= y + dy < height and 0 <= x + dx < width:
-                    pixels[y + dy][x + dx] = colour
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    for x in range(left, right + 1):
-        pixels[bottom][x] = (0, 0, 0)
-    for y in range(top, bottom + 1):
-        pixels[y][left] = (0, 0, 0)
-    for index, (colour, values) in enumerate(zip(colours, series.values(), strict=False)):
-        points = [
-            (left + (right - left) * i / max(steps - 1, 1), bottom - (bottom - top) * (v - lo) / max(hi - lo, 1e-9))
-            for i, v in enumerate(values)
-        ]
-        for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-            n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-            for k in range(n + 1):
-                dot(round(x0 + (x1 - x0) * k / n), round(y0 + (y1 - y0) * k / n), colour)
-        for j in range(20):  # a legend swatch per series, top right (order: as given)
-            dot(right - 30 + j, top + 12 * index, colour)
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for (name, values), style in zip(losses.items(), ("-", "--"), strict=False):
+        ax.plot(range(1, len(values) + 1), values, style, label=name, linewidth=1.6)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("training loss (cross-entropy, nats per token)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -91,7 +70,7 @@ def main() -> None:
         args_ = ("--throughput", "100", "--train", str(run_file))
         with LocalSwarm("tiny-llama", spans, extra_args=args_) as swarm:
             with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing()) as trainer:
-                traffic = trainer.blocks.remote.traffic
+                traffic = trainer.model.connection.remote.traffic
                 times: dict[str, list[float]] = {"local": [], "swarm": []}
                 losses: dict[str, list[float]] = {"local": [], "swarm": []}
                 before = {}
@@ -122,7 +101,8 @@ def main() -> None:
     print(f"\nloss per step, local vs swarm (largest difference {diff:.1e}):")
     for i in range(0, args.steps, max(args.steps // 10, 1)):
         print(f"  step {i + 1:>4}: {losses['local'][i]:.5f}  {losses['swarm'][i]:.5f}")
-    save_plot(args.plot, {"local": losses["local"], "swarm": losses["swarm"]})
+    save_plot(args.plot, {"local (one process)": losses["local"], "swarm (3 stage peers)": losses["swarm"]},
+              f"{run.name}: local vs swarm")  # fmt: skip
     print(f"plot of both loss curves: {args.plot}")
 
 

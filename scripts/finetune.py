@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("adapter"))
     p.add_argument("--tuning", default="lora", choices=["lora", "prompt", "deep_prompt"])
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-alpha", type=float, default=8.0)
     p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
     p.add_argument("--num-prompt-tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=30)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             first = loss.item() if first is None else first
             bar.set_postfix(loss=f"{loss.item():.3f}")
         model.save_adapter(args.out)
-        traffic = model.swarm.remote.traffic
+        traffic = model.traffic
         print(
             f"loss {first:.3f} -> {loss.item():.3f}; adapter saved to {args.out}/ (PEFT format); "
             f"sent {traffic['sent_bytes'] / 1e6:.1f} MB, received {traffic['received_bytes'] / 1e6:.1f} MB"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh) and runs the whole test suite: lint, unit tests, then real loopback swarms.
+# Sets up (scripts/setup.sh) and runs the whole test suite: lint, type check, unit tests, then real loopback swarms.
+# Arguments go to pytest: `bash scripts/test.sh -m "not slow"` is the fast subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check swarm peers configs scripts tests
+.venv/bin/mypy  # strict, on swarm/ and peers/ (pyproject.toml)
 .venv/bin/python -m pytest -q -x tests "$@"

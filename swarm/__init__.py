@@ -5,10 +5,16 @@ The client entry point is ``DistributedModelForCausalLM``; it is imported lazily
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 __all__ = ["DistributedModelForCausalLM", "load_tokenizer", "__version__"]
 
+if TYPE_CHECKING:
+    from swarm.client.model import DistributedModelForCausalLM
+    from swarm.tokenizer import load_tokenizer
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> object:
     if name == "DistributedModelForCausalLM":
         from swarm.client.model import DistributedModelForCausalLM
 

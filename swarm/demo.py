@@ -8,24 +8,29 @@ import argparse
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from swarm.config import default_cache_dir, load_model_card
 from swarm.local_swarm import LocalSwarm
 from swarm.logs import configure_logging
 from swarm.model_files import load_config, model_folder
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
 
 class _TimedStreamer:
     """A Hugging Face streamer that prints text as it comes and records when each token arrived."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.times: list[float] = []
         self.tokens: list[int] = []
         self._printed = 0
         self._prompt_seen = False
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # generate first passes the prompt
             self._prompt_seen = True
             return
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("WARNING")
 
     import torch
+    from transformers import BatchEncoding
 
     from swarm import DistributedModelForCausalLM, load_tokenizer
 
@@ -59,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = model_folder(load_model_card(args.model), default_cache_dir())  # converts once, with a progress bar
     n = load_config(folder).num_hidden_layers
     cuts = [round(i * n / args.peers) for i in range(args.peers + 1)]
-    spans = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
-    print(f"starting {args.peers} peers on 127.0.0.1 serving {args.model} blocks {', '.join(spans)} ...", flush=True)
+    spans: list[str | None] = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:], strict=False)]
+    shown = ", ".join(str(s) for s in spans)
+    print(f"starting {args.peers} peers on 127.0.0.1 serving {args.model} blocks {shown} ...", flush=True)
     t0 = time.perf_counter()
     with LocalSwarm(args.model, spans) as swarm:
         print(f"swarm up in {time.perf_counter() - t0:.1f} s; initial peer: {swarm.initial_peers[0]}", flush=True)
@@ -70,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs = tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
+            assert isinstance(inputs, BatchEncoding)
             print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
             streamer = _TimedStreamer(tokenizer)
             start = time.perf_counter()

@@ -13,17 +13,25 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.errors import DhtLostError
 from swarm.ids import block_key
-from swarm.records import ServerRecord, parse_record
+from swarm.records import Record, ServerRecord, View, parse_as, parse_record
+
+R = TypeVar("R", bound=Record)
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +39,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _own_children(pid: int) -> list[int]:
-    children = []
+    children: list[int] = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -44,7 +52,7 @@ def _own_children(pid: int) -> list[int]:
     return children
 
 
-def _terminate_children_and_exit(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+def _terminate_children_and_exit(signum: int, frame: FrameType | None) -> None:
     children = _own_children(os.getpid())
     for child in children:
         try:
@@ -76,12 +84,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-class OwnedDHT(hivemind.DHT):
+class OwnedDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind ships no type information
     """A hivemind DHT whose child process (and its p2pd) never outlives the process that created it."""
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         super().run()
+
+
+def dht_time() -> float:
+    """hivemind's DHT clock (wall time; records expire by it)."""
+    return float(get_dht_time())
 
 
 def load_identity(path: Path | None) -> tuple[str | None, RSAPrivateKey]:
@@ -99,6 +112,101 @@ def load_identity(path: Path | None) -> tuple[str | None, RSAPrivateKey]:
     return str(path), key
 
 
+# The coroutines below run inside hivemind's DHT process: ``node`` is its DHTNode, which ships without types (Any).
+
+
+async def _store_records(
+    _dht: object, node: Any, keys: list[str], values: list[dict[str, object]], expiration: float, subkey: bytes
+) -> dict[str, bool]:
+    result: dict[str, bool] = await node.store_many(
+        keys, values, [expiration] * len(keys), subkeys=[subkey] * len(keys)
+    )
+    return result
+
+
+async def _get_many(_dht: object, node: Any, keys: list[str]) -> dict[str, dict[object, object]]:
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    # unwrap to plain picklable data: {key: {subkey: value}}
+    out: dict[str, dict[object, object]] = {}
+    for key, item in found.items():
+        if item is not None and isinstance(item.value, dict):
+            out[key] = {sub: v.value for sub, v in item.value.items()}
+    return out
+
+
+async def _get_subkeys(_dht: object, node: Any, key: str) -> dict[object, object]:
+    found = await node.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {sub: v.value for sub, v in found.value.items()}
+
+
+class RecordStore:
+    """Typed access to the DHT: every write goes to this peer's own signed subkey, every read is parsed into a
+    record model (values of another schema version, malformed ones and the rest are skipped). Every call has a
+    timeout, so a DHT process that died or hangs never hangs its caller."""
+
+    def __init__(self, dht: OwnedDHT, validator: RSASignatureValidator, call_timeout: float) -> None:
+        self.dht = dht  # hivemind's, for what needs it directly (the averager, the P2P replica)
+        self.validator = validator
+        self.call_timeout = call_timeout
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id.to_base58())
+
+    def alive(self) -> bool:
+        return bool(self.dht.is_alive())
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    async def replicate_p2p(self) -> P2P:
+        """A P2P instance in this process that shares the DHT child's p2pd (what RPC calls and handlers use)."""
+        return await self.dht.replicate_p2p()
+
+    def _call(self, fn: Callable[..., Awaitable[T]]) -> T:
+        if not self.dht.is_alive():
+            raise DhtLostError("the DHT process is not running")
+        result: T = self.dht.run_coroutine(fn, return_future=True).result(self.call_timeout)
+        return result
+
+    def _store(self, keys: list[str], record: Record, expiration: float) -> bool:
+        subkey = self.validator.local_public_key
+        fn = partial(_store_records, keys=keys, values=[record.to_wire()] * len(keys), expiration=expiration,
+                     subkey=subkey)  # fmt: skip
+        return all(self._call(fn).values())
+
+    def publish(self, key: str, record: Record, expiration: float) -> bool:
+        """Store ``record`` under ``key`` in this peer's own signed subkey."""
+        return self._store([key], record, expiration)
+
+    def read(self, key: str, cls: type[R]) -> list[R]:
+        """Every subkey's value under ``key`` (each peer's own entry) that parses as ``cls``."""
+        values = self._call(partial(_get_subkeys, key=key)).values()
+        return [r for r in (parse_as(cls, v) for v in values) if r is not None]
+
+    def announce(self, record: ServerRecord, expiration: float) -> bool:
+        """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
+        return self._store([block_key(record.model_id, b) for b in range(record.start, record.end)], record,
+                           expiration)  # fmt: skip
+
+    def view(self, model_id: str, num_blocks: int) -> View:
+        """Every valid record for each block of ``model_id``."""
+        keys = [block_key(model_id, b) for b in range(num_blocks)]
+        found = self._call(partial(_get_many, keys=keys))
+        view: dict[int, list[ServerRecord]] = {b: [] for b in range(num_blocks)}
+        for b, key in enumerate(keys):
+            for value in found.get(key, {}).values():
+                record = parse_record(value)
+                if record is not None and record.model_id == model_id and b in record.span:
+                    view[b].append(record)
+        return view
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+
 def start_dht(
     *,
     initial_peers: tuple[str, ...] = (),
@@ -108,11 +216,13 @@ def start_dht(
     identity: Path | None = None,
     client_mode: bool = False,
     timeout: float = 30.0,
-) -> tuple[OwnedDHT, RSASignatureValidator]:
+    call_timeout: float = 30.0,
+) -> RecordStore:
+    """Start this process's DHT peer (a forked child with its own p2pd) and wait until it has joined."""
     identity_path, key = load_identity(identity)
     validator = RSASignatureValidator(key)
     proto = "ip6" if ":" in host else "ip4"
-    kwargs = dict(
+    kwargs: dict[str, object] = dict(
         initial_peers=list(initial_peers),
         start=True,
         client_mode=client_mode,
@@ -130,66 +240,4 @@ def start_dht(
     except BaseException:
         dht.shutdown()
         raise
-    return dht, validator
-
-
-async def _store_records(_dht, node, keys, values, expiration, subkey) -> dict:
-    return await node.store_many(keys, values, [expiration] * len(keys), subkeys=[subkey] * len(keys))
-
-
-async def _get_many(_dht, node, keys) -> dict:
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    # unwrap to plain picklable data: {key: {subkey: value}}
-    out = {}
-    for key, item in found.items():
-        if item is not None and isinstance(item.value, dict):
-            out[key] = {sub: v.value for sub, v in item.value.items()}
-    return out
-
-
-DHT_CALL_TIMEOUT = 30.0  # a DHT child that died or hangs must not hang its caller (or its exit) forever
-
-
-def _call(dht: hivemind.DHT, fn, timeout: float = DHT_CALL_TIMEOUT):
-    if not dht.is_alive():
-        raise RuntimeError("the DHT process is not running")
-    return dht.run_coroutine(fn, return_future=True).result(timeout)
-
-
-def announce(dht: hivemind.DHT, validator: RSASignatureValidator, record: ServerRecord, expiration: float) -> bool:
-    """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
-    keys = [block_key(record.model_id, b) for b in range(record.start, record.end)]
-    values = [record.to_wire()] * len(keys)
-    fn = partial(_store_records, keys=keys, values=values, expiration=expiration, subkey=validator.local_public_key)
-    return all(_call(dht, fn).values())
-
-
-def read_view(dht: hivemind.DHT, model_id: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
-    """Every valid record for each block; records of other schema versions or malformed ones are skipped."""
-    keys = [block_key(model_id, b) for b in range(num_blocks)]
-    found = _call(dht, partial(_get_many, keys=keys))
-    view: dict[int, list[ServerRecord]] = {b: [] for b in range(num_blocks)}
-    for b, key in enumerate(keys):
-        for value in found.get(key, {}).values():
-            record = parse_record(value)
-            if record is not None and record.model_id == model_id and b in record.span:
-                view[b].append(record)
-    return view
-
-
-async def _get_subkeys(_dht, node, key) -> dict:
-    found = await node.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    return {sub: v.value for sub, v in found.value.items()}
-
-
-def store_own(dht: hivemind.DHT, validator: RSASignatureValidator, key: str, value: dict, expiration: float) -> bool:
-    """Store ``value`` under ``key`` in this peer's own signed subkey."""
-    fn = partial(_store_records, keys=[key], values=[value], expiration=expiration, subkey=validator.local_public_key)
-    return all(_call(dht, fn).values())
-
-
-def read_all(dht: hivemind.DHT, key: str) -> list:
-    """Every subkey's value under ``key`` (each peer's own entry)."""
-    return list(_call(dht, partial(_get_subkeys, key=key)).values())
+    return RecordStore(dht, validator, call_timeout)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 class SwarmError(Exception):
     code = "swarm_error"
     retriable = False  # True: another peer may succeed where this one failed
+    peer_id: str | None = None  # the peer the error came from (set by the transport), whom the retry helper bans
 
 
 class BadInputError(SwarmError, ValueError):
@@ -66,16 +67,27 @@ class AdapterMissingError(SwarmError):
 
 
 class StaleStepError(BadInputError):
-    """A trainer is behind the stage it called (another trainer finished the global step): it must step too. The
-    message ends with ``(server step N)``."""
+    """A trainer is behind the stage it called (another trainer finished the global step): it must step too.
+    ``server_step`` is the step the stage is at (a field of the error reply, never parsed out of the message)."""
 
     code = "stale_step"
+
+    def __init__(self, message: str, server_step: int | None = None) -> None:
+        super().__init__(message)
+        self.server_step = server_step
+
+
+class DhtLostError(SwarmError):
+    """A peer cannot reach its DHT any more (the DHT process died): it is invisible to the swarm and leaves."""
+
+    code = "dht_lost"
 
 
 _BY_CODE = {
     cls.code: cls
     for cls in (
         SwarmError,
+        DhtLostError,
         BadInputError,
         VersionMismatchError,
         CacheFullError,
@@ -88,12 +100,16 @@ _BY_CODE = {
 }
 
 
-def error_from_code(code: str, message: str) -> SwarmError:
+def error_from_code(code: str, message: str, server_step: int | None = None) -> SwarmError:
+    """The error class a server named in its reply (``SwarmError`` for a code this version does not know)."""
+    if code == StaleStepError.code:
+        return StaleStepError(message, server_step)
     return _BY_CODE.get(code, SwarmError)(message)
 
 
 def _ranges(blocks: list[int]) -> str:
-    out, run = [], []
+    out: list[list[int]] = []
+    run: list[int] = []
     for b in sorted(blocks):
         if run and b != run[-1] + 1:
             out.append(run)

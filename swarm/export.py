@@ -13,69 +13,79 @@ from pathlib import Path
 
 import torch
 
+from swarm.config import Timing
 from swarm.errors import BadInputError, run_command
+from swarm.ids import Span
 from swarm.logs import configure_logging
+from swarm.training import checkpoints
+from swarm.training.checkpoints import StageCheckpoint, TrainerCheckpoint
 from swarm.training.run import RunConfig, load_run
 
+Weights = dict[str, torch.Tensor]
 
-def _latest(folder: Path) -> Path:
-    found = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
-    if not found:
+
+def _params(tensors: Weights) -> Weights:
+    return {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")}
+
+
+def stage_from_checkpoint(run: RunConfig, stage: Span, folder: Path | None = None) -> tuple[int, Weights]:
+    folder = folder or run.checkpoint_dir / f"stage-{stage.start}-{stage.end}"
+    checkpoint = checkpoints.load_latest(folder, StageCheckpoint)
+    if checkpoint is None:
         raise BadInputError(f"no checkpoint in {folder}")
-    return found[-1]
+    return checkpoint.step, _params(checkpoint.tensors)
 
 
-def stage_from_checkpoint(run: RunConfig, stage, folder: Path | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-    data = torch.load(_latest(folder or run.checkpoint_dir / f"stage-{stage.start}-{stage.end}"), weights_only=True)
-    params = {k.removeprefix("param."): v for k, v in data["tensors"].items() if k.startswith("param.")}
-    return int(data["meta"]["step"]), params
-
-
-def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...]) -> dict[str, tuple[int, dict]]:
+def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Timing) -> dict[str, tuple[int, Weights]]:
     """Each stage's weights from one live peer serving exactly that stage (the one with the highest step)."""
-    from swarm.client.loop import LoopThread
-    from swarm.client.remote import Remote
-    from swarm.dht import read_view, start_dht
-    from swarm.training.state import freshest_state, stage_servers
+    from swarm.dht import start_dht
+    from swarm.records import stage_servers
+    from swarm.rpc.loop import LoopThread
+    from swarm.rpc.remote import Remote
+    from swarm.rpc.state import freshest_state
+    from swarm.training.init import stage_state_bytes
 
-    dht, _ = start_dht(initial_peers=initial_peers, client_mode=True)
-    loop = LoopThread()
-    remote = None
+    store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
+                      call_timeout=timing.dht_timeout)  # fmt: skip
+    loop = LoopThread("swarm-export")
+    remote: Remote | None = None
     try:
-        remote = Remote(loop.run(dht.replicate_p2p()))
-        view = read_view(dht, run.model_id, run.stages[-1].end)
+        remote = Remote(loop.run(store.replicate_p2p()))
+        view = store.view(run.model_id, run.stages[-1].end)
         out = {}
         for stage in run.stages:
-            found = loop.run(freshest_state(remote, stage_servers(view, stage), stage, 60.0))
+            limit = stage_state_bytes(run, stage)
+            found = loop.run(freshest_state(remote, stage_servers(view, stage), stage, timing.state_timeout, limit))
             if found is None:
                 raise BadInputError(f"no live peer serves stage {stage} of run {run.name}")
-            step, tensors = found
-            out[str(stage)] = (
-                step,
-                {k.removeprefix("param."): v for k, v in tensors.items() if k.startswith("param.")},
-            )
+            out[str(stage)] = (found[0], _params(found[1]))
         return out
     finally:
-        with contextlib.suppress(Exception):
-            loop.run(remote.p2p.shutdown(), 5)
-        loop.close()
-        dht.shutdown()
+        if remote is not None:
+            with contextlib.suppress(Exception):
+                loop.run(remote.p2p.shutdown(), timing.shutdown_timeout)
+        loop.close(timing.shutdown_timeout)
+        store.shutdown()
 
 
-def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), trainer_dir: Path | None = None) -> Path:
-    from transformers import AutoModelForCausalLM
+def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), trainer_dir: Path | None = None,
+           timing: Timing | None = None) -> Path:  # fmt: skip
+    from swarm.model_files import new_model
 
-    trainer = torch.load(_latest(trainer_dir or run.checkpoint_dir / "trainer"), weights_only=True)
-    state = dict(trainer["model"])
+    folder = trainer_dir or run.checkpoint_dir / "trainer"
+    trainer = checkpoints.load_latest(folder, TrainerCheckpoint)
+    if trainer is None:
+        raise BadInputError(f"no trainer checkpoint in {folder}")
+    state = dict(trainer.model)
     if initial_peers:
-        stages = stages_from_swarm(run, initial_peers)
+        stages = stages_from_swarm(run, initial_peers, timing or Timing())
     else:
         stages = {str(s): stage_from_checkpoint(run, s) for s in run.stages}
     for _step, params in stages.values():
         state.update(params)
     config = run.hf_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = new_model(config)
     missing = sorted(set(model.state_dict()) - set(state))
     if getattr(config, "tie_word_embeddings", False):
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -86,7 +96,7 @@ def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), train
         model.tie_weights()
     model.save_pretrained(out)
     steps = {name: step for name, (step, _) in stages.items()}
-    print(f"exported {run.name}: trainer at step {trainer['step']}, stages at steps {steps} -> {out}")
+    print(f"exported {run.name}: trainer at step {trainer.step}, stages at steps {steps} -> {out}")
     return out
 
 
@@ -96,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="read stages from live peers")
     p.add_argument("--trainer-checkpoint-dir", type=Path, default=None)
+    p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
     args = p.parse_args(argv)
     configure_logging("WARNING")
     return run_command(
-        lambda: export(load_run(args.run), args.out, tuple(args.initial_peers), args.trainer_checkpoint_dir)
+        lambda: export(
+            load_run(args.run, args.cache_dir), args.out, tuple(args.initial_peers), args.trainer_checkpoint_dir
+        )
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from swarm.errors import BadInputError
@@ -21,7 +22,7 @@ class Span:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(range(self.start, self.end))
 
     def __contains__(self, other: object) -> bool:

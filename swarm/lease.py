@@ -4,20 +4,12 @@ how peers compete), and which broker's assignment a follower obeys."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True, order=True)
-class Lease:
-    term: int
-    holder: str
-    expires: float
-
-    def valid(self, now: float) -> bool:
-        return self.expires > now
+from swarm.records import Lease
 
 
 def winner(leases: Iterable[Lease], now: float) -> Lease | None:
+    """The unexpired lease with the highest term; ties go to the smallest holder id."""
     live = [lease for lease in leases if lease.valid(now)]
     if not live:
         return None

@@ -11,15 +11,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from swarm.rpc.hop import Hop
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class PeerProcess:
-    proc: subprocess.Popen
+    proc: subprocess.Popen[str]
     span: str | None
     args: tuple[str, ...]
     log_path: Path
@@ -30,7 +34,14 @@ class PeerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def peer_id(self) -> str:
+        if self.maddr is None:
+            raise RuntimeError(f"peer {self.span} has not started")
+        return self.maddr.split("/p2p/")[1]
+
     def _watch_stdout(self) -> None:
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("initial_peers: "):
                 self.maddr = line.split(" ", 1)[1].strip()
@@ -134,8 +145,13 @@ class LocalSwarm:
     def __enter__(self) -> LocalSwarm:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _Routed(Protocol):
+    @property
+    def route(self) -> Sequence[Hop]: ...
 
 
 class Disturber:
@@ -143,7 +159,7 @@ class Disturber:
     to the server on that hop of the model's current route (SIGKILL, SIGSTOP to freeze, SIGTERM to make it leave),
     and it timestamps every token so stalls can be measured."""
 
-    def __init__(self, model, swarm: LocalSwarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
+    def __init__(self, model: _Routed, swarm: LocalSwarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
         self.model, self.swarm, self.plan, self.sig = model, swarm, plan, sig
         self.count = -1  # generate's first put() is the prompt
         self.times: list[float] = []
@@ -152,9 +168,9 @@ class Disturber:
 
     @property
     def killed(self) -> list[str]:
-        return [p.maddr.split("/p2p/")[1] for p in self.victims]
+        return [p.peer_id for p in self.victims]
 
-    def put(self, value) -> None:
+    def put(self, value: object) -> None:
         self.count += 1
         self.times.append(time.perf_counter())
         if self.count in self.plan:

@@ -14,12 +14,17 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 from safetensors import safe_open
 
 from swarm.config import ModelCard
 from swarm.errors import BadInputError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +88,27 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
         bar.update()
 
 
+def new_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A causal LM of ``config``'s family, freshly initialised (on the current default device: ``meta`` builds one
+    without memory)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, **kwargs)  # type: ignore[no-untyped-call]
+    return model  # (transformers leaves its Auto classes' from_config unannotated)
+
+
 def _materialise_random(card: ModelCard, out: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     cfg = dict(card.config)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config = AutoConfig.for_model(str(cfg.pop("model_type")), **cfg)
     torch.manual_seed(card.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, card.dtype))
-    _save(model, None, out)
+    _save(new_model(config, getattr(torch, card.dtype)), None, out)
 
 
-def _save(model, tokenizer, out: Path) -> None:
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out: Path) -> None:
     out.mkdir(parents=True)
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
@@ -103,16 +117,18 @@ def _save(model, tokenizer, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
-def load_config(folder: Path):
+def load_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder)
+    config: PretrainedConfig = AutoConfig.from_pretrained(folder)
+    return config
 
 
-def load_tokenizer(folder: Path):
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(folder)
+    return tokenizer
 
 
 def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
@@ -145,7 +161,8 @@ def weight_map(folder: Path) -> dict[str, str]:
     """tensor name -> shard file name."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        return json.loads(index.read_text())["weight_map"]
+        mapping: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return mapping
     single = folder / "model.safetensors"
     if not single.exists():
         raise BadInputError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
@@ -153,13 +170,13 @@ def weight_map(folder: Path) -> dict[str, str]:
         return {k: single.name for k in f.keys()}
 
 
-def read_tensors(folder: Path, names: list[str]) -> dict:
+def read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """Read exactly ``names``, opening each needed shard once."""
     mapping = weight_map(folder)
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(mapping[name], []).append(name)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for file, keys in by_file.items():
         with safe_open(str(folder / file), "pt") as f:
             for key in keys:

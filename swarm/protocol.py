@@ -1,31 +1,40 @@
-"""Request/response messages shared by client and server, and the RPC names.
+"""Every message that crosses a process over RPC, as a versioned, frozen pydantic model, and the RPC names.
 
-Every request carries ``protocol_version``; a server refuses another version with a clear error. Tensors travel
-beside the metadata (see ``swarm.wire``) under names; per-client extras that later work adds (adapters, prompts,
-trainable-weight gradients) travel the same way, as further named tensors plus fields in ``extras``.
+Every request carries ``protocol_version``; a server refuses another version with a clear ``VersionMismatchError``
+before it parses anything else. Tensors travel beside the metadata (see ``swarm.wire``) under names: hidden states,
+masks, gradients, and a client's adapter tensors. Replies are ``ErrorReply`` (``ok`` false, with the error class's
+code) or the reply model of the call, parsed by ``parse_reply`` on the client.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-PROTOCOL_VERSION = 1
+from swarm.errors import SwarmError, VersionMismatchError, error_from_code
+
+PROTOCOL_VERSION = 2  # 2: one typed model per request kind, typed replies, no placeholder spans or extras
 
 RPC_FORWARD = "swarm.forward"  # unary: small forward or backward
 RPC_FORWARD_STREAM = "swarm.forward_stream"  # streamed: the same, for messages over one frame
 RPC_INFERENCE = "swarm.inference"  # bidirectional stream: one session, one step per message group
-RPC_COMPUTE_LOOP = "swarm.compute_loop"  # direct TCP only: forward/backward requests back to back on one connection
+RPC_COMPUTE_LOOP = "swarm.compute_loop"  # direct TCP only: compute requests back to back on one connection
 RPC_INFO = "swarm.info"  # unary: the server's live stats
 RPC_BANDWIDTH = "swarm.bandwidth"  # streamed: swallows a payload and says how much arrived (link estimates)
 
+MAX_ID = 128  # longest id a peer may send (session, forward, client token)
 
-class _Msg(BaseModel):
+
+class Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class AdapterRef(_Msg):
+class Request(Message):
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class AdapterRef(Message):
     """A client's trainable extras for the requested blocks (LoRA pairs, deep prompts), by content version.
 
     With ``has_tensors`` the request carries them as named tensors (``lora.{block}.{module}.A``/``.B``,
@@ -33,57 +42,88 @@ class AdapterRef(_Msg):
     version or answers ``adapter_missing`` so the client resends. ``client`` is a random 256-bit token: the only key
     to the cache, so no other client can reach these tensors."""
 
-    client: str = Field(min_length=32, max_length=128)
+    client: str = Field(min_length=32, max_length=MAX_ID)
     version: int = Field(ge=0)
     has_tensors: bool
     scaling: float = 1.0  # LoRA: alpha / r
 
 
-class TrainTag(_Msg):
-    """On a pre-training run's requests: the global step the trainer is in, and (backward) how many samples the
-    micro-batch holds, which the stage counts toward the global batch."""
+class TrainTag(Message):
+    """On a pre-training run's requests: the global step the trainer is in, and how many samples the micro-batch
+    holds, which the stage counts toward the global batch when its backward arrives."""
 
     step: int = Field(ge=0)
     samples: int = Field(default=0, ge=0)
 
 
-class ComputeRequest(_Msg):
-    """A forward or backward over blocks ``start:end`` (which the server must hold).
+class ForwardRequest(Request):
+    """Blocks ``start:end`` (which the server must hold) over tensors ``hidden`` [batch, seq, hidden], optional
+    ``attention_mask`` [batch, seq] (1 = real token) and ``position_ids`` [batch, seq]; the reply holds ``hidden``."""
 
-    Tensors: ``hidden`` [batch, seq, hidden]; optional ``attention_mask`` [batch, seq] (1 = real token),
-    ``position_ids`` [batch, seq]; for backward ``grad_output`` and, if the server may have dropped the forward,
-    ``hidden`` again to recompute it. A backward's reply holds ``grad_input`` and, for each adapter tensor the
-    forward used, ``grad.{its name}``.
-    """
-
-    protocol_version: int = PROTOCOL_VERSION
-    # release: drop this client's cached adapter; state: a trainable stage's weights and optimizer state (for a joining
-    # replica, or an export); step: a trainer says global step ``train.step`` has begun. None of these uses start/end.
-    kind: Literal["forward", "backward", "release", "state", "step"]
-    start: int
-    end: int
-    keep_for_backward: bool = False  # forward: hold the graph so a backward needs no recompute
-    forward_id: str | None = None  # forward: the name to keep it under; backward: which forward
+    kind: Literal["forward"] = "forward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    keep_for_backward: bool = False  # hold the graph so a backward needs no recompute
+    forward_id: str | None = Field(default=None, max_length=MAX_ID)  # the name to keep it under
     adapter: AdapterRef | None = None
-    input_grad: bool = True  # backward: False when nobody needs the gradient of ``hidden`` (a frozen first hop)
     train: TrainTag | None = None
-    extras: dict[str, Any] = Field(default_factory=dict)
 
 
-class OpenSession(_Msg):
-    """First message of an inference stream."""
+class BackwardRequest(Request):
+    """The backward of forward ``forward_id``: tensor ``grad_output`` and, if the server may have dropped that
+    forward, ``hidden`` (with its mask and positions) to recompute it. The reply holds ``grad_input`` (unless
+    ``input_grad`` is false: a frozen first hop) and, for each adapter tensor the forward used, ``grad.{its name}``."""
 
-    protocol_version: int = PROTOCOL_VERSION
-    session_id: str
-    start: int
-    end: int
+    kind: Literal["backward"] = "backward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    forward_id: str | None = Field(default=None, max_length=MAX_ID)
+    adapter: AdapterRef | None = None
+    input_grad: bool = True
+    train: TrainTag | None = None
+
+
+class ReleaseRequest(Request):
+    """The client is done: drop its cached adapter now rather than at the idle timeout."""
+
+    kind: Literal["release"] = "release"
+    client: str = Field(min_length=32, max_length=MAX_ID)
+
+
+class StateRequest(Request):
+    """A trainable stage's weights and Adam moments (tensors ``param.*``, ``exp_avg.*``, ``exp_avg_sq.*``), for a
+    joining replica or an export; the server refuses if it does not hold exactly blocks ``start:end``."""
+
+    kind: Literal["state"] = "state"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+
+class StepNotice(Request):
+    """A trainer says global step ``step`` has begun: a stage behind it steps now."""
+
+    kind: Literal["step"] = "step"
+    step: int = Field(ge=0)
+
+
+ComputeRequest = Annotated[
+    ForwardRequest | BackwardRequest | ReleaseRequest | StateRequest | StepNotice, Field(discriminator="kind")
+]
+COMPUTE_REQUEST: TypeAdapter[ComputeRequest] = TypeAdapter(ComputeRequest)
+
+
+class OpenSession(Message):
+    """Opens an inference stream's session on blocks ``start:end``."""
+
+    session_id: str = Field(min_length=1, max_length=MAX_ID)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     adapter: AdapterRef | None = None
-    extras: dict[str, Any] = Field(default_factory=dict)
 
 
-class InferenceStep(_Msg):
+class InferenceStep(Message):
     """One step: tensors ``hidden`` [batch, n, hidden] and optional ``attention_mask`` [batch, position + n] and
     ``position_ids`` [batch, n]. ``position`` is how many tokens the client believes the server already holds;
     a mismatch is an error, which keeps replayed histories honest."""
@@ -91,8 +131,77 @@ class InferenceStep(_Msg):
     position: int = Field(ge=0)
 
 
-class Reply(_Msg):
-    ok: bool = True
-    error_code: str | None = None
-    error: str | None = None
-    stats: dict[str, Any] = Field(default_factory=dict)
+class InferenceRequest(Request):
+    """One message of an inference stream: the first opens the session (and may carry a step), each further one is
+    a step."""
+
+    open: OpenSession | None = None
+    step: InferenceStep | None = None
+
+
+class BandwidthProbe(Request):
+    """A payload (any tensors) whose arrival the server confirms: a joining peer times it to estimate its link."""
+
+
+class InfoRequest(Request):
+    pass
+
+
+class ErrorReply(Message):
+    ok: Literal[False] = False
+    code: str = Field(max_length=64)
+    error: str = Field(max_length=4096)
+    server_step: int | None = None  # stale_step: the step the stage is at
+
+    def exception(self, peer_id: str) -> SwarmError:
+        e = error_from_code(self.code, f"peer {peer_id}: {self.error}", self.server_step)
+        e.peer_id = peer_id
+        return e
+
+
+class Reply(Message):
+    ok: Literal[True] = True
+
+
+class StateReply(Reply):
+    step: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+
+class BandwidthReply(Reply):
+    received: int = Field(ge=0)  # payload bytes that arrived
+
+
+class InfoReply(Reply):
+    peer_id: str
+    start: int | None = None  # the span it holds, if any
+    end: int | None = None
+    role: str | None = None
+    model_id: str
+    fingerprint: str
+    stats: dict[str, int] = Field(default_factory=dict)  # requests served, by kind
+    active: int = 0  # compute requests and inference steps being processed right now
+    open_sessions: int = 0
+    cache_tokens_free: int = 0
+    kept_activations: int = 0
+    adapter_clients: int = 0
+    adapter_bytes: int = 0
+    span_loads: int = 0  # spans this peer loaded from disk (a promoted standby loads nothing new)
+
+
+R = TypeVar("R", bound=Message)
+
+
+def check_version(meta: dict[str, object]) -> None:
+    """Before anything else is parsed: a peer of another protocol version gets a clear error, whatever it sent."""
+    version = meta.get("protocol_version")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatchError(f"peer speaks protocol {version}, this server speaks {PROTOCOL_VERSION}")
+
+
+def parse_reply(meta: dict[str, object], cls: type[R], peer_id: str) -> R:
+    """A reply as ``cls``; an error reply raises the error class the server named, tagged with the peer."""
+    if meta.get("ok") is False:
+        raise ErrorReply.model_validate(meta).exception(peer_id)
+    return cls.model_validate(meta)

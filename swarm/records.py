@@ -1,10 +1,12 @@
-"""Typed, versioned DHT records. Readers skip records of another schema version or malformed ones."""
+"""Every value stored in the DHT, as a typed, versioned, frozen pydantic model. Readers skip values of another schema
+version or malformed ones (``parse_as``), so a peer never acts on a value it cannot read."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -12,7 +14,7 @@ from swarm.ids import Span
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: leases, trainer progress and typed placements became records
 
 
 class PeerState(StrEnum):
@@ -22,12 +24,18 @@ class PeerState(StrEnum):
     LEAVING = "leaving"
 
 
-class ServerRecord(BaseModel):
-    """What one peer serves, announced under every block key of its span."""
-
+class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
+
+    def to_wire(self) -> dict[str, object]:
+        return self.model_dump(mode="json")
+
+
+class ServerRecord(Record):
+    """What one peer serves, announced under every block key of its span."""
+
     peer_id: str
     maddrs: tuple[str, ...] = ()
     state: PeerState
@@ -46,37 +54,16 @@ class ServerRecord(BaseModel):
     software_version: str
     protocol_version: int
     requests_served: int = 0
-    direct_address: str | None = None  # host:port of the plain-TCP data plane (swarm.direct), if offered
+    direct_address: str | None = None  # host:port of the plain-TCP data plane (swarm.rpc.direct), if offered
 
     @property
     def span(self) -> Span:
         return Span(self.start, self.end)
 
-    def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
-
-def parse_record(value: Any) -> ServerRecord | None:
-    """A record from the DHT, or None (with a debug log) if it is of another schema version or malformed."""
-    if not isinstance(value, dict):
-        return None
-    if value.get("schema_version") != SCHEMA_VERSION:
-        log.debug("skipping a record of schema version %r", value.get("schema_version"))
-        return None
-    try:
-        record = ServerRecord.model_validate(value)
-    except ValidationError as e:
-        log.debug("skipping a malformed record: %s", e)
-        return None
-    return record if record.start < record.end else None
-
-
-class PeerRecord(BaseModel):
+class PeerRecord(Record):
     """Every peer's heartbeat under the model's peers key: what the broker plans with."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: int = SCHEMA_VERSION
     peer_id: str
     state: PeerState
     start: int | None = None  # the span it holds (serving or preloaded), if any
@@ -95,24 +82,90 @@ class PeerRecord(BaseModel):
         return Span(self.start, self.end) if self.start is not None and self.end is not None else None
 
 
-class Assignment(BaseModel):
+class Placement(Record):
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    role: Literal["serve", "standby"]
+
+    @property
+    def span(self) -> Span:
+        return Span(self.start, self.end)
+
+
+class Assignment(Record):
     """A broker's plan, stamped with its term: peers obey only the newest (term, broker) they have seen."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: int = SCHEMA_VERSION
-    term: int
+    term: int = Field(ge=0)
     broker: str
     issued_at: float
-    placements: dict[str, tuple[int, int, str]]  # peer id -> (start, end, "serve" | "standby")
+    placements: dict[str, Placement]  # peer id -> where it goes
 
 
-def parse_as(cls, value: Any):
-    """``value`` as ``cls`` (a record model), or None if it is of another schema version or malformed."""
+class Lease(Record):
+    """A broker candidate's claim on the role, in its own subkey of the model's broker key."""
+
+    term: int = Field(ge=0)
+    holder: str
+    expires: float  # DHT time
+
+    def valid(self, now: float) -> bool:
+        return self.expires > now
+
+
+class TrainerProgress(Record):
+    """A pre-training trainer's progress, in its own subkey of the run's trainers key: the global step it is in
+    and the samples it processed for that step (how trainers agree that a step's batch is complete)."""
+
+    trainer: str
+    step: int = Field(ge=0)
+    samples: int = Field(ge=0)
+    updated: float  # DHT time
+
+
+R = TypeVar("R", bound=Record)
+
+
+def parse_as(cls: type[R], value: object) -> R | None:
+    """``value`` as ``cls``, or None (with a debug log) if it is of another schema version or malformed."""
     if not isinstance(value, dict) or value.get("schema_version") != SCHEMA_VERSION:
+        log.debug("skipping a %s that is not a dict of schema version %d", cls.__name__, SCHEMA_VERSION)
         return None
     try:
         return cls.model_validate(value)
     except ValidationError as e:
         log.debug("skipping a malformed %s: %s", cls.__name__, e)
         return None
+
+
+def parse_record(value: object) -> ServerRecord | None:
+    record = parse_as(ServerRecord, value)
+    return record if record is not None and record.start < record.end else None
+
+
+View = Mapping[int, list[ServerRecord]]  # block -> the records announced under it
+
+
+def servers(view: View) -> dict[str, ServerRecord]:
+    """One record per peer (a record appears under every block of its span). A peer that moved leaves `leaving`
+    records under blocks it dropped until they expire: its current record is the one that is not leaving."""
+    out: dict[str, ServerRecord] = {}
+    for records in view.values():
+        for r in records:
+            seen = out.get(r.peer_id)
+            if seen is None or (seen.state == PeerState.LEAVING and r.state != PeerState.LEAVING):
+                out[r.peer_id] = r
+    return out
+
+
+def stage_servers(view: View, stage: Span, exclude: str | None = None) -> list[ServerRecord]:
+    """Online peers serving exactly ``stage`` (replicas of a trainable stage average only with identical spans)."""
+    return [
+        r
+        for r in view.get(stage.start, [])
+        if (r.start, r.end) == (stage.start, stage.end) and r.state == PeerState.ONLINE and r.peer_id != exclude
+    ]
+
+
+def fresh(items: Iterable[TrainerProgress], now: float, max_age: float) -> list[TrainerProgress]:
+    """Progress records refreshed within ``max_age`` seconds (older ones are trainers that left)."""
+    return [p for p in items if now - p.updated < max_age]

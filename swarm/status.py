@@ -4,21 +4,22 @@ with how much cache room and how many requests served, and whether each model is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Mapping
 
-from swarm.client.loop import LoopThread
-from swarm.client.remote import Remote
-from swarm.client.routing import Hop, servers
 from swarm.config import Timing
-from swarm.dht import read_all, read_view, start_dht
-from swarm.errors import SwarmError
+from swarm.dht import RecordStore, dht_time, start_dht
+from swarm.errors import SwarmError, run_command
 from swarm.ids import broker_key
-from swarm.lease import Lease, winner
-from swarm.records import PeerState, ServerRecord
+from swarm.lease import winner
+from swarm.protocol import InfoReply
+from swarm.records import Lease, PeerState, View, servers
+from swarm.rpc.hop import Hop
+from swarm.rpc.loop import LoopThread
+from swarm.rpc.remote import Remote
 
 
-def coverage(view: Mapping[int, list[ServerRecord]], num_blocks: int) -> list[tuple[int, int, int]]:
+def coverage(view: View, num_blocks: int) -> list[tuple[int, int, int]]:
     """Runs of blocks with the same number of online servers: (start, end, count)."""
     runs: list[tuple[int, int, int]] = []
     for b in range(num_blocks):
@@ -30,9 +31,7 @@ def coverage(view: Mapping[int, list[ServerRecord]], num_blocks: int) -> list[tu
     return runs
 
 
-def render(
-    model_id: str, view: Mapping[int, list[ServerRecord]], live: Mapping[str, dict], broker: dict | None = None
-) -> str:
+def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease | None = None) -> str:
     recs = sorted(servers(view).values(), key=lambda r: (r.start, r.end, r.peer_id))
     if not recs:
         return f"model {model_id}: no peers found"
@@ -49,9 +48,10 @@ def render(
     )
     lines += ["", header, "-" * len(header)]
     for r in recs:
-        stats = live.get(r.peer_id, {})
-        served = sum(stats.get("stats", {}).values()) if stats else r.requests_served
-        cache = f"{stats.get('cache_tokens_free', r.cache_tokens_free)}/{r.cache_tokens_total}"
+        info = live.get(r.peer_id)
+        served = sum(info.stats.values()) if info is not None else r.requests_served
+        free = info.cache_tokens_free if info is not None else r.cache_tokens_free
+        cache = f"{free}/{r.cache_tokens_total}"
         lines.append(
             f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
             f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.device}"
@@ -62,9 +62,31 @@ def render(
     return "\n".join(lines)
 
 
-def current_broker(values: list, now: float) -> Lease | None:
-    leases = [Lease(v["term"], v["holder"], v["expires"]) for v in values if isinstance(v, dict) and "term" in v]
-    return winner(leases, now)
+def current_broker(store: RecordStore, model_id: str) -> Lease | None:
+    return winner(store.read(broker_key(model_id), Lease), dht_time())
+
+
+def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing) -> str:
+    store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
+                      call_timeout=timing.dht_timeout)  # fmt: skip
+    loop = LoopThread("swarm-status")
+    remote: Remote | None = None
+    try:
+        view = store.view(model_id, max_blocks)
+        remote = Remote(loop.run(store.replicate_p2p()))
+        live: dict[str, InfoReply] = {}
+        for r in servers(view).values():
+            try:
+                live[r.peer_id] = loop.run(remote.info(Hop.of(r), timing.open_timeout))
+            except SwarmError:
+                pass  # the record stands in for a peer that did not answer
+        return render(model_id, view, live, current_broker(store, model_id))
+    finally:
+        if remote is not None:  # shut the P2P replica down on its loop, so nothing is left pending at exit
+            with contextlib.suppress(Exception):
+                loop.run(remote.p2p.shutdown(), timing.shutdown_timeout)
+        loop.close(timing.shutdown_timeout)
+        store.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,26 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="model id as announced (default smollm2-135m)")
     p.add_argument("--max-blocks", type=int, default=128, help="how many block keys to look up")
     args = p.parse_args(argv)
-    timing = Timing()
-    dht, _ = start_dht(initial_peers=tuple(args.initial_peers), client_mode=True)
-    loop = LoopThread()
-    try:
-        view = read_view(dht, args.model, args.max_blocks)
-        remote = Remote(loop.run(dht.replicate_p2p()))
-        live = {}
-        for r in servers(view).values():
-            try:
-                live[r.peer_id] = loop.run(remote.info(Hop(r.peer_id, r.start, r.end, r.maddrs), timing.open_timeout))
-            except SwarmError:
-                pass  # the record stands in for a peer that did not answer
-        from hivemind.utils import get_dht_time
-
-        broker = current_broker(read_all(dht, broker_key(args.model)), get_dht_time())
-        print(render(args.model, view, live, broker))
-    finally:
-        loop.close()
-        dht.shutdown()
-    return 0
+    return run_command(lambda: print(show(tuple(args.initial_peers), args.model, args.max_blocks, Timing())))
 
 
 if __name__ == "__main__":

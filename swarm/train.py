@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from swarm.config import Timing
-from swarm.errors import run_command
+from swarm.errors import BadInputError, run_command
 from swarm.logs import configure_logging
 
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", default="0/1", help="K/N: with N trainers on the same text, this one reads share K")
     p.add_argument("--steps", type=int, default=None, help="stop after this many global steps (default: the run's)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the run's checkpoint dir / trainer")
+    p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
@@ -33,18 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _train(args))
 
 
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise BadInputError(f"--shard takes K/N (this trainer's share K of N), got {text!r}") from None
+    return k, n
+
+
 def _train(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
 
+    from swarm.client.training.trainer import Trainer
     from swarm.training.data import Samples, corpus_files, tokenize
     from swarm.training.run import load_run
-    from swarm.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    run = load_run(args.run)
+    run = load_run(args.run, args.cache_dir)
     vocab = run.hf_config().vocab_size
-    k, n = (int(x) for x in args.shard.split("/"))
+    k, n = _shard(args.shard)
     data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed, (k, n))
     timing = Timing.for_tests() if args.test_timings else Timing()
     with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as trainer:

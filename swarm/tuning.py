@@ -21,7 +21,7 @@ GRAD_PREFIX = "grad."
 class TuningSpec:
     mode: str
     lora_rank: int = 8
-    lora_alpha: float = 16.0
+    lora_alpha: float = 8.0  # PEFT's default
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     num_prompt_tokens: int = 16
 
@@ -58,7 +58,7 @@ def linear_modules(block: torch.nn.Module) -> dict[str, tuple[int, int]]:
 def resolve_targets(targets: tuple[str, ...], available: dict[str, tuple[int, int]]) -> tuple[str, ...]:
     """Map user targets (``q_proj`` or ``self_attn.q_proj``, as PEFT matches them: by full path or last components)
     to module paths; an unknown target is an error before any training starts."""
-    paths = []
+    paths: list[str] = []
     for target in targets:
         hits = [p for p in available if p == target or p.endswith("." + target)]
         if not hits:

@@ -8,7 +8,8 @@ names list and each tensor's part count, so one stream can carry many messages b
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, MutableSequence
+from typing import TYPE_CHECKING
 
 import msgpack
 import torch
@@ -18,13 +19,41 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from swarm.errors import BadInputError
 
 FRAME_BYTES = 2 * 1024 * 1024
-DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")}
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")
+}
 
-Frame = runtime_pb2.ExpertRequest
-Message = tuple[dict, dict[str, torch.Tensor]]
+if TYPE_CHECKING:  # the shapes of hivemind's generated protobuf messages, which ship without type information
+
+    class TensorPart:
+        buffer: bytes
+        size: MutableSequence[int]
+        dtype: str
+        compression: int
+        chunks: int
+
+        def __init__(self, *, buffer: bytes = b"", size: list[int] | None = None, dtype: str = "") -> None: ...
+
+    class Frame:
+        uid: str
+        metadata: bytes
+        tensors: MutableSequence[TensorPart]
+
+        def __init__(self, *, uid: str = "", metadata: bytes = b"") -> None: ...
+        def ByteSize(self) -> int: ...
+        def SerializeToString(self) -> bytes: ...
+        @classmethod
+        def FromString(cls, data: bytes) -> Frame: ...
+
+else:
+    TensorPart = runtime_pb2.Tensor
+    Frame = runtime_pb2.ExpertRequest
+
+Meta = dict[str, object]  # decoded metadata: hostile until a pydantic model has validated it
+Message = tuple[Meta, dict[str, torch.Tensor]]
 
 
-def encode(meta: dict, tensors: dict[str, torch.Tensor] | None = None) -> list[Frame]:
+def encode(meta: Meta, tensors: dict[str, torch.Tensor] | None = None) -> list[Frame]:
     tensors = tensors or {}
     header = dict(meta, _tensors=list(tensors))
     frames = [Frame(metadata=msgpack.packb(header, use_bin_type=True))]
@@ -53,11 +82,16 @@ class Decoder:
         self._reset()
 
     def _reset(self) -> None:
-        self._meta: dict | None = None
+        self._meta: Meta | None = None
         self._names: list[str] = []
-        self._done: list[runtime_pb2.Tensor] = []
-        self._parts: list[runtime_pb2.Tensor] = []
+        self._done: list[TensorPart] = []
+        self._parts: list[TensorPart] = []
         self._bytes = 0
+
+    @property
+    def in_progress(self) -> bool:
+        """Part of a message has arrived, not all of it."""
+        return self._meta is not None
 
     def feed(self, frame: Frame) -> Message | None:
         size = frame.ByteSize()
@@ -66,12 +100,11 @@ class Decoder:
         if self._bytes > self.max_bytes:
             raise BadInputError(f"message larger than the limit of {self.max_bytes} bytes")
         if self._meta is None:
-            self._meta = _unpack_meta(frame.metadata)
-            self._names = self._meta.pop("_tensors")
+            self._meta, self._names = _unpack_meta(frame.metadata)
         for part in frame.tensors:
             self._parts.append(part)
             if len(self._parts) >= max(self._parts[0].chunks, 1):
-                self._done.append(combine_from_streaming(self._parts))
+                self._done.append(_combine(self._parts))
                 self._parts = []
         if len(self._done) > len(self._names):
             raise BadInputError("message holds more tensors than its metadata names")
@@ -97,32 +130,40 @@ async def read_message(frames: AsyncIterator[Frame], decoder: Decoder) -> Messag
         message = decoder.feed(frame)
         if message is not None:
             return message
-    if decoder._meta is not None:
+    if decoder.in_progress:
         raise BadInputError("stream ended in the middle of a message")
     return None
 
 
-def _unpack_meta(raw: bytes) -> dict:
+def _unpack_meta(raw: bytes) -> tuple[Meta, list[str]]:
     try:
-        meta = msgpack.unpackb(raw, raw=False)
+        meta: object = msgpack.unpackb(raw, raw=False)
     except Exception as e:
         raise BadInputError(f"malformed metadata: {e}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("_tensors"), list):
+    names = meta.pop("_tensors", None) if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise BadInputError("malformed metadata: expected a map with a tensor name list")
-    return meta
+    if not all(isinstance(k, str) for k in meta):
+        raise BadInputError("malformed metadata: keys must be strings")
+    return meta, names
 
 
-def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+def _combine(parts: list[TensorPart]) -> TensorPart:
+    combined: TensorPart = combine_from_streaming(parts)
+    return combined
+
+
+def _serialize(tensor: torch.Tensor) -> TensorPart:
     """Raw little-endian bytes of a contiguous tensor (hivemind's Tensor message, no compression). Our own codec:
     hivemind's generic one costs ~0.5 ms per small tensor, which is most of a decode step's overhead."""
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise BadInputError(f"tensor dtype {name!r} cannot be sent")
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return runtime_pb2.Tensor(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
+    return TensorPart(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
 
 
-def _to_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+def _to_tensor(serialized: TensorPart) -> torch.Tensor:
     dtype = DTYPES.get(serialized.dtype)
     if dtype is None or serialized.compression != runtime_pb2.CompressionType.NONE:
         raise BadInputError(f"tensor dtype {serialized.dtype!r} / compression {serialized.compression} is not accepted")

@@ -4,11 +4,13 @@ adapter (LoRA pairs applied by forward hooks on the linear modules, deep prompts
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from torch.utils.hooks import RemovableHandle
+from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from peers.adapters import Adapter
@@ -20,8 +22,14 @@ from swarm.tuning import linear_modules
 
 class SpanBackend:
     def __init__(
-        self, config, family: Family, layers: torch.nn.ModuleList, span: Span, device: str, dtype: torch.dtype
-    ):
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        layers: torch.nn.ModuleList,
+        span: Span,
+        device: str | torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.config = config
         self.family = family
         self.layers = layers
@@ -42,7 +50,7 @@ class SpanBackend:
             for path, module in layer.named_modules()
             if path in self.linears
         ]
-        self._hook_handles: list = []
+        self._hook_handles: list[RemovableHandle] = []
         self._hook_users = 0
         self._hook_lock = threading.Lock()
 
@@ -56,11 +64,12 @@ class SpanBackend:
                     handle.remove()
                 self._hook_handles = []
 
-    def _lora_hook(self, key: tuple[int, str]):
-        def hook(module, args, output):
+    def _lora_hook(self, key: tuple[int, str]) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor],
+                                                            torch.Tensor | None]:  # fmt: skip
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
             adapter = self._active.get()
             pair = adapter.lora.get(key) if adapter is not None else None
-            if pair is None:
+            if adapter is None or pair is None:
                 return None
             a, b = pair
             return output + F.linear(F.linear(args[0], a), b) * adapter.scaling
@@ -93,7 +102,16 @@ class SpanBackend:
                 self._hooks(False)
             self._active.reset(token)
 
-    def _run(self, hidden, sub, attention_mask, position_ids, cache, past, adapter) -> torch.Tensor:
+    def _run(
+        self,
+        hidden: torch.Tensor,
+        sub: Span,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: DynamicCache | None,
+        past: int,
+        adapter: Adapter | None,
+    ) -> torch.Tensor:
         hidden = hidden.to(self.device)
         batch, n = hidden.shape[:2]
         if position_ids is None:
@@ -121,8 +139,9 @@ class SpanBackend:
             raise BadInputError(f"deep prompts of {prompts} tokens need at least that many positions, got {n}")
         if prompts and 0 < past < prompts:
             raise BadInputError(f"a step at position {past} falls inside the deep prompts' {prompts} positions")
+        deeps = adapter.deep if adapter is not None and prompts and past == 0 else {}
         for i in local:
-            deep = adapter.deep.get(self.span.start + i) if prompts and past == 0 else None
+            deep = deeps.get(self.span.start + i)
             if deep is not None:  # the prompt positions of this block's input get the block's own prompt added
                 hidden = torch.cat([hidden[:, :prompts] + deep.to(hidden.dtype), hidden[:, prompts:]], dim=1)
             out = self.layers[i](
@@ -134,4 +153,5 @@ class SpanBackend:
                 position_embeddings=position_embeddings,
             )
             hidden = out[0] if isinstance(out, tuple) else out
+        assert isinstance(hidden, torch.Tensor)
         return hidden

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from swarm.errors import BadInputError
 
@@ -29,7 +30,8 @@ class Family:
         if self.model_type != "mixtral":
             return state
         # Mixtral files keep one w1/w2/w3 per expert; the 5.x module fuses them: gate_up = cat[w1, w3], down = w2.
-        out, experts = {}, {}
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in state.items():
             m = re.fullmatch(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", name)
             if m:
@@ -44,14 +46,14 @@ class Family:
             out["mlp.experts.down_proj"] = torch.stack([experts[e]["w2"] for e in order])
         return out
 
-    def is_sliding(self, config, index: int) -> bool:
+    def is_sliding(self, config: PretrainedConfig, index: int) -> bool:
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
-            return layer_types[index] == "sliding_attention"
+            return bool(layer_types[index] == "sliding_attention")
         return getattr(config, "sliding_window", None) is not None
 
 
-def family_for(config) -> Family:
+def family_for(config: PretrainedConfig) -> Family:
     model_type = config.model_type
     try:
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from peers.blocks.families import Family
 from swarm.errors import BadInputError
@@ -15,7 +16,9 @@ from swarm.model_files import read_tensors, weight_map
 log = logging.getLogger(__name__)
 
 
-def load_span(folder: Path, config, family: Family, span: Span, dtype: torch.dtype, device: str) -> torch.nn.ModuleList:
+def load_span(
+    folder: Path, config: PretrainedConfig, family: Family, span: Span, dtype: torch.dtype, device: str
+) -> torch.nn.ModuleList:
     """Build the span's layers on the meta device and assign the tensors read from disk (no double allocation)."""
     if span.end > config.num_hidden_layers:
         raise BadInputError(f"blocks {span} exceed the model's {config.num_hidden_layers} blocks")

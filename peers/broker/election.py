@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from swarm.lease import Lease, newest_assignment, winner
+from swarm.lease import newest_assignment, winner
+from swarm.records import Lease
 
 __all__ = ["Election", "Lease", "LeaseStore", "newest_assignment", "winner"]
 
@@ -42,12 +43,12 @@ class Election:
             current = None  # a leftover claim of ours that lost a tie earlier: take over with a fresh term instead
         if current is not None and current.holder == self.me:
             if current.expires - now < self.lease_seconds * 2 / 3:  # renew well before expiry
-                current = Lease(current.term, self.me, now + self.lease_seconds)
+                current = Lease(term=current.term, holder=self.me, expires=now + self.lease_seconds)
                 self.store.write(current)
             self.held = current
             return current
         if current is None:
-            claim = Lease(self.max_term + 1, self.me, now + self.lease_seconds)
+            claim = Lease(term=self.max_term + 1, holder=self.me, expires=now + self.lease_seconds)
             self.max_term = claim.term
             self.store.write(claim)
             # another candidate may have claimed the same term: everyone resolves the same winner on the next read

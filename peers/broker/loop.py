@@ -6,37 +6,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 
-from hivemind.utils import get_dht_time
-
-from peers.broker.election import Election, Lease
-from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm
-from peers.broker.stages import plan_stages
-from swarm.dht import read_all, store_own
+from peers.broker.election import Election
+from peers.broker.planner import PeerInfo, Plan, Role
+from swarm.config import Timing
+from swarm.dht import RecordStore, dht_time
 from swarm.ids import assignment_key, broker_key, peers_key
-from swarm.records import Assignment, PeerRecord, PeerState, parse_as
+from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
+Planner = Callable[[list[PeerInfo]], Plan]  # the stage's placement of the live peers (pure)
 
 
 class DhtLeaseStore:
     """Leases under the model's broker key, each candidate in its own signed subkey."""
 
-    def __init__(self, peer) -> None:
-        self.peer = peer
+    def __init__(self, store: RecordStore, model_id: str, lease_seconds: float) -> None:
+        self.store, self.key, self.lease_seconds = store, broker_key(model_id), lease_seconds
 
     def read(self) -> list[Lease]:
-        out = []
-        for value in read_all(self.peer.dht, broker_key(self.peer.model.name)):
-            if isinstance(value, dict) and {"term", "holder", "expires"} <= set(value):
-                out.append(Lease(int(value["term"]), str(value["holder"]), float(value["expires"])))
-        return out
+        return self.store.read(self.key, Lease)
 
     def write(self, lease: Lease) -> None:
-        value = {"term": lease.term, "holder": lease.holder, "expires": lease.expires}
         # the DHT keeps the record long after the lease lapses, so everyone still sees the last term used
-        retention = lease.expires + 100 * self.peer.cfg.timing.lease_seconds
-        store_own(self.peer.dht, self.peer.validator, broker_key(self.peer.model.name), value, retention)
+        self.store.publish(self.key, lease, lease.expires + 100 * self.lease_seconds)
 
 
 def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float) -> list[PeerInfo]:
@@ -54,45 +48,32 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float) 
     return out
 
 
-def plan_once(peer, term: int) -> Assignment:
-    values = read_all(peer.dht, peers_key(peer.model.name))
-    records = [r for r in (parse_as(PeerRecord, v) for v in values) if r is not None]
-    now = get_dht_time()
-    peers = live_peers(records, now, peer.cfg.timing.heartbeat_timeout)
-    per_block = max(peer.model.block_bytes, 1)
-    policy = Policy(replication=peer.cfg.replication, standby_fraction=peer.cfg.standby_fraction)
-    run = getattr(peer.model, "run", None)  # a pre-training run: whole stages, balanced (peers/broker/stages.py)
-    if run is not None:
-        plan = plan_stages(peers, run.stages, per_block)
-    else:
-        plan = plan_swarm(peers, peer.model.num_blocks, per_block, policy)
+def plan_once(store: RecordStore, model_id: str, planner: Planner, me: str, term: int, timing: Timing) -> Assignment:
+    records = store.read(peers_key(model_id), PeerRecord)
+    now = dht_time()
+    peers = live_peers(records, now, timing.heartbeat_timeout)
+    plan = planner(peers)
+    pinned = {p.peer_id for p in peers if p.pinned}
     placements = {
-        pid: (pl.span.start, pl.span.end, pl.role.value)
+        pid: Placement(start=pl.span.start, end=pl.span.end, role=pl.role.value)
         for pid, pl in plan.placements.items()
-        if not any(p.peer_id == pid and p.pinned for p in peers)
+        if pid not in pinned
     }
-    return Assignment(term=term, broker=peer.peer_id, issued_at=now, placements=placements)
+    return Assignment(term=term, broker=me, issued_at=now, placements=placements)
 
 
-async def run_broker(peer) -> None:
-    timing = peer.cfg.timing
-    election = Election(peer.peer_id, DhtLeaseStore(peer), get_dht_time, timing.lease_seconds)
+async def run_broker(store: RecordStore, model_id: str, planner: Planner, timing: Timing) -> None:
+    me = store.peer_id
+    election = Election(me, DhtLeaseStore(store, model_id, timing.lease_seconds), dht_time, timing.lease_seconds)
     while True:
         try:
             lease = await asyncio.to_thread(election.tick)
             if lease is not None:
-                assignment = await asyncio.to_thread(plan_once, peer, lease.term)
-                await asyncio.to_thread(
-                    store_own,
-                    peer.dht,
-                    peer.validator,
-                    assignment_key(peer.model.name),
-                    assignment.model_dump(mode="json"),
-                    lease.expires,
-                )
-                log.debug("broker published a plan", extra={"peer": peer.peer_id})
+                assignment = await asyncio.to_thread(plan_once, store, model_id, planner, me, lease.term, timing)
+                await asyncio.to_thread(store.publish, assignment_key(model_id), assignment, lease.expires)
+                log.debug("broker published a plan", extra={"peer": me})
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("broker round failed", extra={"peer": peer.peer_id})
+            log.exception("broker round failed", extra={"peer": me})
         await asyncio.sleep(timing.broker_period)

@@ -17,6 +17,7 @@ become standbys holding the most fragile spans.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -80,7 +81,10 @@ def capacity(peer: PeerInfo, num_blocks: int, block_bytes: int) -> int:
     return min(num_blocks, peer.memory // max(block_bytes, 1))
 
 
-def _totals(num_blocks: int, spans: dict[str, Span], share) -> list[float]:
+Share = Callable[[str, int], float]  # (peer, span length) -> what the peer adds to each block of such a span
+
+
+def _totals(num_blocks: int, spans: dict[str, Span], share: Share) -> list[float]:
     totals = [0.0] * num_blocks
     for pid, span in spans.items():
         each = share(pid, len(span))
@@ -183,7 +187,13 @@ def _weak(totals: list[float], level: float) -> int:
     return sum(1 for t in totals if t <= level + 1e-12)
 
 
-def _choose_standbys(peers, placements, totals, speed, policy) -> dict[str, Placement]:
+def _choose_standbys(
+    peers: list[PeerInfo],
+    placements: dict[str, Placement],
+    totals: list[float],
+    speed: dict[str, float],
+    policy: Policy,
+) -> dict[str, Placement]:
     """The weakest unpinned peers become standbys while every block keeps ``replication`` serving peers; a standby
     preloads the most fragile window (fewest serving replicas) of its length."""
     unpinned = sorted(

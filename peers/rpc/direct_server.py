@@ -1,21 +1,24 @@
-"""Serves the servicer's streaming RPCs over plain TCP (see ``swarm.direct`` for why and how)."""
+"""Serves the servicer's streaming RPCs over plain TCP (see ``swarm.rpc.direct`` for why and how)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
 
 from peers.rpc.servicer import Servicer
-from swarm.direct import frames_of, read_frame, write_frame
+from swarm import wire
 from swarm.protocol import RPC_BANDWIDTH, RPC_COMPUTE_LOOP, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
+from swarm.rpc.direct import frames_of, read_frame, write_frame
 
 log = logging.getLogger(__name__)
+Handler = Callable[[AsyncIterator[wire.Frame], None], AsyncIterator[wire.Frame]]
 
 
 class DirectServer:
     def __init__(self, servicer: Servicer) -> None:
-        self.handlers = {
+        self.handlers: dict[str, Handler] = {
             RPC_FORWARD: servicer.rpc_forward_stream,  # over TCP there is no frame limit to dodge: one path
             RPC_FORWARD_STREAM: servicer.rpc_forward_stream,
             RPC_INFERENCE: servicer.rpc_inference,
@@ -26,7 +29,8 @@ class DirectServer:
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
-        return self.server.sockets[0].getsockname()[1]
+        port_used: int = self.server.sockets[0].getsockname()[1]
+        return port_used
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -47,5 +51,7 @@ class DirectServer:
                 await writer.wait_closed()
 
     async def close(self) -> None:
+        """Stop accepting connections (open ones end with their handlers)."""
         if self.server is not None:
             self.server.close()
+            self.server = None

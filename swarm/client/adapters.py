@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from swarm.protocol import AdapterRef
+from swarm.rpc.hop import Hop
 from swarm.tuning import GRAD_PREFIX, TuningSpec, deep_name, lora_name
 
 
@@ -39,7 +40,7 @@ class ClientAdapters(nn.Module):
         self.num_blocks = num_blocks
         self.targets = dict(targets) if spec.mode == "lora" else {}
         self.client_id = secrets.token_hex(32)  # the only key to this client's cached adapters on servers
-        self._token: tuple | None = None
+        self._token: tuple[tuple[int, int], ...] | None = None
         self._version = 0
         if spec.mode == "lora":
             self.lora = nn.ModuleList(
@@ -53,6 +54,14 @@ class ClientAdapters(nn.Module):
             # as Petals does: zero at first, so training starts from plain prompt tuning
             self.deep = nn.Parameter(torch.zeros(num_blocks, spec.num_prompt_tokens, hidden_size))
 
+    def pair(self, block: int, path: str) -> LoraPair:
+        """The LoRA pair of the linear module at ``path`` in block ``block``."""
+        layer = self.lora[block]
+        assert isinstance(layer, nn.ModuleDict)
+        pair = layer[_key(path)]
+        assert isinstance(pair, LoraPair)
+        return pair
+
     # ---- what remote blocks need --------------------------------------------------------------------------------
     def remote_tensors(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """Wire name -> tensor (still attached to its parameter) for blocks ``start:end``."""
@@ -60,7 +69,7 @@ class ClientAdapters(nn.Module):
         for block in range(start, end):
             if self.spec.mode == "lora":
                 for path in self.targets:
-                    pair = self.lora[block][_key(path)]
+                    pair = self.pair(block, path)
                     out[lora_name(block, path, "A")], out[lora_name(block, path, "B")] = pair.A, pair.B
             elif self.spec.mode == "deep_prompt":
                 out[deep_name(block)] = self.deep[block]
@@ -69,7 +78,8 @@ class ClientAdapters(nn.Module):
     def remote_parameters(self) -> list[nn.Parameter]:
         """The parameters servers apply (and send gradients for), in a fixed order."""
         if self.spec.mode == "lora":
-            return [p for layer in self.lora for pair in layer.values() for p in (pair.A, pair.B)]
+            pairs = (self.pair(block, path) for block in range(self.num_blocks) for path in self.targets)
+            return [p for pair in pairs for p in (pair.A, pair.B)]
         return [self.deep] if self.spec.mode == "deep_prompt" else []
 
     @property
@@ -120,3 +130,36 @@ class ClientAdapters(nn.Module):
                 for which in ("A", "B"):
                     out.append(sums.get(lora_name(block, path, which)))
         return [g if g is None else g.to(p.dtype) for g, p in zip(out, self.remote_parameters(), strict=True)]
+
+
+class AdapterDelivery:
+    """Which servers hold which version of this client's adapter, as far as this client knows, and the adapter part
+    of each request: the reference always, the tensors for the hop's blocks only where the server lacks them."""
+
+    def __init__(self, adapters: ClientAdapters) -> None:
+        self.adapters = adapters
+        self._known: dict[tuple[str, int, int], tuple[int, Hop]] = {}  # (peer, start, end) -> version it holds
+
+    def needs_sending(self, hop: Hop) -> bool:
+        held = self._known.get((hop.peer_id, hop.start, hop.end))
+        return held is None or held[0] != self.adapters.version()
+
+    def delivered(self, hop: Hop, held: bool = True) -> None:
+        """Record that ``hop``'s server holds the current version (or, with False, that it lost it)."""
+        key = (hop.peer_id, hop.start, hop.end)
+        if held:
+            self._known[key] = (self.adapters.version(), hop)
+        else:
+            self._known.pop(key, None)
+
+    def part(self, hop: Hop, send: bool) -> tuple[AdapterRef, dict[str, torch.Tensor]]:
+        """The reference, and (with ``send``) the tensors of the hop's blocks in the server's dtype."""
+        tensors = self.adapters.payload(hop.start, hop.end, getattr(torch, hop.dtype)) if send else {}
+        return self.adapters.ref(send), tensors
+
+    def holders(self) -> list[Hop]:
+        """One hop per server that got this client's adapter."""
+        return list({hop.peer_id: hop for _, hop in self._known.values()}.values())
+
+    def forget(self) -> None:
+        self._known.clear()

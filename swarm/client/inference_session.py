@@ -1,13 +1,14 @@
 """An inference session: one server-side KV cache per hop of a chain, kept in step.
 
-Each hop remembers what it was sent. When a hop fails (error, dropped connection, or no answer within the step
-timeout), the retry helper bans its peer, and the next attempt routes a replacement for just that hop's blocks
-(possibly several peers) and replays the remembered inputs onto it, so the new servers rebuild the cache and the
-session goes on from the same position. A hop that stays far slower than its server announced is moved the same
-way, if another route exists."""
+A step runs the whole chain in one trip to the event loop. Each hop remembers what it was sent. When a hop fails
+(error, dropped connection, or no answer within the step timeout), the retry helper bans its peer and runs the step
+again from that hop: the hop's blocks are routed anew (possibly over several peers) and its remembered inputs are
+replayed onto the replacement, which rebuilds the cache, so the session goes on from the same position. A hop that
+stays far slower than its server announced is moved the same way, if another route exists."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -15,41 +16,43 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.client.remote import InferenceStream
-from swarm.client.routing import Hop
-from swarm.client.sequential import RemoteBlocks
+from swarm.client.adapters import AdapterDelivery
+from swarm.client.connection import SwarmConnection
+from swarm.client.history import TokenHistory
 from swarm.errors import AdapterMissingError, CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
-from swarm.protocol import PROTOCOL_VERSION, OpenSession
+from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
+from swarm.rpc.hop import Hop
+from swarm.rpc.remote import InferenceStream, Tensors
 
 log = logging.getLogger(__name__)
-
-SLOW_STEPS = 3  # consecutive slow steps before a hop is moved
 
 
 @dataclass
 class _HopState:
     hop: Hop
     stream: InferenceStream | None = None
-    opened: bool = False
     broken: bool = False  # failed (or too slow): the next attempt replaces it
     slow_steps: int = 0
     send_adapter: bool = False  # open with the adapter's tensors even if the server should have them
     inputs: list[torch.Tensor] = field(default_factory=list)  # hidden sent at each step (client dtype)
     positions: list[torch.Tensor] = field(default_factory=list)
 
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
 
 class InferenceSession:
-    def __init__(self, blocks: RemoteBlocks, max_length: int, batch_size: int) -> None:
-        self.blocks = blocks
+    def __init__(self, conn: SwarmConnection, delivery: AdapterDelivery | None, max_length: int, batch_size: int,
+                 prefix: int = 0) -> None:  # fmt: skip
+        self.conn = conn
+        self.delivery = delivery
         self.max_length = max_length
         self.batch_size = batch_size
         self.session_id = uuid.uuid4().hex
         self.position = 0
+        self.history = TokenHistory(prefix)
         self._hops: list[_HopState] = []
-        self._mask: torch.Tensor | None = None  # full attention mask so far, when padding is involved
-        self.tokens: torch.Tensor | None = None  # token ids so far: kept by the model wrapper, never sent
-        self.conversation: torch.Tensor | None = None  # the last generate's whole output
-        self.prefix = 0  # trainable prompt positions the model put in front of the first step (prompt tuning)
         self.closed = False
 
     @property
@@ -58,15 +61,16 @@ class InferenceSession:
 
     @property
     def failovers(self) -> int:
-        return self.blocks.retrier.failovers
+        return self.conn.retrier.failovers
 
     # ---- routing ------------------------------------------------------------------------------------------------
     def _new_hops(self, start: int, end: int) -> list[_HopState]:
         need = self.batch_size * self.max_length
+        view = self.conn.view
         try:
-            route = self.blocks.view.route(start, end, mode="inference", min_cache_tokens=need)
+            route = view.route(start, end, mode="inference", min_cache_tokens=need)
         except MissingBlocksError:
-            self.blocks.view.route(start, end, mode="inference")  # raises if the blocks themselves are missing
+            view.route(start, end, mode="inference")  # raises if the blocks themselves are missing
             error = CacheFullError(
                 f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
                 f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"
@@ -75,116 +79,122 @@ class InferenceSession:
             raise error from None
         return [_HopState(hop) for hop in route]
 
-    def _replace(self, index: int) -> None:
+    async def _replace(self, index: int) -> None:
         """Route new servers for hop ``index``'s blocks and replay its history onto them."""
         old = self._hops[index]
-        if old.stream is not None:
-            old.stream.close()
-        fresh = self._new_hops(old.hop.start, old.hop.end)
-        log.info(
-            "replacing a hop",
-            extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
-        )
+        old.close()
+        fresh = await asyncio.to_thread(self._new_hops, old.hop.start, old.hop.end)
+        log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
+                                           "session": self.session_id})  # fmt: skip
         if old.inputs:
             hidden = torch.cat(old.inputs, dim=1)
             positions = torch.cat(old.positions, dim=1)
-            mask = None if self._mask is None else self._mask[:, : self.position]
+            mask = None if self.history.mask is None else self.history.mask[:, : self.position]
             try:
                 for state in fresh:
                     state.inputs, state.positions = [hidden], [positions]
-                    hidden = self._exchange(state, hidden, mask, positions, 0)
+                    hidden = await self._exchange(state, hidden, mask, positions, 0)
             except BaseException:
                 for state in fresh:
-                    if state.stream is not None:
-                        state.stream.close()
+                    state.close()
                 raise
         self._hops[index : index + 1] = fresh
 
     # ---- one hop --------------------------------------------------------------------------------------------------
-    def _message(self, state: _HopState, hidden, mask, positions, position: int) -> tuple[dict, dict]:
+    def _message(self, state: _HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 positions: torch.Tensor | None, position: int) -> tuple[InferenceRequest, Tensors]:  # fmt: skip
         hop = state.hop
-        meta: dict = {"step": {"position": position}}
-        tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
-        if not state.opened:
+        step = InferenceStep(position=position)
+        tensors: Tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
+        request = InferenceRequest(step=step)
+        if state.stream is None:
             # the adapter is bound to the server's session at open: named by version, its tensors sent only when
             # that server lacks this version (or when a reference came back adapter_missing: state.send_adapter)
-            adapters = self.blocks._remote_adapters()
-            send = adapters is not None and (state.send_adapter or self.blocks.adapter_needs_sending(hop))
-            opening = OpenSession(
-                session_id=uuid.uuid4().hex,  # per hop: one server may hold two hops of this session
-                start=hop.start,
-                end=hop.end,
-                max_length=self.max_length,
-                batch_size=self.batch_size,
-                adapter=adapters.ref(send) if adapters is not None else None,
-            )
-            meta.update(protocol_version=PROTOCOL_VERSION, open=opening.model_dump())
-            if send:
-                tensors.update(adapters.payload(hop.start, hop.end, tensors["hidden"].dtype))
+            ref = None
+            if self.delivery is not None:
+                send = state.send_adapter or self.delivery.needs_sending(hop)
+                ref, payload = self.delivery.part(hop, send)
+                tensors.update(payload)
+            opening = OpenSession(session_id=uuid.uuid4().hex,  # per hop: one server may hold two hops of a session
+                                  start=hop.start, end=hop.end, max_length=self.max_length,
+                                  batch_size=self.batch_size, adapter=ref)  # fmt: skip
+            request = InferenceRequest(open=opening, step=step)
         if mask is not None:
             tensors["attention_mask"] = mask
         if positions is not None:
             tensors["position_ids"] = positions
-        return meta, tensors
+        return request, tensors
 
     def _timeout(self, hidden: torch.Tensor) -> float:
-        timing = self.blocks.timing
-        return timing.step_timeout if hidden.shape[0] * hidden.shape[1] <= 8 else timing.request_timeout
+        timing = self.conn.timing
+        small = hidden.shape[0] * hidden.shape[1] <= self.conn.cfg.small_step_tokens
+        return timing.step_timeout if small else timing.request_timeout
 
-    def _observe(self, state: _HopState, elapsed: float, tokens: int) -> None:
+    async def _exchange(self, state: _HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
+                        positions: torch.Tensor | None, position: int) -> torch.Tensor:  # fmt: skip
+        opening = state.stream is None
+        request, tensors = self._message(state, hidden, mask, positions, position)
+        if state.stream is None:
+            state.stream = await self.conn.remote.open_session(state.hop, self.conn.timing.open_timeout)
+        t0 = time.perf_counter()
+        try:
+            out = (await state.stream.exchange(request, tensors, self._timeout(hidden)))["hidden"]
+        except AdapterMissingError:
+            if not opening or state.send_adapter or self.delivery is None:
+                raise
+            # the server dropped its cached copy: open this hop again, with the adapter's tensors this time
+            self.delivery.delivered(state.hop, False)
+            state.stream, state.send_adapter = None, True
+            return await self._exchange(state, hidden, mask, positions, position)
+        if opening and self.delivery is not None:
+            self.delivery.delivered(state.hop)
+        await self._observe(state, time.perf_counter() - t0, hidden.shape[1])
+        return out.to(hidden.dtype)
+
+    async def _observe(self, state: _HopState, elapsed: float, tokens: int) -> None:
         """Feed routing's latency estimates, and move a hop that stays far slower than its server announced when
         another route is expected to be at least twice as fast (no ban: a slow peer is still a working one)."""
-        view, hop = self.blocks.view, state.hop
+        view, hop = self.conn.view, state.hop
         expected = hop.step_seconds * tokens + view.hop_latency
         view.observe(hop.peer_id, elapsed, expected)
-        state.slow_steps = state.slow_steps + 1 if elapsed > self.blocks.timing.slow_factor * expected else 0
-        if state.slow_steps < SLOW_STEPS:
+        slow = elapsed > self.conn.timing.slow_factor * expected
+        state.slow_steps = state.slow_steps + 1 if slow else 0
+        if state.slow_steps < self.conn.cfg.slow_steps:
             return
         state.slow_steps = 0
         try:
-            other = view.route(hop.start, hop.end, mode="inference", exclude=frozenset({hop.peer_id}), wait=False)
+            other = await asyncio.to_thread(view.route, hop.start, hop.end, mode="inference",
+                                            exclude=frozenset({hop.peer_id}))  # fmt: skip
         except SwarmError:
             return  # nowhere else to go
         estimate = sum(view.hop_latency + view.latency.get(h.peer_id, 0.0) + h.step_seconds * tokens for h in other)
-        if estimate < elapsed / 2:
+        if estimate < elapsed / self.conn.cfg.move_gain:
             log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
             state.broken = True
 
-    def _exchange(self, state: _HopState, hidden, mask, positions, position: int) -> torch.Tensor:
-        timing, loop = self.blocks.timing, self.blocks.loop
-        opening = not state.opened
-        meta, tensors = self._message(state, hidden, mask, positions, position)
-        if opening:
-            state.stream = loop.run(self.blocks.remote.open_stream(state.hop), timing.open_timeout)
-            state.opened = True
-        t0 = time.perf_counter()
-        try:
-            out = loop.run(state.stream.exchange(meta, tensors, self._timeout(hidden)))["hidden"]
-        except AdapterMissingError:
-            if not opening or state.send_adapter:
+    async def _chain(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                     explicit: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """The chain from the first hop not ``done`` in this step: route it first if there is none yet, replace a
+        broken hop, open a new one. A hop that fails is marked broken and the error goes to the retry helper."""
+        if not self._hops:
+            self._hops = await asyncio.to_thread(self._new_hops, 0, self.conn.view.num_blocks)
+        h = done[-1] if done else hidden
+        while len(done) < len(self._hops):
+            index = len(done)
+            if self._hops[index].broken:
+                await self._replace(index)
+            state = self._hops[index]
+            try:
+                out = await self._exchange(state, h, mask, positions, self.position)
+            except BaseException:
+                state.broken = True
+                state.close()
                 raise
-            # the server dropped its cached copy: open this hop again, with the adapter's tensors this time
-            self.blocks.adapter_delivered(state.hop, False)
-            state.opened, state.send_adapter = False, True
-            return self._exchange(state, hidden, mask, positions, position)
-        if opening and self.blocks._remote_adapters() is not None:
-            self.blocks.adapter_delivered(state.hop)
-        self._observe(state, time.perf_counter() - t0, hidden.shape[1])
-        return out.to(hidden.dtype)
-
-    async def _chain(self, hidden, mask, positions, outs: list[torch.Tensor], times: list[float]) -> None:
-        """The common case in one trip to the event loop: every hop open and healthy. Stops at the first hop that
-        is not; ``outs`` holds what the hops before it returned."""
-        h = hidden
-        for state in self._hops:
-            if not state.opened or state.broken:
-                return
-            meta, tensors = self._message(state, h, mask, positions, self.position)
-            t0 = time.perf_counter()
-            out = await state.stream.exchange(meta, tensors, self._timeout(hidden))
-            times.append(time.perf_counter() - t0)
-            h = out["hidden"].to(hidden.dtype)
-            outs.append(h)
+            state.inputs.append(h)
+            state.positions.append(explicit)
+            done.append(out)
+            h = out
+        return h
 
     # ---- a step through every hop ---------------------------------------------------------------------------------
     def step(
@@ -201,61 +211,26 @@ class InferenceSession:
                 f"session of max_length {self.max_length} is at {self.position}; {n} more tokens do not fit"
             )
         if attention_mask is not None:
-            self._mask = attention_mask.to(torch.int64)
+            self.history.mask = attention_mask.to(torch.int64)
+        mask = self.history.mask  # a padded session keeps sending the mask of every position so far
         # replays need explicit positions even where the server could infer them
         explicit = position_ids if position_ids is not None else torch.arange(self.position, self.position + n)
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
-        if not self._hops:
-            self._hops = self.blocks.retrier.run(lambda: self._new_hops(0, self.blocks.view.num_blocks), "route")
-
-        outs: list[torch.Tensor] = []
-        times: list[float] = []
-        try:
-            self.blocks.loop.run(self._chain(hidden, self._mask, position_ids, outs, times))
-        except SwarmError as e:
-            failed = self._hops[len(outs)]
-            failed.broken = True
-            if not e.retriable:
-                raise
-            self.blocks.retrier.note_failure(e, "inference step")
-        h = hidden
-        for state, out, elapsed in zip(self._hops, outs, times, strict=False):
-            state.inputs.append(h)
-            state.positions.append(explicit)
-            self._observe(state, elapsed, n)
-            h = out
-        index = len(outs)
-        while index < len(self._hops):  # opening hops, and replacing failed ones, under the retry helper
-
-            def attempt(index=index, h=h):
-                if self._hops[index].broken:
-                    self._replace(index)
-                state = self._hops[index]
-                try:
-                    return state, self._exchange(state, h, self._mask, position_ids, self.position)
-                except Exception:
-                    state.broken = True
-                    if state.stream is not None:
-                        state.stream.close()
-                    raise
-
-            state, out = self.blocks.retrier.run(attempt, "inference step")
-            state.inputs.append(h)
-            state.positions.append(explicit)
-            h, index = out, index + 1
+        done: list[torch.Tensor] = []  # outputs of the hops this step got through, kept across attempts
+        conn = self.conn
+        out = conn.retrier.run(lambda: conn.loop.run(self._chain(hidden, mask, position_ids, explicit, done)),
+                               "inference step")  # fmt: skip
         self.position += n
-        self.blocks.last_route = self.route
-        return h
+        return out
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             for state in self._hops:
-                if state.stream is not None:
-                    state.stream.close()
+                state.close()
 
     def __enter__(self) -> InferenceSession:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,57 +8,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from swarm.client import peft_format
-from swarm.client.adapters import ClientAdapters
+from swarm.client.adapters import AdapterDelivery, ClientAdapters
+from swarm.client.connection import SwarmConnection
 from swarm.client.inference_session import InferenceSession
-from swarm.client.loop import LoopThread
-from swarm.client.remote import Remote
-from swarm.client.retry import Retrier
 from swarm.client.sequential import RemoteBlocks
-from swarm.client.swarm_view import SwarmView
-from swarm.config import ClientConfig, Timing, default_cache_dir, load_model_card
-from swarm.dht import start_dht
+from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
 from swarm.errors import BadInputError
-from swarm.model_files import load_config, model_folder, read_tensors, weight_map
+from swarm.model_files import load_config, model_folder, new_model, read_tensors, weight_map
+from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
+from swarm.rpc.hop import Hop
 from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 log = logging.getLogger(__name__)
 
 LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")
+DIRECT_POLICIES = ("auto", "always", "never")
 
 
-class _Swarm:
-    """The client's connection: DHT (client mode), event loop, view, retry helper; closed with the model."""
+class _LocalParts(torch.nn.Module):
+    """Where a Hugging Face causal LM keeps its embeddings and final norm (``model.embed_tokens``, ``model.norm``)."""
 
-    def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprint: str | None) -> None:
-        self.dht, self.validator = start_dht(
-            initial_peers=cfg.initial_peers, client_mode=True, timeout=cfg.timing.open_timeout * 6
-        )
-        try:
-            self.loop = LoopThread()
-            self.remote = Remote(self.loop.run(self.dht.replicate_p2p()), cfg.direct)
-            self.view = SwarmView(self.dht, model_id, num_blocks, cfg.timing, fingerprint, cfg.hop_latency_s)
-            self.retrier = Retrier(self.view, cfg.timing)
-            self.blocks = RemoteBlocks(self.view, self.remote, self.loop, self.retrier, cfg.timing)
-        except BaseException:
-            self.dht.shutdown()
-            raise
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.loop.call_soon_threadsafe(self.remote.close)
-            self.loop.run(self.remote.p2p.shutdown(), 5)
-        self.loop.close()
-        self.dht.shutdown()
+    def __init__(self, embed_tokens: torch.nn.Module, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.norm = norm
 
 
-class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+# transformers leaves PreTrainedModel.__init_subclass__ unannotated
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
     config_class = PretrainedConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -68,35 +54,35 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         # Build the family's full model on the meta device (no memory) and keep only its local parts.
         with torch.device("meta"):
-            full = AutoModelForCausalLM.from_config(config)
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = full.model.embed_tokens
-        self.model.norm = full.model.norm
-        self.lm_head = full.lm_head
+            full = new_model(config)
+        self.model: _LocalParts = _LocalParts(full.model.embed_tokens, full.model.norm)
+        self.lm_head: torch.nn.Module = full.lm_head
         self._block_linears = linear_modules(full.model.layers[0])  # LoRA's possible targets, with their shapes
         self.adapters: ClientAdapters | None = None
-        self._swarm: _Swarm | None = None
+        self.loaded_tensor_names: tuple[str, ...] = ()
+        self._conn: SwarmConnection | None = None
+        self._blocks: RemoteBlocks | None = None
         self._session: InferenceSession | None = None
 
     # ---- loading ------------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(
+    def from_pretrained(  # type: ignore[override]  # a swarm client takes other arguments than a local model
         cls,
         name_or_path: str,
         *,
-        initial_peers=(),
+        initial_peers: Sequence[str] = (),
         dtype: torch.dtype = torch.float32,
         timing: Timing | None = None,
         cache_dir: Path | None = None,
         fingerprint: str | None = None,
-        direct: str = "auto",
+        direct: DirectPolicy = "auto",
         tuning: str | None = None,
         adapter: str | Path | None = None,
         lora_rank: int = 8,
         lora_alpha: float = 8.0,
-        lora_targets=("q_proj", "v_proj"),
+        lora_targets: Sequence[str] = ("q_proj", "v_proj"),
         num_prompt_tokens: int = 16,
-        **unused,
+        **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
 
@@ -109,16 +95,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        if not initial_peers:
-            raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
-        if direct not in ("auto", "always", "never"):
-            raise BadInputError("direct must be 'auto', 'always' or 'never'")
-        cfg = ClientConfig(
-            direct=direct,
-            initial_peers=tuple(initial_peers),
-            timing=timing or Timing(),
-            cache_dir=cache_dir or default_cache_dir(),
-        )
+        cfg = _client_config(initial_peers, timing, cache_dir, direct)
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -126,33 +103,68 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         model = cls(config)
         names = [k for k in weight_map(folder) if k.startswith(LOCAL_PREFIXES)]  # never the blocks' tensors
         state = read_tensors(folder, names)
-        if "lm_head.weight" not in state:  # tied embeddings
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-        if getattr(config, "tie_word_embeddings", False):
-            model.lm_head.weight = model.model.embed_tokens.weight
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
+        model._load_local({k: v.to(dtype) for k, v in state.items()})
         model.name_or_path = card.name
-        model.loaded_tensor_names = tuple(sorted(state))
-        model.eval()
+        model.train(False)
         if tuning is not None or adapter is not None:
-            spec = peft_format.read_spec(adapter) if adapter is not None else None
+            spec = peft_format.read_spec(Path(adapter)) if adapter is not None else None
             if spec is not None and tuning not in (None, spec.mode):
                 raise BadInputError(f"tuning={tuning!r}, but the adapter in {adapter} is {spec.mode!r}")
             if spec is None:
+                assert tuning is not None
                 spec = TuningSpec(tuning, lora_rank, lora_alpha, tuple(lora_targets), num_prompt_tokens)
             model._attach_adapters(spec, adapter)
-        model._swarm = _Swarm(cfg, card.name, config.num_hidden_layers, fingerprint)
-        model._swarm.blocks.adapters = model.adapters
+        model._connect(cfg, card.name, fingerprint)
         return model
 
-    def _attach_adapters(self, spec: TuningSpec, folder) -> None:
+    @classmethod
+    def local_tensor_names(cls, config: PretrainedConfig) -> list[str]:
+        """The tensors a client holds (embeddings, final norm, LM head), by their Hugging Face names."""
+        with torch.device("meta"):
+            return [k for k in cls(config).state_dict() if k.startswith(LOCAL_PREFIXES)]
+
+    @classmethod
+    def from_parts(
+        cls,
+        config: PretrainedConfig,
+        state: dict[str, torch.Tensor],
+        *,
+        model_id: str,
+        initial_peers: Sequence[str],
+        fingerprint: str | None = None,
+        timing: Timing | None = None,
+        cache_dir: Path | None = None,
+        direct: DirectPolicy = "auto",
+        wiring_seed: int | None = None,
+    ) -> DistributedModelForCausalLM:
+        """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
+        ``model_id``: what a pre-training trainer drives (``swarm.client.training``)."""
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed)
+        model = cls(config)
+        model.to_empty(device="cpu")
+        model._load_local(state)
+        model._connect(cfg, model_id, fingerprint)
+        return model
+
+    def _load_local(self, state: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(state, strict=True, assign=True)
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loaded_tensor_names = tuple(sorted(state))
+
+    def _connect(self, cfg: ClientConfig, model_id: str, fingerprint: str | None) -> None:
+        self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprint)
+        remote = self.adapters is not None and self.adapters.applies_remotely
+        self._blocks = RemoteBlocks(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
+
+    def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training."""
         paths = resolve_targets(spec.lora_targets, self._block_linears) if spec.mode == "lora" else ()
-        adapters = ClientAdapters(
-            spec, {p: self._block_linears[p] for p in paths}, self.config.num_hidden_layers, self.config.hidden_size
-        )
+        adapters = ClientAdapters(spec, {p: self._block_linears[p] for p in paths}, int(self.config.num_hidden_layers),
+                                  int(self.config.hidden_size))  # fmt: skip
         if folder is not None:
-            peft_format.load_into(adapters, folder)
+            peft_format.load_into(adapters, Path(folder))
         for p in self.parameters():
             p.requires_grad_(False)
         self.adapters = adapters
@@ -161,7 +173,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Write the adapter in the PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         if self.adapters is None:
             raise BadInputError("this model has no adapter: load it with tuning=... to train one")
-        peft_format.save(self.adapters, Path(folder), self.name_or_path, self.config.num_attention_heads)
+        peft_format.save(self.adapters, Path(folder), self.name_or_path or "", int(self.config.num_attention_heads))
 
     @property
     def prompt_tokens(self) -> int:
@@ -170,46 +182,71 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def close(self) -> None:
         if self._session is not None:
             self._session.close()
-        if self._swarm is not None:
-            self._swarm.blocks.release_adapters()
-            self._swarm.close()
-            self._swarm = None
+        if self._conn is not None:
+            delivery = self.blocks.delivery
+            if delivery is not None:  # servers would drop it after Timing.adapter_ttl anyway
+                with contextlib.suppress(Exception):
+                    self._conn.notify(delivery.holders(), ReleaseRequest(client=delivery.adapters.client_id))
+                delivery.forget()
+            self._conn.close()
+            self._conn = self._blocks = None
 
     def __enter__(self) -> DistributedModelForCausalLM:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- the swarm, as users and tools see it ---------------------------------------------------------------------
     @property
-    def swarm(self) -> _Swarm:
-        if self._swarm is None:
+    def connection(self) -> SwarmConnection:
+        """The connection to the swarm: its DHT store (``.store``), transport (``.remote``), view and retry helper."""
+        if self._conn is None:
             raise BadInputError("this model is closed")
-        return self._swarm
+        return self._conn
 
     @property
-    def route(self):
+    def blocks(self) -> RemoteBlocks:
+        if self._blocks is None:
+            raise BadInputError("this model is closed")
+        return self._blocks
+
+    @property
+    def route(self) -> list[Hop]:
         """The servers the last call went through."""
-        return self._session.route if self._session is not None else self.swarm.blocks.last_route
+        return self._session.route if self._session is not None else self.blocks.last_route
 
     @property
     def failovers(self) -> int:
-        return self.swarm.retrier.failovers
+        """How many times a call moved on after a failure (a peer banned and routed around)."""
+        return self.connection.retrier.failovers
 
-    def get_input_embeddings(self):
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Bytes sent and received over every message, all transports (``sent_bytes``, ``received_bytes``,
+        ``adapter_bytes_sent``)."""
+        return dict(self.connection.remote.traffic)
+
+    def notify_step(self, step: int) -> None:
+        """Pre-training: tell every server of the swarm that global step ``step`` has begun (best effort; a server
+        that misses it takes the step at its next request or from the trainers' progress)."""
+        conn = self.connection
+        conn.notify([Hop.of(r) for r in conn.view.servers()], StepNotice(step=step))
+
+    def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens
 
-    def get_output_embeddings(self):
+    def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
 
     # ---- inference sessions -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1):
+    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
         """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session."""
         if self._session is not None:
             raise BadInputError("an inference session is already open on this model")
-        session = InferenceSession(self.swarm.blocks, max_length + self.prompt_tokens, batch_size)
-        session.prefix = self.prompt_tokens
+        session = InferenceSession(self.connection, self.blocks.delivery, max_length + self.prompt_tokens,
+                                   batch_size, prefix=self.prompt_tokens)  # fmt: skip
         self._session = session
         try:
             yield session
@@ -217,17 +254,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             self._session = None
             session.close()
 
-    def generate(self, inputs=None, *args, **kwargs):
+    # Any: generate's arguments and result are transformers' own, passed through unchanged (untyped there)
+    def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("num_beams", 1) > 1 or getattr(kwargs.get("generation_config"), "num_beams", 1) > 1:
             raise BadInputError("beam search is not supported through the swarm yet; use greedy or sampling")
         kwargs["use_cache"] = False  # the cache lives on the servers, in the inference session
         ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         if ids is None:
             raise BadInputError("generate needs input_ids")
-        if self._session is not None:
-            ids, kwargs = self._with_history(ids, kwargs)
+        session = self._session
+        if session is not None:
+            ids, kwargs = session.history.generate_inputs(ids, kwargs)
             out = super().generate(ids, *args, **kwargs)
-            self._session.conversation = out if isinstance(out, torch.Tensor) else out.sequences
+            session.history.conversation = out if isinstance(out, torch.Tensor) else out.sequences
             return out
         gen = kwargs.get("generation_config") or self.generation_config
         max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
@@ -236,48 +275,37 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         with self.inference_session(max_length=max_length, batch_size=batch):
             return super().generate(ids, *args, **kwargs)
 
-    def _with_history(self, ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, dict]:
-        """Inside a session, ``generate`` takes the whole conversation or only its continuation; either way it
-        returns the whole conversation, and only unseen tokens go to the servers."""
-        session = self._session
-        # the last generate's output ends with a token the servers have not seen yet
-        history = session.conversation if session.conversation is not None else session.tokens
-        if history is None:
-            return ids, kwargs
-        seen = history.shape[1]
-        if ids.shape[1] > seen and torch.equal(ids[:, :seen], history):
-            return ids, kwargs
-        mask = kwargs.get("attention_mask")
-        if mask is not None:
-            prev = torch.ones_like(history)
-            if session._mask is not None:
-                known = session._mask[:, session.prefix : session.prefix + seen]
-                prev[:, : known.shape[1]] = known
-            kwargs = dict(kwargs, attention_mask=torch.cat([prev, mask.to(prev.dtype)], dim=1))
-        return torch.cat([history, ids], dim=1), kwargs
-
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> dict[str, torch.Tensor | None]:
         # Whole sequences each step: ``forward`` sends the session only the tokens its servers have not seen.
         return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(
         self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        return_dict=True,
-        **kwargs,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool = True,
+        train: TrainTag | None = None,
+        **kwargs: object,
     ) -> CausalLMOutputWithPast:
+        """Hugging Face's causal LM forward. ``train`` tags every remote call with a pre-training run's global step
+        and the micro-batch's sample count (``swarm.client.training``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise BadInputError("give exactly one of input_ids or inputs_embeds")
         if self._session is not None:
             if input_ids is None:
                 raise BadInputError("inside an inference session, pass input_ids")
-            hidden = self._session_step(input_ids, attention_mask, position_ids)
+            hidden = self._session_step(self._session, input_ids, attention_mask, position_ids)
         else:
             embeds = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
             if self.prompt_tokens:
@@ -285,7 +313,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                     embeds, attention_mask, position_ids, labels
                 )
             padded = attention_mask is not None and not bool(attention_mask.all())
-            hidden = self.swarm.blocks(embeds, attention_mask if padded else None, position_ids)
+            hidden = self.blocks(embeds, attention_mask if padded else None, position_ids, train)
         logits = self.lm_head(self.model.norm(hidden))
         loss = None
         if labels is not None:
@@ -294,8 +322,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             logits = logits[:, self.prompt_tokens :]  # one logit row per input token, as without prompts
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _with_prompts(self, embeds, attention_mask, position_ids, labels):
+    def _with_prompts(
+        self,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Prepend the trainable prompts as PEFT's prompt tuning does: attended by every token, no labels."""
+        assert self.adapters is not None
         n, batch = self.prompt_tokens, embeds.shape[0]
         prompts = self.adapters.prompts.to(embeds.dtype).unsqueeze(0).expand(batch, -1, -1)
         embeds = torch.cat([prompts, embeds], dim=1)
@@ -308,30 +343,41 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             labels = torch.cat([torch.full((batch, n), -100, dtype=labels.dtype), labels], dim=1)
         return embeds, attention_mask, position_ids, labels
 
-    def _session_step(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        session = self._session
-        seen, (batch, length) = session.position - session.prefix if session.position else 0, input_ids.shape
-        if seen and session.tokens is not None and length > seen and torch.equal(input_ids[:, :seen], session.tokens):
-            new = input_ids[:, seen:]  # the Hugging Face way: the whole sequence so far
-            full_mask = attention_mask
-        else:
-            new = input_ids  # only the continuation
-            prev = session._mask[:, session.prefix :] if session._mask is not None else torch.ones(batch, seen).long()
-            now = attention_mask if attention_mask is not None else torch.ones(batch, length, dtype=torch.int64)
-            full_mask = torch.cat([prev[:, :seen], now.to(torch.int64)], dim=1) if seen else attention_mask
-        n = new.shape[1]
-        if position_ids is not None and position_ids.shape[1] != n:
-            position_ids = position_ids[:, -n:]
+    def _session_step(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        new, full_mask, position_ids = session.history.unseen(input_ids, attention_mask, position_ids,
+                                                              session.position)  # fmt: skip
         embeds = self.model.embed_tokens(new)
-        first = session.position == 0
-        if session.prefix:  # the prompts go in front of the first step; later positions shift past them
+        first, prefix, batch = session.position == 0, session.history.prefix, new.shape[0]
+        if prefix:  # the prompts go in front of the first step; later positions shift past them
             if first:
                 embeds, full_mask, position_ids, _ = self._with_prompts(embeds, full_mask, position_ids, None)
             else:
-                ones = torch.ones(batch, session.prefix, dtype=torch.int64)
+                ones = torch.ones(batch, prefix, dtype=torch.int64)
                 full_mask = None if full_mask is None else torch.cat([ones, full_mask.to(torch.int64)], dim=1)
-                position_ids = None if position_ids is None else position_ids + session.prefix
+                position_ids = None if position_ids is None else position_ids + prefix
         padded = full_mask is not None and not bool(full_mask.all())
         hidden = session.step(embeds, full_mask if padded else None, position_ids)
-        session.tokens = new if session.tokens is None else torch.cat([session.tokens, new], dim=1)
-        return hidden[:, session.prefix :] if first else hidden
+        session.history.record(new)
+        self.blocks.last_route = session.route  # what ``route`` shows once the session is over
+        return hidden[:, prefix:] if first else hidden
+
+
+def _client_config(
+    initial_peers: Sequence[str],
+    timing: Timing | None,
+    cache_dir: Path | None,
+    direct: DirectPolicy,
+    wiring_seed: int | None = None,
+) -> ClientConfig:
+    if not initial_peers:
+        raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
+    if direct not in DIRECT_POLICIES:
+        raise BadInputError("direct must be 'auto', 'always' or 'never'")
+    return ClientConfig(
+        initial_peers=tuple(initial_peers),
+        timing=timing or Timing(),
+        cache_dir=cache_dir or default_cache_dir(),
+        direct=direct,
+        wiring_seed=wiring_seed,
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from swarm.client.adapters import ClientAdapters, _key
+from swarm.client.adapters import ClientAdapters
 from swarm.errors import BadInputError
 from swarm.tuning import TuningSpec
 
@@ -26,9 +26,9 @@ def peft_tensors(adapters: ClientAdapters) -> dict[str, torch.Tensor]:
     """The adapter's parameters under PEFT's file key names."""
     out: dict[str, torch.Tensor] = {}
     if adapters.spec.mode == "lora":
-        for block, layer in enumerate(adapters.lora):
+        for block in range(adapters.num_blocks):
             for path in adapters.targets:
-                pair = layer[_key(path)]
+                pair = adapters.pair(block, path)
                 out[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
                 out[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
         return out
@@ -42,9 +42,12 @@ def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     spec = adapters.spec
-    config: dict = {"peft_type": PEFT_TYPES[spec.mode], "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model}
+    config: dict[str, object] = {
+        "peft_type": PEFT_TYPES[spec.mode],
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+    }
     config["inference_mode"] = True
-    tensors: dict[str, torch.Tensor] = {}
     if spec.mode == "lora":
         config.update(
             r=spec.lora_rank,

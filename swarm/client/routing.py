@@ -8,51 +8,26 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Literal
 
 from swarm.errors import MissingBlocksError
-from swarm.records import PeerState, ServerRecord
+from swarm.protocol import PROTOCOL_VERSION
+from swarm.records import PeerState, ServerRecord, View, servers
+from swarm.rpc.hop import Hop
+
+Mode = Literal["inference", "forward"]
 
 
-@dataclass(frozen=True)
-class Hop:
-    peer_id: str
-    start: int
-    end: int
-    maddrs: tuple[str, ...] = ()
-    dtype: str = "float32"
-    direct: str | None = None
-    step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
-    token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
-
-    @classmethod
-    def of(cls, r: ServerRecord, start: int | None = None, end: int | None = None, **speeds) -> Hop:
-        """A hop to the server of record ``r``, over blocks ``start:end`` (default: its whole span)."""
-        start, end = r.start if start is None else start, r.end if end is None else end
-        return cls(r.peer_id, start, end, tuple(r.maddrs), r.dtype, r.direct_address, **speeds)
-
-
-def servers(view: Mapping[int, list[ServerRecord]]) -> dict[str, ServerRecord]:
-    """One record per peer (a record appears under every block of its span). A peer that moved leaves `leaving`
-    records under blocks it dropped until they expire: its current record is the one that is not leaving."""
-    out: dict[str, ServerRecord] = {}
-    for records in view.values():
-        for r in records:
-            seen = out.get(r.peer_id)
-            if seen is None or (seen.state == PeerState.LEAVING and r.state != PeerState.LEAVING):
-                out[r.peer_id] = r
-    return out
-
-
-def pick_fingerprint(view: Mapping[int, list[ServerRecord]], num_blocks: int) -> str | None:
+def pick_fingerprint(view: View) -> str | None:
     """The weights to chain: the fingerprint covering the most blocks, then with the most throughput."""
-    best, best_score = None, -1.0
+    best: str | None = None
+    best_score = -1.0
     by_fp: dict[str, list[ServerRecord]] = {}
     for r in servers(view).values():
-        if r.state == PeerState.ONLINE:
+        if r.state == PeerState.ONLINE and r.protocol_version == PROTOCOL_VERSION:
             by_fp.setdefault(r.fingerprint, []).append(r)
     for fp, recs in by_fp.items():
-        covered = set()
+        covered: set[int] = set()
         for r in recs:
             covered.update(range(r.start, r.end))
         score = len(covered) * 1e9 + sum(r.forward_tps for r in recs)
@@ -62,16 +37,18 @@ def pick_fingerprint(view: Mapping[int, list[ServerRecord]], num_blocks: int) ->
 
 
 def eligible(
-    view: Mapping[int, list[ServerRecord]],
+    view: View,
     *,
     fingerprint: str | None,
     banned: frozenset[str] = frozenset(),
     min_cache_tokens: int = 0,
 ) -> list[ServerRecord]:
+    """Servers a route may use: online, speaking this protocol, serving the chosen weights, not banned, with room."""
     return [
         r
         for r in servers(view).values()
         if r.state == PeerState.ONLINE
+        and r.protocol_version == PROTOCOL_VERSION
         and (fingerprint is None or r.fingerprint == fingerprint)
         and r.peer_id not in banned
         and r.cache_tokens_free >= min_cache_tokens
@@ -83,7 +60,7 @@ def choose_route(
     start: int,
     end: int,
     *,
-    mode: str = "inference",
+    mode: Mode = "inference",
     latency: Mapping[str, float] | None = None,
     default_latency: float = 0.003,
     model_id: str = "",
@@ -103,7 +80,7 @@ def choose_route(
 
     dist = {start: 0.0}
     prev: dict[int, tuple[int, ServerRecord]] = {}
-    heap = [(0.0, start, "")]
+    heap: list[tuple[float, int, str]] = [(0.0, start, "")]
     while heap:
         d, a, _ = heapq.heappop(heap)
         if a == end:
@@ -127,7 +104,8 @@ def choose_route(
     if end not in dist:
         covered = {b for r in records for b in range(r.start, r.end)}
         raise MissingBlocksError([b for b in range(start, end) if b not in covered], model_id)
-    route, b = [], end
+    route: list[Hop] = []
+    b = end
     while b != start:
         a, r = prev[b]
         share = (b - a) / (r.end - r.start)

@@ -1,5 +1,8 @@
-"""The client's view of the swarm: DHT records read at most every ``view_refresh`` seconds, peers it banned after
-failures, and routes over what remains."""
+"""The client's view of the swarm: DHT records read at most every ``view_refresh`` seconds (or at once after
+``invalidate``), peers it banned after failures, latencies it observed, and single routes over what remains.
+
+Waiting for missing blocks and failing over belong to the retry helper (``swarm.client.retry``): a route that
+cannot be found raises ``MissingBlocksError`` at once."""
 
 from __future__ import annotations
 
@@ -7,102 +10,87 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
 
-from swarm.client.routing import Hop, choose_route, eligible, pick_fingerprint
-from swarm.config import Timing
-from swarm.dht import read_view
-from swarm.errors import MissingBlocksError
-from swarm.records import ServerRecord
+from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
+from swarm.config import ClientConfig
+from swarm.dht import RecordStore
+from swarm.records import ServerRecord, View
+from swarm.rpc.hop import Hop
 
 log = logging.getLogger(__name__)
 
 
 class SwarmView:
     def __init__(
-        self,
-        dht,
-        model_id: str,
-        num_blocks: int,
-        timing: Timing,
-        fingerprint: str | None = None,
-        hop_latency: float = 0.003,
+        self, store: RecordStore, model_id: str, num_blocks: int, cfg: ClientConfig, fingerprint: str | None = None
     ) -> None:
-        self.dht = dht
+        self.store = store
         self.model_id = model_id
         self.num_blocks = num_blocks
-        self.timing = timing
+        self.cfg = cfg
         self.fingerprint = fingerprint
-        self.hop_latency = hop_latency
         self._lock = threading.Lock()
-        self._view: Mapping[int, list[ServerRecord]] = {}
+        self._view: View = {}
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
-        self.latency: dict[str, float] = {}  # peer -> observed seconds beyond its announced compute (EWMA)
-        self._rng = random.Random()  # stochastic wiring of training micro-batches (routing.choose_route's noise)
+        self.latency: dict[str, float] = {}  # peer -> observed seconds beyond its announced compute (average)
+        self._rng = random.Random(cfg.wiring_seed)  # stochastic wiring of training micro-batches
 
-    def snapshot(self, force: bool = False) -> Mapping[int, list[ServerRecord]]:
+    @property
+    def hop_latency(self) -> float:
+        return self.cfg.hop_latency_s
+
+    def snapshot(self) -> View:
         with self._lock:
-            if force or time.monotonic() - self._read_at > self.timing.view_refresh:
-                self._view = read_view(self.dht, self.model_id, self.num_blocks)
+            if time.monotonic() - self._read_at > self.cfg.timing.view_refresh:
+                self._view = self.store.view(self.model_id, self.num_blocks)
                 self._read_at = time.monotonic()
             return self._view
 
-    def current_fingerprint(self, view: Mapping[int, list[ServerRecord]]) -> str | None:
+    def invalidate(self) -> None:
+        """Read the swarm again at the next route (blocks were missing: someone may have taken them since)."""
+        with self._lock:
+            self._read_at = -float("inf")
+
+    def current_fingerprint(self, view: View) -> str | None:
         """The user's choice, else whatever weights the swarm serves most completely right now."""
-        return self.fingerprint or pick_fingerprint(view, self.num_blocks)
+        return self.fingerprint or pick_fingerprint(view)
 
     def ban(self, peer_id: str, seconds: float) -> None:
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
         self._banned[peer_id] = time.monotonic() + seconds
+
+    def banned(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(p for p, until in list(self._banned.items()) if until > now)
 
     def observe(self, peer_id: str, elapsed: float, expected: float) -> None:
         """Learn how much slower than announced a peer really is; routing adds it to the peer's hop cost, so a
         peer that is alive but slow is routed around."""
         excess = max(elapsed - expected, 0.0)
         old = self.latency.get(peer_id)
-        self.latency[peer_id] = excess if old is None else 0.7 * old + 0.3 * excess
+        weight = self.cfg.latency_smoothing
+        self.latency[peer_id] = excess if old is None else (1 - weight) * old + weight * excess
 
-    def banned(self) -> frozenset[str]:
-        now = time.monotonic()
-        return frozenset(p for p, until in self._banned.items() if until > now)
+    def servers(self, min_cache_tokens: int = 0, exclude: frozenset[str] = frozenset()) -> list[ServerRecord]:
+        """The servers a route may use now."""
+        view = self.snapshot()
+        return eligible(view, fingerprint=self.current_fingerprint(view), banned=self.banned() | exclude,
+                        min_cache_tokens=min_cache_tokens)  # fmt: skip
 
     def route(
         self,
         start: int,
         end: int,
         *,
-        mode: str = "inference",
+        mode: Mode = "inference",
         min_cache_tokens: int = 0,
         exclude: frozenset[str] = frozenset(),
-        wait: bool = True,
         stochastic: bool = False,
     ) -> list[Hop]:
-        """A route over live, unbanned peers; waits up to ``missing_blocks_wait`` for missing blocks to appear
-        (at once with ``wait=False``)."""
-        deadline = time.monotonic() + (self.timing.missing_blocks_wait if wait else 0.0)
-        force = False
-        while True:
-            view = self.snapshot(force=force)
-            records = eligible(
-                view,
-                fingerprint=self.current_fingerprint(view),
-                banned=self.banned() | exclude,
-                min_cache_tokens=min_cache_tokens,
-            )
-            try:
-                return choose_route(
-                    records,
-                    start,
-                    end,
-                    mode=mode,
-                    latency=self.latency,
-                    default_latency=self.hop_latency,
-                    model_id=self.model_id,
-                    noise={r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None,
-                )
-            except MissingBlocksError:
-                if time.monotonic() >= deadline:
-                    raise
-            time.sleep(min(self.timing.view_refresh, max(deadline - time.monotonic(), 0.0)))
-            force = True
+        """The cheapest route over live, unbanned servers now; ``stochastic`` scales each server's cost by an Exp(1)
+        draw (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``."""
+        records = self.servers(min_cache_tokens, exclude)
+        noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
+        return choose_route(records, start, end, mode=mode, latency=self.latency, default_latency=self.hop_latency,
+                            model_id=self.model_id, noise=noise)  # fmt: skip

@@ -8,18 +8,23 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarm.config import default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
 class RunConfig:
     name: str
     seed: int
-    model: dict[str, Any]  # Hugging Face config fields (with model_type), or {"from": card name}
+    model: dict[str, object]  # Hugging Face config fields (with model_type), or {"from": card name}
     tokenizer: str
     seq_len: int
     lr: float
@@ -34,9 +39,13 @@ class RunConfig:
     pipeline_depth: int  # micro-batches a trainer keeps in flight at once, so stages compute in parallel
     average_every: int
     matchmaking_seconds: float
+    averaging_request_timeout: float  # one message of an averaging round
+    averaging_timeout: float  # a whole round, matchmaking included
+    averaging_group: int  # most replicas averaged in one group (hivemind's butterfly all-reduce)
     checkpoint_every: int
     checkpoint_dir: Path
     stages: tuple[Span, ...]
+    cache_dir: Path  # where the model a run continues from is converted (see ``source_folder``)
 
     @property
     def model_id(self) -> str:
@@ -62,17 +71,31 @@ class RunConfig:
         progress = min((step - self.warmup_steps) / span, 1.0)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def hf_config(self):
-        """The model's Hugging Face config (from the run's fields, or from the card it continues from)."""
-        if "from" in self.model:
-            from swarm.config import load_model_card
-            from swarm.model_files import load_config, model_folder
+    def source_folder(self) -> Path | None:
+        """The Hugging Face folder of the model the run continues from (``from = card``), None from scratch: the
+        one lookup every party uses."""
+        if "from" not in self.model:
+            return None
+        from swarm.config import load_model_card
+        from swarm.model_files import model_folder
 
-            return load_config(model_folder(load_model_card(self.model["from"]), default_cache_dir()))
+        return model_folder(load_model_card(str(self.model["from"])), self.cache_dir)
+
+    def hf_config(self) -> PretrainedConfig:
+        """The model's Hugging Face config (from the run's fields, or from the card it continues from), with SDPA
+        attention as every party runs it."""
         from transformers import AutoConfig
 
-        fields = dict(self.model)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        folder = self.source_folder()
+        if folder is not None:
+            from swarm.model_files import load_config
+
+            config = load_config(folder)
+        else:
+            fields = dict(self.model)
+            config = AutoConfig.for_model(str(fields.pop("model_type")), **fields)
+        config._attn_implementation = "sdpa"
+        return config
 
     def stage_of(self, span: Span) -> Span:
         if span not in self.stages:
@@ -81,15 +104,74 @@ class RunConfig:
         return span
 
 
-def _get(data: dict, section: str, key: str, default=None, kind=None):
-    value = data.get(section, {}).get(key, default)
-    if value is None:
-        raise BadInputError(f"run config: [{section}] {key} is required")
-    return kind(value) if kind else value
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def load_run(path: str | Path) -> RunConfig:
-    """A run TOML file, or the name of one shipped in ``configs/runs``."""
+class _Data(_Section):
+    tokenizer: str = "bytes"
+    seq_len: int = Field(gt=0)
+
+
+class _Optimizer(_Section):
+    lr: float = Field(gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class _Schedule(_Section):
+    kind: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(1000, gt=0)
+
+
+class _Batch(_Section):
+    target_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    pipeline_depth: int = Field(2, ge=1)
+
+
+class _Averaging(_Section):
+    every_steps: int = Field(10, ge=0)
+    matchmaking_seconds: float = Field(2.0, gt=0)
+    request_timeout: float = Field(1.0, gt=0)
+    round_timeout: float | None = Field(None, gt=0)  # default: five matchmaking periods
+    group_size: int = Field(8, ge=2)
+
+
+class _Checkpoint(_Section):
+    every_steps: int = Field(10, ge=0)
+    dir: str = ""  # default: <cache dir>/runs/<name>
+
+
+class _Stages(_Section):
+    spans: list[str] = Field(min_length=1)
+
+
+class _RunFile(_Section):
+    """A run's TOML, validated section by section."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    seed: int = 0
+    model: dict[str, object]
+    data: _Data
+    optimizer: _Optimizer
+    schedule: _Schedule = _Schedule()
+    batch: _Batch
+    averaging: _Averaging = _Averaging()
+    checkpoint: _Checkpoint = _Checkpoint()
+    stages: _Stages
+
+
+def _problems(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(part) for part in err['loc'])}: {err['msg']}" for err in e.errors())
+
+
+def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
+    """A run TOML file, or the name of one shipped in ``configs/runs``; ``cache_dir`` (default: ``SWARM_CACHE_DIR``
+    or ~/.cache/swarm) holds converted models and the default checkpoint directory."""
+    cache_dir = cache_dir or default_cache_dir()
     path = Path(path).expanduser()
     if not path.is_file():
         shipped = resources.files("swarm_configs") / "runs" / f"{path.name.removesuffix('.toml')}.toml"
@@ -99,52 +181,43 @@ def load_run(path: str | Path) -> RunConfig:
     else:
         text = path.read_text()
     try:
-        data = tomllib.loads(text)
+        f = _RunFile.model_validate(tomllib.loads(text))
     except tomllib.TOMLDecodeError as e:
         raise BadInputError(f"run config {path}: {e}") from None
-    name = data.get("name")
-    if not name or not str(name).replace("-", "").replace("_", "").isalnum():
-        raise BadInputError("run config: name must be letters, digits, '-' or '_'")
-    model = dict(data.get("model", {}))
-    if "from" not in model and "model_type" not in model:
+    except ValidationError as e:
+        raise BadInputError(f"run config {path}: {_problems(e)}") from None
+    if "from" not in f.model and "model_type" not in f.model:
         raise BadInputError("run config: [model] needs model_type (from scratch) or from (a model card)")
-    ckpt = data.get("checkpoint", {}).get("dir") or ""
+    avg, ckpt = f.averaging, f.checkpoint.dir
     run = RunConfig(
-        name=name,
-        seed=int(data.get("seed", 0)),
-        model=model,
-        tokenizer=_get(data, "data", "tokenizer", "bytes", str),
-        seq_len=_get(data, "data", "seq_len", None, int),
-        lr=_get(data, "optimizer", "lr", None, float),
-        betas=tuple(float(b) for b in _get(data, "optimizer", "betas", [0.9, 0.999])),
-        eps=_get(data, "optimizer", "eps", 1e-8, float),
-        weight_decay=_get(data, "optimizer", "weight_decay", 0.0, float),
-        schedule=_get(data, "schedule", "kind", "constant", str),
-        warmup_steps=_get(data, "schedule", "warmup_steps", 0, int),
-        total_steps=_get(data, "schedule", "total_steps", 1000, int),
-        target_batch_size=_get(data, "batch", "target_batch_size", None, int),
-        micro_batch_size=_get(data, "batch", "micro_batch_size", None, int),
-        pipeline_depth=_get(data, "batch", "pipeline_depth", 2, int),
-        average_every=_get(data, "averaging", "every_steps", 10, int),
-        matchmaking_seconds=_get(data, "averaging", "matchmaking_seconds", 2.0, float),
-        checkpoint_every=_get(data, "checkpoint", "every_steps", 10, int),
-        checkpoint_dir=Path(ckpt).expanduser() if ckpt else default_cache_dir() / "runs" / name,
-        stages=tuple(parse_span(s) for s in _get(data, "stages", "spans", None)),
+        name=f.name,
+        seed=f.seed,
+        model=dict(f.model),
+        tokenizer=f.data.tokenizer,
+        seq_len=f.data.seq_len,
+        lr=f.optimizer.lr,
+        betas=f.optimizer.betas,
+        eps=f.optimizer.eps,
+        weight_decay=f.optimizer.weight_decay,
+        schedule=f.schedule.kind,
+        warmup_steps=f.schedule.warmup_steps,
+        total_steps=f.schedule.total_steps,
+        target_batch_size=f.batch.target_batch_size,
+        micro_batch_size=f.batch.micro_batch_size,
+        pipeline_depth=f.batch.pipeline_depth,
+        average_every=avg.every_steps,
+        matchmaking_seconds=avg.matchmaking_seconds,
+        averaging_request_timeout=avg.request_timeout,
+        averaging_timeout=avg.round_timeout or avg.matchmaking_seconds * 5,
+        averaging_group=avg.group_size,
+        checkpoint_every=f.checkpoint.every_steps,
+        checkpoint_dir=Path(ckpt).expanduser() if ckpt else cache_dir / "runs" / f.name,
+        stages=tuple(parse_span(s) for s in f.stages.spans),
+        cache_dir=cache_dir,
     )
-    if run.schedule not in ("constant", "cosine"):
-        raise BadInputError(f"run config: schedule kind must be constant or cosine, got {run.schedule!r}")
-    if run.pipeline_depth < 1:
-        raise BadInputError("run config: pipeline_depth must be at least 1")
     if run.target_batch_size % run.micro_batch_size:
         raise BadInputError("run config: target_batch_size must be a multiple of micro_batch_size")
     ends = [s.end for s in run.stages]
     if [s.start for s in run.stages] != [0, *ends[:-1]]:
         raise BadInputError("run config: stages must cover the blocks from 0, in order, without gaps or overlaps")
     return run
-
-
-def with_overrides(run: RunConfig, **fields) -> RunConfig:
-    """A copy with some fields replaced (tests and benchmarks: checkpoint dir, periods)."""
-    from dataclasses import replace
-
-    return replace(run, **fields)

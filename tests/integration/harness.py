@@ -1,27 +1,37 @@
-"""Starting real swarms for tests, and the checks every model family must pass against a local run."""
+"""Starting real swarms for tests, the checks every model family must pass against a local run, and the drills that
+disturb a peer exactly while it serves the client."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from swarm.config import Timing
+from swarm.errors import SwarmError
 from swarm.local_swarm import LocalSwarm
+from swarm.protocol import RPC_FORWARD, Reply, parse_reply
+from swarm.records import PeerState
+from swarm.rpc.hop import Hop
+
+T = TypeVar("T")
 
 # Servers in tests: short record TTLs and timeouts, and a fixed throughput so no probe runs.
 TEST_SERVER_ARGS = ("--throughput", "100")
 
 
 @contextlib.contextmanager
-def running_swarm(model: str, spans: list[str], *extra: str, log_dir=None):
+def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any = None) -> Iterator[LocalSwarm]:
     swarm = LocalSwarm(model, spans, extra_args=(*TEST_SERVER_ARGS, *extra), test_timings=True, log_dir=log_dir)
     with swarm:
         yield swarm
 
 
-def connect(model: str, swarm: LocalSwarm, **kwargs):
+def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:
     from swarm import DistributedModelForCausalLM
 
     return DistributedModelForCausalLM.from_pretrained(
@@ -29,7 +39,18 @@ def connect(model: str, swarm: LocalSwarm, **kwargs):
     )
 
 
-def check_forward(client, ref, vocab: int, seq: int = 37) -> None:
+def raw_call(client: Any, hop: Hop, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+             rpc: str = RPC_FORWARD) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Hand-written request metadata sent over the client's transport, as a buggy or hostile peer would; an error
+    reply raises the error class the server named."""
+    conn = client.connection
+    message = conn.loop.run(conn.remote.exchange_raw(hop, rpc, meta, tensors, 10.0))
+    assert message is not None
+    parse_reply(message[0], Reply, hop.peer_id)
+    return message[1]
+
+
+def check_forward(client: Any, ref: Any, vocab: int, seq: int = 37) -> None:
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (2, seq))
     with torch.no_grad():
@@ -39,7 +60,7 @@ def check_forward(client, ref, vocab: int, seq: int = 37) -> None:
     assert (ours - theirs).abs().max().item() < 1e-4
 
 
-def check_greedy(client, ref, vocab: int, new_tokens: int = 32) -> None:
+def check_greedy(client: Any, ref: Any, vocab: int, new_tokens: int = 32) -> None:
     torch.manual_seed(2)
     ids = torch.randint(0, vocab, (1, 7))
     ours = client.generate(ids, max_new_tokens=new_tokens, do_sample=False)
@@ -48,7 +69,7 @@ def check_greedy(client, ref, vocab: int, new_tokens: int = 32) -> None:
     assert torch.equal(ours, theirs)
 
 
-def check_session_steps(client, ref, vocab: int) -> None:
+def check_session_steps(client: Any, ref: Any, vocab: int) -> None:
     """A prefill then 8 single-token steps in one session, logits equal to a local run with a KV cache."""
     from transformers import DynamicCache
 
@@ -69,7 +90,7 @@ def check_session_steps(client, ref, vocab: int) -> None:
         assert (a - b).abs().max().item() < 1e-4
 
 
-def check_backward(client, ref, vocab: int) -> None:
+def check_backward(client: Any, ref: Any, vocab: int) -> None:
     torch.manual_seed(4)
     ids = torch.randint(0, vocab, (2, 13))
     mask = torch.ones_like(ids)
@@ -83,7 +104,7 @@ def check_backward(client, ref, vocab: int) -> None:
     assert ours_in.grad.abs().sum() > 0
 
 
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+def wait_for(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:
     """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -92,3 +113,41 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def busy_server(client: Any, start: int, end: int) -> str | None:
+    """The server of blocks ``start:end`` that is processing a request right now, if any (its own live stats)."""
+    conn = client.connection
+    for r in conn.view.servers():
+        if (r.start, r.end) == (start, end) and r.state == PeerState.ONLINE:
+            try:
+                if conn.loop.run(conn.remote.info(Hop.of(r), 2.0)).active > 0:
+                    return r.peer_id
+            except SwarmError:
+                continue
+    return None
+
+
+class KillWhileServing:
+    """Kill (SIGKILL) the server of blocks ``start:end`` at the moment it is processing the client's request: the
+    thread polls the servers' live stats until one is busy, so the kill lands inside a request, not by a timer."""
+
+    def __init__(self, swarm: LocalSwarm, client: Any, start: int, end: int, timeout: float = 60.0) -> None:
+        self.swarm, self.client, self.span, self.timeout = swarm, client, (start, end), timeout
+        self.killed: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            victim = busy_server(self.client, *self.span)
+            if victim is not None:
+                self.swarm.kill(self.swarm.peer_by_id(victim))
+                self.killed.append(victim)
+                return
+            time.sleep(0.01)
+
+    def join(self) -> list[str]:
+        self._thread.join(self.timeout + 5)
+        return self.killed

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from swarm import wire
-from swarm.client.routing import Hop
 from swarm.errors import BadInputError, CacheFullError, SessionLengthError, VersionMismatchError
-from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD
+from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_INFERENCE
+from swarm.rpc.hop import Hop
 from tests.conftest import local_reference
-from tests.integration.harness import connect, running_swarm
+from tests.integration.harness import connect, raw_call, running_swarm
 
 HIDDEN = 64
 
@@ -33,8 +33,7 @@ def _hop(client) -> Hop:
 
 
 def _call(client, hop: Hop, meta: dict, tensors: dict):
-    blocks = client.swarm.blocks
-    return blocks.loop.run(blocks.remote.compute(hop, meta, tensors, 10.0))
+    return raw_call(client, hop, dict({"protocol_version": PROTOCOL_VERSION}, **meta), tensors)
 
 
 def _forward_meta(hop: Hop, **over) -> dict:
@@ -67,19 +66,29 @@ def test_bad_requests_get_clear_errors_and_harm_no_session(guarded):
         with pytest.raises(BadInputError, match="malformed metadata"):
             _call(client, hop, _forward_meta(hop, kind="sideways"), {"hidden": torch.zeros(1, 3, HIDDEN)})
 
-        # raw frames: garbage metadata and another protocol version
-        p2p, peer = client.swarm.remote.p2p, client.swarm.remote._peer
-        loop = client.swarm.blocks.loop
+        # raw frames: garbage metadata, and peers of other protocol versions (a newer one, and this version's
+        # predecessor with its own request format, as an old client sends it)
+        conn = client.connection
 
         async def raw(frame):
-            return wire.decode([await p2p.call_protobuf_handler(await peer(hop), RPC_FORWARD, frame, wire.Frame)])[0]
+            return wire.decode([await wire_call(conn, hop, frame)])[0]
 
-        reply = loop.run(raw(wire.Frame(metadata=b"\xc1not msgpack")))
+        reply = conn.loop.run(raw(wire.Frame(metadata=b"\xc1not msgpack")))
         assert reply["ok"] is False and "malformed metadata" in reply["error"]
-        reply = loop.run(raw(wire.Frame(metadata=msgpack.packb({"_tensors": ["hidden"], "kind": "forward"}))))
+        reply = conn.loop.run(raw(wire.Frame(metadata=msgpack.packb({"_tensors": ["hidden"], "kind": "forward"}))))
         assert reply["ok"] is False  # names a tensor it does not carry
         with pytest.raises(VersionMismatchError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"):
-            _call_version(client, hop, PROTOCOL_VERSION + 1)
+            raw_call(client, hop, {"protocol_version": PROTOCOL_VERSION + 1, **_forward_meta(hop)},
+                     {"hidden": torch.zeros(1, 2, HIDDEN)})  # fmt: skip
+        old = {"protocol_version": 1, "kind": "forward", "start": hop.start, "end": hop.end, "keep_for_backward": False,
+               "forward_id": None, "adapter": None, "input_grad": True, "train": None, "extras": {}}  # fmt: skip
+        with pytest.raises(VersionMismatchError, match=f"speaks protocol 1, this server speaks {PROTOCOL_VERSION}"):
+            raw_call(client, hop, old, {"hidden": torch.zeros(1, 2, HIDDEN)})
+        old_open = {"session_id": "s" * 32, "start": hop.start, "end": hop.end, "max_length": 8, "batch_size": 1,
+                    "adapter": None, "extras": {}}  # fmt: skip
+        with pytest.raises(VersionMismatchError, match="speaks protocol 1"):
+            raw_call(client, hop, {"protocol_version": 1, "open": old_open, "step": {"position": 0}},
+                     {"hidden": torch.zeros(1, 2, HIDDEN)}, rpc=RPC_INFERENCE)  # fmt: skip
 
         # the open session is unharmed
         with torch.no_grad():
@@ -91,17 +100,11 @@ def test_bad_requests_get_clear_errors_and_harm_no_session(guarded):
     assert (second - expected[:, 5]).abs().max() < 1e-4
 
 
-def _call_version(client, hop: Hop, version: int):
-    frames = wire.encode({"protocol_version": version, **_forward_meta(hop)}, {"hidden": torch.zeros(1, 2, HIDDEN)})
-    p2p, loop = client.swarm.remote.p2p, client.swarm.blocks.loop
+async def wire_call(conn, hop: Hop, frame: wire.Frame) -> wire.Frame:
+    """One raw frame over libp2p's unary call, bypassing every check of the client library."""
+    from hivemind.p2p import PeerID
 
-    async def go():
-        out = await p2p.call_protobuf_handler(await client.swarm.remote._peer(hop), RPC_FORWARD, frames[0], wire.Frame)
-        from swarm.client.remote import _check
-
-        _check(wire.decode([out])[0], hop.peer_id)
-
-    loop.run(go())
+    return await conn.remote.p2p.call_protobuf_handler(PeerID.from_base58(hop.peer_id), RPC_FORWARD, frame, wire.Frame)
 
 
 def test_session_beyond_budget_or_length(guarded):
@@ -172,6 +175,8 @@ def test_bad_adapters_get_clear_errors_and_stay_private(guarded):
         _call(client, hop, _forward_meta(hop), {"hidden": hidden, "deep.0": torch.zeros(2, HIDDEN)})
     with pytest.raises(BadInputError, match="malformed metadata"):
         forward({}, client_id="short")
+    with pytest.raises(BadInputError, match="malformed metadata"):  # fields another version had are refused
+        _call(client, hop, _forward_meta(hop, extras={"x": 1}), {"hidden": hidden})
     with pytest.raises(AdapterMissingError):
         forward({}, has_tensors=False)
 

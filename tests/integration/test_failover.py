@@ -5,7 +5,6 @@ Every kill test checks that the killed peer was on the route when it died and th
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
@@ -14,7 +13,9 @@ import torch
 from swarm.errors import MissingBlocksError
 from swarm.local_swarm import Disturber
 from tests.conftest import local_reference
-from tests.integration.harness import connect, running_swarm
+from tests.integration.harness import KillWhileServing, connect, running_swarm
+
+pytestmark = pytest.mark.slow
 
 REPLICATED = ["0:2", "0:2", "2:4", "2:4"]
 SLOW = ("--added-latency-ms", "400")
@@ -33,21 +34,6 @@ def ref(tiny_models):
 def prompt() -> torch.Tensor:
     torch.manual_seed(11)
     return torch.randint(0, 320, (1, 9))
-
-
-def kill_later(swarm, client, hop: int, delay: float) -> tuple[threading.Thread, list[str]]:
-    """Kill the server of ``hop`` on the client's route ``delay`` seconds from now (inside a slow request)."""
-    killed: list[str] = []
-
-    def run():
-        time.sleep(delay)
-        victim = client.route[hop].peer_id
-        killed.append(victim)
-        swarm.kill(swarm.peer_by_id(victim))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, killed
 
 
 def test_kill_mid_generation_keeps_every_token(folder, ref):
@@ -72,38 +58,40 @@ def test_several_kills_during_one_generation(folder, ref):
 
 
 def test_kill_during_prefill_forward_and_backward(folder, ref):
+    """Each kill lands while the victim is processing the client's request (seen in its live stats), so the client
+    must fail over inside that call; servers answer 400 ms late, which leaves the killer time to see it."""
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
     spans = ["0:2", "0:2", "0:2", "2:4", "2:4", "2:4"]  # three kills, one replica left of each span at the end
     with running_swarm(folder, spans, *SLOW) as swarm, connect(folder, swarm) as client:
-        # prefill: the first request to hop 0 takes >= 400 ms; the kill lands inside it
-        client(ids[:, :2])  # learn a route first, so the killer knows whom to kill
-        thread, killed = kill_later(swarm, client, hop=0, delay=0.15)
+        # prefill: the session's first request to blocks 0:2
+        failovers = client.failovers
+        killer = KillWhileServing(swarm, client, 0, 2)
         out = client.generate(ids, max_new_tokens=4, do_sample=False)
-        thread.join()
-        assert torch.equal(out, expected) and killed
+        killed = killer.join()
+        assert killed and client.failovers > failovers
+        assert torch.equal(out, expected) and killed[0] not in {h.peer_id for h in client.route}
 
-        # forward of a long sequence, kill inside hop 1's request
+        # forward of a long sequence, killed inside its request to blocks 2:4
         long = torch.randint(0, 320, (2, 200))
         failovers = client.failovers
-        thread, killed = kill_later(swarm, client, hop=1, delay=0.6)
+        killer = KillWhileServing(swarm, client, 2, 4)
         with torch.no_grad():
             ours = client(long).logits
-        thread.join()
+        killed = killer.join()
+        assert killed and client.failovers > failovers and killed[0] not in {h.peer_id for h in client.route}
         assert (ours - ref(long).logits).abs().max() < 1e-4
-        assert killed and client.failovers > failovers
 
-        # backward: kill hop 0's server while the backward walks back to it
+        # backward: killed inside its request to blocks 0:2 (the forward is done before the killer starts)
         emb = client.model.embed_tokens(long).detach().requires_grad_()
         ref_emb = ref.model.embed_tokens(long).detach().requires_grad_()
         loss = client(inputs_embeds=emb, labels=long).loss
-        failovers = client.failovers
-        victim_hop = client.route[0]
-        thread, killed = kill_later(swarm, client, hop=0, delay=0.1)
+        failovers, before = client.failovers, [h.peer_id for h in client.route]
+        killer = KillWhileServing(swarm, client, 0, 2)
         loss.backward()
-        thread.join()
+        killed = killer.join()
+        assert killed == [before[0]] and client.failovers > failovers
         ref(inputs_embeds=ref_emb, labels=long).loss.backward()
-        assert killed == [victim_hop.peer_id] and client.failovers > failovers
         assert (emb.grad - ref_emb.grad).abs().max() < 1e-5
 
 
@@ -121,8 +109,11 @@ def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
         )
         try:
             early(ids)
+            bootstrap_id = bootstrap.maddr.split("/p2p/")[1]
+            assert [h.peer_id for h in early.route] == [bootstrap_id]  # one hop through 0:4 beats two
             swarm.kill(bootstrap)
             assert torch.equal(early.generate(ids, max_new_tokens=8, do_sample=False), expected)
+            assert early.failovers >= 1 and bootstrap_id not in {h.peer_id for h in early.route}
         finally:
             early.close()
         others = [p.maddr for p in swarm.peers[1:]]
@@ -134,6 +125,7 @@ def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
 def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
         client(torch.tensor([[1, 2, 3]]))
+        assert [(h.start, h.end) for h in client.route] == [(0, 2), (2, 4)]  # one of the victims is on the route
         for peer in swarm.peers:
             if peer.span == "2:4":
                 swarm.kill(peer)
@@ -141,7 +133,7 @@ def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
         with pytest.raises(MissingBlocksError) as info:
             client(torch.tensor([[1, 2, 3]]))
         assert info.value.blocks == [2, 3]
-        assert time.monotonic() - t0 < client.swarm.blocks.timing.missing_blocks_wait + 10
+        assert time.monotonic() - t0 < client.connection.timing.missing_blocks_wait + 10
 
 
 def test_frozen_server_is_routed_around(folder, ref):
@@ -154,7 +146,8 @@ def test_frozen_server_is_routed_around(folder, ref):
             assert torch.equal(out, expected) and client.failovers >= 1
             frozen_at = freezer.events[0]
             stall = next(t for t in freezer.times if t > frozen_at) - frozen_at
-            assert stall < client.swarm.blocks.timing.step_timeout + 3
+            assert freezer.killed[0] not in {h.peer_id for h in client.route}
+            assert stall < client.connection.timing.step_timeout + 3
         finally:
             for peer_id in freezer.killed:
                 swarm.peer_by_id(peer_id).proc.send_signal(signal.SIGCONT)
@@ -167,7 +160,7 @@ def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
         leaver = Disturber(client, swarm, {6: 0}, sig=signal.SIGTERM)
         out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=leaver)
         assert torch.equal(out, expected)
-        time.sleep(2 * client.swarm.blocks.timing.view_refresh)  # the client's view is refreshed this often
+        time.sleep(2 * client.connection.timing.view_refresh)  # the client's view is refreshed this often
         with torch.no_grad():
             client(ids)
         assert leaver.killed[0] not in {h.peer_id for h in client.route}  # new calls avoid the leaving peer

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_server_leaves_nothing_behind(tiny_models):
     with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
         victim = swarm.peers[1]
@@ -52,6 +54,7 @@ def test_sigkill_of_a_server_leaves_nothing_behind(tiny_models):
         assert _wait_gone(family) == []
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_cleanly_and_identity_is_stable(tiny_models, tmp_path):
     identity = tmp_path / "peer.id"
     swarm = LocalSwarm(
@@ -76,6 +79,7 @@ def test_sigterm_leaves_cleanly_and_identity_is_stable(tiny_models, tmp_path):
         assert again.peers[0].maddr.split("/p2p/")[1] == first.split("/p2p/")[1]
 
 
+@pytest.mark.slow
 def test_killed_client_script_leaves_nothing_behind(tiny_models):
     folder = str(tiny_models["llama"])
     with running_swarm(folder, ["0:4"]) as swarm:
@@ -116,10 +120,38 @@ def test_perturbed_server_breaks_equality(tiny_models):
                 assert (client(ids).logits - ref(ids).logits).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_server_whose_dht_dies_leaves_instead_of_hanging(tiny_models):
     with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
         victim = swarm.peers[1]
         dht_child = [c for c in _own_children(victim.pid) if b"swarm.serve" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(dht_child) == 1  # the forked DHT process (hivemind may also run a torch_shm_manager child)
         os.kill(dht_child[0], signal.SIGKILL)  # its p2pd follows it
-        assert victim.proc.wait(60) is not None  # the serve process notices and exits on its own
+        # the serve process notices, leaves and exits on its own, with the error of a lost DHT (exit code 2)
+        assert victim.proc.wait(60) == 2
+
+
+@pytest.mark.slow
+def test_status_and_a_client_script_exit_cleanly(tiny_models):
+    """Nothing of hivemind's daemon bindings is left pending when ``swarm.status`` or a client script ends (no
+    "Task was destroyed but it is pending!", no "Event loop is closed" tracebacks)."""
+    folder = str(tiny_models["llama"])
+    with running_swarm(folder, ["0:4"]) as swarm:
+        model_id = Path(folder).resolve().name
+        status = subprocess.run(
+            [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[0], "--model", model_id],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        script = textwrap.dedent(f"""
+            import torch
+            from swarm import DistributedModelForCausalLM
+            from swarm.config import Timing
+            with DistributedModelForCausalLM.from_pretrained({folder!r}, initial_peers={swarm.initial_peers!r},
+                                                             timing=Timing.for_tests()) as model:
+                print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2).shape[1])
+        """)
+        client = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "fully covered" in status.stdout, status.stderr
+    assert client.returncode == 0 and client.stdout.strip() == "5", client.stderr
+    for run in (status, client):
+        assert "Task was destroyed" not in run.stderr and "Event loop is closed" not in run.stderr, run.stderr

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from swarm.client.model import LOCAL_PREFIXES
+from swarm.protocol import RPC_INFERENCE
+from swarm.rpc.transport import Transport
 from tests.conftest import local_reference
 from tests.integration.harness import (
     check_backward,
@@ -41,8 +43,8 @@ def tokenizer():
 
 def _served(client) -> dict[str, int]:
     """Requests each server on the last route has served, from the servers' own stats."""
-    blocks = client.swarm.blocks
-    return {hop.peer_id: sum(blocks.loop.run(blocks.remote.info(hop, 5.0))["stats"].values()) for hop in client.route}
+    conn = client.connection
+    return {hop.peer_id: sum(conn.loop.run(conn.remote.info(hop, 5.0)).stats.values()) for hop in client.route}
 
 
 def test_forward_matches_local(smollm):
@@ -158,4 +160,5 @@ def test_libp2p_path_streams_large_messages(smollm):
         with torch.no_grad():
             ours, theirs = client(ids).logits, ref(ids).logits
         assert (ours - theirs).abs().max().item() < 1e-4
-        assert not any(client.swarm.remote.use_direct(h) for h in client.route)
+        remote = client.connection.remote
+        assert {remote.transport(h, RPC_INFERENCE) for h in client.route} == {Transport.STREAM}  # libp2p only

@@ -7,6 +7,7 @@ import pytest
 from swarm.config import builtin_model_names, load_model_card
 from swarm.errors import BadInputError, MissingBlocksError
 from swarm.ids import Span, block_key, parse_span
+from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import SCHEMA_VERSION, PeerState, ServerRecord, parse_record
 
 
@@ -26,7 +27,7 @@ def record(**over) -> ServerRecord:
         cache_tokens_free=100,
         cache_tokens_total=100,
         software_version="0",
-        protocol_version=1,
+        protocol_version=PROTOCOL_VERSION,
     )
     base.update(over)
     return ServerRecord(**base)

@@ -88,18 +88,18 @@ def test_election_lease_expiry_contenders_and_stale_terms():
     assert winner(store.read(), now[0]).holder == "b"
     # two contenders claiming the same term resolve to the same winner
     store2 = FakeStore()
-    store2.write(Lease(3, "y", 100.0))
-    store2.write(Lease(3, "x", 100.0))
+    store2.write(Lease(term=3, holder="y", expires=100.0))
+    store2.write(Lease(term=3, holder="x", expires=100.0))
     assert winner(store2.read(), 0.0).holder == "x"
     # a claim that lost a tie and lingers does not make its owner broker later with that same term
     store3 = FakeStore()
     x = Election("x", store3, lambda: now[0], lease_seconds=10)
     z = Election("z", store3, lambda: now[0], lease_seconds=10)
     assert x.tick().term == 1
-    store3.write(Lease(1, "z", now[0] + 10))  # z claimed term 1 at the same moment and lost the tie to x
+    store3.write(Lease(term=1, holder="z", expires=now[0] + 10))  # z claimed term 1 at once and lost the tie to x
     assert z.tick() is None and x.tick().term == 1
     now[0] += 10.5  # x dies silently; z's old claim (written later) would still be valid...
-    store3.write(Lease(1, "z", now[0] + 5))
+    store3.write(Lease(term=1, holder="z", expires=now[0] + 5))
     assert z.tick().term == 2  # ...but z takes over with a fresh term
     # followers obey the newest (term, broker) and never go back
     seen = newest_assignment([(2, "b")], None)
@@ -108,19 +108,24 @@ def test_election_lease_expiry_contenders_and_stale_terms():
 
 
 def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
+    import dataclasses
+
     import pytest
 
     from peers import node
-    from swarm.config import PeerConfig
+    from peers.config import PeerConfig, PlacementConfig
+    from peers.stage import ModelInfo
     from swarm.errors import BadInputError
 
-    model = node.Model("m", None, type("C", (), {"num_hidden_layers": 30})(), None, None, "float32", "fp", 4 * GB)
+    config = type("C", (), {"num_hidden_layers": 30, "hidden_size": 8})()
+    model = ModelInfo("m", config, None, None, "fp", 4 * GB)  # type: ignore[arg-type]
     monkeypatch.setattr(node, "usable_memory", lambda device: 3 * GB)
     with pytest.raises(BadInputError, match="too little memory for even one block of m"):
-        node._max_blocks(PeerConfig(), model)
+        node.max_blocks(PeerConfig(), model)
     monkeypatch.setattr(node, "usable_memory", lambda device: 9 * GB)
-    assert node._max_blocks(PeerConfig(), model) == 2
-    assert node._max_blocks(PeerConfig(max_blocks=1), model) == 1
+    assert node.max_blocks(PeerConfig(), model) == 2
+    capped = dataclasses.replace(PeerConfig(), placement=PlacementConfig(max_blocks=1))
+    assert node.max_blocks(capped, model) == 1
 
 
 def test_slow_links_cap_a_peer_and_favour_long_spans():

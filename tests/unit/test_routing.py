@@ -59,6 +59,7 @@ def test_eligibility_bans_states_cache_and_fingerprints():
         record(peer_id="c", fingerprint="x"),
         record(peer_id="d", cache_tokens_free=5),
         record(peer_id="e"),
+        record(peer_id="old", protocol_version=1),  # a peer of the previous protocol: never routed to
     ]
     view = view_of(*recs)
     names = {r.peer_id for r in eligible(view, fingerprint="fp", banned=frozenset({"e"}), min_cache_tokens=10)}
@@ -70,11 +71,11 @@ def test_pick_fingerprint_prefers_full_coverage():
         record(peer_id="a", end=8, fingerprint="good", forward_tps=1),
         record(peer_id="b", end=4, fingerprint="partial", forward_tps=1e6),
     )
-    assert pick_fingerprint(view, 8) == "good"
+    assert pick_fingerprint(view) == "good"
 
 
 def test_a_moved_peer_is_known_by_its_current_record():
-    from swarm.client.routing import servers
+    from swarm.records import servers
 
     old = record(peer_id="m", start=0, end=4, state=PeerState.LEAVING)
     new = record(peer_id="m", start=4, end=8)

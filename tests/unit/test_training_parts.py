@@ -11,11 +11,14 @@ import torch
 
 from peers.broker.planner import PeerInfo, Role
 from peers.broker.stages import plan_stages
+from peers.training.span_trainer import SpanTrainer
+from swarm import wire
 from swarm.client.routing import choose_route
 from swarm.errors import BadInputError
 from swarm.ids import Span
+from swarm.model_files import new_model
 from swarm.training.data import Samples
-from swarm.training.init import init_full_model, init_module
+from swarm.training.init import init_full_model, init_module, stage_state_bytes
 from swarm.training.run import load_run
 from tests.unit.test_basics import record
 
@@ -32,8 +35,10 @@ def test_run_config_and_schedule(tmp_path):
     for bad, message in (
         (text.replace('spans = ["0:2", "2:4", "4:6"]', 'spans = ["0:2", "3:6"]'), "without gaps"),
         (text.replace("micro_batch_size = 8", "micro_batch_size = 5"), "multiple of micro_batch_size"),
-        (text.replace('kind = "cosine"', 'kind = "linear"'), "constant or cosine"),
-        (text.replace('name = "tiny-llama-pretrain"', 'name = "a b"'), "name must be"),
+        (text.replace('kind = "cosine"', 'kind = "linear"'), "schedule.kind: Input should be 'constant' or 'cosine'"),
+        (text.replace('name = "tiny-llama-pretrain"', 'name = "a b"'), "name: String should match pattern"),
+        (text.replace("lr = 3e-3", "lr = -1"), "optimizer.lr: Input should be greater than 0"),
+        (text.replace("[batch]", "[batch]\nsurprise = 1"), "batch.surprise: Extra inputs are not permitted"),
     ):
         path = tmp_path / "bad.toml"
         path.write_text(bad)
@@ -99,3 +104,13 @@ def test_stage_placement_balances_and_keeps_stages():
     assert spans["new-slow"] == (0, 2)  # then the weakest (a tie with 2:4 goes to the earlier stage)
     assert plan.unplaceable == ("tiny",)
     assert plan.bottleneck == pytest.approx(5.0)
+
+
+def test_a_stage_state_fits_the_bound_a_joiner_puts_on_it(tmp_path):
+    run = load_run(SHIPPED)
+    model = new_model(run.hf_config(), torch.float32)
+    for stage in run.stages:
+        layers = torch.nn.ModuleList(model.model.layers[stage.start : stage.end])
+        state = SpanTrainer(run, layers, stage, tmp_path).export_state()
+        size = wire.encoded_size(wire.encode({"ok": True, "step": 0}, state))
+        assert size <= stage_state_bytes(run, stage) < 2 * size + (2 << 20)

@@ -3,7 +3,7 @@
 hivemind's p2pd relays every message through two daemons (client p2pd -> server p2pd), which costs ~1 ms per
 message and caps bulk transfers at a fraction of TCP speed. Servers therefore also listen on a plain TCP port and
 announce it; clients use it where the path is trusted (loopback and private networks by default, see
-``ClientConfig.direct``) and fall back to libp2p otherwise. libp2p stays the control plane (DHT, discovery, NAT
+``swarm.rpc.transport``) and fall back to libp2p otherwise. libp2p stays the control plane (DHT, discovery, NAT
 traversal, encrypted transport on the internet).
 
 Framing: a 4-byte big-endian length, then one serialized ``wire.Frame``. The first frame of a connection names the
@@ -13,7 +13,6 @@ RPC in its ``uid`` field; the rest is that RPC's stream, exactly as over libp2p.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import struct
 from collections.abc import AsyncIterator
 
@@ -22,16 +21,6 @@ from swarm.errors import BadInputError
 
 MAX_FRAME = 2 * wire.FRAME_BYTES + 65536
 _LEN = struct.Struct(">I")
-
-
-def trusted_path(address: str) -> bool:
-    """Loopback, private and link-local hosts: the 'auto' policy sends plain TCP only there."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host == "localhost"
-    return ip.is_loopback or ip.is_private or ip.is_link_local
 
 
 def write_frame(writer: asyncio.StreamWriter, frame: wire.Frame) -> None:
@@ -58,26 +47,29 @@ async def frames_of(reader: asyncio.StreamReader) -> AsyncIterator[wire.Frame]:
         yield frame
 
 
-class DirectConnection:
-    """Client side of one RPC over TCP."""
+class TcpChannel:
+    """Client side of one RPC over TCP: frames out, complete messages in (many, for a kept-open connection)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int) -> None:
         self.reader, self.writer = reader, writer
-        self.responses = frames_of(reader)
-        self.decoder = wire.Decoder()  # replies of a kept-open connection, message after message
+        self._frames = frames_of(reader)
+        self.decoder = wire.Decoder(max_bytes)
 
     @classmethod
-    async def open(cls, address: str, rpc: str) -> DirectConnection:
+    async def open(cls, address: str, rpc: str, max_bytes: int) -> TcpChannel:
         host, port = address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-        conn = cls(reader, writer)
+        channel = cls(reader, writer, max_bytes)
         write_frame(writer, wire.Frame(uid=rpc))
-        return conn
+        return channel
 
     async def send(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
             write_frame(self.writer, frame)
         await self.writer.drain()
+
+    async def receive(self) -> wire.Message | None:
+        return await wire.read_message(self._frames, self.decoder)
 
     def close(self) -> None:
         if not self.writer.is_closing():

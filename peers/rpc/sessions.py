@@ -1,0 +1,88 @@
+"""Inference sessions on a server: a KV cache per session under the token budget, steps checked against the
+position the server holds, and the client's adapter bound for the session's life."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from peers.adapters import Adapter
+from peers.kv_cache import CacheBudget
+from peers.rpc.checks import check_aux, check_hidden
+from peers.rpc.compute import ComputeService, Tensors
+from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
+from swarm.ids import Span
+from swarm.protocol import OpenSession
+
+
+@dataclass
+class Session:
+    id: str
+    sub: Span
+    max_length: int
+    batch: int
+    cache: DynamicCache | None
+    reserved: int
+    position: int = 0
+    adapter: Adapter | None = None  # the client's adapter, bound for the session's life
+
+
+class Sessions:
+    def __init__(self, compute: ComputeService, budget: CacheBudget, cache_wait: float, inline_tokens: int) -> None:
+        self.compute = compute
+        self.budget = budget
+        self.cache_wait = cache_wait
+        self.inline_tokens = inline_tokens  # steps of at most this many tokens run inline on the RPC loop
+        self.open: dict[str, Session] = {}
+        self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
+
+    async def start(self, msg: OpenSession, tensors: Tensors) -> Session:
+        if self.leaving:
+            raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
+        sub = self.compute.sub(msg.start, msg.end)
+        if msg.session_id in self.open:
+            raise BadInputError(f"session {msg.session_id} is already open here")
+        adapter = self.compute.bind_adapter(msg.adapter, tensors, sub)
+        reserved = await self.budget.reserve(msg.batch_size * msg.max_length, self.cache_wait)
+        backend = self.compute.backend
+        assert backend is not None
+        session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, backend.new_cache(), reserved,
+                          adapter=adapter)  # fmt: skip
+        self.open[session.id] = session
+        self.compute.stats["sessions"] += 1
+        return session
+
+    async def end(self, session: Session) -> None:
+        if self.open.pop(session.id, None) is not None:
+            session.cache = None
+            await self.budget.release(session.reserved)
+
+    async def step(self, session: Session, position: int, tensors: Tensors) -> Tensors:
+        hidden = check_hidden(tensors, self.compute.limits)
+        batch, n = hidden.shape[:2]
+        if batch != session.batch:
+            raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
+        if position != session.position:
+            raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
+        held = self.compute.held
+        if held is None or session.sub not in held:
+            raise PeerUnavailableError(f"this peer moved to blocks {held}; reopen the session elsewhere")
+        if position + n > session.max_length:
+            raise SessionLengthError(
+                f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
+            )
+        mask, pos = check_aux(tensors, batch, n, position + n)
+        out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens)
+        session.position += n
+        self.compute.stats["inference_steps"] += 1
+        return {"hidden": out}
+
+    def _step(self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None,
+              pos: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        backend = self.compute.backend
+        assert backend is not None
+        with torch.inference_mode():
+            return backend.run(hidden, session.sub, attention_mask=mask, position_ids=pos, cache=session.cache,
+                               past=session.position, adapter=session.adapter)  # fmt: skip

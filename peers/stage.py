@@ -1,0 +1,164 @@
+"""What a peer serves: a stage object the node is handed, so the node itself never asks which kind it runs.
+
+- ``ServingStage``: frozen weights of a model card, read from safetensors; the broker spreads peers over the
+  blocks (``peers.broker.planner``).
+- ``peers.training.stage.TrainableStage``: a pre-training run's stage, whose weights learn; the broker balances
+  peers over the run's fixed stages.
+
+A stage knows its model, loads a span (``load``), plans placements when its peer is the broker (``plan``), and may
+add background work and RPC handlers of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import PretrainedConfig
+
+from peers.blocks.backend import SpanBackend
+from peers.blocks.families import Family, family_for
+from peers.blocks.loader import block_bytes, load_span
+from peers.broker.planner import PeerInfo, Plan, Policy, plan_swarm
+from peers.config import PeerConfig
+from peers.rpc.compute import ComputeService, Learner
+from peers.rpc.servicer import TrainingRpc
+from swarm.config import Timing, load_model_card
+from swarm.dht import RecordStore
+from swarm.errors import BadInputError
+from swarm.ids import Span
+from swarm.model_files import load_config, model_folder, weights_fingerprint
+from swarm.rpc.remote import Remote
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a peer knows of the model it serves."""
+
+    name: str  # its id in the DHT
+    config: PretrainedConfig
+    family: Family
+    dtype: torch.dtype
+    fingerprint: str
+    block_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token's hidden state takes on the wire."""
+        return int(self.config.hidden_size) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StageEnv:
+    """What a stage may use of the peer that runs it."""
+
+    store: RecordStore
+    remote: Remote
+    peer_id: str
+    compute: ComputeService
+    timing: Timing
+
+
+class Stage(Protocol):
+    model: ModelInfo
+
+    def attach(self, env: StageEnv) -> None:
+        """Called once the peer's DHT, transport and compute exist, before the first ``load``."""
+
+    def check_pinned(self, span: Span) -> None:
+        """Refuse a ``--blocks`` span this stage cannot serve."""
+
+    async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
+        """The span's layers, ready to serve (and its learner, for trainable weights)."""
+
+    def probe(self) -> SpanBackend:
+        """One block to measure this peer's speed on before the broker places it (blocking)."""
+
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+        """The broker's placement of ``peers`` (pure)."""
+
+    def background(self) -> list[Coroutine[object, None, None]]:
+        """Work that runs as long as the peer does."""
+
+    @property
+    def training(self) -> TrainingRpc | None:
+        """Handlers of state requests and step notices, for trainable stages."""
+
+    def close(self) -> None: ...
+
+
+def _perturb(layers: torch.nn.Module, scale: float) -> None:
+    """Testing aid: weights that differ from what the fingerprint claims, like a faulty or dishonest peer."""
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in layers.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+
+
+class ServingStage:
+    """Frozen weights of a model card or a Hugging Face folder."""
+
+    def __init__(self, model: ModelInfo, folder: Path, device: str, perturb: float = 0.0) -> None:
+        self.model, self.folder, self.device, self.perturb = model, folder, device, perturb
+
+    @classmethod
+    def from_config(cls, cfg: PeerConfig) -> ServingStage:
+        card = load_model_card(cfg.model)
+        folder = model_folder(card, cfg.cache_dir)
+        config = load_config(folder)
+        config._attn_implementation = "sdpa"
+        dtype_name = cfg.compute.dtype or card.dtype
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise BadInputError(f"unknown dtype {dtype_name!r}")
+        family = family_for(config)
+        fingerprint = weights_fingerprint(folder, dtype_name, cfg.cache_dir)
+        model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
+        return cls(model, folder, cfg.compute.device, cfg.compute.perturb_weights)
+
+    def attach(self, env: StageEnv) -> None:
+        pass
+
+    def check_pinned(self, span: Span) -> None:
+        if span.end > self.model.num_blocks:
+            raise BadInputError(f"--blocks {span} exceeds the model's {self.model.num_blocks} blocks")
+
+    async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
+        return await asyncio.to_thread(self._load, span), None
+
+    def _load(self, span: Span) -> SpanBackend:
+        m = self.model
+        layers = load_span(self.folder, m.config, m.family, span, m.dtype, self.device)
+        if self.perturb:
+            _perturb(layers, self.perturb)
+        return SpanBackend(m.config, m.family, layers, span, self.device, m.dtype)
+
+    def probe(self) -> SpanBackend:
+        return self._load(Span(0, 1))
+
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+        return plan_swarm(peers, self.model.num_blocks, max(self.model.block_bytes, 1), policy)
+
+    def background(self) -> list[Coroutine[object, None, None]]:
+        return []
+
+    @property
+    def training(self) -> TrainingRpc | None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,172 @@
+"""A stage of a pre-training run, as the node serves it: its model is the run's (no weights file to serve: per-tensor
+seeds, a checkpoint or a live replica), its weights learn, and it follows the swarm's global step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from pathlib import Path
+
+import torch
+
+from peers.blocks.backend import SpanBackend
+from peers.blocks.families import family_for
+from peers.blocks.loader import load_span
+from peers.broker.planner import PeerInfo, Plan, Policy
+from peers.broker.stages import plan_stages
+from peers.config import PeerConfig
+from peers.rpc.compute import Learner, Tensors
+from peers.stage import ModelInfo, StageEnv
+from peers.training.span_trainer import SpanTrainer
+from swarm.dht import dht_time
+from swarm.errors import BadInputError
+from swarm.ids import Span
+from swarm.protocol import StateReply, StateRequest, StepNotice
+from swarm.records import ServerRecord, TrainerProgress, fresh, stage_servers
+from swarm.rpc.state import freshest_state
+from swarm.training.init import init_module, stage_state_bytes
+from swarm.training.run import RunConfig, load_run
+
+log = logging.getLogger(__name__)
+
+
+class TrainableStage:
+    def __init__(self, run: RunConfig, model: ModelInfo, device: str, checkpoint_dir: Path | None) -> None:
+        self.run, self.model, self.device = run, model, device
+        self.checkpoint_dir = checkpoint_dir  # None: the run's checkpoint directory / stage-A-B
+        self.trainer: SpanTrainer | None = None
+        self._env: StageEnv | None = None
+
+    @classmethod
+    def from_config(cls, cfg: PeerConfig, run_file: Path) -> TrainableStage:
+        run = load_run(run_file, cfg.cache_dir)
+        config = run.hf_config()
+        if run.stages[-1].end != config.num_hidden_layers:
+            raise BadInputError(f"run {run.name}: stages end at block {run.stages[-1].end}, the model has "
+                                f"{config.num_hidden_layers}")  # fmt: skip
+        family = family_for(config)
+        with torch.device("meta"):
+            block = family.layer_cls(config, layer_idx=0)
+        per_block = sum(p.numel() for p in block.parameters()) * 4 * 4  # weights, gradients, two Adam moments
+        # the fingerprint names the run: its weights change as it learns
+        model = ModelInfo(run.model_id, config, family, torch.float32, f"trainable:{run.name}", per_block)
+        return cls(run, model, cfg.compute.device, cfg.checkpoint_dir)
+
+    @property
+    def env(self) -> StageEnv:
+        if self._env is None:
+            raise RuntimeError("the stage is not attached to a peer yet")
+        return self._env
+
+    def attach(self, env: StageEnv) -> None:
+        self._env = env
+
+    def check_pinned(self, span: Span) -> None:
+        self.run.stage_of(span)
+
+    # ---- loading ------------------------------------------------------------------------------------------------
+    def _replicas(self, span: Span) -> list[ServerRecord]:
+        return stage_servers(self.env.store.view(self.model.name, self.model.num_blocks), span,
+                             exclude=self.env.peer_id)  # fmt: skip
+
+    def _build(self, span: Span) -> SpanTrainer:
+        m, run = self.model, self.run
+        folder = run.source_folder()
+        if folder is not None:
+            layers = load_span(folder, m.config, m.family, span, torch.float32, self.device)
+        else:
+            with torch.device(self.device):
+                layers = torch.nn.ModuleList(m.family.layer_cls(m.config, layer_idx=i) for i in span)
+            for i, layer in enumerate(layers):
+                init_module(layer, f"model.layers.{span.start + i}.", m.config, run.seed)
+        folder = self.checkpoint_dir or run.checkpoint_dir / f"stage-{span.start}-{span.end}"
+        return SpanTrainer(run, layers, span, folder)
+
+    async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
+        """Build the stage, then take the freshest state there is: a live replica's, else this peer's last
+        checkpoint, else the run's seeded initialisation (or the weights it continues from)."""
+        self.run.stage_of(span)
+        trainer = await asyncio.to_thread(self._build, span)
+        replicas = await asyncio.to_thread(self._replicas, span)
+        limit = stage_state_bytes(self.run, span)
+        state = await freshest_state(self.env.remote, replicas, span, self.env.timing.state_timeout, limit)
+        if state is not None:
+            trainer.import_state(*state)
+            log.info("joined at step %d with a replica's weights", trainer.step, extra={"span": str(span)})
+        elif not await asyncio.to_thread(trainer.load_latest_checkpoint):
+            log.info("starting from the run's initial weights", extra={"span": str(span)})
+        trainer.replicas = 1 + len(replicas)
+        trainer.start_averager(self.env.store.dht)
+        trainer.launch_averager()  # on the event loop's thread, the main thread, as hivemind requires
+        if self.trainer is not None:
+            self.trainer.close()
+        self.trainer = trainer
+        m = self.model
+        return SpanBackend(m.config, m.family, trainer.layers, span, self.device, torch.float32), trainer
+
+    def probe(self) -> SpanBackend:
+        """A freshly initialised block (nothing downloaded): what one block costs on this device."""
+        m = self.model
+        with torch.device(self.device):
+            layer = m.family.layer_cls(m.config, layer_idx=0)
+        return SpanBackend(m.config, m.family, torch.nn.ModuleList([layer]), Span(0, 1), self.device, torch.float32)
+
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+        return plan_stages(peers, self.run.stages, max(self.model.block_bytes, 1))
+
+    # ---- the global step ----------------------------------------------------------------------------------------
+    def background(self) -> list[Coroutine[object, None, None]]:
+        return [self._follow_global_step()]
+
+    async def _follow_global_step(self) -> None:
+        """Keep the count of this stage's replicas, and step with the swarm even if no trainer's step notice arrived:
+        the trainers publish their step in the DHT, and a stage behind it applies its own step (then averages when
+        the period says so)."""
+        env = self.env
+        while True:
+            await asyncio.sleep(env.timing.step_follow_period)
+            trainer = self.trainer
+            if trainer is None:
+                continue
+            try:
+                trainer.replicas = 1 + len(await asyncio.to_thread(self._replicas, trainer.span))
+                progress = await asyncio.to_thread(env.store.read, self.run.trainers_key, TrainerProgress)
+                steps = [p.step for p in fresh(progress, dht_time(), env.timing.trainer_stale)]
+                if steps and max(steps) > trainer.step:
+                    log.info("the swarm is at step %d", max(steps), extra={"span": str(trainer.span)})
+                    await env.compute.run(trainer.catch_up, max(steps))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("could not follow the global step: %s", e, extra={"peer": env.peer_id})
+
+    # ---- RPC: state requests and step notices --------------------------------------------------------------------
+    @property
+    def training(self) -> TrainableStage:
+        return self
+
+    def _held(self) -> SpanTrainer:
+        if self.trainer is None:
+            raise BadInputError("this peer holds no trainable stage yet")
+        return self.trainer
+
+    async def state(self, req: StateRequest) -> tuple[StateReply, Tensors]:
+        """The stage's weights and optimizer state, taken between requests on the compute thread."""
+        trainer = self._held()
+        if (req.start, req.end) != (trainer.span.start, trainer.span.end):
+            raise BadInputError(f"this peer holds stage {trainer.span}, not {req.start}:{req.end}")
+        step, tensors = await self.env.compute.run(lambda: (trainer.step, trainer.export_state()))
+        return StateReply(step=step, start=trainer.span.start, end=trainer.span.end), tensors
+
+    async def step(self, notice: StepNotice) -> None:
+        """A trainer finished a global step: take ours now (a replica that saw none of the step's micro-batches would
+        otherwise wait for its next request), without making the trainer wait for it or for an averaging round."""
+        trainer = self._held()
+        if notice.step > trainer.step:
+            self.env.compute.in_background(trainer.catch_up, notice.step)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None

@@ -1,0 +1,61 @@
+"""The client's connection to one model's swarm: its DHT peer (client mode), a private event loop, the transport,
+the view of the swarm and the retry helper. One per model object; closed with it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from swarm.client.retry import Retrier
+from swarm.client.swarm_view import SwarmView
+from swarm.config import ClientConfig
+from swarm.dht import start_dht
+from swarm.protocol import ReleaseRequest, StepNotice
+from swarm.rpc.hop import Hop
+from swarm.rpc.loop import LoopThread
+from swarm.rpc.remote import Remote
+
+log = logging.getLogger(__name__)
+
+
+class SwarmConnection:
+    def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprint: str | None) -> None:
+        self.cfg = cfg
+        self.timing = cfg.timing
+        self.store = start_dht(initial_peers=cfg.initial_peers, client_mode=True,
+                               timeout=cfg.timing.dht_start_timeout, call_timeout=cfg.timing.dht_timeout)  # fmt: skip
+        try:
+            self.loop = LoopThread("swarm-client")
+            p2p = self.loop.run(self.store.replicate_p2p())
+            self.remote = Remote(p2p, cfg.direct, pool_size=cfg.pool_size, max_reply_bytes=cfg.max_reply_bytes)
+            self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprint)
+            self.retrier = Retrier(self.view, cfg.timing)
+        except BaseException:
+            self.store.shutdown()
+            raise
+
+    @property
+    def peer_id(self) -> str:
+        return self.store.peer_id
+
+    def notify(self, hops: list[Hop], notice: StepNotice | ReleaseRequest) -> None:
+        """Send a notice to every server of ``hops`` at once, best effort; a server that fails it is banned like any
+        failed peer (it is most likely gone), through the retry helper."""
+        if not hops:
+            return
+        timeout = self.timing.notice_timeout
+        try:
+            failures = self.loop.run(self.remote.notify(hops, notice, timeout), timeout + self.timing.shutdown_timeout)
+        except TimeoutError:  # every call has its own timeout; this guards the loop itself
+            log.warning("%s notices did not finish in time", notice.kind)
+            return
+        for failure in failures:
+            if failure.retriable:
+                self.retrier.note_failure(failure, notice.kind)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.loop.call_soon_threadsafe(self.remote.close)
+            self.loop.run(self.remote.p2p.shutdown(), self.timing.shutdown_timeout)
+        self.loop.close(self.timing.shutdown_timeout)
+        self.store.shutdown()

@@ -1,0 +1,267 @@
+"""Typed calls to one server: compute (forward, backward, release, state, step notices), the inference stream,
+bandwidth probes and info.
+
+Every call encodes a typed request, goes over the transport ``choose_transport`` picks, and parses the typed reply.
+Transport failures (connection refused or dropped, timeout, malformed reply) become ``PeerUnavailableError``; error
+replies become the error class the server named. Every call has a timeout, and every error carries the ``peer_id``
+it came from, so the retry helper knows whom to ban."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm import wire
+from swarm.config import DirectPolicy
+from swarm.errors import PeerUnavailableError, SwarmError
+from swarm.protocol import (
+    RPC_BANDWIDTH,
+    RPC_COMPUTE_LOOP,
+    RPC_FORWARD,
+    RPC_FORWARD_STREAM,
+    RPC_INFERENCE,
+    RPC_INFO,
+    BackwardRequest,
+    BandwidthProbe,
+    BandwidthReply,
+    ForwardRequest,
+    InferenceRequest,
+    InfoReply,
+    InfoRequest,
+    R,
+    ReleaseRequest,
+    Reply,
+    Request,
+    StateReply,
+    StateRequest,
+    StepNotice,
+    parse_reply,
+)
+from swarm.rpc.direct import TcpChannel
+from swarm.rpc.hop import Hop
+from swarm.rpc.transport import Channel, P2PChannel, Transport, choose_transport, stream_rpc, unary
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+def unavailable(peer_id: str, what: str, e: BaseException | None = None) -> SwarmError:
+    detail = f": {type(e).__name__}: {e}" if e is not None else ""
+    error = PeerUnavailableError(f"peer {peer_id} {what}{detail}")
+    error.peer_id = peer_id
+    return error
+
+
+def _parse(message: wire.Message | None, cls: type[R], peer_id: str) -> tuple[R, Tensors]:
+    if message is None:
+        raise unavailable(peer_id, "closed the call without a reply")
+    try:
+        return parse_reply(message[0], cls, peer_id), message[1]
+    except SwarmError:  # the error the server named (some are ValueErrors too: bad input)
+        raise
+    except ValueError as e:  # pydantic: a reply that is neither an error nor what this call returns
+        raise unavailable(peer_id, "sent a malformed reply", e) from None
+
+
+class Remote:
+    """One party's transport state: its P2P replica, the peers it has dialled, its direct-TCP policy, its kept-open
+    compute connections and the traffic it counted."""
+
+    def __init__(
+        self, p2p: P2P, direct: DirectPolicy = "auto", *, pool_size: int = 4, max_reply_bytes: int = 1 << 28
+    ) -> None:
+        self.p2p = p2p
+        self.direct: DirectPolicy = direct
+        self.pool_size = pool_size  # idle compute connections kept per server (micro-batches in flight)
+        self.max_reply_bytes = max_reply_bytes  # a reply larger than this is refused: replies are hostile too
+        self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
+        self._dialled: set[str] = set()
+        self._idle: dict[str, list[TcpChannel]] = {}  # direct address -> kept-open compute connections
+
+    def transport(self, hop: Hop, rpc: str, frames: list[wire.Frame] | None = None) -> Transport:
+        frames = frames or []
+        return choose_transport(hop, rpc, wire.encoded_size(frames), len(frames), self.direct)
+
+    async def _peer(self, hop: Hop) -> PeerID:
+        peer = PeerID.from_base58(hop.peer_id)
+        if hop.peer_id not in self._dialled and hop.maddrs:
+            try:
+                await self.p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in hop.maddrs])
+            except Exception as e:
+                raise unavailable(hop.peer_id, "cannot be reached", e) from None
+            self._dialled.add(hop.peer_id)
+        return peer
+
+    async def open_channel(self, hop: Hop, rpc: str, max_bytes: int | None = None) -> Channel:
+        """A stream to ``hop`` for ``rpc``: direct TCP where the policy allows, else libp2p."""
+        limit = max_bytes or self.max_reply_bytes
+        if self.transport(hop, rpc) == Transport.DIRECT:
+            assert hop.direct is not None
+            return await TcpChannel.open(hop.direct, rpc, limit)
+        return await P2PChannel.open(self.p2p, await self._peer(hop), stream_rpc(rpc), limit)
+
+    async def _exchange(
+        self, hop: Hop, rpc: str, frames: list[wire.Frame], max_bytes: int | None = None
+    ) -> wire.Message | None:
+        """One request, one reply, over the transport chosen for it (replies bounded by ``max_bytes``, default the
+        transport's bound)."""
+        transport = self.transport(hop, rpc, frames)
+        if transport == Transport.POOLED:
+            assert hop.direct is not None
+            return await self._pooled(hop.direct, frames)
+        if transport == Transport.UNARY:
+            decoder = wire.Decoder(self.max_reply_bytes)
+            message = decoder.feed(await unary(self.p2p, await self._peer(hop), rpc, frames[0]))
+            self.traffic["received_bytes"] += decoder.total_bytes
+            if message is None:
+                raise unavailable(hop.peer_id, "sent a reply that ends before all its tensors")
+            return message
+        channel = await self.open_channel(hop, rpc, max_bytes)
+        try:
+            await channel.send(frames)
+            return await channel.receive()
+        finally:
+            self.traffic["received_bytes"] += channel.decoder.total_bytes
+            channel.close()
+
+    async def _pooled(self, address: str, frames: list[wire.Frame]) -> wire.Message | None:
+        """One compute call over an idle kept-open connection to ``address`` (or a new one); the connection goes
+        back to the pool only after a complete reply, so a broken or abandoned one is never reused."""
+        idle = self._idle.setdefault(address, [])
+        channel = idle.pop() if idle else await TcpChannel.open(address, RPC_COMPUTE_LOOP, self.max_reply_bytes)
+        try:
+            await channel.send(frames)
+            message = await channel.receive()
+        except BaseException:
+            channel.close()
+            raise
+        finally:
+            self.traffic["received_bytes"] += channel.decoder.total_bytes
+            channel.decoder.total_bytes = 0
+        if message is not None and len(idle) < self.pool_size:
+            idle.append(channel)
+        else:
+            channel.close()
+        return message
+
+    async def call(
+        self,
+        hop: Hop,
+        rpc: str,
+        request: Request,
+        tensors: Tensors,
+        timeout: float,
+        reply: type[R],
+        max_bytes: int | None = None,
+    ) -> tuple[R, Tensors]:
+        """Send ``request`` (with ``tensors``) and return the typed reply and its tensors."""
+        frames = wire.encode(request.model_dump(mode="json"), tensors)
+        self.traffic["sent_bytes"] += wire.encoded_size(frames)
+        try:
+            message = await asyncio.wait_for(self._exchange(hop, rpc, frames, max_bytes), timeout)
+        except SwarmError as e:
+            e.peer_id = hop.peer_id
+            raise
+        except Exception as e:
+            self._dialled.discard(hop.peer_id)
+            raise unavailable(hop.peer_id, "failed", e) from None
+        return _parse(message, reply, hop.peer_id)
+
+    async def exchange_raw(
+        self, hop: Hop, rpc: str, meta: dict[str, object], tensors: Tensors, timeout: float
+    ) -> wire.Message | None:
+        """Hand-written metadata, as a buggy or hostile peer might send it, and the raw reply (tests and tools: every
+        call of the library itself goes through a typed request)."""
+        return await asyncio.wait_for(self._exchange(hop, rpc, wire.encode(meta, tensors)), timeout)
+
+    async def compute(
+        self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors, timeout: float
+    ) -> Tensors:
+        return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply))[1]
+
+    async def state(self, hop: Hop, timeout: float, max_bytes: int) -> tuple[StateReply, Tensors]:
+        """A trainable stage's weights and Adam moments, from the server of ``hop`` (which must hold exactly its
+        blocks), over a stream of its own: the reply is as large as the stage (at most ``max_bytes``, what the caller
+        knows such a stage takes)."""
+        request = StateRequest(start=hop.start, end=hop.end)
+        return await self.call(hop, RPC_FORWARD_STREAM, request, {}, timeout, StateReply, max_bytes)
+
+    async def notify(
+        self, hops: list[Hop], request: StepNotice | ReleaseRequest, timeout: float
+    ) -> list[SwarmError]:
+        """The same small notice to many servers at once; returns the failures (each tagged with its peer)."""
+        results = await asyncio.gather(
+            *(self.call(h, RPC_FORWARD, request, {}, timeout, Reply) for h in hops), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, SwarmError)]
+        unexpected = [r for r in results if isinstance(r, BaseException) and not isinstance(r, SwarmError)]
+        if unexpected:
+            raise unexpected[0]
+        return failures
+
+    async def send_payload(self, hop: Hop, nbytes: int, timeout: float) -> float:
+        """Seconds to send ``nbytes`` to a peer and hear it arrived, over the path real traffic would take."""
+        t0 = time.perf_counter()
+        got, _ = await self.call(
+            hop, RPC_BANDWIDTH, BandwidthProbe(), {"payload": torch.zeros(nbytes // 4)}, timeout, BandwidthReply
+        )
+        if got.received < nbytes // 4 * 4:
+            raise unavailable(hop.peer_id, f"confirmed {got.received} of {nbytes} probe bytes")
+        return time.perf_counter() - t0
+
+    async def info(self, hop: Hop, timeout: float) -> InfoReply:
+        return (await self.call(hop, RPC_INFO, InfoRequest(), {}, timeout, InfoReply))[0]
+
+    async def open_session(self, hop: Hop, timeout: float) -> InferenceStream:
+        try:
+            channel = await asyncio.wait_for(self.open_channel(hop, RPC_INFERENCE), timeout)
+        except SwarmError:
+            raise
+        except Exception as e:
+            raise unavailable(hop.peer_id, "cannot open a session", e) from None
+        return InferenceStream(self, hop, channel)
+
+    def close(self) -> None:
+        for channels in self._idle.values():
+            for channel in channels:
+                channel.close()
+        self._idle.clear()
+
+
+class InferenceStream:
+    """One open inference session on one server: a bidirectional stream, one message group per step. The server
+    ends a session at its first error, and so does this side."""
+
+    def __init__(self, remote: Remote, hop: Hop, channel: Channel) -> None:
+        self.remote, self.hop, self.channel = remote, hop, channel
+        self.closed = False
+
+    async def exchange(self, request: InferenceRequest, tensors: Tensors, timeout: float) -> Tensors:
+        """Send one step and wait for its reply."""
+        try:
+            frames = wire.encode(request.model_dump(mode="json"), tensors)
+            self.remote.traffic["sent_bytes"] += wire.encoded_size(frames)
+            received = self.channel.decoder.total_bytes
+            await self.channel.send(frames)
+            message = await asyncio.wait_for(self.channel.receive(), timeout)
+            self.remote.traffic["received_bytes"] += self.channel.decoder.total_bytes - received
+        except Exception as e:
+            self.close()
+            raise unavailable(self.hop.peer_id, "failed", e) from None
+        try:
+            return _parse(message, Reply, self.hop.peer_id)[1]
+        except SwarmError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.channel.close()

@@ -1,0 +1,119 @@
+"""Which transport a call takes, decided in one place (``choose_transport``), and the channels that carry it.
+
+- ``POOLED``: compute calls over the direct data plane reuse a few kept-open TCP connections per server
+  (``swarm.compute_loop``: requests back to back, answered in order).
+- ``DIRECT``: other streams (inference sessions, bandwidth probes) over a fresh TCP connection.
+- ``UNARY``: a libp2p request-reply, for a message that fits one p2pd frame, and for control calls (info).
+- ``STREAM``: a libp2p stream, for anything larger and for inference sessions.
+
+The direct data plane is plain TCP, so by default (``direct="auto"``) it is used only toward loopback, private
+and link-local addresses; ``"always"`` and ``"never"`` override that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator
+from enum import StrEnum
+from typing import Protocol
+
+from hivemind.p2p import P2P, PeerID
+
+from swarm import wire
+from swarm.config import DirectPolicy
+from swarm.protocol import RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFO
+from swarm.rpc.hop import Hop
+
+
+class Transport(StrEnum):
+    POOLED = "pooled"
+    DIRECT = "direct"
+    UNARY = "unary"
+    STREAM = "stream"
+
+
+def trusted_path(address: str) -> bool:
+    """Loopback, private and link-local hosts: the 'auto' policy sends plain TCP only there."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    return ip.is_loopback or ip.is_private or ip.is_link_local
+
+
+def use_direct(hop: Hop, policy: DirectPolicy) -> bool:
+    if not hop.direct or policy == "never":
+        return False
+    return policy == "always" or trusted_path(hop.direct)
+
+
+def choose_transport(hop: Hop, rpc: str, size: int, frames: int, policy: DirectPolicy) -> Transport:
+    """The transport of one call of ``rpc`` to ``hop`` carrying ``frames`` frames of ``size`` bytes in all."""
+    if rpc == RPC_INFO:
+        return Transport.UNARY  # control plane: always libp2p (authenticated, works through NATs)
+    if use_direct(hop, policy):
+        return Transport.POOLED if rpc == RPC_FORWARD else Transport.DIRECT
+    if rpc == RPC_FORWARD and frames == 1 and size < wire.FRAME_BYTES:
+        return Transport.UNARY
+    return Transport.STREAM
+
+
+def stream_rpc(rpc: str) -> str:
+    """The libp2p handler that streams ``rpc`` (forward requests have a unary and a streamed handler)."""
+    return RPC_FORWARD_STREAM if rpc == RPC_FORWARD else rpc
+
+
+
+class Channel(Protocol):
+    """One open RPC stream: frames out, complete messages in."""
+
+    decoder: wire.Decoder  # counts the bytes received (traffic accounting)
+
+    async def send(self, frames: list[wire.Frame]) -> None: ...
+
+    async def receive(self) -> wire.Message | None: ...
+
+    def close(self) -> None: ...
+
+
+class P2PChannel:
+    """A libp2p stream through hivemind's p2pd."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.decoder = wire.Decoder(max_bytes)
+        self._outbox: asyncio.Queue[wire.Frame | None] = asyncio.Queue()
+        self._responses: AsyncIterator[wire.Frame] | None = None
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer: PeerID, rpc: str, max_bytes: int) -> P2PChannel:
+        channel = cls(max_bytes)
+        channel._responses = await _iterate(p2p, peer, rpc, channel._requests())
+        return channel
+
+    async def _requests(self) -> AsyncIterator[wire.Frame]:
+        while (frame := await self._outbox.get()) is not None:
+            yield frame
+
+    async def send(self, frames: list[wire.Frame]) -> None:
+        for frame in frames:
+            self._outbox.put_nowait(frame)
+
+    async def receive(self) -> wire.Message | None:
+        assert self._responses is not None
+        return await wire.read_message(self._responses, self.decoder)
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+
+
+async def _iterate(p2p: P2P, peer: PeerID, rpc: str, requests: AsyncIterator[wire.Frame]) -> AsyncIterator[wire.Frame]:
+    responses: AsyncIterator[wire.Frame] = await p2p.iterate_protobuf_handler(peer, rpc, requests, wire.Frame)
+    return responses
+
+
+async def unary(p2p: P2P, peer: PeerID, rpc: str, frame: wire.Frame) -> wire.Frame:
+    reply = await p2p.call_protobuf_handler(peer, rpc, frame, wire.Frame)
+    assert isinstance(reply, wire.Frame)  # hivemind's call is untyped: check what it returned
+    return reply

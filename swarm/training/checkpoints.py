@@ -1,0 +1,63 @@
+"""Checkpoints of every party of a pre-training run (a stage's weights and Adam moments, a trainer's parameters,
+optimizer and data position): ``step-NNNNNNN.pt`` files in one folder, written atomically, the last two kept, and
+validated against their model when read back (a checkpoint file is input like any other)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarm.errors import BadInputError
+
+KEEP = 2  # a crash while writing one still leaves the one before
+
+
+class Checkpoint(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    step: int = Field(ge=0)
+
+
+class StageCheckpoint(Checkpoint):
+    span: str
+    tensors: dict[str, torch.Tensor]  # param.* / exp_avg.* / exp_avg_sq.* by model names
+
+
+class TrainerCheckpoint(Checkpoint):
+    position: int = Field(ge=0)  # samples consumed from the data
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, object]  # torch's optimizer state_dict
+
+
+C = TypeVar("C", bound=Checkpoint)
+
+
+def save(folder: Path, checkpoint: Checkpoint) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{checkpoint.step:07d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save(dict(checkpoint), tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous checkpoint intact
+    for old in sorted(folder.glob("step-*.pt"))[:-KEEP]:
+        old.unlink()
+    return path
+
+
+def latest(folder: Path) -> Path | None:
+    found = sorted(folder.glob("step-*.pt")) if folder.is_dir() else []
+    return found[-1] if found else None
+
+
+def load_latest(folder: Path, cls: type[C]) -> C | None:
+    """The newest checkpoint in ``folder`` as ``cls`` (tensors and plain values only: ``weights_only``), or None."""
+    path = latest(folder)
+    if path is None:
+        return None
+    try:
+        return cls.model_validate(torch.load(path, weights_only=True))
+    except ValidationError as e:
+        raise BadInputError(f"{path} is not a {cls.__name__} of this version: {e}") from None
