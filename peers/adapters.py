@@ -38,6 +38,7 @@ class Adapter:
     def trainable(self) -> Adapter:
         """A copy whose tensors are fresh leaves that require grad (sharing storage), so a backward can return
         their gradients without touching the cached tensors."""
+
         def leaf(t: torch.Tensor) -> torch.Tensor:
             return t.detach().requires_grad_(True)
 

@@ -279,7 +279,7 @@ async def run_peer(
             await peer.publish(PeerState.JOINING)
         tasks.append(asyncio.create_task(peer.heartbeat(stop)))
         if cfg.placement.blocks is None:
-            tasks.append(asyncio.create_task(run_follower(store, model.name, peer, cfg.timing.broker_period)))
+            tasks.append(asyncio.create_task(run_follower(store, model.name, model.num_blocks, peer, cfg.timing)))
         if cfg.placement.broker:
             policy = Policy(replication=cfg.placement.replication, standby_fraction=cfg.placement.standby_fraction)
             planner = lambda peers: stage.plan(peers, policy)  # noqa: E731

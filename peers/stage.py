@@ -126,7 +126,8 @@ class ServingStage:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise BadInputError(f"unknown dtype {dtype_name!r}")
         family = family_for(config)
-        fingerprint = weights_fingerprint(folder, dtype_name, cfg.cache_dir)
+        # by the dtype's canonical name ("half" is float16): clients compute the fingerprints they accept that way
+        fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cfg.cache_dir)
         model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
         return cls(model, folder, cfg.compute.device, cfg.compute.perturb_weights)
 

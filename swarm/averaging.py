@@ -4,9 +4,12 @@ forked averager process tied to the life of its owner."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.matchmaking import MatchmakingException
 
 from swarm.dht import OwnedDHT, die_with_parent
 from swarm.training.run import RunConfig
@@ -17,11 +20,34 @@ log = logging.getLogger(__name__)
 class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind ships no type information
     """hivemind's averager, whose forked child never outlives the process that made it (``die_with_parent``).
 
-    It holds the given tensors in shared memory and writes the group's average into them in place."""
+    It holds the given tensors in shared memory and writes the group's average into them in place.
+
+    hivemind lets anyone who knows the group prefix join a round (its averager has no authorizer). This one takes
+    part in a round only when every groupmate is a peer its owner allowed (``allow``: the replicas holding a signed
+    stage record of the run, or the run's trainers); otherwise it leaves the group before any tensor is sent, and
+    the round fails without changing anything here."""
+
+    _allowed: frozenset[str] = frozenset()  # in the averager's process; nobody until the owner says
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
         super().run()
+
+    def allow(self, peer_ids: Iterable[str]) -> None:
+        """Who may share this averager's rounds (sent to its process, which takes it before the next round)."""
+        self._outer_pipe.send(("_set_allowed", [], dict(peer_ids=frozenset(peer_ids))))
+
+    async def _set_allowed(self, peer_ids: frozenset[str]) -> None:
+        self._allowed = peer_ids
+
+    # Any: hivemind's GroupInfo and the keyword arguments it passes on, untyped there
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
+        strangers = [p.to_base58() for p in group_info.peer_ids
+                     if p != self.peer_id and p.to_base58() not in self._allowed]  # fmt: skip
+        if strangers:
+            log.warning("left an averaging group with peers outside the run: %s", ", ".join(strangers))
+            raise MatchmakingException(f"peers outside the run in the group: {', '.join(strangers)}")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     @classmethod
     def for_run(
@@ -40,6 +66,7 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             request_timeout=run.averaging_request_timeout,
             allreduce_timeout=run.averaging_timeout,
             client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
+            allow_state_sharing=False,  # joiners take a stage's state over the swarm's own checked path
         )
 
     def average_round(self, run: RunConfig, what: str) -> bool:

@@ -48,6 +48,8 @@ class Timing:
     slow_factor: float = 10.0  # a hop this many times slower than announced (several steps running) is moved
     broker_period: float = 5.0  # the broker replans, and followers look for new assignments, this often
     lease_seconds: float = 30.0  # a broker's lease; a new broker is elected within two of these after it dies
+    max_tenure: float = 900.0  # one holder renews its lease at most this long, then others get a turn
+    clock_skew: float = 10.0  # clock difference tolerated between peers (future-dated records beyond it are refused)
     heartbeat_timeout: float = 15.0  # the broker counts a peer dead after this long without a heartbeat
     step_follow_period: float = 5.0  # a trainable stage checks the trainers' progress in the DHT this often
     trainer_stale: float = 60.0  # a trainer whose progress record is older than this has left the run
@@ -73,6 +75,7 @@ class Timing:
             leave_grace=3.0,
             broker_period=0.5,
             lease_seconds=3.0,
+            max_tenure=60.0,
             heartbeat_timeout=3.0,
             step_follow_period=1.0,
             progress_ttl=60.0,
@@ -166,3 +169,4 @@ class ClientConfig:
     pool_size: int = 4  # kept-open compute connections per server (micro-batches in flight)
     max_reply_bytes: int = 256 * 1024 * 1024  # a larger reply is refused: replies are hostile input too
     wiring_seed: int | None = None  # seed of the stochastic wiring of training micro-batches (None: random)
+    identity: Path | None = None  # identity file: a stable peer id (a closed run's trainer); None: a fresh key

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -27,8 +29,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.errors import DhtLostError
+from swarm.identity import Signed, new_identity_file, owner_of, sign_record
 from swarm.ids import block_key
-from swarm.records import Record, ServerRecord, View, parse_as, parse_record
+from swarm.records import Record, ServerRecord, View, parse_as
 
 R = TypeVar("R", bound=Record)
 T = TypeVar("T")
@@ -97,11 +100,9 @@ def dht_time() -> float:
     return float(get_dht_time())
 
 
-def load_identity(path: Path | None) -> tuple[str | None, RSAPrivateKey]:
-    """The libp2p identity file (created if missing) and the same RSA key, which also signs this peer's records,
-    so a restarted peer keeps its peer id and can overwrite its own records."""
-    if path is None:
-        return None, RSAPrivateKey()
+def load_identity(path: Path) -> RSAPrivateKey:
+    """The libp2p identity file (created if missing) and the same RSA key, which also signs this peer's records:
+    readers believe a record only when its key is the one its author's peer id comes from."""
     path = Path(path).expanduser()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def load_identity(path: Path | None) -> tuple[str | None, RSAPrivateKey]:
     proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})
-    return str(path), key
+    return key
 
 
 # The coroutines below run inside hivemind's DHT process: ``node`` is its DHTNode, which ships without types (Any).
@@ -146,10 +147,14 @@ class RecordStore:
     record model (values of another schema version, malformed ones and the rest are skipped). Every call has a
     timeout, so a DHT process that died or hangs never hangs its caller."""
 
-    def __init__(self, dht: OwnedDHT, validator: RSASignatureValidator, call_timeout: float) -> None:
+    def __init__(
+        self, dht: OwnedDHT, key: RSAPrivateKey, validator: RSASignatureValidator, call_timeout: float
+    ) -> None:
         self.dht = dht  # hivemind's, for what needs it directly (the averager, the P2P replica)
+        self.key = key  # this peer's identity: signs its DHT values (through ``validator``) and its messages
         self.validator = validator
         self.call_timeout = call_timeout
+        self.dropped: Counter[str] = Counter()  # values refused at read, by reason (unsigned, foreign, malformed)
 
     @property
     def peer_id(self) -> str:
@@ -177,14 +182,34 @@ class RecordStore:
                      subkey=subkey)  # fmt: skip
         return all(self._call(fn).values())
 
+    def sign(self, record: Record) -> Signed:
+        """``record`` signed with this peer's identity key, to carry in a message."""
+        return sign_record(self.key, record)
+
     def publish(self, key: str, record: Record, expiration: float) -> bool:
         """Store ``record`` under ``key`` in this peer's own signed subkey."""
         return self._store([key], record, expiration)
 
+    def _authentic(self, subkey: object, value: object, cls: type[R]) -> R | None:
+        """``value`` as ``cls`` if the key that signed it is its author's; else None, counted in ``dropped``."""
+        author = owner_of(subkey)
+        if author is None:
+            self.dropped["unsigned"] += 1
+            return None
+        record = parse_as(cls, value)
+        if record is None:
+            self.dropped["malformed"] += 1
+            return None
+        if record.author != author:
+            self.dropped["foreign"] += 1
+            log.debug("dropping a %s that %s wrote as %s", cls.__name__, author, record.author)
+            return None
+        return record
+
     def read(self, key: str, cls: type[R]) -> list[R]:
-        """Every subkey's value under ``key`` (each peer's own entry) that parses as ``cls``."""
-        values = self._call(partial(_get_subkeys, key=key)).values()
-        return [r for r in (parse_as(cls, v) for v in values) if r is not None]
+        """Every authentic value under ``key`` (each author's own subkey) that parses as ``cls``."""
+        found = self._call(partial(_get_subkeys, key=key))
+        return [r for r in (self._authentic(s, v, cls) for s, v in found.items()) if r is not None]
 
     def announce(self, record: ServerRecord, expiration: float) -> bool:
         """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
@@ -197,8 +222,8 @@ class RecordStore:
         found = self._call(partial(_get_many, keys=keys))
         view: dict[int, list[ServerRecord]] = {b: [] for b in range(num_blocks)}
         for b, key in enumerate(keys):
-            for value in found.get(key, {}).values():
-                record = parse_record(value)
+            for subkey, value in found.get(key, {}).items():
+                record = self._authentic(subkey, value, ServerRecord)
                 if record is not None and record.model_id == model_id and b in record.span:
                     view[b].append(record)
         return view
@@ -218,8 +243,11 @@ def start_dht(
     timeout: float = 30.0,
     call_timeout: float = 30.0,
 ) -> RecordStore:
-    """Start this process's DHT peer (a forked child with its own p2pd) and wait until it has joined."""
-    identity_path, key = load_identity(identity)
+    """Start this process's DHT peer (a forked child with its own p2pd) and wait until it has joined. Without an
+    ``identity`` file a fresh one is made (and removed once p2pd has read it): p2pd's peer id and the key that signs
+    this peer's records are always the same key."""
+    path = identity if identity is not None else new_identity_file()
+    key = load_identity(path)
     validator = RSASignatureValidator(key)
     proto = "ip6" if ":" in host else "ip4"
     kwargs: dict[str, object] = dict(
@@ -232,12 +260,16 @@ def start_dht(
     )
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
-    if identity_path:
-        kwargs["identity_path"] = identity_path
+    kwargs["identity_path"] = str(Path(path).expanduser())
+    if identity is None:  # a key made a moment ago is nobody else's: skip hivemind's check (a second p2pd start)
+        kwargs["check_if_identity_free"] = False
     dht = OwnedDHT(**kwargs)
     try:
         dht.wait_until_ready(timeout)
     except BaseException:
         dht.shutdown()
         raise
-    return RecordStore(dht, validator, call_timeout)
+    finally:
+        if identity is None:
+            shutil.rmtree(path.parent, ignore_errors=True)
+    return RecordStore(dht, key, validator, call_timeout)

@@ -37,12 +37,12 @@ def stage_from_checkpoint(run: RunConfig, stage: Span, folder: Path | None = Non
 
 
 def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Timing) -> dict[str, tuple[int, Weights]]:
-    """Each stage's weights from one live peer serving exactly that stage (the one with the highest step)."""
+    """Each stage's weights from the live peers serving exactly that stage: the state of the last averaging round
+    two replicas vouch for, else the furthest replica's within what the trainers signed (``swarm.rpc.state``)."""
     from swarm.dht import start_dht
-    from swarm.records import stage_servers
     from swarm.rpc.loop import LoopThread
     from swarm.rpc.remote import Remote
-    from swarm.rpc.state import freshest_state
+    from swarm.rpc.state import stage_sources, stage_state
     from swarm.training.init import stage_state_bytes
 
     store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
@@ -51,11 +51,11 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Ti
     remote: Remote | None = None
     try:
         remote = Remote(loop.run(store.replicate_p2p()))
-        view = store.view(run.model_id, run.stages[-1].end)
         out = {}
         for stage in run.stages:
             limit = stage_state_bytes(run, stage)
-            found = loop.run(freshest_state(remote, stage_servers(view, stage), stage, timing.state_timeout, limit))
+            sources = stage_sources(store, run, stage, timing)
+            found = loop.run(stage_state(remote, sources, stage, timing.state_timeout, limit))
             if found is None:
                 raise BadInputError(f"no live peer serves stage {stage} of run {run.name}")
             out[str(stage)] = (found[0], _params(found[1]))

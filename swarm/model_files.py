@@ -131,6 +131,9 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+SERVING_DTYPES = ("float32", "float16", "bfloat16")  # what a server may serve a model card in
+
+
 def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
     """A short hash of the exact weight bytes and the serving dtype; peers with different fingerprints never chain.
 
@@ -155,6 +158,11 @@ def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
         tmp.write_text(content)
         os.replace(tmp, memo)
     return hashlib.sha256(f"{content}/{dtype}".encode()).hexdigest()[:16]
+
+
+def served_fingerprints(folder: Path, cache_dir: Path) -> frozenset[str]:
+    """The fingerprints servers of these files announce, in every dtype they may serve them in."""
+    return frozenset(weights_fingerprint(folder, dtype, cache_dir) for dtype in SERVING_DTYPES)
 
 
 def weight_map(folder: Path) -> dict[str, str]:

@@ -13,8 +13,10 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from swarm.errors import SwarmError, VersionMismatchError, error_from_code
+from swarm.identity import Signed
 
-PROTOCOL_VERSION = 2  # 2: one typed model per request kind, typed replies, no placeholder spans or extras
+PROTOCOL_VERSION = 3  # 3: signed step notices, training tags that name their trainer, averaging-round states
+# (2: one typed model per request kind, typed replies, no placeholder spans or extras)
 
 RPC_FORWARD = "swarm.forward"  # unary: small forward or backward
 RPC_FORWARD_STREAM = "swarm.forward_stream"  # streamed: the same, for messages over one frame
@@ -53,7 +55,9 @@ class TrainTag(Message):
     holds, which the stage counts toward the global batch when its backward arrives."""
 
     step: int = Field(ge=0)
-    samples: int = Field(default=0, ge=0)
+    samples: int = Field(default=0, ge=0)  # must be the micro-batch's rows
+    trainer: str = Field(default="", max_length=MAX_ID)  # whose samples they are (each trainer's are counted apart)
+    proof: Signed | None = None  # the trainer's signed progress at ``step``: a stage behind it steps only with one
 
 
 class ForwardRequest(Request):
@@ -97,13 +101,16 @@ class StateRequest(Request):
     kind: Literal["state"] = "state"
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    round: bool = False  # the state this replica ended its last averaging round with (its signed ``RoundRecord``)
 
 
 class StepNotice(Request):
-    """A trainer says global step ``step`` has begun: a stage behind it steps now."""
+    """A trainer says global step ``step`` has begun: a stage behind it steps now. ``proof`` is the trainer's
+    ``TrainerProgress`` at that step, signed with its key: the stage checks the trainer may feed the run."""
 
     kind: Literal["step"] = "step"
     step: int = Field(ge=0)
+    proof: Signed
 
 
 ComputeRequest = Annotated[

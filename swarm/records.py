@@ -8,13 +8,14 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swarm.ids import Span
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: leases, trainer progress and typed placements became records
+MAX_COUNT = 2**62  # most a term or step may be: far beyond any real one, and safe in every integer type
 
 
 class PeerState(StrEnum):
@@ -25,9 +26,15 @@ class PeerState(StrEnum):
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # no NaN or infinity in any number a peer announces
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def author(self) -> str:
+        """The peer id the record speaks for: it must be the id of the key that signed it."""
+        raise NotImplementedError
 
     def to_wire(self) -> dict[str, object]:
         return self.model_dump(mode="json")
@@ -57,8 +64,20 @@ class ServerRecord(Record):
     direct_address: str | None = None  # host:port of the plain-TCP data plane (swarm.rpc.direct), if offered
 
     @property
+    def author(self) -> str:
+        return self.peer_id
+
+    @property
     def span(self) -> Span:
         return Span(self.start, self.end)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerRecord:
+        if not self.start < self.end <= self.num_blocks:
+            raise ValueError(f"span {self.start}:{self.end} of a {self.num_blocks}-block model")
+        if any(not m.endswith(f"/p2p/{self.peer_id}") for m in self.maddrs):
+            raise ValueError("an address of another peer")  # it would point clients at someone else
+        return self
 
 
 class PeerRecord(Record):
@@ -78,11 +97,17 @@ class PeerRecord(Record):
     token_bytes: int = 0  # bytes one token's hidden state takes on the wire (in the serving dtype)
 
     @property
+    def author(self) -> str:
+        return self.peer_id
+
+    @property
     def span(self) -> Span | None:
         return Span(self.start, self.end) if self.start is not None and self.end is not None else None
 
 
-class Placement(Record):
+class Placement(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     role: Literal["serve", "standby"]
@@ -91,22 +116,37 @@ class Placement(Record):
     def span(self) -> Span:
         return Span(self.start, self.end)
 
+    @model_validator(mode="after")
+    def _ordered(self) -> Placement:
+        if self.start >= self.end:
+            raise ValueError(f"empty span {self.start}:{self.end}")
+        return self
+
 
 class Assignment(Record):
     """A broker's plan, stamped with its term: peers obey only the newest (term, broker) they have seen."""
 
-    term: int = Field(ge=0)
+    term: int = Field(ge=0, le=MAX_COUNT)
     broker: str
     issued_at: float
     placements: dict[str, Placement]  # peer id -> where it goes
+
+    @property
+    def author(self) -> str:
+        return self.broker
 
 
 class Lease(Record):
     """A broker candidate's claim on the role, in its own subkey of the model's broker key."""
 
-    term: int = Field(ge=0)
+    term: int = Field(ge=0, le=MAX_COUNT)
     holder: str
+    start: float  # when the holder's tenure began (DHT time); renewals keep it
     expires: float  # DHT time
+
+    @property
+    def author(self) -> str:
+        return self.holder
 
     def valid(self, now: float) -> bool:
         return self.expires > now
@@ -116,10 +156,31 @@ class TrainerProgress(Record):
     """A pre-training trainer's progress, in its own subkey of the run's trainers key: the global step it is in
     and the samples it processed for that step (how trainers agree that a step's batch is complete)."""
 
-    trainer: str
-    step: int = Field(ge=0)
-    samples: int = Field(ge=0)
+    trainer: str = Field(max_length=128)
+    step: int = Field(ge=0, le=MAX_COUNT)
+    samples: int = Field(ge=0, le=1 << 40)
     updated: float  # DHT time
+
+    @property
+    def author(self) -> str:
+        return self.trainer
+
+
+class RoundRecord(Record):
+    """A replica of a pre-training stage signs the state it ended an averaging round with: the global step and a
+    hash of its weights and Adam moments. A joining replica or an export takes the state that two replicas vouch
+    for, not the claim of whichever peer says it is furthest along."""
+
+    peer_id: str = Field(max_length=128)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    step: int = Field(ge=0, le=MAX_COUNT)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")  # sha-256 of the round's state (``swarm.training.init``)
+    updated: float  # DHT time
+
+    @property
+    def author(self) -> str:
+        return self.peer_id
 
 
 R = TypeVar("R", bound=Record)
@@ -138,8 +199,7 @@ def parse_as(cls: type[R], value: object) -> R | None:
 
 
 def parse_record(value: object) -> ServerRecord | None:
-    record = parse_as(ServerRecord, value)
-    return record if record is not None and record.start < record.end else None
+    return parse_as(ServerRecord, value)
 
 
 View = Mapping[int, list[ServerRecord]]  # block -> the records announced under it
@@ -157,15 +217,20 @@ def servers(view: View) -> dict[str, ServerRecord]:
     return out
 
 
-def stage_servers(view: View, stage: Span, exclude: str | None = None) -> list[ServerRecord]:
-    """Online peers serving exactly ``stage`` (replicas of a trainable stage average only with identical spans)."""
+def stage_servers(view: View, stage: Span, fingerprint: str, exclude: str | None = None) -> list[ServerRecord]:
+    """Online peers serving exactly ``stage`` of the run ``fingerprint`` names (replicas of a trainable stage average
+    only with identical spans)."""
     return [
         r
         for r in view.get(stage.start, [])
-        if (r.start, r.end) == (stage.start, stage.end) and r.state == PeerState.ONLINE and r.peer_id != exclude
+        if (r.start, r.end) == (stage.start, stage.end)
+        and r.state == PeerState.ONLINE
+        and r.peer_id != exclude
+        and r.fingerprint == fingerprint
     ]
 
 
-def fresh(items: Iterable[TrainerProgress], now: float, max_age: float) -> list[TrainerProgress]:
-    """Progress records refreshed within ``max_age`` seconds (older ones are trainers that left)."""
-    return [p for p in items if now - p.updated < max_age]
+def fresh(items: Iterable[TrainerProgress], now: float, max_age: float, skew: float) -> list[TrainerProgress]:
+    """Progress records refreshed within ``max_age`` seconds (older ones are trainers that left); one dated in the
+    future (beyond the clock ``skew`` tolerated) is refused: it would never grow old."""
+    return [p for p in items if -skew <= now - p.updated < max_age]

@@ -11,7 +11,7 @@ from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time, start_dht
 from swarm.errors import SwarmError, run_command
 from swarm.ids import broker_key
-from swarm.lease import winner
+from swarm.lease import LeaseRules, LeaseView
 from swarm.protocol import InfoReply
 from swarm.records import Lease, PeerState, View, servers
 from swarm.rpc.hop import Hop
@@ -31,7 +31,7 @@ def coverage(view: View, num_blocks: int) -> list[tuple[int, int, int]]:
     return runs
 
 
-def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease | None = None) -> str:
+def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease | None = None, dropped: int = 0) -> str:
     recs = sorted(servers(view).values(), key=lambda r: (r.start, r.end, r.peer_id))
     if not recs:
         return f"model {model_id}: no peers found"
@@ -59,11 +59,14 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
     lines += ["", "coverage: " + ", ".join(f"{a}:{b} x{n}" for a, b, n in runs)]
     if broker:
         lines.append(f"broker: ..{broker.holder[-12:]} (term {broker.term})")
+    lines.append(f"records dropped (unsigned, signed by another peer, or malformed): {dropped}")
     return "\n".join(lines)
 
 
-def current_broker(store: RecordStore, model_id: str) -> Lease | None:
-    return winner(store.read(broker_key(model_id), Lease), dht_time())
+def current_broker(store: RecordStore, model_id: str, timing: Timing) -> Lease | None:
+    """The lease a newcomer would obey now (it has obeyed no term before)."""
+    rules = LeaseRules(timing.lease_seconds, timing.max_tenure, skew=timing.clock_skew)
+    return LeaseView(rules).resolve(store.read(broker_key(model_id), Lease), dht_time())
 
 
 def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing) -> str:
@@ -80,7 +83,8 @@ def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing:
                 live[r.peer_id] = loop.run(remote.info(Hop.of(r), timing.open_timeout))
             except SwarmError:
                 pass  # the record stands in for a peer that did not answer
-        return render(model_id, view, live, current_broker(store, model_id))
+        broker = current_broker(store, model_id, timing)
+        return render(model_id, view, live, broker, sum(store.dropped.values()))
     finally:
         if remote is not None:  # shut the P2P replica down on its loop, so nothing is left pending at exit
             with contextlib.suppress(Exception):

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="stop after this many global steps (default: the run's)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the run's checkpoint dir / trainer")
     p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
+    p.add_argument("--identity", type=Path, default=None,
+                   help="identity file (created if missing): a stable peer id, which a closed run lists")  # fmt: skip
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
@@ -56,7 +58,9 @@ def _train(args: argparse.Namespace) -> None:
     k, n = _shard(args.shard)
     data = Samples(tokenize(corpus_files(args.data), run.tokenizer, vocab), run.seq_len, run.seed, (k, n))
     timing = Timing.for_tests() if args.test_timings else Timing()
-    with Trainer(run, data, tuple(args.initial_peers), timing=timing, checkpoint_dir=args.checkpoint_dir) as trainer:
+    peers = tuple(args.initial_peers)
+    ckpt = args.checkpoint_dir
+    with Trainer(run, data, peers, timing=timing, checkpoint_dir=ckpt, identity=args.identity) as trainer:
         total = args.steps if args.steps is not None else run.total_steps
         bar = tqdm(total=total, initial=min(trainer.step, total), unit="step")
         while trainer.step < total:

@@ -13,6 +13,7 @@ from peers.broker.planner import PeerInfo, Plan, Role
 from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.ids import assignment_key, broker_key, peers_key
+from swarm.lease import LeaseRules
 from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,12 @@ class DhtLeaseStore:
         self.store.publish(self.key, lease, lease.expires + 100 * self.lease_seconds)
 
 
-def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float) -> list[PeerInfo]:
-    """Peers whose heartbeat is fresh (a crash is noticed by missed heartbeats, long before records expire)."""
+def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float, skew: float) -> list[PeerInfo]:
+    """Peers whose heartbeat is fresh (a crash is noticed by missed heartbeats, long before records expire); one
+    dated in the future is refused (it would never go stale)."""
     out = []
     for r in records:
-        if r.state == PeerState.LEAVING or now - r.updated_at > heartbeat_timeout:
+        if r.state == PeerState.LEAVING or not -skew <= now - r.updated_at <= heartbeat_timeout:
             continue
         role = Role.SERVE if r.state == PeerState.ONLINE else Role.STANDBY if r.state == PeerState.STANDBY else None
         link = math.inf
@@ -51,7 +53,7 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float) 
 def plan_once(store: RecordStore, model_id: str, planner: Planner, me: str, term: int, timing: Timing) -> Assignment:
     records = store.read(peers_key(model_id), PeerRecord)
     now = dht_time()
-    peers = live_peers(records, now, timing.heartbeat_timeout)
+    peers = live_peers(records, now, timing.heartbeat_timeout, timing.clock_skew)
     plan = planner(peers)
     pinned = {p.peer_id for p in peers if p.pinned}
     placements = {
@@ -64,7 +66,8 @@ def plan_once(store: RecordStore, model_id: str, planner: Planner, me: str, term
 
 async def run_broker(store: RecordStore, model_id: str, planner: Planner, timing: Timing) -> None:
     me = store.peer_id
-    election = Election(me, DhtLeaseStore(store, model_id, timing.lease_seconds), dht_time, timing.lease_seconds)
+    rules = LeaseRules(timing.lease_seconds, timing.max_tenure, skew=timing.clock_skew)
+    election = Election(me, DhtLeaseStore(store, model_id, timing.lease_seconds), dht_time, rules)
     while True:
         try:
             lease = await asyncio.to_thread(election.tick)

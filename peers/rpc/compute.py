@@ -39,8 +39,9 @@ class Learner(Protocol):
     def admit(self, tag: TrainTag) -> None:
         """Bring the span to the request's global step, or refuse a request of a step already done."""
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
-        """Add a micro-batch's weight gradients toward the global batch (and step when it is complete)."""
+    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str) -> None:
+        """Add a micro-batch's weight gradients toward the global batch (and step when it is complete); refuse a
+        non-finite one, bound a huge one, count the samples per trainer."""
 
     @property
     def pending(self) -> bool:
@@ -129,6 +130,7 @@ class ComputeService:
         mask, pos = check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
         if req.keep_for_backward and not req.forward_id:
             raise BadInputError("keep_for_backward needs a forward_id")
+        _check_samples(req.train, hidden)
         adapter = self.bind_adapter(req.adapter, tensors, sub)
         keep = req.forward_id if req.keep_for_backward else None
         out = await self.run(self._forward, hidden, sub, mask, pos, keep, adapter, req.train)
@@ -154,6 +156,9 @@ class ComputeService:
     async def backward(self, req: BackwardRequest, tensors: Tensors) -> Tensors:
         sub = self.sub(req.start, req.end)
         grad = check_hidden(tensors, self.limits, "grad_output")
+        _check_samples(req.train, grad)
+        if req.train is not None and not bool(torch.isfinite(grad).all()):
+            raise BadInputError("grad_output holds NaN or infinite values")
         held = self.kept.pop(req.forward_id) if req.forward_id else None
         if held is not None and (held.sub != sub or held.outputs.shape != grad.shape):
             raise BadInputError("grad_output does not match the kept forward pass")
@@ -176,9 +181,7 @@ class ComputeService:
             self.in_background(learner.finish_step)
         return out
 
-    def _backward(
-        self, kept: Kept | _Recompute, grad: torch.Tensor, input_grad: bool, tag: TrainTag | None
-    ) -> Tensors:
+    def _backward(self, kept: Kept | _Recompute, grad: torch.Tensor, input_grad: bool, tag: TrainTag | None) -> Tensors:
         self._admit(tag)
         try:
             return self._gradients(kept, grad, input_grad, tag)
@@ -209,7 +212,7 @@ class ComputeService:
                 raise BadInputError("backward asks for no gradient: no input gradient and no adapter")
             grads = list(torch.autograd.grad(outputs, wrt, grad.to(outputs.device), allow_unused=True))
         if learner is not None and tag is not None:  # a trainable stage: its weights' part of the global batch
-            learner.accumulate(grads[len(grads) - len(weights) :], tag.samples)
+            learner.accumulate(grads[len(grads) - len(weights) :], tag.samples, tag.trainer)
             del grads[len(grads) - len(weights) :]
         out: Tensors = {}
         if input_grad:
@@ -219,6 +222,12 @@ class ComputeService:
         for (name, tensor), g in zip(named.items(), grads, strict=True):
             out[GRAD_PREFIX + name] = torch.zeros_like(tensor) if g is None else g.detach()
         return out
+
+
+def _check_samples(tag: TrainTag | None, tensor: torch.Tensor) -> None:
+    """A training request counts as many samples as its tensors hold rows, not as many as it claims."""
+    if tag is not None and tag.samples != tensor.shape[0]:
+        raise BadInputError(f"the request claims {tag.samples} samples but holds {tensor.shape[0]}")
 
 
 class _Recompute:

@@ -8,14 +8,17 @@ that half's mean. Every party uses the same schedule of the global step, so the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from peers.training.proofs import StepProofs
 from swarm.averaging import OwnedAverager
-from swarm.dht import OwnedDHT
+from swarm.dht import OwnedDHT, dht_time
 from swarm.errors import BadInputError, StaleStepError
+from swarm.identity import Signed
 from swarm.ids import Span
 from swarm.protocol import TrainTag
 from swarm.training import checkpoints
@@ -24,6 +27,8 @@ from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
+MAX_ROUND_CHANGE = 0.5  # most an averaging round may move a weight tensor, relative to its norm
+GARBAGE = 1000.0  # a contribution this many times above the run's gradient bound is refused, not scaled
 STATE_PARTS = ("param.", "exp_avg.", "exp_avg_sq.")  # a state's tensors: weights, then Adam's two moments
 
 
@@ -40,34 +45,107 @@ class SpanTrainer:
                                  "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
         self.step = 0
         self.samples = 0  # seen for the current step
+        self.by_trainer: Counter[str] = Counter()  # the current step's samples, by the trainer that sent them
+        self.vouched = 0  # the furthest step a trainer of the run signed (its progress, or a step notice)
+        self.proofs: StepProofs | None = None  # how signed progress is checked (set by the stage)
+        self.clipped = 0  # contributions scaled down to the run's gradient bound
+        self.last_round: tuple[int, dict[str, torch.Tensor]] | None = None  # (step, state) of the last averaging
+        self.on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None  # publishes its signed digest
         self._unfinished = False  # the last step's averaging round and checkpoint are still to do
         self.averager: OwnedAverager | None = None
         self.replicas = 1  # how many peers serve this stage now (kept up to date from the DHT)
+        self.groupmates: frozenset[str] = frozenset()  # the others: the only peers its averaging rounds admit
 
     # ---- steps (on the compute thread) --------------------------------------------------------------------------
     def admit(self, tag: TrainTag) -> None:
         """Bring this stage to the trainer's step (one optimizer step behind is normal between batches); a request
-        of a step already done is refused with the stage's step, so the trainer catches up."""
+        of a step already done is refused with the stage's step, so the trainer catches up. A request from a peer
+        the run does not list, or of a step no trainer of the run signed, changes nothing."""
+        if not self.run.is_trainer(tag.trainer):
+            raise BadInputError(f"{tag.trainer or 'an unnamed peer'} is not a trainer of run {self.run.name}")
         if tag.step < self.step:
             raise StaleStepError(f"trainer at step {tag.step}, this stage at step {self.step}", server_step=self.step)
+        if tag.step == self.step and self.samples >= self.run.target_batch_size:
+            # the batch is complete here, and the step waits for a trainer's signature: tell this one to move on
+            raise StaleStepError(f"step {self.step}'s batch is complete", server_step=self.step + 1)
+        if tag.step > self.step:
+            self.vouch(tag.proof)
         self.catch_up(tag.step)
 
+    def vouch(self, proof: Signed | None) -> int:
+        """Take note of a trainer's signed progress (refused with a ``BadInputError`` if it proves nothing)."""
+        if self.proofs is None:
+            raise BadInputError("this stage takes no signed steps yet")
+        step = self.proofs.step_of(proof, dht_time())
+        self.vouched = max(self.vouched, step)
+        return step
+
+    def check_step(self, step: int) -> None:
+        """A stage steps only as far as a trainer of the run signed."""
+        if step > max(self.step, self.vouched):
+            raise BadInputError(f"step {step} is ahead of this stage's {self.step}, and no trainer of the run signed "
+                                f"it")  # fmt: skip
+
     def catch_up(self, step: int) -> None:
-        """Take the optimizer steps the swarm has taken (none if already there), and finish the last one."""
+        """Take the optimizer steps the swarm has taken (none if already there), and finish the last one. At most
+        ``catch_up_limit`` of them are taken (each is an AdamW update on this peer's only compute thread); a stage
+        further behind skips the rest of the count, as it would have learnt nothing in them anyway."""
+        self.check_step(step)
+        if step - self.step > self.run.catch_up_limit:
+            log.warning("%d steps behind the swarm: skipping to step %d", step - self.step, step - 1,
+                        extra={"span": str(self.span)})  # fmt: skip
+            self.finish_step()
+            self.skip_to(step - 1)
         while self.step < step:
             self.apply_step()
         self.finish_step()
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int) -> None:
-        """Add a micro-batch's weight gradients; with the whole global batch seen here, step now (exact for a sole
-        replica) but leave the averaging round and checkpoint to ``finish_step``, after the reply: the trainer must
-        not wait for them."""
+    def skip_to(self, step: int) -> None:
+        """Count steps without taking them (the optimizer's step counts and the schedule follow)."""
+        for p in self.params:
+            self.opt.state[p]["step"].fill_(float(step))
+        self.step, self.samples = step, 0
+        self.by_trainer.clear()
+        self.opt.zero_grad(set_to_none=True)
+        set_lr(self.opt, self.run, self.step)
+
+    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str = "") -> None:
+        """Add a micro-batch's weight gradients; with the whole global batch seen here and the next step signed,
+        step now (exact for a sole replica) but leave the averaging round and checkpoint to ``finish_step``, after
+        the reply: the trainer must not wait for them.
+
+        Nothing is added from a contribution with a NaN or infinity, from one a thousand times above the bound, or
+        from a trainer that already sent a whole batch for this step; one whose norm exceeds ``max_grad_norm`` per
+        sample is scaled down to it (an honest one is far below: the bound stops a single request from swamping the
+        step, as a loss spike would be clipped anywhere)."""
+        sent = self.by_trainer[trainer]
+        if sent + samples > self.run.target_batch_size:
+            raise BadInputError(f"{trainer or 'this trainer'} already sent {sent} samples of step {self.step}; a "
+                                f"step has {self.run.target_batch_size}")  # fmt: skip
+        present = [g for g in grads if g is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in present):
+            raise BadInputError("the weight gradient is not finite (NaN or infinite values in the request)")
+        # in float64: the squares of a huge (finite) float32 gradient would overflow
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in present]
+        norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        bound = self.run.max_grad_norm * max(samples, 1)
+        if norm > GARBAGE * bound:  # no gradient of a model that still learns: garbage, and it changes nothing
+            raise BadInputError(f"a gradient of norm {norm:.3g} for {samples} samples; the run bounds it at "
+                                f"{bound:.3g}")  # fmt: skip
+        if norm > bound:
+            self.clipped += 1
+            log.warning("a contribution of norm %.3g scaled down to %.3g", norm, bound,
+                        extra={"span": str(self.span), "session": trainer})  # fmt: skip
+            grads = [None if g is None else g * (bound / norm) for g in grads]
+        self.by_trainer[trainer] = sent + samples
         for p, g in zip(self.params, grads, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.samples += samples
-        if self.samples >= self.run.target_batch_size:
+        if self.samples >= self.run.target_batch_size and self.vouched > self.step:
             self.apply_step(finish=False)
+        # Otherwise the step waits for a trainer's signature that it has begun (its next request, step notice or
+        # progress): samples alone, which anyone may send under a trainer's name, never make a stage step.
 
     @property
     def pending(self) -> bool:
@@ -98,6 +176,7 @@ class SpanTrainer:
         self.opt.zero_grad(set_to_none=True)
         log.info("step %d applied (%d samples)", self.step + 1, self.samples, extra={"span": str(self.span)})
         self.step, self.samples = self.step + 1, 0
+        self.by_trainer.clear()
         set_lr(self.opt, self.run, self.step)
         self._unfinished = True
         if finish:
@@ -118,9 +197,36 @@ class SpanTrainer:
         if self.averager is not None and not self.averager.is_alive():
             self.averager.run_in_background(await_ready=True)
 
+    def set_replicas(self, peer_ids: Sequence[str]) -> None:
+        """The other peers holding a signed record of this stage of the run."""
+        self.groupmates = frozenset(peer_ids)
+        self.replicas = 1 + len(self.groupmates)
+
     def average(self) -> None:
-        if self.averager is not None and self.replicas >= 2:
-            self.averager.average_round(self.run, str(self.span))
+        """One averaging round. A round is undone when its result is not finite, or moves a weight tensor further
+        than replicas that average every few steps can differ (``_implausible``: a groupmate sent garbage). The
+        state the round ended with is kept, on the CPU, and its digest signed, for joining replicas and exports."""
+        if self.averager is None or self.replicas < 2:
+            return
+        self.averager.allow(self.groupmates)
+        tensors = self.tensors()
+        before = [t.clone() for t in tensors]
+        if not self.averager.average_round(self.run, str(self.span)):
+            return
+        # AdamW moves a weight by about lr a step: replicas that averaged k steps ago differ by at most ~2 lr k
+        slack = 4 * self.run.lr * max(self.run.average_every, 1)
+        why = _implausible(tensors[: len(self.params)], before[: len(self.params)], slack)
+        if why is None and not all(bool(torch.isfinite(t).all()) for t in tensors):
+            why = "it is not finite"
+        if why is not None:
+            log.warning("averaging round undone: %s", why, extra={"span": str(self.span)})
+            with torch.no_grad():
+                for t, b in zip(tensors, before, strict=True):
+                    t.copy_(b)
+            return
+        self.last_round = (self.step, {k: v.cpu() for k, v in self.export_state().items()})
+        if self.on_round is not None:
+            self.on_round(*self.last_round)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Weights and Adam's moments by their model names (copies), for a joining replica or an export."""
@@ -130,6 +236,8 @@ class SpanTrainer:
                 for name, t in zip(self.names, tensors[k * n : (k + 1) * n], strict=True)}  # fmt: skip
 
     def import_state(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise BadInputError("the state holds NaN or infinite values")
         with torch.no_grad():
             for i, (name, p) in enumerate(zip(self.names, self.params, strict=True)):
                 state = self.opt.state[p]
@@ -140,6 +248,7 @@ class SpanTrainer:
                     target.copy_(source)
                 state["step"].fill_(float(step))
         self.step, self.samples = step, 0
+        self.by_trainer.clear()
         self.opt.zero_grad(set_to_none=True)
         set_lr(self.opt, self.run, self.step)
 
@@ -164,3 +273,14 @@ class SpanTrainer:
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
+
+
+def _implausible(after: list[torch.Tensor], before: list[torch.Tensor], slack: float) -> str | None:
+    """Why an averaging round's result cannot come from honest replicas (None if it can): it moved a weight tensor
+    by more than ``MAX_ROUND_CHANGE`` of its norm plus ``slack`` per element."""
+    for a, b in zip(after, before, strict=True):
+        change = float(torch.linalg.vector_norm((a - b).double()))
+        bound = MAX_ROUND_CHANGE * float(torch.linalg.vector_norm(b.double())) + slack * b.numel() ** 0.5
+        if change != change or change > bound:
+            return f"it moved a weight tensor by {change:.3g}, more than {bound:.3g}"
+    return None

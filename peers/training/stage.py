@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Coroutine
 from pathlib import Path
 
@@ -18,13 +19,15 @@ from peers.broker.stages import plan_stages
 from peers.config import PeerConfig
 from peers.rpc.compute import Learner, Tensors
 from peers.stage import ModelInfo, StageEnv
+from peers.training.proofs import StepProofs
 from peers.training.span_trainer import SpanTrainer
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.ids import Span
 from swarm.protocol import StateReply, StateRequest, StepNotice
-from swarm.records import ServerRecord, TrainerProgress, fresh, stage_servers
-from swarm.rpc.state import freshest_state
+from swarm.records import RoundRecord, ServerRecord, TrainerProgress, fresh, stage_servers
+from swarm.rpc.state import stage_sources, stage_state
+from swarm.training.checkpoints import state_digest
 from swarm.training.init import init_module, stage_state_bytes
 from swarm.training.run import RunConfig, load_run
 
@@ -67,7 +70,7 @@ class TrainableStage:
 
     # ---- loading ------------------------------------------------------------------------------------------------
     def _replicas(self, span: Span) -> list[ServerRecord]:
-        return stage_servers(self.env.store.view(self.model.name, self.model.num_blocks), span,
+        return stage_servers(self.env.store.view(self.model.name, self.model.num_blocks), span, self.run.fingerprint,
                              exclude=self.env.peer_id)  # fmt: skip
 
     def _build(self, span: Span) -> SpanTrainer:
@@ -84,26 +87,52 @@ class TrainableStage:
         return SpanTrainer(run, layers, span, folder)
 
     async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
-        """Build the stage, then take the freshest state there is: a live replica's, else this peer's last
-        checkpoint, else the run's seeded initialisation (or the weights it continues from)."""
+        """Build the stage, then take the freshest state that can be believed: the live replicas' (see
+        ``swarm.rpc.state``), else this peer's last checkpoint, else the run's seeded initialisation (or the weights
+        it continues from)."""
         self.run.stage_of(span)
+        env = self.env
         trainer = await asyncio.to_thread(self._build, span)
-        replicas = await asyncio.to_thread(self._replicas, span)
+        sources = await asyncio.to_thread(stage_sources, env.store, self.run, span, env.timing, env.peer_id)
         limit = stage_state_bytes(self.run, span)
-        state = await freshest_state(self.env.remote, replicas, span, self.env.timing.state_timeout, limit)
+        state = await stage_state(env.remote, sources, span, env.timing.state_timeout, limit)
+        if state is None and sources.rounds:  # a round may have ended between the read and the download: once more
+            sources = await asyncio.to_thread(stage_sources, env.store, self.run, span, env.timing, env.peer_id)
+            state = await stage_state(env.remote, sources, span, env.timing.state_timeout, limit)
         if state is not None:
             trainer.import_state(*state)
-            log.info("joined at step %d with a replica's weights", trainer.step, extra={"span": str(span)})
+            log.info("joined at step %d with the replicas' weights", trainer.step, extra={"span": str(span)})
         elif not await asyncio.to_thread(trainer.load_latest_checkpoint):
             log.info("starting from the run's initial weights", extra={"span": str(span)})
-        trainer.replicas = 1 + len(replicas)
-        trainer.start_averager(self.env.store.dht)
+        trainer.set_replicas([r.peer_id for r in sources.replicas])
+        trainer.proofs = StepProofs(self.run, env.timing.trainer_stale, env.timing.clock_skew)
+        trainer.vouched = max(trainer.step, (sources.max_step or 1) - 1)  # the furthest step a trainer published
+        trainer.on_round = self._sign_round
+        trainer.start_averager(env.store.dht)
         trainer.launch_averager()  # on the event loop's thread, the main thread, as hivemind requires
         if self.trainer is not None:
             self.trainer.close()
         self.trainer = trainer
         m = self.model
         return SpanBackend(m.config, m.family, trainer.layers, span, self.device, torch.float32), trainer
+
+    def _sign_round(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Sign the state this replica ended an averaging round with (called on the compute thread after the round;
+        the DHT write goes to a thread of its own, so no request waits on it)."""
+        trainer, env = self.trainer, self.env
+        if trainer is None:
+            return
+        span = trainer.span
+        record = RoundRecord(peer_id=env.peer_id, start=span.start, end=span.end, step=step,
+                             digest=state_digest(state), updated=dht_time())  # fmt: skip
+
+        def publish() -> None:
+            try:
+                env.store.publish(self.run.rounds_key(span), record, record.updated + env.timing.progress_ttl)
+            except Exception as e:
+                log.warning("could not sign the averaging round: %s", e, extra={"span": str(span)})
+
+        threading.Thread(target=publish, name="sign-round", daemon=True).start()
 
     def probe(self) -> SpanBackend:
         """A freshly initialised block (nothing downloaded): what one block costs on this device."""
@@ -130,9 +159,13 @@ class TrainableStage:
             if trainer is None:
                 continue
             try:
-                trainer.replicas = 1 + len(await asyncio.to_thread(self._replicas, trainer.span))
+                trainer.set_replicas([r.peer_id for r in await asyncio.to_thread(self._replicas, trainer.span)])
                 progress = await asyncio.to_thread(env.store.read, self.run.trainers_key, TrainerProgress)
-                steps = [p.step for p in fresh(progress, dht_time(), env.timing.trainer_stale)]
+                now, timing = dht_time(), env.timing
+                steps = [p.step for p in fresh(progress, now, timing.trainer_stale, timing.clock_skew)
+                         if self.run.is_trainer(p.trainer)]  # fmt: skip
+                if steps:
+                    trainer.vouched = max(trainer.vouched, max(steps))
                 if steps and max(steps) > trainer.step:
                     log.info("the swarm is at step %d", max(steps), extra={"span": str(trainer.span)})
                     await env.compute.run(trainer.catch_up, max(steps))
@@ -156,14 +189,26 @@ class TrainableStage:
         trainer = self._held()
         if (req.start, req.end) != (trainer.span.start, trainer.span.end):
             raise BadInputError(f"this peer holds stage {trainer.span}, not {req.start}:{req.end}")
-        step, tensors = await self.env.compute.run(lambda: (trainer.step, trainer.export_state()))
+        if req.round:
+            if trainer.last_round is None:
+                raise BadInputError("this replica has not ended an averaging round yet")
+            step, tensors = trainer.last_round
+        else:
+            step, tensors = await self.env.compute.run(lambda: (trainer.step, trainer.export_state()))
         return StateReply(step=step, start=trainer.span.start, end=trainer.span.end), tensors
 
     async def step(self, notice: StepNotice) -> None:
         """A trainer finished a global step: take ours now (a replica that saw none of the step's micro-batches would
-        otherwise wait for its next request), without making the trainer wait for it or for an averaging round."""
+        otherwise wait for its next request), without making the trainer wait for it or for an averaging round.
+
+        The notice counts only with its proof: the progress record of a trainer of the run at that step, signed by
+        that trainer and recent."""
         trainer = self._held()
         if notice.step > trainer.step:
+            signed = trainer.vouch(notice.proof)
+            if signed != notice.step:
+                raise BadInputError(f"the notice is of step {notice.step}, its proof of step {signed}")
+            trainer.check_step(notice.step)  # a clear error to the caller; the compute thread checks again
             self.env.compute.in_background(trainer.catch_up, notice.step)
 
     def close(self) -> None:

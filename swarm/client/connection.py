@@ -19,16 +19,19 @@ log = logging.getLogger(__name__)
 
 
 class SwarmConnection:
-    def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprint: str | None) -> None:
+    def __init__(
+        self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None
+    ) -> None:
+        """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely)."""
         self.cfg = cfg
         self.timing = cfg.timing
-        self.store = start_dht(initial_peers=cfg.initial_peers, client_mode=True,
+        self.store = start_dht(initial_peers=cfg.initial_peers, client_mode=True, identity=cfg.identity,
                                timeout=cfg.timing.dht_start_timeout, call_timeout=cfg.timing.dht_timeout)  # fmt: skip
         try:
             self.loop = LoopThread("swarm-client")
             p2p = self.loop.run(self.store.replicate_p2p())
             self.remote = Remote(p2p, cfg.direct, pool_size=cfg.pool_size, max_reply_bytes=cfg.max_reply_bytes)
-            self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprint)
+            self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)
         except BaseException:
             self.store.shutdown()

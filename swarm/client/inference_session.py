@@ -155,8 +155,8 @@ class InferenceSession:
         """Feed routing's latency estimates, and move a hop that stays far slower than its server announced when
         another route is expected to be at least twice as fast (no ban: a slow peer is still a working one)."""
         view, hop = self.conn.view, state.hop
-        expected = hop.step_seconds * tokens + view.hop_latency
-        view.observe(hop.peer_id, elapsed, expected)
+        expected = hop.step_seconds * tokens + view.hop_latency  # what the server claimed
+        view.observe(hop.peer_id, "inference", elapsed, tokens * len(hop.span))
         slow = elapsed > self.conn.timing.slow_factor * expected
         state.slow_steps = state.slow_steps + 1 if slow else 0
         if state.slow_steps < self.conn.cfg.slow_steps:
@@ -167,7 +167,7 @@ class InferenceSession:
                                             exclude=frozenset({hop.peer_id}))  # fmt: skip
         except SwarmError:
             return  # nowhere else to go
-        estimate = sum(view.hop_latency + view.latency.get(h.peer_id, 0.0) + h.step_seconds * tokens for h in other)
+        estimate = sum(view.estimate(h, "inference", tokens) for h in other)
         if estimate < elapsed / self.conn.cfg.move_gain:
             log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
             state.broken = True

@@ -22,9 +22,11 @@ from swarm.client.connection import SwarmConnection
 from swarm.client.inference_session import InferenceSession
 from swarm.client.sequential import RemoteBlocks
 from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
+from swarm.dht import dht_time
 from swarm.errors import BadInputError
-from swarm.model_files import load_config, model_folder, new_model, read_tensors, weight_map
+from swarm.model_files import load_config, model_folder, new_model, read_tensors, served_fingerprints, weight_map
 from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
+from swarm.records import TrainerProgress
 from swarm.rpc.hop import Hop
 from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
@@ -115,7 +117,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
                 assert tuning is not None
                 spec = TuningSpec(tuning, lora_rank, lora_alpha, tuple(lora_targets), num_prompt_tokens)
             model._attach_adapters(spec, adapter)
-        model._connect(cfg, card.name, fingerprint)
+        # only servers of these very weights are chained (a stranger's other weights never are, however fast)
+        model._connect(
+            cfg, card.name, frozenset({fingerprint}) if fingerprint else served_fingerprints(folder, cfg.cache_dir)
+        )
         return model
 
     @classmethod
@@ -137,14 +142,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         cache_dir: Path | None = None,
         direct: DirectPolicy = "auto",
         wiring_seed: int | None = None,
+        identity: Path | None = None,
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
-        ``model_id``: what a pre-training trainer drives (``swarm.client.training``)."""
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed)
+        ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
+        closed run lists its trainers' peer ids)."""
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity)
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
-        model._connect(cfg, model_id, fingerprint)
+        model._connect(cfg, model_id, frozenset({fingerprint}) if fingerprint else None)
         return model
 
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
@@ -153,8 +160,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loaded_tensor_names = tuple(sorted(state))
 
-    def _connect(self, cfg: ClientConfig, model_id: str, fingerprint: str | None) -> None:
-        self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprint)
+    def _connect(self, cfg: ClientConfig, model_id: str, fingerprints: frozenset[str] | None) -> None:
+        self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprints)
         remote = self.adapters is not None and self.adapters.applies_remotely
         self._blocks = RemoteBlocks(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
 
@@ -229,9 +236,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
 
     def notify_step(self, step: int) -> None:
         """Pre-training: tell every server of the swarm that global step ``step`` has begun (best effort; a server
-        that misses it takes the step at its next request or from the trainers' progress)."""
+        that misses it takes the step at its next request or from the trainers' progress). The notice carries this
+        client's progress at that step, signed with its key: a server acts only on a trainer of the run's word."""
         conn = self.connection
-        conn.notify([Hop.of(r) for r in conn.view.servers()], StepNotice(step=step))
+        progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
+        notice = StepNotice(step=step, proof=conn.store.sign(progress))
+        conn.notify([Hop.of(r) for r in conn.view.servers()], notice)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_tokens
@@ -369,6 +379,7 @@ def _client_config(
     cache_dir: Path | None,
     direct: DirectPolicy,
     wiring_seed: int | None = None,
+    identity: Path | None = None,
 ) -> ClientConfig:
     if not initial_peers:
         raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
@@ -380,4 +391,5 @@ def _client_config(
         cache_dir=cache_dir or default_cache_dir(),
         direct=direct,
         wiring_seed=wiring_seed,
+        identity=identity,
     )

@@ -1,7 +1,8 @@
 """Pure routing: from a swarm view to a chain of servers covering blocks ``start:end``.
 
-Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs the network
-latency to s plus (b - a) blocks at s's measured speed. Servers may overlap and be entered mid-span.
+Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs a network
+latency plus (b - a) blocks at s's speed (measured by the client where it can, claimed otherwise). Servers may
+overlap and be entered mid-span.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from swarm.rpc.hop import Hop
 Mode = Literal["inference", "forward"]
 
 
-def pick_fingerprint(view: View) -> str | None:
-    """The weights to chain: the fingerprint covering the most blocks, then with the most throughput."""
-    best: str | None = None
+def pick_fingerprint(view: View, accepted: frozenset[str] | None = None) -> str | None:
+    """The weights to chain: of the ``accepted`` fingerprints (None: any), the one covering the most blocks, then
+    with the most throughput. With none of the accepted weights served, one of them all the same (so that no other
+    weights become eligible)."""
+    best: str | None = min(accepted) if accepted else None
     best_score = -1.0
     by_fp: dict[str, list[ServerRecord]] = {}
     for r in servers(view).values():
         if r.state == PeerState.ONLINE and r.protocol_version == PROTOCOL_VERSION:
+            if accepted is not None and r.fingerprint not in accepted:
+                continue
             by_fp.setdefault(r.fingerprint, []).append(r)
     for fp, recs in by_fp.items():
         covered: set[int] = set()
@@ -61,22 +66,29 @@ def choose_route(
     end: int,
     *,
     mode: Mode = "inference",
-    latency: Mapping[str, float] | None = None,
+    measured: Mapping[str, float] | None = None,
     default_latency: float = 0.003,
     model_id: str = "",
     noise: Mapping[str, float] | None = None,
 ) -> list[Hop]:
-    """Cheapest chain covering ``start:end``; ``mode`` picks which measured speed prices a block.
+    """Cheapest chain covering ``start:end``; ``mode`` picks which speed prices a block: the client's own
+    measurement of a server where it has one (``measured``: seconds per block per step or token, network included),
+    else what the server claims. A server is believed only until it has been measured.
 
     ``noise`` (peer -> factor) scales each server's cost: with independent Exp(1) factors, a choice between replicas
     falls to each with probability proportional to its speed (SWARM's stochastic wiring of training micro-batches)."""
-    latency, noise = latency or {}, noise or {}
+    measured, noise = measured or {}, noise or {}
+    # A claim is believed only as far as the fastest peer measured so far: a stranger that announces an absurd speed
+    # under a fresh id would otherwise take every first call.
+    fastest = min((measured[r.peer_id] for r in records if r.peer_id in measured), default=0.0)
     points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
     index = {p: i for i, p in enumerate(points)}
 
     def block_cost(r: ServerRecord) -> float:
+        if r.peer_id in measured:
+            return measured[r.peer_id]
         speed = r.inference_sps if mode == "inference" else r.forward_tps
-        return 1.0 / max(speed * (r.end - r.start), 1e-9)
+        return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest)
 
     dist = {start: 0.0}
     prev: dict[int, tuple[int, ServerRecord]] = {}
@@ -91,7 +103,7 @@ def choose_route(
             if not (r.start <= a < r.end):
                 continue
             factor = noise.get(r.peer_id, 1.0)
-            hop_cost = (default_latency + latency.get(r.peer_id, 0.0)) * factor
+            hop_cost = default_latency * factor
             per_block = block_cost(r) * factor
             for b in points[index[a] + 1 :]:
                 if b > r.end:

@@ -1,7 +1,8 @@
 """Forward and backward through the remote blocks, as a torch autograd function.
 
-Forward walks the swarm hop by hop (each hop routed from where the last one ended, so a failed peer is routed around
-mid-pass) and asks each server to keep its graph for the backward. Backward walks the hops in reverse; if a server
+Forward walks the swarm hop by hop along the route planned when the pass began (re-planned from where the last hop
+ended when a hop fails, so a failed peer is routed around mid-pass) and asks each server to keep its graph for the
+backward. Backward walks the hops in reverse; if a server
 lost the graph it recomputes from the inputs the client kept, and if the server is gone the retry helper bans it and
 the span is re-routed, its forward recomputed elsewhere and backpropagated there.
 
@@ -100,8 +101,8 @@ class RemoteBlocks:
         first = tensors.get("hidden", tensors.get("grad_output"))
         assert first is not None
         passes = 1 if isinstance(request, ForwardRequest) else 2  # a backward costs about two forwards
-        expected = passes * first.shape[0] * first.shape[1] * hop.token_seconds
-        conn.view.observe(hop.peer_id, time.perf_counter() - t0, expected)
+        units = passes * first.shape[0] * first.shape[1] * len(hop.span)
+        conn.view.observe(hop.peer_id, "forward", time.perf_counter() - t0, units)
         return out
 
     # ---- forward ----------------------------------------------------------------------------------------------------
@@ -121,21 +122,28 @@ class RemoteBlocks:
         aux = _aux(attention_mask, position_ids)
         traces: list[Trace] = []
         position, h = start, hidden.detach()
+        plan: list[Hop] = []  # the route planned when the pass began (or when a hop of it last failed)
         while position < end:
 
             def attempt(position: int = position, h: torch.Tensor = h) -> tuple[Hop, str | None, torch.Tensor]:
-                plan = conn.view.route(position, end, mode="forward", stochastic=train is not None)
+                nonlocal plan
+                if not plan or plan[0].start != position:
+                    plan = conn.view.route(position, end, mode="forward", stochastic=train is not None)
                 self.last_route = [t.hop for t in traces] + plan  # the route as currently planned, for observers
                 hop = plan[0]
                 forward_id = uuid.uuid4().hex if keep else None
                 request = ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=keep, forward_id=forward_id,
                                          train=train)  # fmt: skip
-                out = self._call(hop, request, dict(aux, hidden=h.to(_wire_dtype(hop))))["hidden"]
+                try:
+                    out = self._call(hop, request, dict(aux, hidden=h.to(_wire_dtype(hop))))["hidden"]
+                except BaseException:
+                    plan = []  # the retry routes the rest afresh, around the failed peer
+                    raise
                 return hop, forward_id, out
 
             hop, forward_id, out = conn.retrier.run(attempt, "forward")
             traces.append(Trace(hop, forward_id, h))
-            position, h = hop.end, out.to(hidden.dtype)
+            position, h, plan = hop.end, out.to(hidden.dtype), plan[1:]
         self.last_route = [t.hop for t in traces]
         return h, traces
 

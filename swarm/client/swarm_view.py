@@ -22,18 +22,24 @@ log = logging.getLogger(__name__)
 
 class SwarmView:
     def __init__(
-        self, store: RecordStore, model_id: str, num_blocks: int, cfg: ClientConfig, fingerprint: str | None = None
+        self,
+        store: RecordStore,
+        model_id: str,
+        num_blocks: int,
+        cfg: ClientConfig,
+        fingerprints: frozenset[str] | None = None,
     ) -> None:
         self.store = store
         self.model_id = model_id
         self.num_blocks = num_blocks
         self.cfg = cfg
-        self.fingerprint = fingerprint
+        self.fingerprints = fingerprints  # the weights this client accepts (None: any)
         self._lock = threading.Lock()
         self._view: View = {}
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
-        self.latency: dict[str, float] = {}  # peer -> observed seconds beyond its announced compute (average)
+        # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
+        self.speeds: dict[tuple[str, Mode], float] = {}
         self._rng = random.Random(cfg.wiring_seed)  # stochastic wiring of training micro-batches
 
     @property
@@ -53,8 +59,8 @@ class SwarmView:
             self._read_at = -float("inf")
 
     def current_fingerprint(self, view: View) -> str | None:
-        """The user's choice, else whatever weights the swarm serves most completely right now."""
-        return self.fingerprint or pick_fingerprint(view)
+        """Of the weights this client accepts, those the swarm serves most completely right now."""
+        return pick_fingerprint(view, self.fingerprints)
 
     def ban(self, peer_id: str, seconds: float) -> None:
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
@@ -64,13 +70,24 @@ class SwarmView:
         now = time.monotonic()
         return frozenset(p for p, until in list(self._banned.items()) if until > now)
 
-    def observe(self, peer_id: str, elapsed: float, expected: float) -> None:
-        """Learn how much slower than announced a peer really is; routing adds it to the peer's hop cost, so a
-        peer that is alive but slow is routed around."""
-        excess = max(elapsed - expected, 0.0)
-        old = self.latency.get(peer_id)
+    def observe(self, peer_id: str, mode: Mode, elapsed: float, units: int) -> None:
+        """Learn a peer's real speed from a call of ``units`` block-steps (inference) or block-tokens (forward):
+        from then on routing prices the peer by what it did, not by what it claims, so a peer slower than it
+        announces (or lying) is routed around."""
+        sample = elapsed / max(units, 1)
+        old = self.speeds.get((peer_id, mode))
         weight = self.cfg.latency_smoothing
-        self.latency[peer_id] = excess if old is None else (1 - weight) * old + weight * excess
+        self.speeds[(peer_id, mode)] = sample if old is None else (1 - weight) * old + weight * sample
+
+    def measured(self, mode: Mode) -> dict[str, float]:
+        return {peer: seconds for (peer, m), seconds in list(self.speeds.items()) if m == mode}
+
+    def estimate(self, hop: Hop, mode: Mode, tokens: int) -> float:
+        """Seconds a call of ``tokens`` through ``hop`` should take: measured where known, claimed otherwise."""
+        per = self.speeds.get((hop.peer_id, mode))
+        if per is not None:
+            return per * tokens * len(hop.span)
+        return self.hop_latency + (hop.step_seconds if mode == "inference" else hop.token_seconds) * tokens
 
     def servers(self, min_cache_tokens: int = 0, exclude: frozenset[str] = frozenset()) -> list[ServerRecord]:
         """The servers a route may use now."""
@@ -92,5 +109,5 @@ class SwarmView:
         draw (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``."""
         records = self.servers(min_cache_tokens, exclude)
         noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
-        return choose_route(records, start, end, mode=mode, latency=self.latency, default_latency=self.hop_latency,
-                            model_id=self.model_id, noise=noise)  # fmt: skip
+        return choose_route(records, start, end, mode=mode, measured=self.measured(mode),
+                            default_latency=self.hop_latency, model_id=self.model_id, noise=noise)  # fmt: skip

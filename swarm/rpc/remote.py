@@ -186,16 +186,16 @@ class Remote:
     ) -> Tensors:
         return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply))[1]
 
-    async def state(self, hop: Hop, timeout: float, max_bytes: int) -> tuple[StateReply, Tensors]:
+    async def state(
+        self, hop: Hop, timeout: float, max_bytes: int, last_round: bool = False
+    ) -> tuple[StateReply, Tensors]:
         """A trainable stage's weights and Adam moments, from the server of ``hop`` (which must hold exactly its
         blocks), over a stream of its own: the reply is as large as the stage (at most ``max_bytes``, what the caller
-        knows such a stage takes)."""
-        request = StateRequest(start=hop.start, end=hop.end)
+        knows such a stage takes). ``last_round``: the state it ended its last averaging round with."""
+        request = StateRequest(start=hop.start, end=hop.end, round=last_round)
         return await self.call(hop, RPC_FORWARD_STREAM, request, {}, timeout, StateReply, max_bytes)
 
-    async def notify(
-        self, hops: list[Hop], request: StepNotice | ReleaseRequest, timeout: float
-    ) -> list[SwarmError]:
+    async def notify(self, hops: list[Hop], request: StepNotice | ReleaseRequest, timeout: float) -> list[SwarmError]:
         """The same small notice to many servers at once; returns the failures (each tagged with its peer)."""
         results = await asyncio.gather(
             *(self.call(h, RPC_FORWARD, request, {}, timeout, Reply) for h in hops), return_exceptions=True

@@ -65,7 +65,6 @@ def stream_rpc(rpc: str) -> str:
     return RPC_FORWARD_STREAM if rpc == RPC_FORWARD else rpc
 
 
-
 class Channel(Protocol):
     """One open RPC stream: frames out, complete messages in."""
 

@@ -4,6 +4,7 @@ validated against their model when read back (a checkpoint file is input like an
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import TypeVar
@@ -61,3 +62,14 @@ def load_latest(folder: Path, cls: type[C]) -> C | None:
         return cls.model_validate(torch.load(path, weights_only=True))
     except ValidationError as e:
         raise BadInputError(f"{path} is not a {cls.__name__} of this version: {e}") from None
+
+
+def state_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha-256 of a stage's state (names, dtypes, shapes and bytes, in name order): what a replica signs for the
+    state it ended an averaging round with, and what a peer that downloads that state checks."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -46,6 +46,19 @@ class RunConfig:
     checkpoint_dir: Path
     stages: tuple[Span, ...]
     cache_dir: Path  # where the model a run continues from is converted (see ``source_folder``)
+    trainers: tuple[str, ...] = ()  # peer ids that may train (a closed run); empty: anyone may (an open run)
+    max_grad_norm: float = 1000.0  # per sample: a larger contribution to a stage's gradient is scaled down to it
+
+    def is_trainer(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may feed the run (whose progress and step notices count)."""
+        return not self.trainers or peer_id in self.trainers
+
+    @property
+    def catch_up_limit(self) -> int:
+        """Most steps a stage may take at once to follow the swarm: a stage that restarts from its last checkpoint,
+        or joins with the state of the last averaging round, is at most a period behind (the trainers cannot step
+        while no peer serves a stage). A claim beyond it is a lie, and would spin the stage through empty steps."""
+        return max(self.checkpoint_every, self.average_every, 1) + 1
 
     @property
     def model_id(self) -> str:
@@ -56,6 +69,10 @@ class RunConfig:
     def trainers_key(self) -> str:
         """DHT key where every trainer keeps {step, samples, updated} in its own signed subkey."""
         return f"swarm/{self.model_id}/trainers"
+
+    def rounds_key(self, stage: Span) -> str:
+        """DHT key where each replica of ``stage`` signs the state of its last averaging round (``RoundRecord``)."""
+        return f"swarm/{self.model_id}/rounds/{stage.start}-{stage.end}"
 
     @property
     def fingerprint(self) -> str:
@@ -145,6 +162,11 @@ class _Checkpoint(_Section):
     dir: str = ""  # default: <cache dir>/runs/<name>
 
 
+class _Trust(_Section):
+    trainers: list[str] = Field(default_factory=list, max_length=4096)
+    max_grad_norm: float = Field(1000.0, gt=0, allow_inf_nan=False)
+
+
 class _Stages(_Section):
     spans: list[str] = Field(min_length=1)
 
@@ -161,6 +183,7 @@ class _RunFile(_Section):
     batch: _Batch
     averaging: _Averaging = _Averaging()
     checkpoint: _Checkpoint = _Checkpoint()
+    trust: _Trust = _Trust()
     stages: _Stages
 
 
@@ -214,6 +237,8 @@ def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
         checkpoint_dir=Path(ckpt).expanduser() if ckpt else cache_dir / "runs" / f.name,
         stages=tuple(parse_span(s) for s in f.stages.spans),
         cache_dir=cache_dir,
+        trainers=tuple(f.trust.trainers),
+        max_grad_norm=f.trust.max_grad_norm,
     )
     if run.target_batch_size % run.micro_batch_size:
         raise BadInputError("run config: target_batch_size must be a multiple of micro_batch_size")

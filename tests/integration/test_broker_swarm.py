@@ -110,12 +110,14 @@ def test_broker_places_promotes_and_survives(tiny_models):
 
             # 3. kill the broker (once a live peer holds the lease): another is elected within two lease periods
             lease: Lease = wait_for(
-                lambda: (b := current_broker(store, model)) and b.holder in alive_ids(swarm) and b, 20, "a live broker"
+                lambda: (b := current_broker(store, model, timing)) and b.holder in alive_ids(swarm) and b,
+                20,
+                "a live broker",
             )
             swarm.kill(swarm.peer_by_id(lease.holder))
             t0 = time.monotonic()
             new: Lease = wait_for(
-                lambda: (b := current_broker(store, model)) and b.holder != lease.holder and b,
+                lambda: (b := current_broker(store, model, timing)) and b.holder != lease.holder and b,
                 2 * timing.lease_seconds + 5,
                 "a new broker",
             )

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
-from peers.broker.election import Election, Lease, newest_assignment, winner
+from peers.broker.election import Election, Lease
 from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm, settled
 from swarm.ids import Span
+from swarm.lease import LeaseRules, LeaseView, tie_break, well_formed, winner
+from swarm.records import Assignment, Placement
 
 GB = 1024**3
 
@@ -74,37 +76,104 @@ class FakeStore:
         self.leases[lease.holder] = lease
 
 
-def test_election_lease_expiry_contenders_and_stale_terms():
+RULES = LeaseRules(lease_seconds=10, max_tenure=60, term_step=2, skew=1.0)
+
+
+def test_election_lease_expiry_and_takeover():
     now = [0.0]
     store = FakeStore()
-    a = Election("a", store, lambda: now[0], lease_seconds=10)
-    b = Election("b", store, lambda: now[0], lease_seconds=10)
+    a = Election("a", store, lambda: now[0], RULES)
+    b = Election("b", store, lambda: now[0], RULES)
     assert a.tick() is not None and a.held.term == 1
     assert b.tick() is None  # a holds it
     now[0] = 5.0
-    assert a.tick().expires == 15.0  # renewed
+    assert a.tick().expires == 15.0 and a.held.start == 0.0  # renewed, same tenure
     now[0] = 30.0  # a went silent: its lease lapsed
-    assert b.tick().term == 2 and a.tick() is None  # b wins term 2; a, back, does not reclaim
-    assert winner(store.read(), now[0]).holder == "b"
-    # two contenders claiming the same term resolve to the same winner
-    store2 = FakeStore()
-    store2.write(Lease(term=3, holder="y", expires=100.0))
-    store2.write(Lease(term=3, holder="x", expires=100.0))
-    assert winner(store2.read(), 0.0).holder == "x"
-    # a claim that lost a tie and lingers does not make its owner broker later with that same term
-    store3 = FakeStore()
-    x = Election("x", store3, lambda: now[0], lease_seconds=10)
-    z = Election("z", store3, lambda: now[0], lease_seconds=10)
-    assert x.tick().term == 1
-    store3.write(Lease(term=1, holder="z", expires=now[0] + 10))  # z claimed term 1 at once and lost the tie to x
-    assert z.tick() is None and x.tick().term == 1
-    now[0] += 10.5  # x dies silently; z's old claim (written later) would still be valid...
-    store3.write(Lease(term=1, holder="z", expires=now[0] + 5))
-    assert z.tick().term == 2  # ...but z takes over with a fresh term
-    # followers obey the newest (term, broker) and never go back
-    seen = newest_assignment([(2, "b")], None)
-    assert newest_assignment([(1, "a")], seen) == (2, "b")
-    assert newest_assignment([(3, "z"), (3, "c")], seen) == (3, "c")
+    assert b.tick().term == 2 and a.tick() is None  # b takes term 2; a, back, does not reclaim while b renews
+    assert LeaseView(RULES).resolve(store.read(), now[0]).holder == "b"
+
+
+def test_a_higher_claim_does_not_pre_empt_a_live_lease():
+    now = [0.0]
+    store = FakeStore()
+    a = Election("a", store, lambda: now[0], RULES)
+    follower = LeaseView(RULES)
+    a.tick()
+    assert follower.resolve(store.read(), now[0]).holder == "a"
+    store.write(Lease(term=2, holder="x", start=1.0, expires=11.0))  # x claims while a holds the role
+    for t in (1.0, 4.0, 8.0, 12.0):
+        now[0] = t
+        a.tick()  # a renews
+        assert follower.resolve(store.read(), t).holder == "a"
+    assert LeaseView(RULES).resolve(store.read(), 8.0).holder == "x"  # only a newcomer, with nothing obeyed, sees x
+
+
+def test_a_huge_term_silences_nobody_and_ties_cannot_be_ground():
+    now = [0.0]
+    store = FakeStore()
+    a = Election("a", store, lambda: now[0], RULES)
+    b = Election("b", store, lambda: now[0], RULES)
+    a.tick()
+    b.tick()
+    now[0] = 20.0  # a died
+    store.leases.pop("a")
+    store.write(Lease(term=10**9, holder="x", start=20.0, expires=30.0))  # a leap in terms
+    assert b.tick() is not None and b.held.term == 2  # b obeyed term 1: it refuses the leap and takes term 2
+    assert b.view.current.holder == "b"
+    # two claims of one term: the winner is whoever the hash of the term and both ids picks, whatever the ids are
+    tie = [Lease(term=5, holder=h, start=0.0, expires=10.0) for h in ("aaaa", "zzzz")]
+    expected = min(tie, key=lambda lease: tie_break(lease, ["aaaa", "zzzz"]))
+    assert winner(tie, 1.0, RULES) == winner(list(reversed(tie)), 1.0, RULES) == expected
+
+
+def test_malformed_leases_are_refused_and_tenure_is_bounded():
+    far = Lease(term=1, holder="x", start=0.0, expires=10_000.0)  # would hold the role without renewing
+    old = Lease(term=1, holder="y", start=-100.0, expires=5.0)  # a tenure longer than allowed
+    assert not well_formed(far, 0.0, RULES) and not well_formed(old, 0.0, RULES)
+    assert winner([far, old], 0.0, RULES) is None
+    now = [0.0]
+    store = FakeStore()
+    a = Election("a", store, lambda: now[0], RULES)
+    b = Election("b", store, lambda: now[0], RULES)
+    holders = []
+    for t in range(0, 130, 2):
+        now[0] = float(t)
+        a.tick()
+        b.tick()
+        current = LeaseView(RULES).resolve(store.read(), now[0])
+        holders.append(current.holder if current else None)
+    assert holders[0] == "a" and "b" in holders  # a's tenure ran out and b took a turn
+    assert max(store.leases["a"].expires - store.leases["a"].start, store.leases["b"].expires -
+               store.leases["b"].start) <= RULES.max_tenure  # fmt: skip
+
+
+def test_a_restamped_renewal_and_a_claim_kept_waiting_win_nothing():
+    follower = LeaseView(RULES)
+    assert follower.resolve([Lease(term=1, holder="a", start=0.0, expires=10.0)], 1.0).holder == "a"
+    # a renewal that restarts the tenure is not a renewal: the lease it follows lapses at 10
+    restamped = Lease(term=1, holder="a", start=8.0, expires=18.0)
+    waiting = Lease(term=3, holder="x", start=5.0, expires=15.0)  # claimed during a's lease, renewed since
+    fair = Lease(term=2, holder="b", start=10.5, expires=20.5)  # claimed once a's lease had lapsed
+    assert follower.resolve([restamped, waiting], 9.0) is None or follower.current.holder == "a"
+    assert follower.resolve([restamped, waiting, fair], 11.0).holder == "b"
+
+
+def test_a_lease_at_the_largest_term_does_not_stop_fresh_candidates():
+    from swarm.records import MAX_COUNT
+
+    store = FakeStore()
+    store.write(Lease(term=MAX_COUNT, holder="x", start=0.0, expires=1.0))  # expired, still well-formed
+    a = Election("a", store, lambda: 5.0, RULES)
+    assert a.tick() is not None and a.held.term < MAX_COUNT
+
+
+def test_only_the_obeyed_holder_assigns_for_its_term():
+    view = LeaseView(RULES)
+    view.resolve([Lease(term=3, holder="b", start=0.0, expires=10.0)], 1.0)
+    plan = dict(issued_at=1.0, placements={"p": Placement(start=0, end=2, role="serve")})
+    assert view.obeys(Assignment(term=3, broker="b", **plan))
+    assert not view.obeys(Assignment(term=4, broker="b", **plan))  # no lease for that term
+    assert not view.obeys(Assignment(term=10**9, broker="x", **plan))  # a forged one
 
 
 def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
@@ -162,9 +231,45 @@ def test_live_peers_drop_missed_heartbeats_and_convert_links():
             rec("fresh", 99.0, network_mbps=8.0, token_bytes=1000),
             rec("silent", 80.0),
             rec("leaving", 99.0).model_copy(update={"state": PeerState.LEAVING}),
+            rec("from-the-future", 10_000.0),  # would never go stale
         ],
         now=100.0,
         heartbeat_timeout=15.0,
+        skew=1.0,
     )
     assert [p.peer_id for p in peers] == ["fresh"]
     assert peers[0].link_tokens == 500.0 and peers[0].role == Role.SERVE and peers[0].span == Span(0, 2)
+
+
+def test_followers_refuse_harmful_plans():
+    from peers.follower import refusal
+    from swarm.records import PeerState
+    from tests.unit.test_basics import record
+    from tests.unit.test_routing import view_of
+
+    def plan(**placements):
+        return Assignment(term=1, broker="b", issued_at=0.0, placements={
+            p: Placement(start=s, end=e, role=r) for p, (s, e, r) in placements.items()})  # fmt: skip
+
+    view = view_of(*(record(peer_id=f"p{i}", start=0, end=8) for i in range(4)), record(peer_id="solo", start=4,
+                   end=8), record(peer_id="only", start=0, end=4))  # fmt: skip
+    serve = Role.SERVE
+    assert refusal(plan(only=(4, 8, "serve")), "only", Span(0, 4), serve, 4, view) is None  # p0..p3 cover 0:4
+    lonely = view_of(record(peer_id="only", start=0, end=4), record(peer_id="q", start=4, end=8))
+    assert "would have no other server" in refusal(plan(only=(4, 8, "serve")), "only", Span(0, 4), serve, 4, lonely)
+    assert "would have no other server" in refusal(plan(only=(0, 4, "standby")), "only", Span(0, 4), serve, 4,
+                                                   lonely)  # fmt: skip
+    assert "more than this peer's 2" in refusal(plan(only=(0, 4, "serve")), "only", None, None, 2, lonely)
+    many = plan(**{f"p{i}": (0, 8, "standby") for i in range(3)}, only=(0, 4, "serve"))
+    assert "demotes 3 of 6" in refusal(many, "only", Span(0, 4), serve, 4, view)
+    joining = view_of(record(peer_id="j", start=0, end=8, state=PeerState.JOINING))
+    assert refusal(plan(j=(0, 8, "standby")), "j", None, None, 8, joining) is None
+    # two peers that each see the other on 4:8: a plan moving both away is refused by both (each asks whether the
+    # other stays there under the plan, not only whether it is there now)
+    pair = view_of(record(peer_id="a", start=0, end=4), record(peer_id="x", start=4, end=8),
+                   record(peer_id="y", start=4, end=8))  # fmt: skip
+    away = plan(a=(0, 4, "serve"), x=(0, 4, "serve"), y=(0, 4, "serve"))
+    assert "would have no other server" in refusal(away, "x", Span(4, 8), serve, 4, pair)
+    assert "would have no other server" in refusal(away, "y", Span(4, 8), serve, 4, pair)
+    assert refusal(plan(a=(0, 4, "serve"), x=(0, 4, "serve"), y=(4, 8, "serve")), "x", Span(4, 8), serve, 4,
+                   pair) is None  # fmt: skip

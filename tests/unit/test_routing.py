@@ -40,10 +40,20 @@ def test_enters_a_server_mid_span_and_respects_speed():
     assert spans(choose_route([fast, slow], 3, 8)) == [("fast", 3, 8)]
 
 
-def test_latency_shifts_the_choice():
-    a = record(peer_id="a", start=0, end=8)
-    b = record(peer_id="b", start=0, end=8)
-    assert spans(choose_route([a, b], 0, 8, latency={"a": 0.5, "b": 0.001}))[0][0] == "b"
+def test_measured_speed_replaces_a_claim():
+    honest = record(peer_id="honest", start=0, end=8, inference_sps=10.0)
+    boaster = record(peer_id="boaster", start=0, end=8, inference_sps=1e6)  # claims to be far faster
+    assert spans(choose_route([honest, boaster], 0, 8))[0][0] == "boaster"  # unmeasured: its claim stands
+    measured = {"boaster": 0.05}  # seconds per block per step, as the client saw it
+    assert spans(choose_route([honest, boaster], 0, 8, measured=measured))[0][0] == "honest"
+    assert spans(choose_route([honest, boaster], 0, 8, measured={"boaster": 1e-6}))[0][0] == "boaster"
+
+
+def test_an_unmeasured_claim_counts_no_faster_than_the_fastest_peer_measured():
+    honest = record(peer_id="honest", start=0, end=8, inference_sps=10.0)
+    fresh = record(peer_id="fresh-id", start=0, end=8, inference_sps=1e12)  # a stranger under a new id
+    measured = {"honest": 0.001}  # the client timed the honest peer: its real cost stands
+    assert spans(choose_route([honest, fresh], 0, 8, measured=measured))[0][0] == "honest"
 
 
 def test_missing_blocks_are_named():
@@ -72,6 +82,20 @@ def test_pick_fingerprint_prefers_full_coverage():
         record(peer_id="b", end=4, fingerprint="partial", forward_tps=1e6),
     )
     assert pick_fingerprint(view) == "good"
+
+
+def test_a_client_chains_only_the_weights_it_holds_however_fast_a_stranger_claims_to_be():
+    view = view_of(
+        record(peer_id="honest", end=8, fingerprint="ours", forward_tps=1),
+        record(peer_id="stranger", end=8, fingerprint="theirs", forward_tps=1e12),
+    )
+    assert pick_fingerprint(view) == "theirs"  # a tool reading the swarm sees the best-covered weights
+    assert pick_fingerprint(view, frozenset({"ours"})) == "ours"
+    assert (
+        pick_fingerprint(view_of(record(peer_id="stranger", end=8, fingerprint="theirs")), frozenset({"ours"}))
+        == "ours"
+    )
+    assert [r.peer_id for r in eligible(view, fingerprint="ours")] == ["honest"]
 
 
 def test_a_moved_peer_is_known_by_its_current_record():

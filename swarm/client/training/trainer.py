@@ -22,6 +22,7 @@ from swarm.client.model import DistributedModelForCausalLM
 from swarm.config import DirectPolicy, Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.errors import StaleStepError
+from swarm.identity import Signed
 from swarm.protocol import TrainTag
 from swarm.records import TrainerProgress, fresh
 from swarm.training import checkpoints
@@ -81,16 +82,18 @@ class Trainer:
         direct: DirectPolicy = "auto",
         average_trainers: bool = True,
         wiring_seed: int | None = None,
+        identity: Path | None = None,
     ) -> None:
         """``average_trainers``: start hivemind's averager for the trainers' own parameters (needs the main thread;
-        used only while other trainers feed the run)."""
+        used only while other trainers feed the run). ``identity``: this trainer's key file (its peer id is what a
+        closed run lists in ``[trust] trainers``)."""
         self.run, self.data = run, data
         self.timing = timing or Timing()
         config = run.hf_config()
         state = initial_client_state(run, DistributedModelForCausalLM.local_tensor_names(config))
         self.model = DistributedModelForCausalLM.from_parts(
             config, state, model_id=run.model_id, initial_peers=initial_peers, fingerprint=run.fingerprint,
-            timing=self.timing, cache_dir=run.cache_dir, direct=direct, wiring_seed=wiring_seed,
+            timing=self.timing, cache_dir=run.cache_dir, direct=direct, wiring_seed=wiring_seed, identity=identity,
         )  # fmt: skip
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, run)
@@ -104,6 +107,8 @@ class Trainer:
         self._publisher = _Publisher(self.store, run.trainers_key, self.timing, self.trainer_id)
         self._others: tuple[float, int] = (-1e9, 0)  # (read at, samples of other trainers at this step)
         self._peers_seen = False  # other live trainers at the last read
+        self._signed: tuple[float, Signed | None] = (0.0, None)  # (made at, this trainer's signed progress)
+        self._signed_step = -1
         # Trainers' own parameters are replicas too when several trainers feed the run. hivemind starts its averager
         # process from the main thread only, so it starts here (where a trainer is made), not at the first round.
         self.averager: OwnedAverager | None = None
@@ -115,7 +120,8 @@ class Trainer:
 
     # ---- one global step --------------------------------------------------------------------------------------------
     def _progress(self) -> list[TrainerProgress]:
-        return fresh(self.store.read(self.run.trainers_key, TrainerProgress), dht_time(), self.timing.trainer_stale)
+        progress = self.store.read(self.run.trainers_key, TrainerProgress)
+        return fresh(progress, dht_time(), self.timing.trainer_stale, self.timing.clock_skew)
 
     def _other_samples(self) -> int:
         """Samples other trainers processed for this step, read from the DHT every ``progress_poll`` while there are
@@ -124,11 +130,29 @@ class Trainer:
         poll = self.timing.progress_poll if self._peers_seen else self.timing.solo_poll
         if time.monotonic() - read_at < poll:
             return cached
-        others = [p for p in self._progress() if p.trainer != self.trainer_id]
+        others = [p for p in self._progress() if p.trainer != self.trainer_id and self.run.is_trainer(p.trainer)]
         self._peers_seen = bool(others)
-        total = sum(p.samples for p in others if p.step == self.step)
+        total = sum(min(p.samples, self.run.target_batch_size) for p in others if p.step == self.step)
         self._others = (time.monotonic(), total)
         return total
+
+    def _proof(self) -> Signed:
+        """This trainer's progress at its step, signed: a stage behind takes the step on it. Signed again when the
+        step changes, and before stages would find it stale."""
+        made, proof = self._signed
+        if proof is None or self._signed_step != self.step or time.monotonic() - made > self.timing.trainer_stale / 3:
+            progress = TrainerProgress(trainer=self.trainer_id, step=self.step, samples=0, updated=dht_time())
+            proof = self.store.sign(progress)
+            self._signed, self._signed_step = (time.monotonic(), proof), self.step
+        return proof
+
+    def _believed(self, server_step: int | None) -> int:
+        """The step a stage says the swarm is at, believed as far as one step ahead of this trainer, or as far as
+        a trainer of the run signed (a joining trainer catches up at once; a lying server moves it by one step)."""
+        if server_step is None or server_step <= self.step + 1:
+            return self.step + 1
+        signed = max((p.step for p in self._progress() if self.run.is_trainer(p.trainer)), default=self.step)
+        return min(server_step, max(signed, self.step + 1))
 
     def _micro_batch(self, batch: torch.Tensor, tag: TrainTag) -> float:
         loss = self.model(input_ids=batch, labels=batch, train=tag).loss
@@ -148,7 +172,7 @@ class Trainer:
             if room <= 0:
                 break
             n = max(1, min(run.pipeline_depth, room // mb))
-            tag = TrainTag(step=self.step, samples=mb)
+            tag = TrainTag(step=self.step, samples=mb, trainer=self.trainer_id, proof=self._proof())
             batches = [self.data.batch(self.position + i * mb, mb) for i in range(n)]
             results = [self._pool.submit(self._micro_batch, b, tag) for b in batches]
             stale: StaleStepError | None = None
@@ -165,7 +189,7 @@ class Trainer:
             if self._peers_seen:  # alone, only step boundaries are published (what peers catch up from)
                 self._publisher.set(self.step, self.samples)
             if stale is not None:
-                self._apply_step(stale.server_step if stale.server_step is not None else self.step + 1)
+                self._apply_step(self._believed(stale.server_step))
         if self.step == start_step:
             self._apply_step(self.step + 1)
         return statistics.fmean(losses) if losses else float("nan")
@@ -193,7 +217,13 @@ class Trainer:
 
     def _average(self) -> None:
         """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several."""
-        if self.averager is not None and len(self._progress()) >= 2:
+        if self.averager is None:
+            return
+        others = [
+            p.trainer for p in self._progress() if p.trainer != self.trainer_id and self.run.is_trainer(p.trainer)
+        ]
+        if others:
+            self.averager.allow(others)
             self.averager.average_round(self.run, "trainer")
 
     # ---- checkpoints --------------------------------------------------------------------------------------------

@@ -1,0 +1,290 @@
+"""A malicious participant, in a process of its own, speaking the real protocol on loopback: its own libp2p identity
+and DHT peer, signed values where signing helps it and raw unsigned ones where it does not, real RPC calls to real
+servers, a real hivemind averager. The tests in ``test_attacks.py`` start it and check that every attack fails.
+
+    python -m tests.integration.attacker ATTACK --initial-peers MADDR... --model-id ID --num-blocks N [options]
+
+Each attack prints one JSON line on stdout (what it did, and what the servers answered) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.config import Timing
+from swarm.dht import RecordStore, _get_subkeys, _store_records, dht_time, die_with_parent, start_dht
+from swarm.errors import SwarmError
+from swarm.identity import owner_of
+from swarm.ids import assignment_key, block_key, broker_key, peers_key
+from swarm.protocol import (
+    PROTOCOL_VERSION,
+    RPC_FORWARD,
+    BackwardRequest,
+    ForwardRequest,
+    Reply,
+    StepNotice,
+    TrainTag,
+)
+from swarm.records import (
+    Assignment,
+    Lease,
+    PeerRecord,
+    PeerState,
+    Placement,
+    ServerRecord,
+    TrainerProgress,
+    servers,
+)
+from swarm.rpc.hop import Hop
+from swarm.rpc.loop import LoopThread
+from swarm.rpc.remote import Remote
+
+TIMING = Timing.for_tests()
+
+
+def _server_record(store: RecordStore, args: argparse.Namespace, **fields: Any) -> ServerRecord:
+    base: dict[str, Any] = dict(
+        peer_id=store.peer_id, maddrs=tuple(store.visible_maddrs()), state=PeerState.ONLINE, start=0,
+        end=args.num_blocks, model_id=args.model_id, num_blocks=args.num_blocks, fingerprint="0" * 16,
+        dtype="float32", device="cuda", forward_tps=1e12, inference_sps=1e9, cache_tokens_free=1 << 30,
+        cache_tokens_total=1 << 30, software_version="9", protocol_version=PROTOCOL_VERSION,
+    )  # fmt: skip
+    base.update(fields)
+    return ServerRecord(**base)
+
+
+def _raw_store(store: RecordStore, keys: list[str], value: dict[str, Any], subkey: bytes) -> bool:
+    """A value under any subkey, signed or not, however malformed: what hivemind itself lets anyone store."""
+    fn = partial(_store_records, keys=keys, values=[value] * len(keys), expiration=dht_time() + 60, subkey=subkey)
+    return all(store._call(fn).values())
+
+
+def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """Forged and foreign-key records, a shadow of an honest peer, fake leases and assignments, a malformed lease,
+    future-dated heartbeats. The DHT keeps one value per key and author, so the attacker uses three identities (a
+    Sybil costs it nothing)."""
+    store, second, third = stores
+    now = dht_time()
+    view = store.view(args.model_id, args.num_blocks)
+    honest = sorted(servers(view))
+    victim = view[0][0]
+    blocks = [block_key(args.model_id, b) for b in range(args.num_blocks)]
+    done: dict[str, Any] = {"honest": honest, "sybils": [second.peer_id, third.peer_id]}
+    # 1. an unsigned record claiming every block, its own weights and an absurd speed (hivemind stores it unsigned)
+    done["unsigned"] = _raw_store(store, blocks, _server_record(store, args).to_wire(), b"forged")
+    # 2. a signed record of its own: valid, but of weights no client holds
+    done["own_weights"] = second.announce(_server_record(second, args), now + 60)
+    # 3. the honest peer's id with the attacker's address (a shadow), in the attacker's own signed subkey, and the
+    #    same shadow unsigned
+    shadow = victim.model_copy(update={"maddrs": tuple(store.visible_maddrs()), "forward_tps": 1e12})
+    done["shadow"] = store.announce(shadow, now + 60)
+    done["shadow_unsigned"] = _raw_store(store, blocks, shadow.to_wire(), b"shadow")
+    # 4. a lease with a huge term (and an assignment under it making every honest peer a standby); a lease for the
+    #    next term while the broker's is live (and its assignment); an assignment in the honest broker's name
+    standby = {p: Placement(start=0, end=1, role="standby") for p in honest}
+    huge = Lease(term=2**62, holder=store.peer_id, start=now, expires=now + TIMING.lease_seconds)
+    done["huge_lease"] = store.publish(broker_key(args.model_id), huge, now + 60)
+    plan = Assignment(term=2**62, broker=store.peer_id, issued_at=now, placements=standby)
+    store.publish(assignment_key(args.model_id), plan, now + 60)
+    leases = [lease for lease in store.read(broker_key(args.model_id), Lease) if lease.holder in honest]
+    term = max((lease.term for lease in leases), default=0) + 1
+    early = Lease(term=term, holder=third.peer_id, start=now, expires=now + TIMING.lease_seconds)
+    done["next_term_lease"] = third.publish(broker_key(args.model_id), early, now + 60)
+    plan = Assignment(term=term, broker=third.peer_id, issued_at=now, placements=standby)
+    third.publish(assignment_key(args.model_id), plan, now + 60)
+    owner = leases[0].holder if leases else honest[0]
+    plan = Assignment(term=term - 1, broker=owner, issued_at=now + 1, placements=standby)
+    done["foreign_assignment"] = second.publish(assignment_key(args.model_id), plan, now + 60)
+    # 5. an assignment in the lease holder's name under a subkey that carries the holder's key and then its own
+    #    (hivemind signs with the first marker it finds; a reader must not take the holder's for the author)
+    raw = store._call(partial(_get_subkeys, key=broker_key(args.model_id)))
+    holder_key = next((sub for sub in raw if isinstance(sub, bytes) and owner_of(sub) == owner), None)
+    if holder_key is not None and leases:
+        confusing = holder_key[:-1] + b"\n" + store.validator.local_public_key
+        lease = max((lease for lease in leases if lease.holder == owner), key=lambda lease: lease.term)
+        plan = Assignment(term=lease.term, broker=owner, issued_at=now + 5, placements={victim.peer_id: standby[
+            victim.peer_id]})  # fmt: skip
+        done["owner_confusion"] = _raw_store(store, [assignment_key(args.model_id)], plan.to_wire(), confusing)
+    # 6. a malformed lease, signed: a term that is not a number
+    bad = {"schema_version": 2, "term": "infinity", "holder": second.peer_id, "start": now, "expires": now + 1e9}
+    done["malformed_lease"] = _raw_store(second, [broker_key(args.model_id)], bad, second.validator.local_public_key)
+    # 7. a heartbeat dated far in the future, claiming a huge throughput (would never expire, would be placed first)
+    beat = PeerRecord(peer_id=third.peer_id, state=PeerState.JOINING, block_throughput=1e12, memory=1 << 40,
+                      max_blocks=1000, updated_at=now + 10**6)  # fmt: skip
+    done["future_heartbeat"] = third.publish(peers_key(args.model_id), beat, now + 60)
+    return done
+
+
+def seize_broker(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """Watch the lease the swarm obeys (say "ready" once it sees one), wait until no live lease is left (the honest
+    broker died), claim the next term, and publish plans that would uncover blocks: every peer a standby, then every
+    peer on the first block only. Renew for ``--seconds`` after "ready"."""
+    from swarm.lease import LeaseRules, LeaseView
+
+    store = stores[0]
+    me = store.peer_id
+    rules = LeaseRules(TIMING.lease_seconds, TIMING.max_tenure, skew=TIMING.clock_skew)
+    view = LeaseView(rules)
+    lease: Lease | None = None
+    published = 0
+    while view.resolve(store.read(broker_key(args.model_id), Lease), dht_time()) is None:
+        time.sleep(TIMING.broker_period)  # it watches the lease the swarm obeys, as a follower would
+    print("ready", flush=True)  # the test kills the honest broker now
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        now = dht_time()
+        current = view.resolve(store.read(broker_key(args.model_id), Lease), now)
+        if lease is None and current is None and view.term is not None:
+            lease = Lease(term=view.term + 1, holder=me, start=now, expires=now + TIMING.lease_seconds)
+        if lease is not None:
+            lease = lease.model_copy(update={"expires": now + TIMING.lease_seconds})
+            store.publish(broker_key(args.model_id), lease, now + 60)
+            honest = sorted(p for p in servers(store.view(args.model_id, args.num_blocks)) if p != me)
+            role = "standby" if published % 2 == 0 else "serve"
+            placements = {p: Placement(start=0, end=1, role=role) for p in honest}
+            plan = Assignment(term=lease.term, broker=me, issued_at=now, placements=placements)
+            store.publish(assignment_key(args.model_id), plan, now + 60)
+            published += 1
+        time.sleep(TIMING.broker_period)
+    return {"term": lease.term if lease is not None else None, "plans": published}
+
+
+def _errors(loop: LoopThread, remote: Remote, hop: Hop, calls: list[tuple[str, Any, dict[str, torch.Tensor]]]
+            ) -> dict[str, str]:  # fmt: skip
+    """Each call's outcome: "ok", or the error class the server answered with (and its message)."""
+    out: dict[str, str] = {}
+    for name, request, tensors in calls:
+        try:
+            loop.run(remote.call(hop, RPC_FORWARD, request, tensors, 30.0, Reply))
+            out[name] = "ok"
+        except SwarmError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def attack_training(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """Against the first stage of a pre-training run: poisoned backward passes (NaN, overflowing and miscounted),
+    steps far ahead, step notices without a trainer's signature or with its name forged, and forged progress."""
+    store = stores[0]
+    view = store.view(args.model_id, args.num_blocks)
+    target = next(r for r in view[0] if r.peer_id != store.peer_id)
+    hop = Hop.of(target, target.start, target.end)
+    loop = LoopThread("attacker")
+    remote = Remote(loop.run(store.replicate_p2p()))
+    me, honest, now = store.peer_id, args.honest, dht_time()
+    mine = TrainerProgress(trainer=me, step=10**12, samples=1 << 30, updated=now)
+    forged = TrainerProgress(trainer=honest, step=10**12, samples=1 << 30, updated=now)
+    # progress in the DHT: its own (a stranger to a closed run) and one in the honest trainer's name
+    store.publish(args.trainers_key, mine.model_copy(update={"step": args.step, "samples": 1 << 20}), now + 60)
+    store.publish(args.trainers_key, forged, now + 60)
+    hidden = torch.randn(8, args.seq_len, args.hidden_size)
+    grad = torch.randn(8, args.seq_len, args.hidden_size)
+
+    def fwd(fid: str, tag: TrainTag) -> tuple[str, Any, dict[str, torch.Tensor]]:
+        return fid, ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=True, forward_id=fid,
+                                   train=tag), {"hidden": hidden}  # fmt: skip
+
+    def bwd(fid: str, tag: TrainTag, g: torch.Tensor) -> tuple[str, Any, dict[str, torch.Tensor]]:
+        request = BackwardRequest(start=hop.start, end=hop.end, forward_id=fid, input_grad=True, train=tag)
+        return f"backward {fid}", request, {"grad_output": g}
+
+    as_honest = TrainTag(step=args.step, samples=8, trainer=honest)
+    calls = [
+        fwd("stranger", TrainTag(step=args.step, samples=8, trainer=me)),
+        fwd("nan", as_honest), bwd("nan", as_honest, torch.full_like(grad, float("nan"))),
+        fwd("overflow", as_honest), bwd("overflow", as_honest, grad * 1e37),
+        fwd("miscount", as_honest), bwd("miscount", as_honest.model_copy(update={"samples": 16}), grad),
+        fwd("far ahead", TrainTag(step=10**12, samples=8, trainer=honest, proof=store.sign(mine))),
+        fwd("forged proof", TrainTag(step=args.step + 1, samples=8, trainer=honest, proof=store.sign(forged))),
+        ("notice", StepNotice(step=10**12, proof=store.sign(mine)), {}),
+        ("notice forged", StepNotice(step=10**12, proof=store.sign(forged)), {}),
+    ]  # fmt: skip
+    try:
+        return {"target": target.peer_id, "answers": _errors(loop, remote, hop, calls)}
+    finally:
+        loop.run(remote.p2p.shutdown(), 5.0)
+        loop.close(5.0)
+
+
+def join_averaging(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """hivemind's own averager under the replicas' group prefix, holding garbage of the right shapes, trying to
+    average with them until it got into ``--groups`` of their groups, or for ``--seconds``."""
+    import multiprocessing as mp
+
+    from hivemind.averaging import DecentralizedAverager
+
+    met = mp.Value("i", 0)  # groups it got into (counted in the averager's own process)
+
+    class Outsider(DecentralizedAverager):  # type: ignore[misc]
+        def run(self) -> None:  # its process ends with the attacker's, even when the test kills the attacker
+            die_with_parent(self._parent_pid)
+            super().run()
+
+        async def _aggregate_with_group(self, group_info: Any, *a: Any, **kw: Any) -> Any:
+            with met.get_lock():
+                met.value += 1
+            return await super()._aggregate_with_group(group_info, *a, **kw)
+
+    # hivemind names its handlers after the averager's class: the attacker's class bears the replicas' class's name
+    Outsider.__name__ = Outsider.__qualname__ = "OwnedAverager"
+    shapes = json.loads(Path(args.shapes).read_text())
+    tensors = [torch.full(shape, 1000.0) for shape in shapes]
+    averager = Outsider(tensors, stores[0].dht, start=True, prefix=args.prefix, target_group_size=8, min_group_size=2,
+                        min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=5.0,
+                        client_mode=False)  # fmt: skip
+    rounds, deadline = 0, time.monotonic() + args.seconds
+    try:
+        while time.monotonic() < deadline and met.value < args.groups:
+            try:
+                if averager.step(timeout=5.0, allow_retries=False):
+                    rounds += 1
+            except Exception:
+                pass
+    finally:
+        averager.shutdown()
+    return {"rounds": rounds, "groups": met.value}
+
+
+ATTACKS = {"records": attack_records, "broker": seize_broker, "training": attack_training,
+           "averaging": join_averaging}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.integration.attacker")
+    p.add_argument("attack", choices=sorted(ATTACKS))
+    p.add_argument("--initial-peers", nargs="+", required=True)
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--num-blocks", type=int, required=True)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--honest", default="", help="the honest trainer's peer id")
+    p.add_argument("--trainers-key", default="")
+    p.add_argument("--step", type=int, default=0, help="the run's current step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--prefix", default="", help="the averaging group prefix")
+    p.add_argument("--shapes", default="", help="a JSON file: the shapes of the tensors the replicas average")
+    p.add_argument("--groups", type=int, default=2, help="averaging: stop once in this many of the replicas' groups")
+    args = p.parse_args(argv)
+    stores: list[RecordStore] = []
+    try:
+        for _ in range(3 if args.attack == "records" else 1):
+            stores.append(start_dht(initial_peers=tuple(args.initial_peers), timeout=TIMING.dht_start_timeout,
+                                    call_timeout=TIMING.dht_timeout))  # fmt: skip
+        result = ATTACKS[args.attack](stores, args)
+        print(json.dumps({"attacker": stores[0].peer_id, **result}), flush=True)
+    finally:
+        for store in stores:
+            store.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

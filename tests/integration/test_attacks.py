@@ -1,0 +1,220 @@
+"""Attacks by a real malicious process (``tests/integration/attacker.py``: its own identity, DHT peer and RPC calls
+on loopback) on real swarms. Every attack fails: honest clients get the outputs of a local Hugging Face run, the
+swarm keeps its coverage, the servers stay up, and a pre-training run learns exactly what it learns alone."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.config import Timing
+from swarm.dht import RecordStore, load_identity, start_dht
+from swarm.identity import peer_id_of_key
+from swarm.ids import assignment_key
+from swarm.records import Assignment, PeerState, servers
+from swarm.status import current_broker
+from tests.conftest import local_reference
+from tests.integration.harness import running_swarm, wait_for
+
+pytestmark = pytest.mark.slow
+TIMING = Timing.for_tests()
+
+
+ROOT = Path(__file__).parents[2]
+
+
+def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tests.integration.attacker", kind, "--initial-peers", *swarm.initial_peers,
+            "--model-id", model_id, "--num-blocks", str(num_blocks), *extra]  # fmt: skip
+
+
+def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, timeout: float = 120) -> dict:
+    """Run one attack to its end; its JSON report."""
+    done = subprocess.run(_command(kind, swarm, model_id, num_blocks, *extra), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class Attacker:
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+
+    def report(self, timeout: float = 60) -> dict:
+        """Its JSON report, once it ends."""
+        out, _ = self.process.communicate(timeout=timeout)
+        return json.loads(out.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def attacking(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> Iterator[Attacker]:
+    """An attack running in the background while the test drives the swarm; killed if the test ends first."""
+    process = subprocess.Popen(_command(kind, swarm, model_id, num_blocks, *extra), stdout=subprocess.PIPE,
+                               text=True, cwd=ROOT)  # fmt: skip
+    try:
+        yield Attacker(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def roles(store: RecordStore, model: str, num_blocks: int) -> dict[str, tuple[str, int, int]]:
+    return {r.peer_id: (r.state.value, r.start, r.end) for r in servers(store.view(model, num_blocks)).values()}
+
+
+def replicated(store: RecordStore, model: str, num_blocks: int, copies: int) -> bool:
+    view = store.view(model, num_blocks)
+    return all(sum(r.state == PeerState.ONLINE for r in view[b]) >= copies for b in range(num_blocks))
+
+
+def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_models):
+    from swarm import DistributedModelForCausalLM
+
+    folder = tiny_models["llama"]
+    model = Path(folder).resolve().name
+    ref = local_reference(folder)
+    ids = torch.randint(0, 320, (1, 6), generator=torch.Generator().manual_seed(5))
+    expected = ref.generate(ids, max_new_tokens=16, do_sample=False)
+    policy = ("--max-blocks", "2", "--standby-fraction", "0", "--replication", "2")
+    with running_swarm(str(folder), [None], *policy) as swarm:  # the one honest broker candidate
+        for _ in range(3):
+            swarm.add_peer(None, *policy, "--no-broker")
+        honest = [p.peer_id for p in swarm.peers]
+        store = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True)
+        try:
+            wait_for(lambda: replicated(store, model, 4, 2), 60, "every block on two peers")
+            before = roles(store, model, 4)
+            lease = wait_for(lambda: current_broker(store, model, TIMING), 20, "a broker")
+            assert lease.holder == honest[0]
+
+            # 1. forged, foreign-key and shadowing records, fake leases and assignments, a malformed lease, a
+            #    heartbeat dated in the future
+            done = attack("records", swarm, model, 4)
+            stored = ("unsigned", "own_weights", "shadow", "huge_lease", "next_term_lease", "foreign_assignment",
+                      "owner_confusion", "malformed_lease", "future_heartbeat")  # fmt: skip
+            assert all(done[k] for k in stored), done
+            second, third = done["sybils"]
+            time.sleep(8 * TIMING.broker_period)  # rounds of the broker and every follower
+            # the attacker's own record (signed, of weights nobody holds) is there to read; the honest peers are
+            # where they were
+            now = roles(store, model, 4)
+            assert now[second][2] == 4 and {p: now[p] for p in before} == before
+            assert current_broker(store, model, TIMING).holder == honest[0]
+            obeyed = [a for a in store.read(assignment_key(model), Assignment) if a.broker == honest[0]]
+            assert obeyed and all(third not in a.placements for a in obeyed)  # its future heartbeat was refused
+            assert store.dropped["unsigned"] and store.dropped["foreign"] and store.dropped["malformed"]
+            with DistributedModelForCausalLM.from_pretrained(folder, initial_peers=swarm.initial_peers,
+                                                             timing=TIMING) as client:  # fmt: skip
+                assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
+                assert client.failovers == 0  # no forged record was ever on its route
+                assert {h.peer_id for h in client.route} <= set(honest)
+
+            # 2. the honest broker dies (once the attacker watches its lease, as every follower does); the attacker
+            #    is the only candidate left, takes the lease, and orders plans that would uncover blocks: the
+            #    followers refuse them
+            with attacking("broker", swarm, model, 4, "--seconds", "15") as attacker:
+                stdout = attacker.process.stdout
+                assert stdout is not None and stdout.readline().strip() == "ready"
+                swarm.kill(swarm.peer_by_id(honest[0]))
+                seized = wait_for(lambda: (b := current_broker(store, model, TIMING)) and b.holder != honest[0] and b,
+                                  30, "the attacker to hold the lease")  # fmt: skip
+                result = attacker.report()
+            assert seized.holder == result["attacker"] and result["plans"] >= 5
+            survivors = {p: v for p, v in before.items() if p != honest[0]}
+            assert {p: v for p, v in roles(store, model, 4).items() if p in survivors} == survivors
+            assert replicated(store, model, 4, 1)
+            assert all(swarm.peer_by_id(p).proc.poll() is None for p in honest[1:])
+            with DistributedModelForCausalLM.from_pretrained(folder, initial_peers=swarm.initial_peers,
+                                                             timing=TIMING) as client:  # fmt: skip
+                assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
+        finally:
+            store.shutdown()
+
+
+def closed_run(tmp_path: Path, identity: Path, **sections: Any) -> Path:
+    from tests.integration.test_pretrain import write_run
+
+    trainer_id = peer_id_of_key(load_identity(identity).get_public_key().to_bytes())
+    return write_run(tmp_path, trust={"trainers": [trainer_id]}, **sections)
+
+
+def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp_path):
+    """A closed run (the run lists its trainer): the attacker's backward passes with NaN, overflowing or
+    miscounted gradients, its requests as a stranger, its steps far ahead, its step notices and progress records
+    (its own and forged in the trainer's name) are all refused or ignored, and the run's losses are exactly those
+    of the same training in one process."""
+    from swarm.client.training.local import LocalTraining
+    from swarm.client.training.trainer import Trainer
+    from swarm.training.data import Samples, corpus_files, tokenize
+    from swarm.training.run import load_run
+    from tests.integration.test_pretrain import close_all
+
+    identity = tmp_path / "trainer.key"
+    run_file = closed_run(tmp_path, identity, checkpoint={"every_steps": 0}, averaging={"every_steps": 0})
+    run = load_run(run_file)
+    data = Samples(tokenize(corpus_files(None), "bytes", 256), run.seq_len, run.seed)
+    local = LocalTraining(run, data)
+    expected = [local.train_step() for _ in range(8)]
+    with running_swarm("tiny-llama", [str(s) for s in run.stages], "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=TIMING, identity=identity) as trainer:
+            losses = [trainer.train_step() for _ in range(4)]
+            done = attack("training", swarm, run.model_id, 6, "--honest", trainer.trainer_id, "--trainers-key",
+                          run.trainers_key, "--step", str(trainer.step))  # fmt: skip
+            losses += [trainer.train_step() for _ in range(4)]
+            answers = done["answers"]
+            assert answers["stranger"].startswith("BadInputError") and "not a trainer" in answers["stranger"]
+            assert answers["nan"] == "ok" and "NaN" in answers["backward nan"]
+            assert answers["overflow"] == "ok" and "the run bounds it" in answers["backward overflow"]
+            assert "claims 16 samples but holds 8" in answers["backward miscount"]
+            assert "not a trainer" in answers["far ahead"]
+            assert "signed by" in answers["forged proof"]
+            assert "not a trainer" in answers["notice"] and "signed by" in answers["notice forged"]
+            assert all(swarm.peer_by_id(p.peer_id).proc.poll() is None for p in swarm.peers)
+            assert trainer.step == 8
+    assert close_all(losses, expected), (losses, expected)
+
+
+def test_an_outsider_cannot_join_the_replicas_averaging(tmp_path):
+    """The attacker runs hivemind's averager under the replicas' group prefix with garbage of the right shapes, until
+    it got into two of their groups: the replicas leave each, their weights never see its values, and it completes
+    no round."""
+    from peers.training.span_trainer import SpanTrainer
+    from swarm.client.training.trainer import Trainer
+    from swarm.model_files import new_model
+    from swarm.training.data import Samples, corpus_files, tokenize
+    from swarm.training.run import load_run
+    from tests.integration.test_pretrain import stage_state, write_run
+
+    run_file = write_run(tmp_path, stages={"spans": ["0:3", "3:6"]}, checkpoint={"every_steps": 0},
+                         averaging={"every_steps": 1, "matchmaking_seconds": 1.0})  # fmt: skip
+    run = load_run(run_file)
+    stage = run.stages[0]
+    layers = torch.nn.ModuleList(new_model(run.hf_config(), torch.float32).model.layers[stage.start : stage.end])
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps([list(t.shape) for t in SpanTrainer(run, layers, stage, tmp_path).tensors()]))
+    prefix = f"{run.model_id}_stage{stage.start}-{stage.end}".replace(".", "_")
+    data = Samples(tokenize(corpus_files(None), "bytes", 256), run.seq_len, run.seed)
+    with running_swarm("tiny-llama", ["0:3", "0:3", "3:6"], "--train", str(run_file)) as swarm:
+        extra = ("--prefix", prefix, "--shapes", str(shapes), "--seconds", "120", "--groups", "2")
+        with attacking("averaging", swarm, run.model_id, 6, *extra) as attacker:
+            with Trainer(run, data, tuple(swarm.initial_peers), timing=TIMING) as trainer:
+                losses = []
+                while attacker.process.poll() is None:  # a step and an averaging round, until it got into two groups
+                    losses.append(trainer.train_step())
+                replicas = [p.peer_id for p in swarm.peers if p.span == "0:3"]
+                for peer_id in replicas:
+                    _, weights = stage_state(trainer, peer_id, stage)
+                    assert all(torch.isfinite(w).all() and w.abs().max() < 100 for w in weights.values())
+            result = attacker.report()
+    assert result["groups"] >= 1 and result["rounds"] == 0  # it did get into the replicas' groups; they left
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]

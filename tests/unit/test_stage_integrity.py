@@ -1,0 +1,196 @@
+"""A pre-training stage takes nothing on anyone's word: steps at most one ahead unless a trainer of the run signed
+them, gradients finite and bounded, samples counted per trainer, states finite; a joiner believes a replica's state
+only as the replicas signed it. Real span trainers over the shipped tiny run, no network."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peers.training.proofs import StepProofs
+from peers.training.span_trainer import SpanTrainer
+from swarm.dht import dht_time
+from swarm.errors import BadInputError, StaleStepError
+from swarm.identity import Signed, peer_id_of_key, sign_record
+from swarm.ids import Span
+from swarm.model_files import new_model
+from swarm.protocol import StateReply, TrainTag
+from swarm.records import RoundRecord, ServerRecord, TrainerProgress
+from swarm.rpc.state import StageSources, stage_state
+from swarm.training.checkpoints import state_digest
+from swarm.training.run import RunConfig, load_run
+from tests.unit.test_basics import record
+
+SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
+STAGE = Span(0, 2)
+
+
+KEY, STRANGER = RSAPrivateKey(), RSAPrivateKey()
+TRAINER = peer_id_of_key(KEY.get_public_key().to_bytes())
+
+
+def stage(tmp_path: Path, **changes: object) -> SpanTrainer:
+    run: RunConfig = dataclasses.replace(load_run(SHIPPED), **changes)  # type: ignore[arg-type]
+    model = new_model(run.hf_config(), torch.float32)
+    t = SpanTrainer(run, torch.nn.ModuleList(model.model.layers[STAGE.start : STAGE.end]), STAGE, tmp_path)
+    t.proofs = StepProofs(run, max_age=60.0, skew=2.0)
+    return t
+
+
+def proof(step: int, key: RSAPrivateKey = KEY, age: float = 0.0, trainer: str | None = None) -> Signed:
+    me = trainer or peer_id_of_key(key.get_public_key().to_bytes())
+    return sign_record(key, TrainerProgress(trainer=me, step=step, samples=0, updated=dht_time() - age))
+
+
+def tag(step: int, signed: Signed | None = None, trainer: str = TRAINER) -> TrainTag:
+    return TrainTag(step=step, samples=8, trainer=trainer, proof=signed)
+
+
+def grads(trainer: SpanTrainer, scale: float = 1.0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(p.shape, generator=gen) * scale for p in trainer.params]
+
+
+def weights(trainer: SpanTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.params]
+
+
+def test_a_stage_steps_only_as_far_as_a_trainer_signed_and_never_spins(tmp_path):
+    t = stage(tmp_path)
+    t.admit(tag(0))  # the stage's own step: nothing to prove
+    with pytest.raises(BadInputError, match="signed progress of a trainer"):
+        t.admit(tag(1))
+    with pytest.raises(BadInputError, match="signature does not match"):
+        forged = proof(1).model_copy(update={"payload": proof(1).payload.replace('"step":1', '"step":9')})
+        t.admit(tag(9, forged))
+    with pytest.raises(BadInputError, match="stale"):
+        t.admit(tag(1, proof(1, age=120.0)))
+    with pytest.raises(BadInputError, match="no trainer of the run signed"):
+        t.admit(tag(3, proof(2)))  # a proof of step 2 vouches for no step beyond it
+    assert t.step == 0
+    t.admit(tag(1, proof(1)))  # one ahead, signed: the normal case between batches
+    assert t.step == 1
+    with pytest.raises(BadInputError, match="no trainer of the run signed"):
+        t.catch_up(5)
+    t.admit(tag(1 + t.run.catch_up_limit, proof(1 + t.run.catch_up_limit)))
+    assert t.step == 1 + t.run.catch_up_limit
+    before = weights(t)
+    t.admit(tag(10**12, proof(10**12)))  # far ahead, signed: the count skips, and only one update is taken
+    assert t.step == 10**12 and all(t.opt.state[p]["step"].item() == pytest.approx(1e12) for p in t.params)
+    assert all(float((a - p).abs().max()) < 10 * t.run.lr for a, p in zip(before, t.params, strict=True))
+    with pytest.raises(StaleStepError):
+        t.admit(tag(0))
+
+
+def test_a_closed_run_admits_only_its_trainers(tmp_path):
+    t = stage(tmp_path, trainers=(TRAINER,))
+    t.admit(tag(0))
+    with pytest.raises(BadInputError, match="not a trainer of run"):
+        t.admit(tag(0, trainer="QmStranger"))
+    with pytest.raises(BadInputError, match="not a trainer of run"):  # a stranger's own signature proves nothing
+        t.admit(tag(1, proof(1, STRANGER)))
+    with pytest.raises(BadInputError, match="signed by"):  # nor does it, in the trainer's name
+        t.admit(tag(1, proof(1, STRANGER, trainer=TRAINER)))
+    assert t.step == 0
+    t.admit(tag(1, proof(1)))
+    assert t.step == 1
+
+
+def test_non_finite_gradients_change_nothing_and_huge_ones_are_bounded(tmp_path):
+    t = stage(tmp_path)
+    before = weights(t)
+    poisoned = grads(t)
+    poisoned[3][0, 0] = float("nan")
+    with pytest.raises(BadInputError, match="not finite"):
+        t.accumulate(poisoned, 16, "a")
+    assert t.samples == 0 and all(p.grad is None for p in t.params)
+    with pytest.raises(BadInputError, match="the run bounds it"):  # garbage: refused outright
+        t.accumulate(grads(t, 1e30), 8, "a")
+    assert all(p.grad is None for p in t.params)
+    huge = grads(t, 100.0)  # far above an honest gradient, within reach of a loss spike: scaled down
+    t.accumulate(huge, 8, "a")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in t.params]))
+    assert t.clipped == 1 and float(norm) == pytest.approx(t.run.max_grad_norm * 8, rel=1e-4)
+    t.accumulate(grads(t), 8, "b")  # the batch is complete, but nobody signed that step 1 began: no step yet
+    assert t.step == 0 and t.samples == 16
+    t.admit(tag(1, proof(1)))  # the trainer's next request, signed: the step is taken first
+    assert t.step == 1
+    assert all(torch.isfinite(p).all() for p in t.params)
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.params, strict=True))
+
+
+def test_one_trainer_cannot_fill_a_step_twice(tmp_path):
+    t = stage(tmp_path, target_batch_size=32)
+    t.accumulate(grads(t), 8, "a")
+    with pytest.raises(BadInputError, match="already sent 8 samples"):
+        t.accumulate(grads(t), 32, "a")
+    t.vouched = 1  # the trainer already signed step 1 (a replica that saw the rest of the batch elsewhere)
+    t.accumulate(grads(t), 24, "b")
+    assert t.step == 1 and not t.by_trainer  # counted afresh for the next step
+
+
+def test_a_state_with_nan_is_refused(tmp_path):
+    t = stage(tmp_path)
+    state = t.export_state()
+    next(iter(state.values()))[0] = float("inf")
+    with pytest.raises(BadInputError, match="NaN or infinite"):
+        t.import_state(3, state)
+    assert t.step == 0
+
+
+class FakeRemote:
+    """Replicas answering state requests from a table (the selection logic is what is under test)."""
+
+    def __init__(self, states: dict[str, tuple[int, dict[str, torch.Tensor]]],
+                 rounds: dict[str, tuple[int, dict[str, torch.Tensor]]]) -> None:  # fmt: skip
+        self.states, self.rounds = states, rounds
+
+    async def state(self, hop, timeout, max_bytes, last_round=False):
+        step, tensors = (self.rounds if last_round else self.states)[hop.peer_id]
+        return StateReply(step=step, start=STAGE.start, end=STAGE.end), tensors
+
+
+def server(peer_id: str) -> ServerRecord:
+    return record(peer_id=peer_id, start=STAGE.start, end=STAGE.end, num_blocks=6)
+
+
+def round_of(peer_id: str, step: int, tensors: dict[str, torch.Tensor]) -> RoundRecord:
+    return RoundRecord(peer_id=peer_id, start=STAGE.start, end=STAGE.end, step=step, digest=state_digest(tensors),
+                       updated=0.0)  # fmt: skip
+
+
+def run_selection(remote: FakeRemote, sources: StageSources):
+    import asyncio
+
+    return asyncio.run(stage_state(remote, sources, STAGE, 1.0, 1 << 30))  # type: ignore[arg-type]
+
+
+def test_a_joiner_takes_the_round_two_replicas_sign_not_the_furthest_claim():
+    honest = {"w": torch.ones(4)}
+    nearly = {"w": torch.ones(4) + 1e-7}  # another replica after the same all-reduce: equal up to rounding
+    garbage = {"w": torch.full((4,), 1e6)}
+    remote = FakeRemote(
+        states={"A": (12, honest), "B": (12, nearly), "E": (11, garbage)},
+        rounds={"A": (10, honest), "B": (10, nearly), "E": (10, garbage)},
+    )
+    rounds = [round_of("A", 10, honest), round_of("B", 10, nearly), round_of("E", 10, garbage),
+              round_of("E", 11, garbage)]  # fmt: skip
+    sources = StageSources([server("E"), server("A"), server("B")], rounds, max_step=13)
+    step, state = run_selection(remote, sources)
+    assert step == 10 and (torch.equal(state["w"], honest["w"]) or torch.equal(state["w"], nearly["w"]))
+    # a replica that serves something else than it signed is not believed
+    lying = FakeRemote(states=remote.states, rounds={"A": (10, honest), "B": (10, garbage), "E": (10, garbage)})
+    signed = [round_of("A", 10, honest), round_of("B", 10, nearly), round_of("E", 10, honest)]
+    assert run_selection(lying, StageSources([server("A"), server("B"), server("E")], signed, 13)) is None
+
+
+def test_without_rounds_a_joiner_takes_the_furthest_state_a_trainer_vouches_for():
+    a, b = {"w": torch.ones(2)}, {"w": torch.zeros(2)}
+    remote = FakeRemote(states={"A": (7, a), "E": (10**9, b)}, rounds={})
+    step, state = run_selection(remote, StageSources([server("A"), server("E")], [], max_step=8))
+    assert step == 7 and torch.equal(state["w"], a["w"])
+    assert run_selection(remote, StageSources([server("E")], [], max_step=8)) is None
