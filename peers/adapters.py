@@ -2,7 +2,8 @@
 
 Base weights are never touched: a request's adapter is applied by the backend's hooks for that request only. The
 cache lets a training client send its adapter once per optimizer step and an inference session once per hop; it is
-keyed by the client's random token, bounded in bytes (least recently used client goes first) and in idle time."""
+keyed by the caller's identity and the client's random token, bounded in bytes per caller and in total (adapters in
+use are pinned and count; unpinned ones go least recently used first) and in idle time."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.errors import AdapterMissingError, BadInputError
+from swarm.errors import AdapterMissingError, BadInputError, BusyError
 from swarm.ids import Span
 from swarm.protocol import AdapterRef
 from swarm.tuning import deep_name, is_adapter_name, lora_name, parse_name
@@ -98,71 +99,162 @@ def parse_adapter(
     return adapter
 
 
-@dataclass
+@dataclass(eq=False)
 class _Entry:
+    caller: str
     version: int
     scaling: float
     blocks: dict[int, Adapter]  # per block, so hops over different parts of this server's span share the cache
     used: float
     nbytes: int = 0
+    pins: int = 0  # open sessions, running requests and kept graphs using this entry: not evictable meanwhile
+    retired: bool = False  # replaced or dropped while pinned: no longer found, but its bytes still count
+
+
+class Pin:
+    """One holder's claim on a cache entry. While any pin is held the entry is not evicted, and its bytes count in
+    the budget even after a newer version replaced it: the memory is in use either way."""
+
+    def __init__(self, cache: AdapterCache, entry: _Entry) -> None:
+        self._cache, self._entry = cache, entry
+        self._held = True
+        entry.pins += 1
+
+    def release(self) -> None:
+        if self._held:  # idempotent: a kept graph and its backward may both let go
+            self._held = False
+            self._entry.pins -= 1
+            if self._entry.pins == 0 and self._entry.retired:
+                self._cache._retired.remove(self._entry)
 
 
 class AdapterCache:
-    def __init__(self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """Keyed by (caller, client token): the token travels to every server on a route, so a server that learns it
+    must not be able to overwrite or release the client's adapter elsewhere; the caller's authenticated peer id is
+    what it cannot forge. Bounded in bytes per caller and in total, and by idle time. An upload makes room by
+    evicting unpinned entries, least recently used first, only as many as it needs; an upload that cannot fit is
+    refused rather than evicting every other client."""
+
+    def __init__(
+        self, max_bytes: int, ttl: float, clock: Callable[[], float] = time.monotonic, per_caller: int | None = None
+    ) -> None:
         self.max_bytes = max_bytes
+        self.per_caller = min(per_caller or max_bytes, max_bytes)
         self.ttl = ttl
         self.clock = clock
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()  # least recently used first
+        self._retired: list[_Entry] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return sum(e.nbytes for e in self._entries.values()) + sum(e.nbytes for e in self._retired)
+
+    def bytes_of(self, caller: str) -> int:
+        return sum(e.nbytes for e in (*self._entries.values(), *self._retired) if e.caller == caller)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, ref: AdapterRef, adapter: Adapter, sub: Span) -> None:
+    def put(self, caller: str, ref: AdapterRef, adapter: Adapter, sub: Span) -> tuple[Adapter, Pin]:
+        """Cache the blocks ``sub`` of ``adapter``; returns it pinned (release the pin when done with it)."""
         self._expire()
-        entry = self._entries.pop(ref.client, None)
-        if entry is None or entry.version != ref.version:  # a new version replaces every block of the old one
-            entry = _Entry(ref.version, adapter.scaling, {}, self.clock())
+        key = (caller, ref.client)
+        old = self._entries.get(key)
+        same = old is not None and old.version == ref.version  # a new version replaces every block of the old one
+        blocks = dict(old.blocks) if old is not None and same else {}
         for block in sub:
-            part = Adapter(
+            blocks[block] = Adapter(
                 adapter.scaling,
                 {k: v for k, v in adapter.lora.items() if k[0] == block},
                 {k: v for k, v in adapter.deep.items() if k == block},
             )
-            old = entry.blocks.get(block)
-            entry.nbytes += _bytes(part) - (_bytes(old) if old is not None else 0)
-            entry.blocks[block] = part
+        nbytes = sum(_bytes(part) for part in blocks.values())
+        if nbytes > self.per_caller:
+            raise BadInputError(
+                f"adapter of {nbytes} bytes exceeds this server's room for one caller's adapters ({self.per_caller} "
+                "bytes, --max-caller-adapter-mb)"
+            )
+        # what stops counting once this entry is in: the old one, unless a holder still uses it
+        freed = old.nbytes if old is not None and (same or old.pins == 0) else 0
+        victims = self._make_room(caller, key, nbytes, freed)
+        for victim in victims:
+            self._discard(victim)
+        if old is not None and same:
+            old.blocks, old.nbytes, old.scaling = blocks, nbytes, adapter.scaling
+            entry = old
+        else:
+            if old is not None:
+                self._discard(key)
+            entry = _Entry(caller, ref.version, adapter.scaling, blocks, self.clock(), nbytes)
         entry.used = self.clock()
-        self._entries[ref.client] = entry
-        while self.nbytes > self.max_bytes and len(self._entries) > 1:
-            self._entries.popitem(last=False)
-        if self.nbytes > self.max_bytes:
-            self._entries.clear()
-            raise BadInputError(f"adapter larger than this server's adapter cache ({self.max_bytes} bytes)")
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        return self._merged(entry, sub), Pin(self, entry)
 
-    def get(self, ref: AdapterRef, sub: Span) -> Adapter:
+    def _make_room(self, caller: str, key: tuple[str, str], nbytes: int, freed: int) -> list[tuple[str, str]]:
+        """The entries to evict so that ``nbytes`` more fit (``freed`` leaves as they come in), checked before
+        anything is evicted: a refused upload costs nobody their adapter."""
+        evictable = [k for k, e in self._entries.items() if e.pins == 0 and k != key]
+        victims: list[tuple[str, str]] = []
+        over = self.bytes_of(caller) - freed + nbytes - self.per_caller
+        for k in evictable:  # this caller's own, least recently used first
+            if over <= 0:
+                break
+            if k[0] == caller:
+                victims.append(k)
+                over -= self._entries[k].nbytes
+        if over > 0:
+            raise BusyError(
+                f"this caller's adapters in use here (by its open sessions and kept forward passes) fill its room of "
+                f"{self.per_caller} bytes (--max-caller-adapter-mb); end some or try again later"
+            )
+        over = self.nbytes - sum(self._entries[k].nbytes for k in victims) - freed + nbytes - self.max_bytes
+        for k in evictable:  # then anyone's, least recently used first, only as many as needed
+            if over <= 0:
+                break
+            if k not in victims:
+                victims.append(k)
+                over -= self._entries[k].nbytes
+        if over > 0:
+            raise BusyError(
+                f"no adapter room: this server's {self.max_bytes} bytes (--max-adapter-mb) are held by adapters in "
+                "use; try another server or again later"
+            )
+        return victims
+
+    def get(self, caller: str, ref: AdapterRef, sub: Span) -> tuple[Adapter, Pin]:
+        """The cached blocks ``sub`` of this caller's adapter, pinned (release the pin when done with it)."""
         self._expire()
-        entry = self._entries.get(ref.client)
+        key = (caller, ref.client)
+        entry = self._entries.get(key)
         if entry is None or entry.version != ref.version or any(b not in entry.blocks for b in sub):
             raise AdapterMissingError(f"no cached adapter version {ref.version} for blocks {sub}; send its tensors")
-        self._entries.move_to_end(ref.client)
+        self._entries.move_to_end(key)
         entry.used = self.clock()
+        return self._merged(entry, sub), Pin(self, entry)
+
+    def drop(self, caller: str, client: str) -> None:
+        """The caller is done with this adapter (only its own: the key holds the caller's identity)."""
+        self._discard((caller, client))
+
+    @staticmethod
+    def _merged(entry: _Entry, sub: Span) -> Adapter:
         merged = Adapter(entry.scaling)
         for block in sub:
             merged.lora.update(entry.blocks[block].lora)
             merged.deep.update(entry.blocks[block].deep)
         return merged
 
-    def drop(self, client: str) -> None:
-        self._entries.pop(client, None)
+    def _discard(self, key: tuple[str, str]) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.pins > 0:
+            entry.retired = True
+            self._retired.append(entry)
 
     def _expire(self) -> None:
         deadline = self.clock() - self.ttl
-        for client in [c for c, e in self._entries.items() if e.used < deadline]:
-            del self._entries[client]
+        for key in [k for k, e in self._entries.items() if e.used < deadline and e.pins == 0]:
+            del self._entries[key]
 
 
 def _bytes(adapter: Adapter) -> int:

@@ -48,13 +48,22 @@ class NetworkConfig:
         (), name="--announce-maddr", help="the address(es) others should dial (public IP, port mapping)"
     )
     identity: Path | None = option(None, help="identity file: stable peer id and record key; created if missing")
+    swarm_key: Path | None = option(
+        None, metavar="FILE", help="a private swarm's key file: only its holders join and read the swarm "
+        "(with --new-swarm, created if missing; give the file to every member)",
+    )  # fmt: skip
     direct_port: int | None = option(
-        0, parse=_port_or_off, help="plain-TCP data plane port (0 = any free port, 'off' = libp2p only)"
+        0, parse=_port_or_off, help="direct (TLS) data plane port (0 = any free port, 'off' = libp2p only)"
     )
     network_mbps: float | None = option(
         None, help="this peer's link bandwidth in Mbit/s, for the broker's placement (default: estimated at join)"
     )
+    max_connections: int = option(512, help="open direct-plane connections, all callers together")
+    max_caller_connections: int = option(32, help="open direct-plane connections of one caller identity")
     added_latency_ms: float = option(0.0, help="delay every request, to emulate a distant peer (benchmarks, tests)")
+    handshake_timeout: float | None = option(
+        None, hidden=True, help="tests: seconds a direct connection may take to be called (default: the timing's)"
+    )
     probe_bytes: int = 4 * MIB  # the payload a joining peer times to estimate its link
 
 
@@ -80,7 +89,27 @@ class ComputeConfig:
     max_message_bytes: int = option(
         256 * MIB, name="--max-message-mb", parse=_mib, show="256", metavar="MB", help="a larger request is refused"
     )
-    max_kept_activations: int = option(64, help="forward passes kept for a pending backward")
+    max_held_bytes: int = option(
+        1024 * MIB, name="--max-held-mb", parse=_mib, show="1024", metavar="MB",
+        help="bytes of requests held at once (arriving, queued or computing), all callers together; more is 'busy'",
+    )  # fmt: skip
+    max_kept_bytes: int = option(
+        2048 * MIB, name="--max-kept-mb", parse=_mib, show="2048", metavar="MB",
+        help="forward passes kept for a pending backward (what autograd saved), all callers together",
+    )  # fmt: skip
+    max_caller_kept_bytes: int = option(
+        512 * MIB, name="--max-caller-kept-mb", parse=_mib, show="512", metavar="MB",
+        help="...and for one caller (its oldest go first; beyond either, the client recomputes)",
+    )  # fmt: skip
+    max_caller_adapter_bytes: int = option(
+        128 * MIB, name="--max-caller-adapter-mb", parse=_mib, show="128", metavar="MB",
+        help="room for one caller's adapters (a larger upload is refused)",
+    )  # fmt: skip
+    max_sessions: int = option(128, help="open inference sessions, all callers together")
+    max_caller_sessions: int = option(16, help="open inference sessions of one caller")
+    caller_cache_share: float = option(0.5, help="share of --cache-tokens one caller's sessions may reserve")
+    max_queued: int = option(256, help="compute requests waiting for or running on the compute thread, all callers")
+    max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
     inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")
     perturb_weights: float = option(0.0, hidden=True, help="tests: noise added to the weights after fingerprinting")
 
@@ -120,3 +149,7 @@ class PeerConfig:
         net = self.network
         if net.new_swarm == bool(net.initial_peers):
             raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one (not both)")
+        if not 0 < self.compute.caller_cache_share <= 1:
+            raise BadInputError(f"--caller-cache-share must lie in (0, 1], got {self.compute.caller_cache_share}")
+        if self.compute.max_held_bytes < self.compute.max_message_bytes:
+            raise BadInputError("--max-held-mb must be at least --max-message-mb: one largest request must fit")

@@ -19,14 +19,16 @@ from peers.hardware import Hardware, cached_throughput, estimate_link_mbps, prob
 from peers.kv_cache import CacheBudget
 from peers.rpc.checks import Limits
 from peers.rpc.compute import ComputeService
-from peers.rpc.direct_server import DirectServer
-from peers.rpc.servicer import Servicer
+from peers.rpc.direct_server import DirectLimits, DirectServer
+from peers.rpc.limits import Quota
+from peers.rpc.servicer import Admit, Servicer
 from peers.rpc.sessions import Sessions
 from peers.stage import ModelInfo, Stage, StageEnv
-from swarm import __version__
+from swarm import __version__, wire
 from swarm.dht import RecordStore, dht_time, start_dht
 from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import Span, peers_key
+from swarm.membership import swarm_key_for
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
 from swarm.records import PeerRecord, PeerState, ServerRecord, servers
 from swarm.rpc.remote import Remote
@@ -43,6 +45,12 @@ def _direct_address(cfg: PeerConfig, port: int) -> str | None:
             return None  # nobody could dial a wildcard address; libp2p only
         host = announced[0]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _admit(store: RecordStore) -> Admit | None:
+    """Who may call this peer's RPCs: anyone in an open swarm (None), holders of its key in a private one."""
+    key = store.swarm_key
+    return key.admits if key is not None else None
 
 
 class Peer:
@@ -245,30 +253,38 @@ async def run_peer(
         stage.check_pinned(cfg.placement.blocks)
     limit = max_blocks(cfg, model)
     net = cfg.network
+    swarm_key = swarm_key_for(net.swarm_key, new_swarm=net.new_swarm)
     # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
     store = start_dht(initial_peers=net.initial_peers, host=net.host, port=net.port,
                       announce_maddrs=net.announce_maddrs, identity=net.identity, timeout=cfg.timing.dht_start_timeout,
-                      call_timeout=cfg.timing.dht_timeout)  # fmt: skip
-    limits = Limits(int(model.config.hidden_size), model.dtype, model.num_blocks, cfg.compute.max_batch_tokens)
+                      call_timeout=cfg.timing.dht_timeout, swarm_key=swarm_key)  # fmt: skip
+    positions = getattr(model.config, "max_position_embeddings", None)
+    limits = Limits(int(model.config.hidden_size), model.dtype, model.num_blocks, cfg.compute.max_batch_tokens,
+                    int(positions) if isinstance(positions, int) else None)  # fmt: skip
     compute = ComputeService(limits, cfg.compute, cfg.timing)
-    budget = CacheBudget(cfg.compute.cache_tokens)
-    sessions = Sessions(compute, budget, cfg.timing.cache_wait, cfg.compute.inline_tokens)
+    c = cfg.compute
+    budget = CacheBudget(c.cache_tokens, per_caller=int(c.cache_tokens * c.caller_cache_share))
+    quota = Quota("open sessions", c.max_caller_sessions, c.max_sessions, ("--max-caller-sessions", "--max-sessions"))
+    sessions = Sessions(compute, budget, cfg.timing.cache_wait, c.inline_tokens, quota)
     tasks: list[asyncio.Task[None]] = []
     direct: DirectServer | None = None
     remote: Remote | None = None
     peer: Peer | None = None
     try:
         p2p = await store.replicate_p2p()
-        remote = Remote(p2p, max_reply_bytes=cfg.compute.max_message_bytes)
+        remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
         stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
         peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
         peer.maddrs = [m if "/p2p/" in m else f"{m}/p2p/{peer.peer_id}"
                        for m in (net.announce_maddrs or store.visible_maddrs())]  # fmt: skip
-        servicer = Servicer(compute, sessions, peer.info, max_bytes=cfg.compute.max_message_bytes,
-                            added_latency_s=net.added_latency_ms / 1000, training=stage.training)  # fmt: skip
+        servicer = Servicer(compute, sessions, peer.info, max_bytes=cfg.compute.max_message_bytes, timing=cfg.timing,
+                            added_latency_s=net.added_latency_ms / 1000, training=stage.training,
+                            admit=_admit(store), budget=wire.ByteBudget(cfg.compute.max_held_bytes))  # fmt: skip
         await servicer.register(p2p)
         if net.direct_port is not None:
-            direct = DirectServer(servicer)
+            limits_direct = DirectLimits(net.max_connections, net.max_caller_connections,
+                                         net.handshake_timeout or cfg.timing.handshake_timeout)  # fmt: skip
+            direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store))
             peer.direct_address = _direct_address(cfg, await direct.start(net.host, net.direct_port))
         if peer.network_mbps is None and net.initial_peers:
             await _estimate_link(peer, remote)

@@ -32,6 +32,7 @@ class Timing:
     dht_timeout: float = 30.0  # one DHT read or write: a DHT process that died or hangs never hangs its caller
     dht_start_timeout: float = 60.0  # starting this process's DHT peer and joining the swarm
     shutdown_timeout: float = 5.0  # closing a P2P replica, an event loop or a helper thread at exit
+    handshake_timeout: float = 10.0  # a direct connection's TLS handshake and first frames, on either side
     notice_timeout: float = 2.0  # best-effort notices (a client releasing its adapters, a trainer's step notice)
     probe_timeout: float = 10.0  # a joining peer's bandwidth probe to one live peer
     state_timeout: float = 60.0  # downloading a trainable stage's state (a joining replica, an export)
@@ -39,6 +40,9 @@ class Timing:
     view_refresh: float = 5.0  # the client re-reads the swarm view at most this often
     activation_ttl: float = 120.0  # activations kept on a server for a pending backward
     adapter_ttl: float = 600.0  # a client's cached adapter is dropped after this long unused
+    session_idle: float = 60.0  # a server ends an inference session that sent nothing this long (and frees its room)
+    stream_idle: float = 120.0  # a server ends any other stream (a kept-open compute connection) idle this long
+    message_timeout: float = 60.0  # the rest of a message must arrive this soon after its first frame (slow senders)
     missing_blocks_wait: float = 10.0  # how long the client waits for blocks nobody serves before failing
     retry_budget: float = 60.0  # total time one call may spend failing over before the error reaches the user
     backoff_min: float = 0.02  # the retry helper's first pause after a failure; doubles up to backoff_max
@@ -69,6 +73,9 @@ class Timing:
             cache_wait=0.5,
             view_refresh=0.5,
             activation_ttl=30.0,
+            session_idle=5.0,
+            stream_idle=30.0,
+            message_timeout=10.0,
             missing_blocks_wait=2.0,
             retry_budget=20.0,
             ban_base=5.0,
@@ -160,7 +167,7 @@ class ClientConfig:
     initial_peers: tuple[str, ...] = ()
     timing: Timing = field(default_factory=Timing)
     cache_dir: Path = field(default_factory=default_cache_dir)
-    direct: DirectPolicy = "auto"  # plain-TCP data plane: "auto" (loopback/private addresses only), "always", "never"
+    direct: DirectPolicy = "auto"  # direct TLS data plane: "auto" (where it answers, else libp2p), "always", "never"
     hop_latency_s: float = 0.003  # routing's prior for one network hop before it has measured any
     latency_smoothing: float = 0.3  # weight of the newest sample in a peer's observed-latency average
     slow_steps: int = 3  # consecutive slow inference steps before a hop is moved
@@ -170,3 +177,4 @@ class ClientConfig:
     max_reply_bytes: int = 256 * 1024 * 1024  # a larger reply is refused: replies are hostile input too
     wiring_seed: int | None = None  # seed of the stochastic wiring of training micro-batches (None: random)
     identity: Path | None = None  # identity file: a stable peer id (a closed run's trainer); None: a fresh key
+    swarm_key: Path | None = None  # a private swarm's key file (``swarm.membership``); None: an open swarm

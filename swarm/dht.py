@@ -28,10 +28,12 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.errors import DhtLostError
+from swarm.errors import DhtLostError, NotMemberError, SwarmError
 from swarm.identity import Signed, new_identity_file, owner_of, sign_record
 from swarm.ids import block_key
+from swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from swarm.records import Record, ServerRecord, View, parse_as
+from swarm.rpc.secure import Credentials
 
 R = TypeVar("R", bound=Record)
 T = TypeVar("T")
@@ -147,11 +149,11 @@ class RecordStore:
     record model (values of another schema version, malformed ones and the rest are skipped). Every call has a
     timeout, so a DHT process that died or hangs never hangs its caller."""
 
-    def __init__(
-        self, dht: OwnedDHT, key: RSAPrivateKey, validator: RSASignatureValidator, call_timeout: float
-    ) -> None:
+    def __init__(self, dht: OwnedDHT, key: RSAPrivateKey, validator: RSASignatureValidator, call_timeout: float,
+                 swarm_key: SwarmKey | None = None) -> None:  # fmt: skip
         self.dht = dht  # hivemind's, for what needs it directly (the averager, the P2P replica)
         self.key = key  # this peer's identity: signs its DHT values (through ``validator``) and its messages
+        self.swarm_key = swarm_key  # a private swarm's key (its DHT already requires it; RPC tokens come from it)
         self.validator = validator
         self.call_timeout = call_timeout
         self.dropped: Counter[str] = Counter()  # values refused at read, by reason (unsigned, foreign, malformed)
@@ -165,6 +167,11 @@ class RecordStore:
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def credentials(self) -> Credentials:
+        """Who this process is on RPC calls: its identity key (and, in a private swarm, its membership token)."""
+        key = self.swarm_key
+        return Credentials.of(self.key, key.token(self.peer_id) if key is not None else None)
 
     async def replicate_p2p(self) -> P2P:
         """A P2P instance in this process that shares the DHT child's p2pd (what RPC calls and handlers use)."""
@@ -242,10 +249,15 @@ def start_dht(
     client_mode: bool = False,
     timeout: float = 30.0,
     call_timeout: float = 30.0,
+    swarm_key: SwarmKey | None = None,
 ) -> RecordStore:
     """Start this process's DHT peer (a forked child with its own p2pd) and wait until it has joined. Without an
     ``identity`` file a fresh one is made (and removed once p2pd has read it): p2pd's peer id and the key that signs
-    this peer's records are always the same key."""
+    this peer's records are always the same key.
+
+    With a ``swarm_key`` the DHT speaks only with holders of the same key (``swarm.membership``). Joining fails at
+    once with a ``NotMemberError`` when the initial peers refuse this peer (wrong key, or none for a private swarm)
+    or answer as an open swarm (a key given for a swarm that has none)."""
     path = identity if identity is not None else new_identity_file()
     key = load_identity(path)
     validator = RSASignatureValidator(key)
@@ -263,13 +275,43 @@ def start_dht(
     kwargs["identity_path"] = str(Path(path).expanduser())
     if identity is None:  # a key made a moment ago is nobody else's: skip hivemind's check (a second p2pd start)
         kwargs["check_if_identity_free"] = False
+    authorizer: SwarmKeyAuthorizer | None = None
+    if swarm_key is not None:
+        authorizer = kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
+        log.info("private swarm: DHT requests are signed with swarm key %s", swarm_key.fingerprint)
     dht = OwnedDHT(**kwargs)
     try:
         dht.wait_until_ready(timeout)
-    except BaseException:
+    except BaseException as e:
         dht.shutdown()
+        if isinstance(e, Exception) and initial_peers:
+            _explain_failed_join(e, initial_peers, swarm_key, authorizer)
         raise
     finally:
         if identity is None:
             shutil.rmtree(path.parent, ignore_errors=True)
-    return RecordStore(dht, key, validator, call_timeout)
+    return RecordStore(dht, key, validator, call_timeout, swarm_key)
+
+
+def _explain_failed_join(error: Exception, initial_peers: tuple[str, ...], swarm_key: SwarmKey | None,
+                         authorizer: SwarmKeyAuthorizer | None) -> None:  # fmt: skip
+    """Raise what a user can act on in place of hivemind's errors for a failed join (else return). p2pd fails to
+    start when it reaches none of the initial peers; once it has, hivemind says only "DHTNode bootstrap failed: none
+    of the initial_peers responded to a ping", also when they refused every request (a member refuses one without
+    its key; a keyed peer counts an unsigned answer as none): the authorizer's counts tell an open swarm apart."""
+    text = str(error)
+    if "failed to connect to bootstrap peers" in text:
+        raise SwarmError(f"none of the --initial-peers could be reached ({', '.join(initial_peers)}): are the "
+                         "addresses right and the peers running?") from None  # fmt: skip
+    if "bootstrap failed" not in text:
+        return
+    if authorizer is not None and authorizer.unsigned_answers:
+        raise NotMemberError(
+            "the --initial-peers answered as an open swarm (no swarm key): start without "
+            "--swarm-key to join it, or give the addresses of the private swarm's peers"
+        ) from None
+    if swarm_key is None:
+        raise NotMemberError("the --initial-peers refused this peer (a private swarm refuses peers without its key): "
+                             "give the swarm's key file with --swarm-key FILE") from None  # fmt: skip
+    raise NotMemberError(f"the --initial-peers refused this peer's key: --swarm-key {swarm_key.path or ''} (key "
+                         f"{swarm_key.fingerprint}) is not this swarm's key") from None  # fmt: skip

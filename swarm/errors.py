@@ -10,6 +10,7 @@ class SwarmError(Exception):
     code = "swarm_error"
     retriable = False  # True: another peer may succeed where this one failed
     peer_id: str | None = None  # the peer the error came from (set by the transport), whom the retry helper bans
+    declared = False  # named by a server's error reply; False: raised on this side (e.g. reading a reply)
 
 
 class BadInputError(SwarmError, ValueError):
@@ -77,6 +78,27 @@ class StaleStepError(BadInputError):
         self.server_step = server_step
 
 
+class BusyError(SwarmError):
+    """The server is at one of its limits (open sessions, connections, queued requests, adapter room), for this caller
+    or for everyone: try another server, or again later."""
+
+    code = "busy"
+    retriable = True
+
+
+class SessionExpiredError(SwarmError):
+    """The server ended this inference session (idle too long, or its stream stalled): reopen it and replay."""
+
+    code = "session_expired"
+    retriable = True
+
+
+class NotMemberError(SwarmError):
+    """The caller holds no valid membership of this private swarm (wrong or missing ``--swarm-key``)."""
+
+    code = "not_member"
+
+
 class DhtLostError(SwarmError):
     """A peer cannot reach its DHT any more (the DHT process died): it is invisible to the swarm and leaves."""
 
@@ -96,6 +118,9 @@ _BY_CODE = {
         ActivationsGoneError,
         AdapterMissingError,
         StaleStepError,
+        BusyError,
+        SessionExpiredError,
+        NotMemberError,
     )
 }
 

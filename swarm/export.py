@@ -36,21 +36,23 @@ def stage_from_checkpoint(run: RunConfig, stage: Span, folder: Path | None = Non
     return checkpoint.step, _params(checkpoint.tensors)
 
 
-def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Timing) -> dict[str, tuple[int, Weights]]:
+def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Timing,
+                      swarm_key: Path | None = None) -> dict[str, tuple[int, Weights]]:  # fmt: skip
     """Each stage's weights from the live peers serving exactly that stage: the state of the last averaging round
     two replicas vouch for, else the furthest replica's within what the trainers signed (``swarm.rpc.state``)."""
     from swarm.dht import start_dht
+    from swarm.membership import swarm_key_for
     from swarm.rpc.loop import LoopThread
     from swarm.rpc.remote import Remote
     from swarm.rpc.state import stage_sources, stage_state
     from swarm.training.init import stage_state_bytes
 
     store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
-                      call_timeout=timing.dht_timeout)  # fmt: skip
+                      call_timeout=timing.dht_timeout, swarm_key=swarm_key_for(swarm_key))  # fmt: skip
     loop = LoopThread("swarm-export")
     remote: Remote | None = None
     try:
-        remote = Remote(loop.run(store.replicate_p2p()))
+        remote = Remote(loop.run(store.replicate_p2p()), store.credentials())
         out = {}
         for stage in run.stages:
             limit = stage_state_bytes(run, stage)
@@ -69,7 +71,7 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Ti
 
 
 def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), trainer_dir: Path | None = None,
-           timing: Timing | None = None) -> Path:  # fmt: skip
+           timing: Timing | None = None, swarm_key: Path | None = None) -> Path:  # fmt: skip
     from swarm.model_files import new_model
 
     folder = trainer_dir or run.checkpoint_dir / "trainer"
@@ -78,7 +80,7 @@ def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), train
         raise BadInputError(f"no trainer checkpoint in {folder}")
     state = dict(trainer.model)
     if initial_peers:
-        stages = stages_from_swarm(run, initial_peers, timing or Timing())
+        stages = stages_from_swarm(run, initial_peers, timing or Timing(), swarm_key)
     else:
         stages = {str(s): stage_from_checkpoint(run, s) for s in run.stages}
     for _step, params in stages.values():
@@ -107,11 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="read stages from live peers")
     p.add_argument("--trainer-checkpoint-dir", type=Path, default=None)
     p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     args = p.parse_args(argv)
     configure_logging("WARNING")
     return run_command(
         lambda: export(
-            load_run(args.run, args.cache_dir), args.out, tuple(args.initial_peers), args.trainer_checkpoint_dir
+            load_run(args.run, args.cache_dir),
+            args.out,
+            tuple(args.initial_peers),
+            args.trainer_checkpoint_dir,
+            swarm_key=args.swarm_key,
         )
     )
 

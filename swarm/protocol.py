@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from swarm.errors import SwarmError, VersionMismatchError, error_from_code
 from swarm.identity import Signed
 
-PROTOCOL_VERSION = 3  # 3: signed step notices, training tags that name their trainer, averaging-round states
+PROTOCOL_VERSION = 4  # 4: an authenticated, encrypted direct plane, membership tokens
+# 3: signed step notices, training tags that name their trainer, averaging-round states
 # (2: one typed model per request kind, typed replies, no placeholder spans or extras)
 
 RPC_FORWARD = "swarm.forward"  # unary: small forward or backward
@@ -34,6 +35,7 @@ class Message(BaseModel):
 
 class Request(Message):
     protocol_version: int = PROTOCOL_VERSION
+    member: str | None = Field(default=None, max_length=128)  # a private swarm's token for the caller (membership)
 
 
 class AdapterRef(Message):
@@ -154,6 +156,24 @@ class InfoRequest(Request):
     pass
 
 
+class DirectHello(Message):
+    """A direct (TLS) connection's first frame, from the server: its identity key's signature over the fingerprint
+    of the certificate it presented (``swarm.rpc.secure``)."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    public_key: str = Field(max_length=1024)
+    signature: str = Field(max_length=1024)
+
+
+class DirectCall(Request):
+    """The client's first frame on a direct connection: which RPC, and who calls (its identity key's signature over
+    the server's certificate fingerprint and peer id); ``member``: its token in a private swarm."""
+
+    rpc: str = Field(max_length=64)
+    public_key: str = Field(max_length=1024)
+    signature: str = Field(max_length=1024)
+
+
 class ErrorReply(Message):
     ok: Literal[False] = False
     code: str = Field(max_length=64)
@@ -162,7 +182,7 @@ class ErrorReply(Message):
 
     def exception(self, peer_id: str) -> SwarmError:
         e = error_from_code(self.code, f"peer {peer_id}: {self.error}", self.server_step)
-        e.peer_id = peer_id
+        e.peer_id, e.declared = peer_id, True  # the client tells a server's claim from its own findings
         return e
 
 

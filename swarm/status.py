@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from pathlib import Path
 
 from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time, start_dht
 from swarm.errors import SwarmError, run_command
 from swarm.ids import broker_key
 from swarm.lease import LeaseRules, LeaseView
+from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
 from swarm.records import Lease, PeerState, View, servers
 from swarm.rpc.hop import Hop
@@ -69,14 +71,15 @@ def current_broker(store: RecordStore, model_id: str, timing: Timing) -> Lease |
     return LeaseView(rules).resolve(store.read(broker_key(model_id), Lease), dht_time())
 
 
-def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing) -> str:
+def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing,
+         swarm_key: Path | None = None) -> str:  # fmt: skip
     store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
-                      call_timeout=timing.dht_timeout)  # fmt: skip
+                      call_timeout=timing.dht_timeout, swarm_key=swarm_key_for(swarm_key))  # fmt: skip
     loop = LoopThread("swarm-status")
     remote: Remote | None = None
     try:
         view = store.view(model_id, max_blocks)
-        remote = Remote(loop.run(store.replicate_p2p()))
+        remote = Remote(loop.run(store.replicate_p2p()), store.credentials())
         live: dict[str, InfoReply] = {}
         for r in servers(view).values():
             try:
@@ -98,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
     p.add_argument("--model", default="smollm2-135m", help="model id as announced (default smollm2-135m)")
     p.add_argument("--max-blocks", type=int, default=128, help="how many block keys to look up")
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     args = p.parse_args(argv)
-    return run_command(lambda: print(show(tuple(args.initial_peers), args.model, args.max_blocks, Timing())))
+    return run_command(
+        lambda: print(show(tuple(args.initial_peers), args.model, args.max_blocks, Timing(), args.swarm_key))
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
     p.add_argument("--identity", type=Path, default=None,
                    help="identity file (created if missing): a stable peer id, which a closed run lists")  # fmt: skip
+    p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
@@ -60,7 +61,9 @@ def _train(args: argparse.Namespace) -> None:
     timing = Timing.for_tests() if args.test_timings else Timing()
     peers = tuple(args.initial_peers)
     ckpt = args.checkpoint_dir
-    with Trainer(run, data, peers, timing=timing, checkpoint_dir=ckpt, identity=args.identity) as trainer:
+    with Trainer(
+        run, data, peers, timing=timing, checkpoint_dir=ckpt, identity=args.identity, swarm_key=args.swarm_key
+    ) as trainer:
         total = args.steps if args.steps is not None else run.total_steps
         bar = tqdm(total=total, initial=min(trainer.step, total), unit="step")
         while trainer.step < total:

@@ -16,9 +16,11 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from swarm.errors import BadInputError
+from swarm.errors import BadInputError, BusyError
 
 FRAME_BYTES = 2 * 1024 * 1024
+MAX_METADATA = 256 * 1024  # a message's msgpack metadata: requests and replies hold a few hundred bytes
+MAX_TENSORS = 1 << 16  # tensors named in one message (a stage's whole state with its Adam moments fits)
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")
 }
@@ -73,13 +75,41 @@ def encoded_size(frames: Iterable[Frame]) -> int:
     return sum(f.ByteSize() for f in frames)
 
 
-class Decoder:
-    """Feed frames in order; ``feed`` returns a complete message or None while parts are still missing."""
+class ByteBudget:
+    """Bytes of requests a server holds (arriving, queued or being answered), all callers together: what keeps its
+    memory bounded however many connections send at once. Over the limit, a message is refused as ``busy``."""
 
-    def __init__(self, max_bytes: int = 1 << 62) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            raise BusyError(f"this server holds {self.used >> 20} MiB of requests, its limit; try again or elsewhere")
+        self.used += nbytes
+
+    def give(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+class Decoder:
+    """Feed frames in order; ``feed`` returns a complete message or None while parts are still missing.
+
+    With a ``budget``, the bytes of the messages it decoded stay counted there until ``release`` (the caller is done
+    with them) or the decoder is dropped by ``release`` at the end of its stream."""
+
+    def __init__(self, max_bytes: int = 1 << 62, budget: ByteBudget | None = None) -> None:
         self.max_bytes = max_bytes
         self.total_bytes = 0  # every frame fed so far (traffic accounting)
+        self.budget = budget
+        self.held = 0  # bytes counted in ``budget`` by this decoder
         self._reset()
+
+    def release(self) -> None:
+        """Give back to the budget every byte this decoder counted (its messages are answered, or it is closed)."""
+        if self.budget is not None and self.held:
+            self.budget.give(self.held)
+        self.held = 0
 
     def _reset(self) -> None:
         self._meta: Meta | None = None
@@ -99,6 +129,9 @@ class Decoder:
         self.total_bytes += size
         if self._bytes > self.max_bytes:
             raise BadInputError(f"message larger than the limit of {self.max_bytes} bytes")
+        if self.budget is not None:
+            self.budget.take(size)
+            self.held += size
         if self._meta is None:
             self._meta, self._names = _unpack_meta(frame.metadata)
         for part in frame.tensors:
@@ -106,8 +139,10 @@ class Decoder:
             if len(self._parts) >= max(self._parts[0].chunks, 1):
                 self._done.append(_combine(self._parts))
                 self._parts = []
-        if len(self._done) > len(self._names):
-            raise BadInputError("message holds more tensors than its metadata names")
+                if len(self._done) > len(self._names):  # checked per part: a flood of empty parts stops here
+                    raise BadInputError("message holds more tensors than its metadata names")
+            elif len(part.buffer) != FRAME_BYTES:  # every part but a tensor's last is full (``encode``)
+                raise BadInputError(f"malformed tensor: a part of {len(part.buffer)} bytes before its last part")
         if len(self._done) < len(self._names):
             return None
         message = self._meta, {name: _to_tensor(t) for name, t in zip(self._names, self._done, strict=True)}
@@ -136,6 +171,8 @@ async def read_message(frames: AsyncIterator[Frame], decoder: Decoder) -> Messag
 
 
 def _unpack_meta(raw: bytes) -> tuple[Meta, list[str]]:
+    if len(raw) > MAX_METADATA:  # msgpack builds ~30x its input in objects: refused before it is read
+        raise BadInputError(f"malformed metadata: {len(raw)} bytes exceed the limit of {MAX_METADATA}")
     try:
         meta: object = msgpack.unpackb(raw, raw=False)
     except Exception as e:
@@ -143,6 +180,8 @@ def _unpack_meta(raw: bytes) -> tuple[Meta, list[str]]:
     names = meta.pop("_tensors", None) if isinstance(meta, dict) else None
     if not isinstance(meta, dict) or not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise BadInputError("malformed metadata: expected a map with a tensor name list")
+    if len(names) > MAX_TENSORS:
+        raise BadInputError(f"malformed metadata: {len(names)} tensors exceed the limit of {MAX_TENSORS}")
     if not all(isinstance(k, str) for k in meta):
         raise BadInputError("malformed metadata: keys must be strings")
     return meta, names
@@ -173,6 +212,9 @@ def _to_tensor(serialized: TensorPart) -> torch.Tensor:
         numel *= dim
     if numel * dtype.itemsize != len(serialized.buffer):
         raise BadInputError(f"malformed tensor: {len(serialized.buffer)} bytes for shape {list(shape)} {dtype}")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(serialized.buffer), dtype=dtype).view(shape)
+    try:
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(serialized.buffer), dtype=dtype).view(shape)
+    except RuntimeError as e:  # torch refuses some shapes its size check cannot see (a zero-size dim beside huge ones)
+        raise BadInputError(f"malformed tensor: shape {list(shape)}: {e}") from None

@@ -1,8 +1,10 @@
 """Forward and backward requests: validate, bind the client's adapter, run on the single compute thread.
 
 The compute thread is one thread: a device runs one kernel stream anyway, and torch releases the GIL so the RPC
-loop stays live. A span with trainable weights (a pre-training stage) comes with a ``Learner``: training requests
-are admitted by it (brought to the trainer's global step) and the weights' gradients go to it."""
+loop stays live. Requests waiting for or running on it are capped per caller and in total (``Quota``), so a flood is
+refused at once instead of queueing without bound. A span with trainable weights (a pre-training stage) comes with
+a ``Learner``: training requests are admitted by it (brought to the trainer's global step) and the weights'
+gradients go to it."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from peers.activations import ActivationStore, Kept
-from peers.adapters import Adapter, AdapterCache, parse_adapter
+from peers.activations import ActivationStore, Kept, SavedBytes, storages
+from peers.adapters import Adapter, AdapterCache, Pin, parse_adapter
 from peers.blocks.backend import SpanBackend
 from peers.config import ComputeConfig
-from peers.rpc.checks import Limits, check_aux, check_hidden, check_sub
+from peers.rpc.checks import Limits, check_aux, check_finite, check_hidden, check_names, check_sub
+from peers.rpc.limits import Quota
 from swarm.config import Timing
 from swarm.errors import ActivationsGoneError, BadInputError
 from swarm.ids import Span
@@ -57,8 +60,11 @@ class ComputeService:
         self.learner: Learner | None = None
         self.serving = False  # a standby holds weights but takes no requests
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
-        self.kept = ActivationStore(cfg.max_kept_activations, timing.activation_ttl)
-        self.adapters = AdapterCache(cfg.max_adapter_bytes, timing.adapter_ttl)
+        self.kept = ActivationStore(cfg.max_kept_bytes, cfg.max_caller_kept_bytes, timing.activation_ttl)
+        self.adapters = AdapterCache(cfg.max_adapter_bytes, timing.adapter_ttl, per_caller=cfg.max_caller_adapter_bytes)
+        self.queued = Quota("queued compute requests", cfg.max_caller_queued, cfg.max_queued,
+                            ("--max-caller-queued", "--max-queued"))  # fmt: skip
+        self._weights: tuple[SpanBackend, set[int]] | None = None  # the backend's weight storages (see _exclude)
         self.stats: Counter[str] = Counter()
         self.active = 0  # requests the servicer is processing now (reported by info)
         self._tasks: set[asyncio.Task[object]] = set()
@@ -75,12 +81,19 @@ class ComputeService:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def run(self, fn: Callable[..., T], *args: object, small: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, small: bool = False, caller: str | None = None) -> T:
         """``fn`` on the compute thread; a small request (a few tokens) inline, where two thread hand-offs would
-        cost more than the compute."""
-        if small:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        cost more than the compute. A caller's request counts toward the queue caps until it is done (``caller``
+        None: the server's own work, such as a trainable stage's catch-up, which no client can multiply)."""
+        if caller is not None:
+            self.queued.acquire(caller)
+        try:
+            if small:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            if caller is not None:
+                self.queued.release(caller)
 
     def in_background(self, fn: Callable[..., object], *args: object) -> None:
         """Queue ``fn`` on the compute thread without anyone waiting for it; its failure is logged."""
@@ -97,24 +110,38 @@ class ComputeService:
     def sub(self, start: int, end: int) -> Span:
         return check_sub(self.held, start, end, self.limits.num_blocks)
 
-    def bind_adapter(self, ref: AdapterRef | None, tensors: Tensors, sub: Span) -> Adapter | None:
-        """The request's adapter: the tensors it carries (then cached for this client), or the cached version."""
+    def bind_adapter(self, caller: str, ref: AdapterRef | None, tensors: Tensors,
+                     sub: Span) -> tuple[Adapter | None, Pin | None]:  # fmt: skip
+        """The request's adapter: the tensors it carries (then cached for this caller and client), or the cached
+        version; pinned in the cache until the holder (request, session or kept graph) releases the pin."""
         if ref is None:
             if any(is_adapter_name(name) for name in tensors):
                 raise BadInputError("request carries adapter tensors but no adapter reference")
-            return None
+            return None, None
         if not ref.has_tensors:
-            return self.adapters.get(ref, sub)
+            return self.adapters.get(caller, ref, sub)
         assert self.backend is not None
         limits = self.limits
         adapter = parse_adapter(tensors, sub, self.backend.linears, limits.hidden_size, limits.dtype, ref.scaling)
-        self.adapters.put(ref, adapter, sub)
+        bound = self.adapters.put(caller, ref, adapter, sub)
         self.stats["adapter_uploads"] += 1
-        return adapter
+        return bound
 
-    def release(self, req: ReleaseRequest) -> None:
-        """The client is done: drop its cached adapter now rather than at the idle timeout."""
-        self.adapters.drop(req.client)
+    def release(self, req: ReleaseRequest, caller: str) -> None:
+        """The client is done: drop its cached adapter now rather than at the idle timeout (only the caller's own:
+        another server on the route knows the client's token, not its identity)."""
+        self.adapters.drop(caller, req.client)
+
+    def _exclude(self, adapter: Adapter | None) -> set[int]:
+        """Storages a kept graph does not add to memory: the weights (computed once per loaded span) and the
+        adapter's cached tensors (counted by the adapter budget)."""
+        backend = self.backend
+        assert backend is not None
+        if self._weights is None or self._weights[0] is not backend:
+            tensors = [*backend.layers.parameters(), *backend.layers.buffers(), *backend.rotary.buffers()]
+            self._weights = backend, storages(tensors)
+        named = list(adapter.named().values()) if adapter is not None else []
+        return self._weights[1] | storages(named)
 
     def _admit(self, tag: TrainTag | None) -> None:
         if tag is None:
@@ -124,57 +151,86 @@ class ComputeService:
         self.learner.admit(tag)
 
     # ---- forward --------------------------------------------------------------------------------------------------
-    async def forward(self, req: ForwardRequest, tensors: Tensors) -> Tensors:
+    async def forward(self, req: ForwardRequest, tensors: Tensors, caller: str) -> Tensors:
         sub = self.sub(req.start, req.end)
+        check_names(tensors)
         hidden = check_hidden(tensors, self.limits)
-        mask, pos = check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
+        check_finite(hidden, "hidden")
+        mask, pos = check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1], self.limits)
         if req.keep_for_backward and not req.forward_id:
             raise BadInputError("keep_for_backward needs a forward_id")
-        _check_samples(req.train, hidden)
-        adapter = self.bind_adapter(req.adapter, tensors, sub)
-        keep = req.forward_id if req.keep_for_backward else None
-        out = await self.run(self._forward, hidden, sub, mask, pos, keep, adapter, req.train)
+        _check_samples(req.train, hidden, caller)
+        adapter, pin = self.bind_adapter(caller, req.adapter, tensors, sub)
+        kept: Kept | None = None
+        try:
+            if not req.keep_for_backward:
+                out = await self.run(self._forward, hidden, sub, mask, pos, adapter, req.train, caller=caller)
+                self.stats["forward"] += 1
+                return {"hidden": out}
+            kept = await self.run(self._forward_kept, hidden, sub, mask, pos, adapter, req.train, caller=caller)
+        finally:
+            if pin is not None and kept is None:  # the request is done with the adapter (else the kept graph is)
+                pin.release()
+        # stored on the RPC loop, not the compute thread, so the stores (and the pins they release) change on one thread
+        kept.pin = pin
+        assert req.forward_id is not None
+        if not self.kept.put(caller, req.forward_id, kept):
+            self.stats["not_kept"] += 1  # over the caps: the backward gets ActivationsGoneError, the client recomputes
         self.stats["forward"] += 1
-        return {"hidden": out}
+        return {"hidden": kept.outputs.detach()}
 
     def _forward(self, hidden: torch.Tensor, sub: Span, mask: torch.Tensor | None, pos: torch.Tensor | None,
-                 keep: str | None, adapter: Adapter | None, tag: TrainTag | None) -> torch.Tensor:  # fmt: skip
+                 adapter: Adapter | None, tag: TrainTag | None) -> torch.Tensor:  # fmt: skip
         self._admit(tag)
         backend = self.backend
         assert backend is not None
-        if keep is None:
-            with torch.inference_mode():
-                return backend.run(hidden, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
-        with torch.enable_grad():
+        with torch.inference_mode():
+            return backend.run(hidden, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
+
+    def _forward_kept(self, hidden: torch.Tensor, sub: Span, mask: torch.Tensor | None, pos: torch.Tensor | None,
+                      adapter: Adapter | None, tag: TrainTag | None) -> Kept:  # fmt: skip
+        """A forward whose graph is kept, with the bytes it saved for backward measured as it runs."""
+        self._admit(tag)
+        backend = self.backend
+        assert backend is not None
+        saved = SavedBytes(self._exclude(adapter))
+        with torch.enable_grad(), saved.measuring():
             inputs = hidden.detach().requires_grad_(True)
-            adapter = adapter.trainable() if adapter is not None else None
-            outputs = backend.run(inputs, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
-        self.kept.put(keep, inputs, outputs, sub, adapter)
-        return outputs.detach()
+            trainable = adapter.trainable() if adapter is not None else None
+            outputs = backend.run(inputs, sub, attention_mask=mask, position_ids=pos, adapter=trainable)
+        saved.add(inputs)
+        saved.add(outputs)
+        return Kept(inputs, outputs, sub, saved.nbytes, trainable)
 
     # ---- backward -------------------------------------------------------------------------------------------------
-    async def backward(self, req: BackwardRequest, tensors: Tensors) -> Tensors:
+    async def backward(self, req: BackwardRequest, tensors: Tensors, caller: str) -> Tensors:
         sub = self.sub(req.start, req.end)
+        check_names(tensors)
         grad = check_hidden(tensors, self.limits, "grad_output")
-        _check_samples(req.train, grad)
-        if req.train is not None and not bool(torch.isfinite(grad).all()):
-            raise BadInputError("grad_output holds NaN or infinite values")
-        held = self.kept.pop(req.forward_id) if req.forward_id else None
+        check_finite(grad, "grad_output")
+        _check_samples(req.train, grad, caller)
+        held = self.kept.pop(caller, req.forward_id) if req.forward_id else None
         if held is not None and (held.sub != sub or held.outputs.shape != grad.shape):
             raise BadInputError("grad_output does not match the kept forward pass")
         kept: Kept | _Recompute
+        pin: Pin | None = None
         if held is not None:
             kept = held
         else:  # recompute the forward from the inputs the client resent
             if "hidden" not in tensors:
                 raise ActivationsGoneError("the forward pass for this backward is gone; resend its inputs")
             hidden = check_hidden(tensors, self.limits)
+            check_finite(hidden, "hidden")
             if hidden.shape != grad.shape:
                 raise BadInputError("grad_output and hidden differ in shape")
-            mask, pos = check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1])
-            adapter = self.bind_adapter(req.adapter, tensors, sub)
+            mask, pos = check_aux(tensors, hidden.shape[0], hidden.shape[1], hidden.shape[1], self.limits)
+            adapter, pin = self.bind_adapter(caller, req.adapter, tensors, sub)
             kept = _Recompute(hidden, mask, pos, sub, adapter)
-        out = await self.run(self._backward, kept, grad, req.input_grad, req.train)
+        try:
+            out = await self.run(self._backward, kept, grad, req.input_grad, req.train, caller=caller)
+        finally:
+            if isinstance(kept, _Recompute) and pin is not None:
+                pin.release()
         self.stats["backward"] += 1
         learner = self.learner
         if learner is not None and learner.pending:  # its averaging round and checkpoint run after this reply
@@ -224,10 +280,15 @@ class ComputeService:
         return out
 
 
-def _check_samples(tag: TrainTag | None, tensor: torch.Tensor) -> None:
-    """A training request counts as many samples as its tensors hold rows, not as many as it claims."""
-    if tag is not None and tag.samples != tensor.shape[0]:
+def _check_samples(tag: TrainTag | None, tensor: torch.Tensor, caller: str) -> None:
+    """A training request counts as many samples as its tensors hold rows, not as many as it claims, and only for
+    the trainer that sends it: the name in the tag must be the caller's authenticated peer id."""
+    if tag is None:
+        return
+    if tag.samples != tensor.shape[0]:
         raise BadInputError(f"the request claims {tag.samples} samples but holds {tensor.shape[0]}")
+    if tag.trainer != caller:
+        raise BadInputError(f"a training request in the name of trainer {tag.trainer} must come from it, not {caller}")
 
 
 class _Recompute:

@@ -1,23 +1,55 @@
-"""Serves the servicer's streaming RPCs over plain TCP (see ``swarm.rpc.direct`` for why and how)."""
+"""Serves the servicer's streaming RPCs over the direct data plane: TLS bound to identities (see
+``swarm.rpc.direct`` and ``swarm.rpc.secure``), every connection counted against a global cap and, once the caller
+is known, a per-caller cap; the TLS handshake and the caller's first frame each have a deadline, so a silent or
+half-open connection is closed rather than held."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-from peers.rpc.servicer import Servicer
+from hivemind.p2p import PeerID
+
+from peers.rpc.servicer import Admit, Servicer, error_reply
 from swarm import wire
-from swarm.protocol import RPC_BANDWIDTH, RPC_COMPUTE_LOOP, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
-from swarm.rpc.direct import frames_of, read_frame, write_frame
+from swarm.errors import BadInputError, BusyError, NotMemberError
+from swarm.protocol import (
+    RPC_BANDWIDTH,
+    RPC_COMPUTE_LOOP,
+    RPC_FORWARD,
+    RPC_FORWARD_STREAM,
+    RPC_INFERENCE,
+    DirectCall,
+    DirectHello,
+    check_version,
+)
+from swarm.rpc.direct import frames_of, write_frame
+from swarm.rpc.secure import Credentials, ServerTls, client_author, server_tls
 
 log = logging.getLogger(__name__)
-Handler = Callable[[AsyncIterator[wire.Frame], None], AsyncIterator[wire.Frame]]
+Handler = Callable[[AsyncIterator[wire.Frame], "CallerContext"], AsyncIterator[wire.Frame]]
+
+
+@dataclass(frozen=True)
+class CallerContext:
+    """What a handler learns of a direct caller: the same ``remote_id`` a libp2p ``P2PContext`` carries."""
+
+    remote_id: PeerID
+
+
+@dataclass(frozen=True)
+class DirectLimits:
+    max_connections: int = 512  # open direct connections, all callers together (handshakes included)
+    max_caller_connections: int = 32  # ...and of one caller identity
+    handshake_timeout: float = 10.0  # TLS handshake plus the caller's first frame
 
 
 class DirectServer:
-    def __init__(self, servicer: Servicer) -> None:
+    def __init__(self, servicer: Servicer, creds: Credentials, limits: DirectLimits, admit: Admit | None) -> None:
         self.handlers: dict[str, Handler] = {
             RPC_FORWARD: servicer.rpc_forward_stream,  # over TCP there is no frame limit to dodge: one path
             RPC_FORWARD_STREAM: servicer.rpc_forward_stream,
@@ -25,33 +57,140 @@ class DirectServer:
             RPC_BANDWIDTH: servicer.rpc_bandwidth,
             RPC_COMPUTE_LOOP: servicer.rpc_compute_loop,
         }
+        self.creds, self.limits, self.admit = creds, limits, admit
         self.server: asyncio.Server | None = None
+        self.tls: ServerTls | None = None
+        self.open = 0
+        self.by_caller: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # why connections were turned away (status, tests)
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
+        self.tls = server_tls(self.creds)
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: _Accepted(self._accepted), host, port)
         port_used: int = self.server.sockets[0].getsockname()[1]
         return port_used
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accepted(self, transport: asyncio.Transport) -> None:
+        if self.open >= self.limits.max_connections:  # before any TLS work: a flood costs us an accept and a close
+            self.refused["connections"] += 1
+            transport.abort()
+            return
+        self.open += 1
+        task = asyncio.get_running_loop().create_task(self._serve(transport))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, transport: asyncio.Transport) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        writer: asyncio.StreamWriter | None = None
+        caller: str | None = None
+        tls = self.tls
+        assert tls is not None
         try:
-            hello = await read_frame(reader)
-            handler = self.handlers.get(hello.uid) if hello is not None else None
-            if handler is None:
+            deadline = loop.time() + self.limits.handshake_timeout
+            async with asyncio.timeout_at(deadline):
+                secure = await loop.start_tls(transport, protocol, tls.context, server_side=True)
+            if secure is None:
                 return
-            async for frame in handler(frames_of(reader), None):
+            protocol.connection_made(secure)  # start_tls leaves that to us
+            writer = asyncio.StreamWriter(secure, protocol, reader, loop)
+            frames = frames_of(reader)
+            admitted = await self._handshake(reader, frames, writer, deadline)
+            if admitted is None:
+                return
+            caller, handler = admitted
+            self.by_caller[caller] += 1
+            async for frame in handler(frames, CallerContext(PeerID.from_base58(caller))):
                 write_frame(writer, frame)
                 await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away; its session ends with the handler
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError):
+            pass  # the client went away, or never finished its handshake; its session ends with the handler
+        except BadInputError as e:  # not even a frame before the call was known: nobody to answer
+            log.info("direct connection refused: %s", e, extra={"peer": caller})
         except Exception:
-            log.exception("direct connection failed")
+            log.exception("direct connection failed", extra={"peer": caller})
         finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            self.open -= 1
+            if caller is not None:
+                self.by_caller[caller] -= 1
+                if self.by_caller[caller] <= 0:
+                    del self.by_caller[caller]
+            if writer is None:
+                transport.abort()
+            else:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _handshake(
+        self, reader: asyncio.StreamReader, frames: AsyncIterator[wire.Frame], writer: asyncio.StreamWriter,
+        deadline: float,
+    ) -> tuple[str, Handler] | None:  # fmt: skip
+        """Our hello, the caller's call: who calls which handler, or None (with an error reply where the caller
+        deserves one) for a connection to close."""
+        tls = self.tls
+        assert tls is not None
+        async with asyncio.timeout_at(deadline):
+            hello = DirectHello(public_key=self.creds.public_key, signature=tls.signature)
+            for frame in wire.encode(hello.model_dump(mode="json")):
+                write_frame(writer, frame)
+            message = await wire.read_message(frames, wire.Decoder(8192))
+        if message is None:
+            return None
+        try:
+            check_version(message[0])
+            call = DirectCall.model_validate(message[0])
+            caller = client_author(call.public_key, call.signature, tls.fingerprint, self.creds.peer_id)
+            if caller is None:
+                raise BadInputError("the caller's identity proof does not hold")
+            if self.admit is not None and not self.admit(caller, call.member):
+                raise NotMemberError("this is a private swarm: the caller holds no valid membership (--swarm-key)")
+            handler = self.handlers.get(call.rpc)
+            if handler is None:
+                raise BadInputError(f"unknown RPC {call.rpc!r}")
+            if self.by_caller[caller] >= self.limits.max_caller_connections:
+                self.refused["caller_connections"] += 1
+                raise BusyError(f"too many direct connections from one caller (at most "
+                                f"{self.limits.max_caller_connections})")  # fmt: skip
+        except Exception as e:
+            for frame in error_reply(e):
+                write_frame(writer, frame)
+            await writer.drain()
+            await _linger(reader)
+            return None
+        return caller, handler
 
     async def close(self) -> None:
         """Stop accepting connections (open ones end with their handlers)."""
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+class _Accepted(asyncio.Protocol):
+    """A new TCP connection, its reading paused at once until TLS takes it over: a ClientHello read by a plain
+    stream before ``start_tls`` (which a fast client sends right after connecting) would be lost, and the handshake
+    would hang."""
+
+    def __init__(self, accepted: Callable[[asyncio.Transport], None]) -> None:
+        self.accepted = accepted
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a TCP connection's
+        transport.pause_reading()
+        self.accepted(transport)
+
+
+async def _linger(reader: asyncio.StreamReader, seconds: float = 1.0, limit: int = 1 << 20) -> None:
+    """Before closing on a refused caller: read and drop what it already sent (its first request, pipelined behind
+    its call), for a moment. Closing with unread input makes the kernel reset the connection, and the reset would
+    destroy the error reply the caller has not read yet."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(seconds):
+            read = 0
+            while read < limit and (data := await reader.read(65536)):
+                read += len(data)

@@ -1,6 +1,13 @@
 """RPC dispatch only: decode frames, check the protocol version, parse the typed request, call the service that
 handles it, encode the typed reply. Any error becomes an error reply to that caller; the server and other sessions
-carry on."""
+carry on.
+
+Every handler learns its caller from the context: the authenticated peer id of the libp2p stream (or what the
+direct-TCP server established), which is what the per-caller limits count by. Every stream's incoming frames are
+read under time limits (``GuardedFrames``): an inference session idle too long ends with ``SessionExpiredError`` and
+gives its cache room back; any other idle stream just ends. Requests are counted in the server's ``ByteBudget`` from
+their first frame until they are answered, so many connections sending at once cannot run it out of memory. In a
+private swarm, every request must carry the caller's membership token (``admit``), checked before anything else."""
 
 from __future__ import annotations
 
@@ -9,13 +16,15 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2P
 from pydantic import ValidationError
 
 from peers.rpc.compute import ComputeService, Tensors
+from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
 from peers.rpc.sessions import Session, Sessions
 from swarm import wire
-from swarm.errors import BadInputError, StaleStepError, SwarmError
+from swarm.config import Timing
+from swarm.errors import BadInputError, NotMemberError, SessionExpiredError, StaleStepError, SwarmError
 from swarm.protocol import (
     COMPUTE_REQUEST,
     RPC_BANDWIDTH,
@@ -42,6 +51,7 @@ from swarm.protocol import (
 
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
+Admit = Callable[[str, "str | None"], bool]  # (caller's peer id, its membership token) -> a member?
 
 
 class TrainingRpc(Protocol):
@@ -57,6 +67,8 @@ def _reply(reply: Message, tensors: Tensors | None = None) -> list[wire.Frame]:
 
 
 def error_reply(e: BaseException, **fields: object) -> list[wire.Frame]:
+    if isinstance(e, StreamStalled):  # the sender's fault, not the server's
+        e = BadInputError(str(e))
     if isinstance(e, SwarmError):
         log.info("refused request: %s", e, extra=fields)
         step = e.server_step if isinstance(e, StaleStepError) else None
@@ -75,15 +87,33 @@ class Servicer:
         info: Callable[[], InfoReply],
         *,
         max_bytes: int,
+        timing: Timing,
         added_latency_s: float = 0.0,
         training: TrainingRpc | None = None,
+        admit: Admit | None = None,
+        budget: wire.ByteBudget | None = None,
     ) -> None:
+        """``admit``: a private swarm's membership check (None: an open swarm); ``budget``: bytes of requests held,
+        all callers together."""
         self.compute = compute
         self.sessions = sessions
         self.info = info
         self.max_bytes = max_bytes
+        self.timing = timing
         self.added_latency_s = added_latency_s
         self.training = training
+        self.admit = admit
+        self.budget = budget
+
+    def _decoder(self) -> wire.Decoder:
+        return wire.Decoder(self.max_bytes, self.budget)
+
+    def _check_member(self, caller: str, meta: dict[str, object]) -> None:
+        if self.admit is None:
+            return
+        token = meta.get("member")
+        if not self.admit(caller, token if isinstance(token, str) else None):
+            raise NotMemberError("this is a private swarm: the caller holds no valid membership (--swarm-key)")
 
     async def register(self, p2p: P2P) -> None:
         await p2p.add_protobuf_handler(RPC_FORWARD, self.rpc_forward, wire.Frame)
@@ -96,24 +126,28 @@ class Servicer:
         if self.added_latency_s:
             await asyncio.sleep(self.added_latency_s)
 
-    async def _compute(self, meta: dict[str, object], tensors: Tensors) -> list[wire.Frame]:
+    def _guard(self, frames: Frames, decoder: wire.Decoder, idle: float | None = None) -> GuardedFrames:
+        return GuardedFrames(frames, decoder, idle or self.timing.stream_idle, self.timing.message_timeout)
+
+    async def _compute(self, meta: dict[str, object], tensors: Tensors, caller: str) -> list[wire.Frame]:
         self.compute.active += 1
         try:
-            return await self._dispatch(meta, tensors)
+            return await self._dispatch(meta, tensors, caller)
         finally:
             self.compute.active -= 1
 
-    async def _dispatch(self, meta: dict[str, object], tensors: Tensors) -> list[wire.Frame]:
+    async def _dispatch(self, meta: dict[str, object], tensors: Tensors, caller: str) -> list[wire.Frame]:
         try:
+            self._check_member(caller, meta)
             check_version(meta)
             req = COMPUTE_REQUEST.validate_python(meta)
             await self._delay()
             if isinstance(req, ForwardRequest):
-                return _reply(Reply(), await self.compute.forward(req, tensors))
+                return _reply(Reply(), await self.compute.forward(req, tensors, caller))
             if isinstance(req, BackwardRequest):
-                return _reply(Reply(), await self.compute.backward(req, tensors))
+                return _reply(Reply(), await self.compute.backward(req, tensors, caller))
             if isinstance(req, ReleaseRequest):
-                self.compute.release(req)
+                self.compute.release(req, caller)
                 return _reply(Reply())
             if self.training is None:
                 raise BadInputError(f"{req.kind} request to a peer that holds no trainable stage")
@@ -124,65 +158,94 @@ class Servicer:
         except Exception as e:
             return error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
 
-    async def rpc_forward(self, frame: wire.Frame, context: P2PContext) -> wire.Frame:
+    async def rpc_forward(self, frame: wire.Frame, context: CallerContext | None) -> wire.Frame:
+        decoder = self._decoder()
         try:
-            meta, tensors = wire.decode([frame], self.max_bytes)
+            message = decoder.feed(frame)
+            if message is None:
+                raise BadInputError("a unary request must be complete in one frame")
+            frames = await self._compute(*message, caller_of(context))
         except Exception as e:
             return error_reply(e)[0]
-        frames = await self._compute(meta, tensors)
+        finally:
+            decoder.release()
         if len(frames) > 1:  # unary replies must fit one frame; the client then uses the stream variant
             return error_reply(BadInputError("reply too large for a unary call; use the stream call"))[0]
         return frames[0]
 
-    async def rpc_forward_stream(self, frames: Frames, context: P2PContext | None) -> Frames:
+    @staticmethod
+    async def _read(frames: GuardedFrames, empty: str | None = None) -> tuple[wire.Message | None, list[wire.Frame]]:
+        """The next request of a stream, or the frames that answer why there is none (nothing for a stream that
+        ended cleanly or idled out: nothing was asked); ``empty``: the error for a stream that ends at once."""
         try:
-            message = await wire.read_message(frames, wire.Decoder(self.max_bytes))
-            if message is None:
-                raise BadInputError("empty request")
+            message = await wire.read_message(frames, frames.decoder)
+            if message is None and empty is not None:
+                raise BadInputError(empty)
+            return message, []
+        except StreamIdle:
+            return None, []
         except Exception as e:
-            for f in error_reply(e):
-                yield f
-            return
-        for f in await self._compute(*message):
+            return None, error_reply(e)
+
+    async def rpc_forward_stream(self, frames: Frames, context: CallerContext | None) -> Frames:
+        decoder = self._decoder()
+        try:
+            message, refusal = await self._read(self._guard(frames, decoder), "empty request")
+            reply = await self._compute(*message, caller_of(context)) if message is not None else refusal
+        finally:
+            decoder.release()
+        for f in reply:
             yield f
 
-    async def rpc_compute_loop(self, frames: Frames, context: P2PContext | None) -> Frames:
+    async def rpc_compute_loop(self, frames: Frames, context: CallerContext | None) -> Frames:
         """Compute requests back to back on one (direct TCP) connection, each answered in order: a client keeps a few
-        such connections per server instead of opening one per call. A request that cannot be read ends it."""
-        decoder = wire.Decoder(self.max_bytes)
-        while True:
-            try:
-                message = await wire.read_message(frames, decoder)
-            except Exception as e:
-                for f in error_reply(e):
+        such connections per server instead of opening one per call. A request that cannot be read ends it, and so
+        does ``Timing.stream_idle`` without one (the client opens a new connection)."""
+        caller = caller_of(context)
+        decoder = self._decoder()
+        guarded = self._guard(frames, decoder)
+        try:
+            while True:
+                message, refusal = await self._read(guarded)
+                if message is None:
+                    for f in refusal:
+                        yield f
+                    return
+                reply = await self._compute(*message, caller)
+                decoder.release()
+                for f in reply:
                     yield f
-                return
-            if message is None:
-                return
-            for f in await self._compute(*message):
-                yield f
+        finally:
+            decoder.release()
 
-    async def rpc_inference(self, frames: Frames, context: P2PContext | None) -> Frames:
+    async def rpc_inference(self, frames: Frames, context: CallerContext | None) -> Frames:
         """One session per stream: the first message opens it (and may carry the first step), each further message
-        is one step; the session and its cache room end with the stream, or at the first error."""
-        decoder = wire.Decoder(self.max_bytes)
+        is one step; the session and its cache room end with the stream, at the first error, or after
+        ``Timing.session_idle`` without a message (the client then hears ``SessionExpiredError`` when it comes back:
+        the reply is waiting in the stream)."""
+        caller = caller_of(context)
+        decoder = self._decoder()
+        guarded = self._guard(frames, decoder, self.timing.session_idle)
         session: Session | None = None
         try:
             while True:
-                message = await wire.read_message(frames, decoder)
+                message = await wire.read_message(guarded, decoder)
                 if message is None:
                     return
                 meta, tensors = message
+                if session is None:
+                    self._check_member(caller, meta)
                 check_version(meta)
                 request = InferenceRequest.model_validate(meta)
                 if session is None:
                     if request.open is None:
                         raise BadInputError("the first message of an inference stream must open the session")
-                    session = await self.sessions.start(request.open, tensors)
+                    session = await self.sessions.start(request.open, tensors, caller)
                     log.info("session opened", extra={"session": session.id, "span": str(session.sub)})
                 elif request.open is not None:
                     raise BadInputError("this stream's session is already open")
                 if request.step is None:
+                    decoder.release()
                     for f in _reply(Reply()):
                         yield f
                     continue
@@ -192,34 +255,46 @@ class Servicer:
                     out = await self.sessions.step(session, request.step.position, tensors)
                 finally:
                     self.compute.active -= 1
+                decoder.release()
                 for f in _reply(Reply(), out):
                     yield f
         except Exception as e:
+            if isinstance(e, StreamIdle | StreamStalled):
+                if session is None:
+                    return  # nothing was opened: nothing to give back or explain
+                why = "idle for" if isinstance(e, StreamIdle) else "stalled mid-message for"
+                e = SessionExpiredError(f"session {why} {e.seconds:g} s; reopen the session")
+            if session is not None:  # free its room before anything else: the reply may wait on a slow reader
+                await self.sessions.end(session)
             for f in error_reply(e, session=session.id if session else None):
                 yield f
         finally:
+            decoder.release()
             if session is not None:
                 await self.sessions.end(session)
 
-    async def rpc_bandwidth(self, frames: Frames, context: P2PContext | None) -> Frames:
+    async def rpc_bandwidth(self, frames: Frames, context: CallerContext | None) -> Frames:
         """Receive one payload message and report its size: what a joining peer times to estimate its link."""
+        decoder = self._decoder()
         try:
-            message = await wire.read_message(frames, wire.Decoder(self.max_bytes))
-            if message is None:
-                raise BadInputError("empty bandwidth probe")
-            check_version(message[0])
-            BandwidthProbe.model_validate(message[0])
-            received = sum(t.numel() * t.element_size() for t in message[1].values())
+            message, reply = await self._read(self._guard(frames, decoder), "empty bandwidth probe")
+            if message is not None:
+                self._check_member(caller_of(context), message[0])
+                check_version(message[0])
+                BandwidthProbe.model_validate(message[0])
+                received = sum(t.numel() * t.element_size() for t in message[1].values())
+                reply = _reply(BandwidthReply(received=received))
         except Exception as e:
-            for f in error_reply(e):
-                yield f
-            return
-        for f in _reply(BandwidthReply(received=received)):
+            reply = error_reply(e)
+        finally:
+            decoder.release()
+        for f in reply:
             yield f
 
-    async def rpc_info(self, frame: wire.Frame, context: P2PContext) -> wire.Frame:
+    async def rpc_info(self, frame: wire.Frame, context: CallerContext | None) -> wire.Frame:
         try:
             meta, _ = wire.decode([frame], self.max_bytes)
+            self._check_member(caller_of(context), meta)
             check_version(meta)
             InfoRequest.model_validate(meta)
             return _reply(self.info())[0]

@@ -1,5 +1,6 @@
 """Inference sessions on a server: a KV cache per session under the token budget, steps checked against the
-position the server holds, and the client's adapter bound for the session's life."""
+position the server holds, and the client's adapter bound (and pinned in the adapter cache) for the session's life.
+Sessions are capped per caller and in total; they are keyed by caller too, so nobody can squat another's session id."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from peers.adapters import Adapter
+from peers.adapters import Adapter, Pin
 from peers.kv_cache import CacheBudget
-from peers.rpc.checks import check_aux, check_hidden
+from peers.rpc.checks import check_aux, check_finite, check_hidden, check_names
 from peers.rpc.compute import ComputeService, Tensors
+from peers.rpc.limits import Quota
 from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import OpenSession
@@ -27,40 +29,58 @@ class Session:
     reserved: int
     position: int = 0
     adapter: Adapter | None = None  # the client's adapter, bound for the session's life
+    pin: Pin | None = None  # ...and held in the adapter cache (counted, not evictable) until the session ends
+    caller: str = ""
 
 
 class Sessions:
-    def __init__(self, compute: ComputeService, budget: CacheBudget, cache_wait: float, inline_tokens: int) -> None:
+    def __init__(self, compute: ComputeService, budget: CacheBudget, cache_wait: float, inline_tokens: int,
+                 quota: Quota | None = None) -> None:  # fmt: skip
         self.compute = compute
         self.budget = budget
         self.cache_wait = cache_wait
         self.inline_tokens = inline_tokens  # steps of at most this many tokens run inline on the RPC loop
-        self.open: dict[str, Session] = {}
+        # open sessions per caller and in total (default: unbounded, for a server built without a config)
+        self.quota = quota or Quota("open sessions", 1 << 30, 1 << 30, ("--max-caller-sessions", "--max-sessions"))
+        self.open: dict[tuple[str, str], Session] = {}  # by (caller, session id)
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
 
-    async def start(self, msg: OpenSession, tensors: Tensors) -> Session:
+    async def start(self, msg: OpenSession, tensors: Tensors, caller: str) -> Session:
         if self.leaving:
             raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
         sub = self.compute.sub(msg.start, msg.end)
-        if msg.session_id in self.open:
+        if (caller, msg.session_id) in self.open:
             raise BadInputError(f"session {msg.session_id} is already open here")
-        adapter = self.compute.bind_adapter(msg.adapter, tensors, sub)
-        reserved = await self.budget.reserve(msg.batch_size * msg.max_length, self.cache_wait)
+        self.quota.acquire(caller)  # counted from here: a session waiting for cache room holds a place too
+        pin: Pin | None = None
+        try:
+            adapter, pin = self.compute.bind_adapter(caller, msg.adapter, tensors, sub)
+            reserved = await self.budget.reserve(msg.batch_size * msg.max_length, self.cache_wait, caller)
+        except BaseException:
+            self.quota.release(caller)
+            if pin is not None:
+                pin.release()
+            raise
         backend = self.compute.backend
         assert backend is not None
         session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, backend.new_cache(), reserved,
-                          adapter=adapter)  # fmt: skip
-        self.open[session.id] = session
+                          adapter=adapter, pin=pin, caller=caller)  # fmt: skip
+        self.open[(caller, session.id)] = session
         self.compute.stats["sessions"] += 1
         return session
 
     async def end(self, session: Session) -> None:
-        if self.open.pop(session.id, None) is not None:
+        if self.open.pop((session.caller, session.id), None) is not None:
             session.cache = None
-            await self.budget.release(session.reserved)
+            self.quota.release(session.caller)
+            if session.pin is not None:
+                session.pin.release()
+            await self.budget.release(session.reserved, session.caller)
 
     async def step(self, session: Session, position: int, tensors: Tensors) -> Tensors:
+        check_names(tensors)
         hidden = check_hidden(tensors, self.compute.limits)
+        check_finite(hidden, "hidden")  # a NaN would poison this session's cache for every later step
         batch, n = hidden.shape[:2]
         if batch != session.batch:
             raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
@@ -73,8 +93,9 @@ class Sessions:
             raise SessionLengthError(
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
             )
-        mask, pos = check_aux(tensors, batch, n, position + n)
-        out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens)
+        mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
+        out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens,
+                                     caller=session.caller)  # fmt: skip
         session.position += n
         self.compute.stats["inference_steps"] += 1
         return {"hidden": out}

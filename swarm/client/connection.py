@@ -10,6 +10,7 @@ from swarm.client.retry import Retrier
 from swarm.client.swarm_view import SwarmView
 from swarm.config import ClientConfig
 from swarm.dht import start_dht
+from swarm.membership import swarm_key_for
 from swarm.protocol import ReleaseRequest, StepNotice
 from swarm.rpc.hop import Hop
 from swarm.rpc.loop import LoopThread
@@ -26,11 +27,13 @@ class SwarmConnection:
         self.cfg = cfg
         self.timing = cfg.timing
         self.store = start_dht(initial_peers=cfg.initial_peers, client_mode=True, identity=cfg.identity,
-                               timeout=cfg.timing.dht_start_timeout, call_timeout=cfg.timing.dht_timeout)  # fmt: skip
+                               timeout=cfg.timing.dht_start_timeout, call_timeout=cfg.timing.dht_timeout,
+                               swarm_key=swarm_key_for(cfg.swarm_key))  # fmt: skip
         try:
             self.loop = LoopThread("swarm-client")
             p2p = self.loop.run(self.store.replicate_p2p())
-            self.remote = Remote(p2p, cfg.direct, pool_size=cfg.pool_size, max_reply_bytes=cfg.max_reply_bytes)
+            self.remote = Remote(p2p, self.store.credentials(), cfg.direct, pool_size=cfg.pool_size,
+                                 max_reply_bytes=cfg.max_reply_bytes, dial_timeout=cfg.timing.handshake_timeout)
             self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)
         except BaseException:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarm.client import replies
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
 from swarm.client.history import TokenHistory
@@ -138,7 +139,9 @@ class InferenceSession:
             state.stream = await self.conn.remote.open_session(state.hop, self.conn.timing.open_timeout)
         t0 = time.perf_counter()
         try:
-            out = (await state.stream.exchange(request, tensors, self._timeout(hidden)))["hidden"]
+            expect = replies.expected(request, tensors)
+            call = state.stream.exchange(request, tensors, self._timeout(hidden), expect.max_bytes)
+            out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
         except AdapterMissingError:
             if not opening or state.send_adapter or self.delivery is None:
                 raise
@@ -219,7 +222,7 @@ class InferenceSession:
         done: list[torch.Tensor] = []  # outputs of the hops this step got through, kept across attempts
         conn = self.conn
         out = conn.retrier.run(lambda: conn.loop.run(self._chain(hidden, mask, position_ids, explicit, done)),
-                               "inference step")  # fmt: skip
+                               "inference step", confirm=True)  # fmt: skip
         self.position += n
         return out
 

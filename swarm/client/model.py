@@ -84,6 +84,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         lora_alpha: float = 8.0,
         lora_targets: Sequence[str] = ("q_proj", "v_proj"),
         num_prompt_tokens: int = 16,
+        swarm_key: Path | None = None,
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -94,10 +95,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are),
         "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
+
+        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers).
         """
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        cfg = _client_config(initial_peers, timing, cache_dir, direct)
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key)
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -143,11 +146,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         direct: DirectPolicy = "auto",
         wiring_seed: int | None = None,
         identity: Path | None = None,
+        swarm_key: Path | None = None,
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
-        closed run lists its trainers' peer ids)."""
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity)
+        closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity, swarm_key)
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
@@ -380,6 +384,7 @@ def _client_config(
     direct: DirectPolicy,
     wiring_seed: int | None = None,
     identity: Path | None = None,
+    swarm_key: Path | None = None,
 ) -> ClientConfig:
     if not initial_peers:
         raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
@@ -392,4 +397,5 @@ def _client_config(
         direct=direct,
         wiring_seed=wiring_seed,
         identity=identity,
+        swarm_key=swarm_key,
     )

@@ -4,8 +4,14 @@ route that waits for blocks, a notice that fails) goes through this helper.
 An attempt that fails with a retriable error bans the peer that failed (for a time that doubles with each failure of
 that peer), backs off briefly, and runs again; the attempt itself re-routes around banned peers. Blocks that nobody
 serves are waited for (the view is re-read each time) for at most ``missing_blocks_wait`` before the
-``MissingBlocksError`` reaches the caller. Non-retriable errors (bad input) and errors past the total time budget
-reach the caller unchanged."""
+``MissingBlocksError`` reaches the caller. Non-retriable errors and errors past the total time budget reach the
+caller unchanged.
+
+With ``confirm`` (a request the client built itself), a server's ``bad_input`` is a claim, not a verdict: one lying
+or broken server must not end the user's call. Its server is set aside (banned for ``ban_base``) and the attempt
+runs again elsewhere. If another server succeeds, the first was wrong: it stays banned like any failed peer. If
+another also says bad input, or no other server holds those blocks, the error reaches the caller and the first is
+cleared."""
 
 from __future__ import annotations
 
@@ -15,16 +21,28 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from swarm.config import Timing
-from swarm.errors import MissingBlocksError, SwarmError
+from swarm.errors import BadInputError, MissingBlocksError, SessionExpiredError, SessionLengthError, SwarmError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# The declared errors a second server must confirm, by exact class. ``SessionLengthError`` too: the client refuses a
+# step past max_length itself before sending it, so a server claiming one contradicts what the client knows. Not
+# ``StaleStepError``: honest stages answer it whenever another trainer finished the step, and the trainer acts on it.
+CONFIRMED: tuple[type[SwarmError], ...] = (BadInputError, SessionLengthError)
+
+
+def suspicious(e: SwarmError) -> bool:
+    """A server (not this side) declared the request bad: worth a second opinion."""
+    return type(e) in CONFIRMED and e.declared and e.peer_id is not None
 
 
 class Bans(Protocol):
     """What the helper needs of the client's view of the swarm."""
 
     def ban(self, peer_id: str, seconds: float) -> None: ...
+
+    def unban(self, peer_id: str) -> None: ...
 
     def invalidate(self) -> None: ...
 
@@ -44,14 +62,19 @@ class Retrier:
         self.failures: dict[str, int] = {}
         self.failovers = 0  # how many times a call moved on after a failure (exposed to users and tests)
 
-    def run(self, attempt: Callable[[], T], what: str = "call") -> T:
+    def run(self, attempt: Callable[[], T], what: str = "call", confirm: bool = False) -> T:
+        """``attempt()`` until it succeeds or fails for good; ``confirm``: a ``bad_input`` is checked on a second
+        server before it reaches the caller."""
         deadline = self.clock() + self.timing.retry_budget
         missing_since: float | None = None
         delay = self.timing.backoff_min
+        suspect: SwarmError | None = None  # a server's bad_input, awaiting a second server's opinion
         while True:
             try:
-                return attempt()
+                result = attempt()
             except MissingBlocksError:
+                if suspect is not None:  # nobody else holds those blocks: the claim stands
+                    raise self._acquit(suspect) from None
                 now = self.clock()
                 missing_since = now if missing_since is None else missing_since
                 left = missing_since + self.timing.missing_blocks_wait - now
@@ -59,17 +82,37 @@ class Retrier:
                     raise
                 self.view.invalidate()
                 self.sleep(min(self.timing.view_refresh, left))
+                continue
             except SwarmError as e:
+                if confirm and suspect is None and suspicious(e) and self.clock() <= deadline:
+                    suspect = e
+                    assert e.peer_id is not None
+                    self.view.ban(e.peer_id, self.timing.ban_base)  # routes avoid it while another server judges
+                    log.warning("%s refused as bad input, asking another server: %s", what, e,
+                                extra={"peer": e.peer_id})  # fmt: skip
+                    continue
                 if not e.retriable or self.clock() > deadline:
+                    if suspect is not None:  # a second bad_input confirms the first; any other end clears it too
+                        self._acquit(suspect)
                     raise
                 self.note_failure(e, what)
                 self.sleep(delay)
                 delay = min(delay * 2, self.timing.backoff_max)
+                continue
+            if suspect is not None:  # another server took what the suspect refused: the suspect lied or is broken
+                self.note_failure(suspect, what)
+            return result
+
+    def _acquit(self, suspect: SwarmError) -> SwarmError:
+        """The suspect's claim was not contradicted: lift its ban; the claim is what the caller gets."""
+        assert suspect.peer_id is not None
+        self.view.unban(suspect.peer_id)
+        return suspect
 
     def note_failure(self, e: SwarmError, what: str = "call") -> None:
         """Ban the peer behind a retriable failure (for a time doubling with each of its failures) and count it."""
         peer = e.peer_id
-        if peer is not None:
+        if peer is not None and not isinstance(e, SessionExpiredError):  # our session idled out: no fault of theirs
             n = self.failures[peer] = self.failures.get(peer, 0) + 1
             self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
         self.failovers += 1

@@ -22,6 +22,7 @@ import torch
 
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
+from swarm.client.replies import checked, expected
 from swarm.errors import ActivationsGoneError, AdapterMissingError
 from swarm.protocol import BackwardRequest, ForwardRequest, TrainTag
 from swarm.rpc.hop import Hop
@@ -90,14 +91,18 @@ class RemoteBlocks:
 
     def _exchange(self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors,
                   send: bool = False) -> Tensors:  # fmt: skip
+        adapter: Tensors = {}  # the adapter tensors the server applies, sent or not: a backward returns their grads
         if self.delivery is not None:
             ref, payload = self.delivery.part(hop, send)
             request = request.model_copy(update={"adapter": ref})
             self.conn.remote.traffic["adapter_bytes_sent"] += sum(t.nbytes for t in payload.values())
+            adapter = payload or self.delivery.adapters.payload(hop.start, hop.end, _wire_dtype(hop))
             tensors = dict(tensors, **payload)
         conn = self.conn
+        expect = expected(request, tensors, adapter)
         t0 = time.perf_counter()
-        out = conn.loop.run(conn.remote.compute(hop, request, tensors, conn.timing.request_timeout))
+        call = conn.remote.compute(hop, request, tensors, conn.timing.request_timeout, expect.max_bytes)
+        out = conn.loop.run(checked(hop.peer_id, expect, call))
         first = tensors.get("hidden", tensors.get("grad_output"))
         assert first is not None
         passes = 1 if isinstance(request, ForwardRequest) else 2  # a backward costs about two forwards
@@ -141,7 +146,7 @@ class RemoteBlocks:
                     raise
                 return hop, forward_id, out
 
-            hop, forward_id, out = conn.retrier.run(attempt, "forward")
+            hop, forward_id, out = conn.retrier.run(attempt, "forward", confirm=True)
             traces.append(Trace(hop, forward_id, h))
             position, h, plan = hop.end, out.to(hidden.dtype), plan[1:]
         self.last_route = [t.hop for t in traces]
@@ -186,7 +191,7 @@ class RemoteBlocks:
                 self.last_route = route[:i] + [t.hop for t in traces] + route[i + 1 :]
             return self.backward(traces, grad, attention_mask, position_ids, input_grad, train)
 
-        g, more = self.conn.retrier.run(attempt, "backward")
+        g, more = self.conn.retrier.run(attempt, "backward", confirm=True)
         replies.extend(more)
         return g
 

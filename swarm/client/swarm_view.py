@@ -66,6 +66,10 @@ class SwarmView:
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
         self._banned[peer_id] = time.monotonic() + seconds
 
+    def unban(self, peer_id: str) -> None:
+        """Lift a ban (one set while a second server judged this peer's claim, which that server confirmed)."""
+        self._banned.pop(peer_id, None)
+
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
         return frozenset(p for p, until in list(self._banned.items()) if until > now)

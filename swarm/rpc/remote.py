@@ -43,8 +43,9 @@ from swarm.protocol import (
     StepNotice,
     parse_reply,
 )
-from swarm.rpc.direct import TcpChannel
+from swarm.rpc.direct import DirectDialError, TcpChannel
 from swarm.rpc.hop import Hop
+from swarm.rpc.secure import Credentials, client_context
 from swarm.rpc.transport import Channel, P2PChannel, Transport, choose_transport, stream_rpc, unary
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,25 @@ class Remote:
     compute connections and the traffic it counted."""
 
     def __init__(
-        self, p2p: P2P, direct: DirectPolicy = "auto", *, pool_size: int = 4, max_reply_bytes: int = 1 << 28
+        self,
+        p2p: P2P,
+        creds: Credentials,
+        direct: DirectPolicy = "auto",
+        *,
+        pool_size: int = 4,
+        max_reply_bytes: int = 1 << 28,
+        dial_timeout: float = 5.0,
+        fallback_s: float = 60.0,
+        pool_idle: float = 15.0,
     ) -> None:
         self.p2p = p2p
+        self.creds = creds
         self.direct: DirectPolicy = direct
+        self.tls = client_context()
+        self.dial_timeout = dial_timeout  # TCP connect + TLS + the server's signed hello
+        self.fallback_s = fallback_s  # a direct address that failed to dial is left alone this long ("auto")
+        self._unreachable: dict[str, float] = {}  # direct address -> when to try it again
+        self.pool_idle = pool_idle  # a kept-open connection unused this long is closed rather than reused
         self.pool_size = pool_size  # idle compute connections kept per server (micro-batches in flight)
         self.max_reply_bytes = max_reply_bytes  # a reply larger than this is refused: replies are hostile too
         self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
@@ -87,7 +103,30 @@ class Remote:
 
     def transport(self, hop: Hop, rpc: str, frames: list[wire.Frame] | None = None) -> Transport:
         frames = frames or []
-        return choose_transport(hop, rpc, wire.encoded_size(frames), len(frames), self.direct)
+        reachable = hop.direct is None or self._unreachable.get(hop.direct, 0.0) <= time.monotonic()
+        return choose_transport(hop, rpc, wire.encoded_size(frames), len(frames), self.direct, reachable)
+
+    def meta(self, request: Request) -> dict[str, object]:
+        """A request's metadata as sent: with this caller's membership token in a private swarm."""
+        meta = request.model_dump(mode="json")
+        if self.creds.member is not None:
+            meta["member"] = self.creds.member
+        return meta
+
+    async def _dial(self, hop: Hop, rpc: str, limit: int) -> TcpChannel | None:
+        """A direct connection to ``hop``, or None where ``auto`` should take libp2p instead (its address did not
+        answer as that peer: remembered for ``fallback_s``)."""
+        assert hop.direct is not None
+        try:
+            return await TcpChannel.open(
+                hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout
+            )
+        except DirectDialError as e:
+            if self.direct == "always":
+                raise unavailable(hop.peer_id, "cannot be dialled directly", e) from None
+            log.info("direct dial failed, using libp2p: %s", e, extra={"peer": hop.peer_id})
+            self._unreachable[hop.direct] = time.monotonic() + self.fallback_s
+            return None
 
     async def _peer(self, hop: Hop) -> PeerID:
         peer = PeerID.from_base58(hop.peer_id)
@@ -103,8 +142,9 @@ class Remote:
         """A stream to ``hop`` for ``rpc``: direct TCP where the policy allows, else libp2p."""
         limit = max_bytes or self.max_reply_bytes
         if self.transport(hop, rpc) == Transport.DIRECT:
-            assert hop.direct is not None
-            return await TcpChannel.open(hop.direct, rpc, limit)
+            channel = await self._dial(hop, rpc, limit)
+            if channel is not None:
+                return channel
         return await P2PChannel.open(self.p2p, await self._peer(hop), stream_rpc(rpc), limit)
 
     async def _exchange(
@@ -113,17 +153,20 @@ class Remote:
         """One request, one reply, over the transport chosen for it (replies bounded by ``max_bytes``, default the
         transport's bound)."""
         transport = self.transport(hop, rpc, frames)
+        limit = min(max_bytes or self.max_reply_bytes, self.max_reply_bytes)
         if transport == Transport.POOLED:
-            assert hop.direct is not None
-            return await self._pooled(hop.direct, frames)
+            pooled = await self._pooled_channel(hop, limit)
+            if pooled is not None:
+                return await self._pooled(hop, pooled, frames)
+            transport = self.transport(hop, rpc, frames)  # the address failed: libp2p
         if transport == Transport.UNARY:
-            decoder = wire.Decoder(self.max_reply_bytes)
+            decoder = wire.Decoder(limit)
             message = decoder.feed(await unary(self.p2p, await self._peer(hop), rpc, frames[0]))
             self.traffic["received_bytes"] += decoder.total_bytes
             if message is None:
                 raise unavailable(hop.peer_id, "sent a reply that ends before all its tensors")
             return message
-        channel = await self.open_channel(hop, rpc, max_bytes)
+        channel = await self.open_channel(hop, rpc, limit)
         try:
             await channel.send(frames)
             return await channel.receive()
@@ -131,11 +174,27 @@ class Remote:
             self.traffic["received_bytes"] += channel.decoder.total_bytes
             channel.close()
 
-    async def _pooled(self, address: str, frames: list[wire.Frame]) -> wire.Message | None:
-        """One compute call over an idle kept-open connection to ``address`` (or a new one); the connection goes
-        back to the pool only after a complete reply, so a broken or abandoned one is never reused."""
-        idle = self._idle.setdefault(address, [])
-        channel = idle.pop() if idle else await TcpChannel.open(address, RPC_COMPUTE_LOOP, self.max_reply_bytes)
+    async def _pooled_channel(self, hop: Hop, limit: int) -> TcpChannel | None:
+        """A kept-open connection that is still fresh (servers close compute connections idle for
+        ``Timing.stream_idle``; this side lets them go sooner, after ``pool_idle``), or a new one."""
+        idle = self._idle.get(f"{hop.peer_id}@{hop.direct}", [])
+        channel: TcpChannel | None = None
+        while idle and channel is None:
+            candidate = idle.pop()
+            if candidate.reader.at_eof() or time.monotonic() - candidate.last_used > self.pool_idle:
+                candidate.close()
+            else:
+                channel = candidate
+        if channel is None:
+            channel = await self._dial(hop, RPC_COMPUTE_LOOP, limit)
+        if channel is not None:
+            channel.decoder.max_bytes = limit  # this call's reply bound, whatever the connection carried before
+        return channel
+
+    async def _pooled(self, hop: Hop, channel: TcpChannel, frames: list[wire.Frame]) -> wire.Message | None:
+        """One compute call over a kept-open connection to ``hop``; the connection goes back to the pool only after
+        a complete reply, so a broken or abandoned one is never reused."""
+        idle = self._idle.setdefault(f"{hop.peer_id}@{hop.direct}", [])
         try:
             await channel.send(frames)
             message = await channel.receive()
@@ -146,6 +205,7 @@ class Remote:
             self.traffic["received_bytes"] += channel.decoder.total_bytes
             channel.decoder.total_bytes = 0
         if message is not None and len(idle) < self.pool_size:
+            channel.last_used = time.monotonic()
             idle.append(channel)
         else:
             channel.close()
@@ -162,7 +222,7 @@ class Remote:
         max_bytes: int | None = None,
     ) -> tuple[R, Tensors]:
         """Send ``request`` (with ``tensors``) and return the typed reply and its tensors."""
-        frames = wire.encode(request.model_dump(mode="json"), tensors)
+        frames = wire.encode(self.meta(request), tensors)
         self.traffic["sent_bytes"] += wire.encoded_size(frames)
         try:
             message = await asyncio.wait_for(self._exchange(hop, rpc, frames, max_bytes), timeout)
@@ -179,12 +239,20 @@ class Remote:
     ) -> wire.Message | None:
         """Hand-written metadata, as a buggy or hostile peer might send it, and the raw reply (tests and tools: every
         call of the library itself goes through a typed request)."""
+        if self.creds.member is not None:
+            meta = {"member": self.creds.member, **meta}
         return await asyncio.wait_for(self._exchange(hop, rpc, wire.encode(meta, tensors)), timeout)
 
     async def compute(
-        self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors, timeout: float
+        self,
+        hop: Hop,
+        request: ForwardRequest | BackwardRequest,
+        tensors: Tensors,
+        timeout: float,
+        max_bytes: int | None = None,
     ) -> Tensors:
-        return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply))[1]
+        """``max_bytes``: the largest reply this request can honestly get (the caller knows what it asked for)."""
+        return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply, max_bytes))[1]
 
     async def state(
         self, hop: Hop, timeout: float, max_bytes: int, last_round: bool = False
@@ -243,10 +311,14 @@ class InferenceStream:
         self.remote, self.hop, self.channel = remote, hop, channel
         self.closed = False
 
-    async def exchange(self, request: InferenceRequest, tensors: Tensors, timeout: float) -> Tensors:
-        """Send one step and wait for its reply."""
+    async def exchange(
+        self, request: InferenceRequest, tensors: Tensors, timeout: float, max_bytes: int | None = None
+    ) -> Tensors:
+        """Send one step and wait for its reply (at most ``max_bytes``: what the step can honestly get back)."""
+        if max_bytes is not None:
+            self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
         try:
-            frames = wire.encode(request.model_dump(mode="json"), tensors)
+            frames = wire.encode(self.remote.meta(request), tensors)
             self.remote.traffic["sent_bytes"] += wire.encoded_size(frames)
             received = self.channel.decoder.total_bytes
             await self.channel.send(frames)

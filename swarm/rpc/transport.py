@@ -6,14 +6,15 @@
 - ``UNARY``: a libp2p request-reply, for a message that fits one p2pd frame, and for control calls (info).
 - ``STREAM``: a libp2p stream, for anything larger and for inference sessions.
 
-The direct data plane is plain TCP, so by default (``direct="auto"``) it is used only toward loopback, private
-and link-local addresses; ``"always"`` and ``"never"`` override that.
+The direct data plane is TLS bound to both ends' identities, so ``direct="auto"`` takes it toward every server that
+offers one, judged by the path actually dialled: a server whose direct address cannot be reached, or answers as
+another peer, is called over libp2p for a while (``Remote``). ``"always"`` never falls back; ``"never"`` is libp2p
+only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import Protocol
@@ -33,27 +34,20 @@ class Transport(StrEnum):
     STREAM = "stream"
 
 
-def trusted_path(address: str) -> bool:
-    """Loopback, private and link-local hosts: the 'auto' policy sends plain TCP only there."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host == "localhost"
-    return ip.is_loopback or ip.is_private or ip.is_link_local
-
-
-def use_direct(hop: Hop, policy: DirectPolicy) -> bool:
+def use_direct(hop: Hop, policy: DirectPolicy, reachable: bool = True) -> bool:
+    """``reachable``: the last dial of ``hop``'s direct address did not fail (``auto`` falls back when it did)."""
     if not hop.direct or policy == "never":
         return False
-    return policy == "always" or trusted_path(hop.direct)
+    return policy == "always" or reachable
 
 
-def choose_transport(hop: Hop, rpc: str, size: int, frames: int, policy: DirectPolicy) -> Transport:
+def choose_transport(
+    hop: Hop, rpc: str, size: int, frames: int, policy: DirectPolicy, reachable: bool = True
+) -> Transport:
     """The transport of one call of ``rpc`` to ``hop`` carrying ``frames`` frames of ``size`` bytes in all."""
     if rpc == RPC_INFO:
-        return Transport.UNARY  # control plane: always libp2p (authenticated, works through NATs)
-    if use_direct(hop, policy):
+        return Transport.UNARY  # control plane: always libp2p (works through NATs)
+    if use_direct(hop, policy, reachable):
         return Transport.POOLED if rpc == RPC_FORWARD else Transport.DIRECT
     if rpc == RPC_FORWARD and frames == 1 and size < wire.FRAME_BYTES:
         return Transport.UNARY

@@ -24,11 +24,14 @@ from swarm.dht import RecordStore, _get_subkeys, _store_records, dht_time, die_w
 from swarm.errors import SwarmError
 from swarm.identity import owner_of
 from swarm.ids import assignment_key, block_key, broker_key, peers_key
+from swarm.membership import SwarmKey
 from swarm.protocol import (
     PROTOCOL_VERSION,
     RPC_FORWARD,
     BackwardRequest,
     ForwardRequest,
+    InferenceRequest,
+    OpenSession,
     Reply,
     StepNotice,
     TrainTag,
@@ -178,7 +181,7 @@ def attack_training(stores: list[RecordStore], args: argparse.Namespace) -> dict
     target = next(r for r in view[0] if r.peer_id != store.peer_id)
     hop = Hop.of(target, target.start, target.end)
     loop = LoopThread("attacker")
-    remote = Remote(loop.run(store.replicate_p2p()))
+    remote = Remote(loop.run(store.replicate_p2p()), store.credentials())
     me, honest, now = store.peer_id, args.honest, dht_time()
     mine = TrainerProgress(trainer=me, step=10**12, samples=1 << 30, updated=now)
     forged = TrainerProgress(trainer=honest, step=10**12, samples=1 << 30, updated=now)
@@ -253,7 +256,52 @@ def join_averaging(stores: list[RecordStore], args: argparse.Namespace) -> dict[
     return {"rounds": rounds, "groups": met.value}
 
 
-ATTACKS = {"records": attack_records, "broker": seize_broker, "training": attack_training,
+def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """Against a private swarm, without its key (or with another): join its DHT, then, with its own DHT peer and
+    the addresses of one server (as a leak would give them), call every RPC on both planes."""
+    key = SwarmKey.load(Path(args.swarm_key)) if args.swarm_key else None
+    done: dict[str, Any] = {}
+    try:
+        stores.append(start_dht(initial_peers=tuple(args.initial_peers), timeout=TIMING.dht_start_timeout,
+                                call_timeout=TIMING.dht_timeout, swarm_key=key))  # fmt: skip
+        done["join"] = "ok"
+    except SwarmError as e:
+        done["join"] = f"{type(e).__name__}: {e}"
+    if not stores:  # refused: go on alone, knowing the server's addresses
+        stores.append(start_dht(timeout=TIMING.dht_start_timeout, call_timeout=TIMING.dht_timeout, swarm_key=key))
+    store = stores[0]
+    done["servers_seen"] = len(servers(store.view(args.model_id, args.num_blocks)))
+    target = json.loads(args.hop)
+    hop = Hop(target["peer_id"], target["start"], target["end"], tuple(target["maddrs"]), direct=target["direct"])
+    loop = LoopThread("outsider")
+    try:
+        p2p = loop.run(store.replicate_p2p())
+        hidden = {"hidden": torch.zeros(1, 2, args.hidden_size)}
+        forward = ForwardRequest(start=hop.start, end=hop.end)
+        opening = InferenceRequest(open=OpenSession(session_id="outsider", start=hop.start, end=hop.end,
+                                                    max_length=8, batch_size=1))  # fmt: skip
+        for plane in ("never", "always"):
+            remote = Remote(p2p, store.credentials(), plane)  # type: ignore[arg-type]
+            done[f"forward_{plane}"] = _errors(loop, remote, hop, [("forward", forward, hidden)])["forward"]
+            try:
+                stream = loop.run(remote.open_session(hop, 10.0))
+                loop.run(stream.exchange(opening, {}, 10.0))
+                done[f"session_{plane}"] = "ok"
+                stream.close()
+            except SwarmError as e:
+                done[f"session_{plane}"] = f"{type(e).__name__}: {e}"
+            remote.close()
+        try:
+            loop.run(Remote(p2p, store.credentials(), "never").info(hop, 10.0))
+            done["info"] = "ok"
+        except SwarmError as e:
+            done["info"] = f"{type(e).__name__}: {e}"
+    finally:
+        loop.close(5.0)
+    return done
+
+
+ATTACKS = {"records": attack_records, "outsider": outsider, "broker": seize_broker, "training": attack_training,
            "averaging": join_averaging}  # fmt: skip
 
 
@@ -272,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default="", help="the averaging group prefix")
     p.add_argument("--shapes", default="", help="a JSON file: the shapes of the tensors the replicas average")
     p.add_argument("--groups", type=int, default=2, help="averaging: stop once in this many of the replicas' groups")
+    p.add_argument("--hop", default="", help="outsider: the JSON of one server's hop (peer_id, span, addresses)")
+    p.add_argument("--swarm-key", default="", help="outsider: a key file of its own (default: none)")
     args = p.parse_args(argv)
     stores: list[RecordStore] = []
     try:
-        for _ in range(3 if args.attack == "records" else 1):
+        for _ in range({"records": 3, "outsider": 0}.get(args.attack, 1)):
             stores.append(start_dht(initial_peers=tuple(args.initial_peers), timeout=TIMING.dht_start_timeout,
                                     call_timeout=TIMING.dht_timeout))  # fmt: skip
         result = ATTACKS[args.attack](stores, args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
 import torch
@@ -189,5 +191,83 @@ def test_bad_adapters_get_clear_errors_and_stay_private(guarded):
         forward({}, client_id=other, has_tensors=False)
     with pytest.raises(AdapterMissingError):  # nor can a stale version
         forward({}, has_tensors=False, version=2)
+    with torch.no_grad():  # still serving
+        assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)
+
+
+def test_degenerate_tensors_are_refused(guarded):
+    client, _ = guarded
+    hop = _hop(client)
+    for hidden, message in ((torch.zeros(0, 3, HIDDEN), "empty batch"), (torch.zeros(1, 0, HIDDEN), "no tokens"),
+                            (torch.full((1, 2, HIDDEN), float("nan")), "NaN or infinite")):  # fmt: skip
+        with pytest.raises(BadInputError, match=message):
+            _call(client, hop, _forward_meta(hop), {"hidden": hidden})
+    grad = torch.zeros(1, 2, HIDDEN)
+    grad[0, 1, 3] = float("inf")
+    with pytest.raises(BadInputError, match="grad_output holds NaN or infinite"):
+        _call(client, hop, dict(_forward_meta(hop), kind="backward"), {"grad_output": grad, "hidden": grad * 0})
+    with pytest.raises(BadInputError, match="does not take: \\['zzz'\\]"):
+        _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 2, HIDDEN), "zzz": torch.zeros(3)})
+    with pytest.raises(BadInputError, match="position_ids must lie in"):
+        _call(client, hop, _forward_meta(hop),
+              {"hidden": torch.zeros(1, 2, HIDDEN), "position_ids": torch.tensor([[-5, 0]])})  # fmt: skip
+
+
+def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
+    """Two identities (the client's own key and a fresh one, both over the direct plane, where the server tells
+    them apart by their signed handshakes), each holding half the cache (its whole share, the default
+    --caller-cache-share 0.5 of 64 tokens). The first goes quiet: the server ends its session, so the same identity
+    can open another in that room, and the stream's next step hears SessionExpiredError."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.config import Timing
+    from swarm.errors import BusyError, SessionExpiredError
+    from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
+    from swarm.rpc.remote import Remote
+    from swarm.rpc.secure import Credentials
+
+    client, _ = guarded
+    hop = _hop(client)
+    conn = client.connection
+    timing = Timing.for_tests()
+    counter = iter(range(1000))
+
+    async def opened(remote: Remote, max_length: int):
+        stream = await remote.open_session(hop, timing.open_timeout)
+        request = InferenceRequest(open=OpenSession(session_id=f"idle-{next(counter)}", start=hop.start, end=hop.end,
+                                                    max_length=max_length, batch_size=1))  # fmt: skip
+        try:
+            await stream.exchange(request, {}, timing.request_timeout)
+        except Exception:
+            stream.close()
+            raise
+        return stream
+
+    async def scenario() -> None:
+        mine = Remote(conn.remote.p2p, conn.remote.creds, direct="always")
+        other = Remote(conn.remote.p2p, Credentials.of(RSAPrivateKey()), direct="always")
+        streams = []
+        try:
+            streams.append(quiet := await opened(mine, 32))
+            streams.append(await opened(other, 32))
+            with pytest.raises(BusyError, match="share of this server's KV cache"):
+                await opened(mine, 32)
+            deadline = asyncio.get_running_loop().time() + timing.session_idle + 15.0
+            while True:  # polled, not slept: the outcome is asserted, never a duration
+                try:
+                    streams.append(await opened(mine, 32))  # the quiet session's room, given back
+                    break
+                except BusyError:
+                    assert asyncio.get_running_loop().time() < deadline, "the idle session kept its room"
+                    await asyncio.sleep(0.5)
+            step = InferenceRequest(step=InferenceStep(position=0))
+            with pytest.raises(SessionExpiredError, match="idle for .* reopen the session"):
+                await quiet.exchange(step, {"hidden": torch.zeros(1, 1, HIDDEN)}, timing.request_timeout)
+        finally:
+            for stream in streams:
+                stream.close()
+            other.close()
+
+    conn.loop.run(scenario())
     with torch.no_grad():  # still serving
         assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)

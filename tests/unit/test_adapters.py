@@ -58,27 +58,40 @@ def test_cache_by_client_version_blocks_bytes_and_age():
     cache = AdapterCache(max_bytes=1000, ttl=10.0, clock=lambda: now[0])
     ref = AdapterRef(client="a" * 64, version=1, has_tensors=True)
     adapter = parse_adapter(dict(_pair(0), **_pair(1)), Span(0, 2), LINEARS, 8, torch.float32, 1.0)
-    cache.put(ref, adapter, Span(0, 2))
-    assert set(cache.get(ref, Span(1, 2)).lora) == {(1, "self_attn.q_proj")}  # a sub-span of what was sent
+
+    def put(r, sub, caller="me"):
+        cache.put(caller, r, adapter, sub)[1].release()
+
+    def get(r, sub, caller="me"):
+        got, pin = cache.get(caller, r, sub)
+        pin.release()
+        return got
+
+    put(ref, Span(0, 2))
+    assert set(get(ref, Span(1, 2)).lora) == {(1, "self_attn.q_proj")}  # a sub-span of what was sent
     with pytest.raises(AdapterMissingError):
-        cache.get(ref, Span(0, 3))  # block 2 never sent
+        get(ref, Span(0, 3))  # block 2 never sent
     with pytest.raises(AdapterMissingError):
-        cache.get(ref.model_copy(update={"version": 2}), Span(0, 2))
+        get(ref.model_copy(update={"version": 2}), Span(0, 2))
     with pytest.raises(AdapterMissingError):
-        cache.get(ref.model_copy(update={"client": "b" * 64}), Span(0, 2))
-    cache.put(ref.model_copy(update={"version": 2}), adapter, Span(1, 2))  # a new version drops the old blocks
+        get(ref.model_copy(update={"client": "b" * 64}), Span(0, 2))
+    with pytest.raises(AdapterMissingError):  # the same token from another caller (a server on the route) finds nothing
+        get(ref, Span(0, 2), caller="eavesdropper")
+    cache.drop("eavesdropper", ref.client)  # ...and cannot release it
+    get(ref, Span(0, 2))
+    put(ref.model_copy(update={"version": 2}), Span(1, 2))  # a new version drops the old blocks
     with pytest.raises(AdapterMissingError):
-        cache.get(ref.model_copy(update={"version": 2}), Span(0, 2))
+        get(ref.model_copy(update={"version": 2}), Span(0, 2))
     now[0] = 11.0
     with pytest.raises(AdapterMissingError):  # idle too long
-        cache.get(ref.model_copy(update={"version": 2}), Span(1, 2))
+        get(ref.model_copy(update={"version": 2}), Span(1, 2))
     # bytes: 2 x 64 B per pair, 256 B per client; the least recently used client goes first
     for client in "cdefghijk":
-        cache.put(AdapterRef(client=client * 64, version=1, has_tensors=True), adapter, Span(0, 2))
+        put(AdapterRef(client=client * 64, version=1, has_tensors=True), Span(0, 2))
         assert cache.nbytes <= 1000
     assert len(cache) < 9
     with pytest.raises(AdapterMissingError):
-        cache.get(AdapterRef(client="c" * 64, version=1, has_tensors=False), Span(0, 2))
+        get(AdapterRef(client="c" * 64, version=1, has_tensors=False), Span(0, 2))
 
 
 def test_client_version_moves_with_optimizer_steps_and_gradients_assemble():

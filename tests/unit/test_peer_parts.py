@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from peers.activations import ActivationStore
+from peers.activations import ActivationStore, Kept
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.kv_cache import CacheBudget
@@ -32,14 +32,13 @@ async def test_cache_budget_waits_then_refuses():
 
 def test_activation_store_expires_and_bounds():
     now = [0.0]
-    store = ActivationStore(max_entries=2, ttl=10.0, clock=lambda: now[0])
+    store = ActivationStore(max_bytes=100, max_bytes_per_caller=100, ttl=10.0, clock=lambda: now[0])
     t = torch.zeros(1)
-    store.put("a", t, t, Span(0, 1))
-    store.put("b", t, t, Span(0, 1))
-    store.put("c", t, t, Span(0, 1))
-    assert store.pop("a") is None and len(store) == 2
+    for key in "abc":
+        assert store.put("me", key, Kept(t, t, Span(0, 1), nbytes=40))
+    assert store.pop("me", "a") is None and len(store) == 2 and store.nbytes == 80
     now[0] = 11.0
-    assert store.pop("b") is None and store.pop("c") is None
+    assert store.pop("me", "b") is None and store.pop("me", "c") is None and store.nbytes == 0
 
 
 @pytest.mark.parametrize("model_type,extra", [("llama", {}), ("mixtral", {"num_local_experts": 3})])

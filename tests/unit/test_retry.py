@@ -1,5 +1,5 @@
-"""The retry helper bans failing peers with growing durations, waits a bounded time for missing blocks, and gives
-up on bad input or after its budget."""
+"""The retry helper bans failing peers with growing durations, waits a bounded time for missing blocks, gives up on
+bad input or after its budget, and has a server's bad_input confirmed by a second server before believing it."""
 
 from __future__ import annotations
 
@@ -7,16 +7,29 @@ import pytest
 
 from swarm.client.retry import Retrier
 from swarm.config import Timing
-from swarm.errors import BadInputError, MissingBlocksError, PeerUnavailableError, SwarmError
+from swarm.errors import (
+    BadInputError,
+    MissingBlocksError,
+    PeerUnavailableError,
+    SessionLengthError,
+    StaleStepError,
+    SwarmError,
+)
+from swarm.protocol import ErrorReply
 
 
 class FakeView:
     def __init__(self) -> None:
         self.bans: list[tuple[str, float]] = []
+        self.banned: set[str] = set()
         self.invalidated = 0
 
     def ban(self, peer: str, seconds: float) -> None:
         self.bans.append((peer, seconds))
+        self.banned.add(peer)
+
+    def unban(self, peer: str) -> None:
+        self.banned.discard(peer)
 
     def invalidate(self) -> None:
         self.invalidated += 1
@@ -88,3 +101,85 @@ def test_missing_blocks_are_waited_for_with_fresh_views_then_reported():
     with pytest.raises(MissingBlocksError):
         retrier.run(lambda: (_ for _ in ()).throw(MissingBlocksError([3], "m")))
     assert 2.0 <= now[0] <= 2.0 + 1e-9
+
+
+# ---- a server's bad_input, confirmed elsewhere ------------------------------------------------------------------
+def refusal(peer: str, code: str = "bad_input") -> SwarmError:
+    """An error reply ``peer`` sent (declared), as the transport raises it."""
+    return ErrorReply(code=code, error="hidden must be [batch, seq, 64]").exception(peer)
+
+
+class Servers:
+    """An attempt that routes to the first server the view has not banned, which answers with its scripted error
+    (or "ok" from ``peer``)."""
+
+    def __init__(self, view: FakeView, answers: dict[str, SwarmError | None]) -> None:
+        self.view, self.answers, self.asked = view, answers, []
+
+    def __call__(self) -> str:
+        peer = next((p for p in self.answers if p not in self.view.banned), None)
+        if peer is None:
+            raise MissingBlocksError([0], "m")
+        self.asked.append(peer)
+        error = self.answers[peer]
+        if error is not None:
+            raise error
+        return f"ok from {peer}"
+
+
+def test_bad_input_contradicted_by_a_second_server_bans_the_first():
+    retrier, view, now = make()
+    servers = Servers(view, {"liar": refusal("liar"), "honest": None})
+    assert retrier.run(servers, confirm=True) == "ok from honest"
+    assert servers.asked == ["liar", "honest"]
+    assert view.banned == {"liar"} and view.bans[-1] == ("liar", 2.0) and retrier.failures == {"liar": 1}
+    assert retrier.failovers == 1 and now[0] == 0.0  # no backoff: another server was there at once
+
+
+def test_bad_input_confirmed_by_a_second_server_reaches_the_user_and_clears_the_first():
+    retrier, view, _ = make()
+    second = refusal("b")
+    servers = Servers(view, {"a": refusal("a"), "b": second, "c": None})
+    with pytest.raises(BadInputError) as info:
+        retrier.run(servers, confirm=True)
+    assert info.value is second and servers.asked == ["a", "b"]  # two opinions, not three
+    assert view.banned == set() and retrier.failovers == 0 and retrier.failures == {}
+
+
+def test_bad_input_from_the_only_server_reaches_the_user_at_once():
+    retrier, view, now = make(missing_wait=2.0)
+    first = refusal("only")
+    servers = Servers(view, {"only": first})
+    with pytest.raises(BadInputError) as info:
+        retrier.run(servers, confirm=True)
+    assert info.value is first and now[0] == 0.0  # no wait for blocks: the claim stands
+    assert view.banned == set() and view.invalidated == 0
+
+
+def test_the_second_opinion_survives_other_failures_on_the_way():
+    retrier, view, _ = make()
+    servers = Servers(view, {"liar": refusal("liar"), "dead": failing("dead"), "honest": None})
+    assert retrier.run(servers, confirm=True) == "ok from honest"
+    assert view.banned == {"liar", "dead"} and retrier.failures == {"dead": 1, "liar": 1}
+
+
+def test_without_confirm_or_for_legitimate_refusals_bad_input_is_final():
+    retrier, view, _ = make()
+    servers = Servers(view, {"a": refusal("a"), "b": None})
+    with pytest.raises(BadInputError):
+        retrier.run(servers)  # a request the client did not build: nothing to confirm
+    stale = ErrorReply(code="stale_step", error="behind", server_step=3).exception("a")
+    servers = Servers(view, {"a": stale, "b": None})
+    with pytest.raises(StaleStepError):  # honest stages say so whenever another trainer finished the step
+        retrier.run(servers, confirm=True)
+    local = BadInputError("session is closed")  # raised on this side: no server to doubt
+    with pytest.raises(BadInputError):
+        retrier.run(lambda: (_ for _ in ()).throw(local), confirm=True)
+    assert view.bans == []
+
+
+def test_a_servers_session_length_claim_is_confirmed_too():
+    retrier, view, _ = make()
+    servers = Servers(view, {"liar": refusal("liar", "session_length"), "honest": None})
+    assert retrier.run(servers, confirm=True) == "ok from honest"
+    assert view.banned == {"liar"} and isinstance(refusal("x", "session_length"), SessionLengthError)

@@ -83,10 +83,11 @@ class Trainer:
         average_trainers: bool = True,
         wiring_seed: int | None = None,
         identity: Path | None = None,
+        swarm_key: Path | None = None,
     ) -> None:
         """``average_trainers``: start hivemind's averager for the trainers' own parameters (needs the main thread;
         used only while other trainers feed the run). ``identity``: this trainer's key file (its peer id is what a
-        closed run lists in ``[trust] trainers``)."""
+        closed run lists in ``[trust] trainers``). ``swarm_key``: a private swarm's key file."""
         self.run, self.data = run, data
         self.timing = timing or Timing()
         config = run.hf_config()
@@ -94,6 +95,7 @@ class Trainer:
         self.model = DistributedModelForCausalLM.from_parts(
             config, state, model_id=run.model_id, initial_peers=initial_peers, fingerprint=run.fingerprint,
             timing=self.timing, cache_dir=run.cache_dir, direct=direct, wiring_seed=wiring_seed, identity=identity,
+            swarm_key=swarm_key,
         )  # fmt: skip
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, run)

@@ -1,0 +1,94 @@
+"""A lying server, in a process of its own: a real ``swarm.serve`` peer (its own identity, DHT peer, record, blocks
+and transports) whose compute and inference answers are rewritten in this process only, by the MODE given first:
+
+    python -m tests.integration.liar MODE [swarm.serve arguments...]
+
+Modes: ``no_hidden`` (a reply without ``hidden``: its tensor under another name), ``oversized`` (the true reply plus
+16 MiB of padding), ``bad_input`` (refuses every valid request as bad input), ``oom`` (fails every request with an
+internal "CUDA out of memory" error, which the servicer answers with code ``swarm_error``). It announces itself ten
+times faster than the honest test servers, so clients route to it first. ``start_liar`` starts one in a
+``LocalSwarm``, which stops it with its own peers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from swarm.errors import BadInputError
+from swarm.local_swarm import LocalSwarm, PeerProcess
+
+Tensors = dict[str, torch.Tensor]
+MODES = ("no_hidden", "oversized", "bad_input", "oom")
+PADDING = 4 << 20  # float32 elements: 16 MiB
+
+
+def lie(mode: str, honest: Callable[[], Awaitable[Tensors]]) -> Callable[[], Awaitable[Tensors]]:
+    async def answer() -> Tensors:
+        if mode == "bad_input":
+            raise BadInputError("hidden must be [batch, seq, 64] (a lie: it is)")
+        if mode == "oom":
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        out = await honest()
+        if mode == "no_hidden":
+            return {("hidden_states" if name == "hidden" else name): t for name, t in out.items()}
+        return dict(out, padding=torch.zeros(PADDING))  # oversized
+
+    return answer
+
+
+def install(mode: str) -> None:
+    """Rewrite forward, backward and inference-step answers of this process's server."""
+    from peers.rpc.compute import ComputeService
+    from peers.rpc.sessions import Sessions
+
+    forward, backward, step = ComputeService.forward, ComputeService.backward, Sessions.step
+
+    async def lying_forward(self: ComputeService, *args: Any) -> Tensors:
+        return await lie(mode, lambda: forward(self, *args))()
+
+    async def lying_backward(self: ComputeService, *args: Any) -> Tensors:
+        return await lie(mode, lambda: backward(self, *args))()
+
+    async def lying_step(self: Sessions, *args: Any) -> Tensors:
+        return await lie(mode, lambda: step(self, *args))()
+
+    ComputeService.forward = lying_forward  # type: ignore[method-assign]
+    ComputeService.backward = lying_backward  # type: ignore[method-assign]
+    Sessions.step = lying_step  # type: ignore[method-assign]
+
+
+def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:
+    """A liar serving ``span`` in ``swarm``, started as ``LocalSwarm`` starts its peers (and stopped with them)."""
+    cmd = [sys.executable, "-m", "tests.integration.liar", mode, "--model", swarm.model, *swarm.extra_args,
+           "--throughput", "1000", "--initial-peers", *swarm.initial_peers, "--blocks", span]  # fmt: skip
+    if swarm.test_timings:
+        cmd.append("--test-timings")
+    swarm.log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = swarm.log_dir / f"liar-{len(swarm.peers)}-{mode}.log"
+    with open(log_path, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=swarm.env)
+    peer = PeerProcess(proc, span, (mode,), log_path)
+    threading.Thread(target=peer._watch_stdout, daemon=True).start()
+    swarm.peers.append(peer)
+    if wait:
+        peer.wait_ready(swarm.startup_timeout)
+    return peer
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in MODES:
+        print(f"usage: python -m tests.integration.liar {{{','.join(MODES)}}} [swarm.serve arguments...]")
+        return 2
+    install(argv[0])
+    from swarm.serve import main as serve
+
+    return serve(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
