@@ -95,9 +95,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are),
         "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
-
-        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers).
-        """
+        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers)."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         cfg = _client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key)

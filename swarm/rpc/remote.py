@@ -99,7 +99,7 @@ class Remote:
         self.max_reply_bytes = max_reply_bytes  # a reply larger than this is refused: replies are hostile too
         self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
         self._dialled: set[str] = set()
-        self._idle: dict[str, list[TcpChannel]] = {}  # direct address -> kept-open compute connections
+        self._idle: dict[str, list[TcpChannel]] = {}  # "peer@address" -> kept-open compute connections
 
     def transport(self, hop: Hop, rpc: str, frames: list[wire.Frame] | None = None) -> Transport:
         frames = frames or []
@@ -125,7 +125,12 @@ class Remote:
             if self.direct == "always":
                 raise unavailable(hop.peer_id, "cannot be dialled directly", e) from None
             log.info("direct dial failed, using libp2p: %s", e, extra={"peer": hop.peer_id})
-            self._unreachable[hop.direct] = time.monotonic() + self.fallback_s
+            now = time.monotonic()
+            if len(self._unreachable) >= 1024:  # addresses come from records anyone can write: keep this bounded
+                self._unreachable = {a: t for a, t in self._unreachable.items() if t > now}
+                if len(self._unreachable) >= 1024:
+                    self._unreachable.clear()  # forgetting costs one more failed dial each, nothing else
+            self._unreachable[hop.direct] = now + self.fallback_s
             return None
 
     async def _peer(self, hop: Hop) -> PeerID:
