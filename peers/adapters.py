@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +57,7 @@ class Adapter:
 def parse_adapter(
     tensors: dict[str, torch.Tensor],
     sub: Span,
-    linears: dict[str, tuple[int, int]],
+    linears: Mapping[str, tuple[int, int]],
     hidden_size: int,
     dtype: torch.dtype,
     scaling: float,

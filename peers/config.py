@@ -32,6 +32,12 @@ def _auto_or_float(text: str) -> float | None:
         raise BadInputError(f"--throughput takes 'auto' or a number, got {text!r}") from None
 
 
+def _runtime(text: str) -> str:
+    if text not in ("torch", "onnx"):  # peers.blocks.runtime.RUNTIMES (not imported here: that pulls in torch)
+        raise BadInputError(f"--runtime takes 'torch' or 'onnx', got {text!r}")
+    return text
+
+
 def _mib(text: str) -> int:
     return int(float(text) * MIB)
 
@@ -72,8 +78,13 @@ class ComputeConfig:
     """What runs the blocks and what one request or session may take of it."""
 
     device: str = option("cpu", help="where to serve: cpu, cuda, cuda:1, ...")
+    runtime: str = option(
+        "torch", parse=_runtime, metavar="torch|onnx",
+        help="what runs the blocks: torch (inference, forward, backward, adapters) or onnx (ONNX Runtime on the "
+        "CPU, Llama-family models in float32: inference and forward only; routes that train or carry adapters skip it)",
+    )  # fmt: skip
     dtype: str | None = option(None, help="serving dtype (default: the model card's)")
-    threads: int = option(1, help="torch threads (several peers often share a machine's cores)")
+    threads: int = option(1, help="compute threads, torch's or ONNX Runtime's (peers often share a machine's cores)")
     throughput: float | None = option(
         None,
         parse=_auto_or_float,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from peers.blocks.backend import SpanBackend
+from peers.blocks.runtime import SpanRuntime
 from swarm.errors import SwarmError
 from swarm.records import ServerRecord
 from swarm.rpc.hop import Hop
@@ -45,8 +45,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_throughput(backend: SpanBackend, *, seq: int = 128, steps: int = 8) -> tuple[float, float]:
-    """(forward tokens/s, single-token inference steps/s) of the whole span."""
+def measure_throughput(backend: SpanRuntime, *, seq: int = 128, steps: int = 8) -> tuple[float, float]:
+    """(forward tokens/s, single-token inference steps/s) of the whole span, in the runtime that serves it."""
     hidden_size, dev = backend.config.hidden_size, backend.device
     with torch.inference_mode():
         x = torch.randn(1, seq, hidden_size, dtype=backend.dtype, device=dev)
@@ -68,7 +68,7 @@ def measure_throughput(backend: SpanBackend, *, seq: int = 128, steps: int = 8) 
     return forward_tps, inference_sps
 
 
-def cached_throughput(backend: SpanBackend, cache_dir: Path, key: str) -> tuple[float, float]:
+def cached_throughput(backend: SpanRuntime, cache_dir: Path, key: str) -> tuple[float, float]:
     path = cache_dir / "throughput" / f"{key}.json"
     if path.exists():
         data = json.loads(path.read_text())

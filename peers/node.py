@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from peers.blocks.backend import SpanBackend
+from peers.blocks.runtime import SpanRuntime
 from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
 from peers.config import PeerConfig
@@ -30,7 +30,7 @@ from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import Span, peers_key
 from swarm.membership import swarm_key_for
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
-from swarm.records import PeerRecord, PeerState, ServerRecord, servers
+from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, ServerRecord, servers
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ class Peer:
         return self._role
 
     # ---- spans ----------------------------------------------------------------------------------------------------
-    async def _measure(self, backend: SpanBackend | None, span: Span) -> None:
-        """Per-block speeds: the configured number, or measured once on this device and cached."""
+    async def _measure(self, backend: SpanRuntime | None, span: Span) -> None:
+        """Per-block speeds: the configured number, or measured once on this device, in the runtime that serves, and
+        cached."""
         throughput = self.cfg.compute.throughput
         if throughput is not None or backend is None:
             self.block_tps = self.block_sps = throughput or 0.0
@@ -94,7 +95,7 @@ class Peer:
 
     def _cache_key(self, span: Span) -> str:
         c = self.cfg.compute
-        return f"{self.model.fingerprint}-{span.start}-{span.end}-{c.device}-{c.threads}".replace(":", "_")
+        return f"{self.model.fingerprint}-{span.start}-{span.end}-{c.device}-{c.threads}-{c.runtime}".replace(":", "_")
 
     async def hold(self, span: Span, role: Role) -> None:
         """Serve (or keep warm as a standby) ``span``. Make-before-break: a new span is loaded and announced before
@@ -133,6 +134,7 @@ class Peer:
     # ---- announcing -----------------------------------------------------------------------------------------------
     def _server_record(self, span: Span, state: PeerState) -> ServerRecord:
         per_block, per_block_steps = max(self.block_tps, 1e-9), max(self.block_sps, 1e-9)
+        backend = self.compute.backend  # None only before the first load, when no record is announced
         return ServerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self.maddrs),
@@ -153,6 +155,9 @@ class Peer:
             protocol_version=PROTOCOL_VERSION,
             requests_served=sum(self.compute.stats.values()),
             direct_address=self.direct_address,
+            # the runtime serving the span and what it can do: routes that need a capability skip peers without it
+            runtime=backend.name if backend is not None else "torch",
+            capabilities=backend.capabilities if backend is not None else ALL_CAPABILITIES,
         )
 
     async def publish(self, state: PeerState | None = None) -> None:

@@ -11,6 +11,7 @@ add background work and RPC handlers of its own."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from transformers import PretrainedConfig
 from peers.blocks.backend import SpanBackend
 from peers.blocks.families import Family, family_for
 from peers.blocks.loader import block_bytes, load_span
+from peers.blocks.runtime import SpanRuntime
 from peers.broker.planner import PeerInfo, Plan, Policy, plan_swarm
 from peers.config import PeerConfig
 from peers.rpc.compute import ComputeService, Learner
@@ -82,10 +84,10 @@ class Stage(Protocol):
     def check_pinned(self, span: Span) -> None:
         """Refuse a ``--blocks`` span this stage cannot serve."""
 
-    async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
-        """The span's layers, ready to serve (and its learner, for trainable weights)."""
+    async def load(self, span: Span) -> tuple[SpanRuntime, Learner | None]:
+        """The span's layers in the peer's runtime, ready to serve (and its learner, for trainable weights)."""
 
-    def probe(self) -> SpanBackend:
+    def probe(self) -> SpanRuntime:
         """One block to measure this peer's speed on before the broker places it (blocking)."""
 
     def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
@@ -110,10 +112,13 @@ def _perturb(layers: torch.nn.Module, scale: float) -> None:
 
 
 class ServingStage:
-    """Frozen weights of a model card or a Hugging Face folder."""
+    """Frozen weights of a model card or a Hugging Face folder, run by torch or (``--runtime onnx``) ONNX Runtime."""
 
-    def __init__(self, model: ModelInfo, folder: Path, device: str, perturb: float = 0.0) -> None:
+    def __init__(self, model: ModelInfo, folder: Path, device: str, perturb: float = 0.0, runtime: str = "torch",
+                 cache_dir: Path | None = None, threads: int = 1) -> None:  # fmt: skip
         self.model, self.folder, self.device, self.perturb = model, folder, device, perturb
+        self.runtime, self.threads = runtime, threads
+        self.cache_dir = cache_dir or folder  # where ONNX exports go
 
     @classmethod
     def from_config(cls, cfg: PeerConfig) -> ServingStage:
@@ -128,8 +133,13 @@ class ServingStage:
         family = family_for(config)
         # by the dtype's canonical name ("half" is float16): clients compute the fingerprints they accept that way
         fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cfg.cache_dir)
+        if cfg.compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
+            from peers.blocks.onnx_export import check_exportable
+
+            check_exportable(config, dtype, cfg.compute.device)
         model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
-        return cls(model, folder, cfg.compute.device, cfg.compute.perturb_weights)
+        return cls(model, folder, cfg.compute.device, cfg.compute.perturb_weights, cfg.compute.runtime,
+                   cfg.cache_dir, cfg.compute.threads)  # fmt: skip
 
     def attach(self, env: StageEnv) -> None:
         pass
@@ -138,17 +148,35 @@ class ServingStage:
         if span.end > self.model.num_blocks:
             raise BadInputError(f"--blocks {span} exceeds the model's {self.model.num_blocks} blocks")
 
-    async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
+    async def load(self, span: Span) -> tuple[SpanRuntime, Learner | None]:
         return await asyncio.to_thread(self._load, span), None
 
-    def _load(self, span: Span) -> SpanBackend:
+    def _layers(self, span: Span) -> torch.nn.ModuleList:
         m = self.model
         layers = load_span(self.folder, m.config, m.family, span, m.dtype, self.device)
         if self.perturb:
             _perturb(layers, self.perturb)
-        return SpanBackend(m.config, m.family, layers, span, self.device, m.dtype)
+        return layers
 
-    def probe(self) -> SpanBackend:
+    def _load(self, span: Span) -> SpanRuntime:
+        m = self.model
+        if self.runtime == "onnx":
+            from peers.blocks.onnx_export import export_span
+            from peers.blocks.onnx_runtime import OnnxSpan
+
+            # Exports are keyed by the weights' fingerprint (which names the dtype too) and the config the graph is
+            # written from; perturbed weights (a test aid) differ from what the fingerprint names, and from one span
+            # to another, so they get their own folder.
+            config_hash = hashlib.sha256(m.config.to_json_string().encode()).hexdigest()[:8]
+            key = f"{m.fingerprint}-{config_hash}"
+            if self.perturb:
+                key += f"-perturbed-{self.perturb}-{span}"
+            folder = self.cache_dir / "onnx" / key.replace(":", "_")
+            graphs = export_span(folder, m.config, span, self._layers)
+            return OnnxSpan(m.config, m.family, span, graphs, self.threads)
+        return SpanBackend(m.config, m.family, self._layers(span), span, self.device, m.dtype)
+
+    def probe(self) -> SpanRuntime:
         return self._load(Span(0, 1))
 
     def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:

@@ -95,17 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(params, lr=args.lr)
         bar = tqdm(batches(ids, args.batch, args.seq, args.steps, args.seed), total=args.steps, unit="step")
         first = None
-        for batch in bar:
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            first = loss.item() if first is None else first
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        for batch in bar:  # each step is the fine-tuning plan: forward, loss, backward, the optimizer's update
+            loss = model.train_step(batch, opt)
+            first = loss if first is None else first
+            bar.set_postfix(loss=f"{loss:.3f}")
         model.save_adapter(args.out)
         traffic = model.traffic
         print(
-            f"loss {first:.3f} -> {loss.item():.3f}; adapter saved to {args.out}/ (PEFT format); "
+            f"loss {first:.3f} -> {loss:.3f}; adapter saved to {args.out}/ (PEFT format); "
             f"sent {traffic['sent_bytes'] / 1e6:.1f} MB, received {traffic['received_bytes'] / 1e6:.1f} MB"
         )
     return 0

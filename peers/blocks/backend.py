@@ -1,5 +1,6 @@
-"""Runs a span of decoder layers: forward with or without a KV cache, and backward, with or without a client's
-adapter (LoRA pairs applied by forward hooks on the linear modules, deep prompts added to the prompt positions)."""
+"""The torch runtime (``peers.blocks.runtime.SpanRuntime``): runs a span of decoder layers, forward with or without a
+KV cache, and backward, with or without a client's adapter (LoRA pairs applied by forward hooks on the linear
+modules, deep prompts added to the prompt positions)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ from peers.adapters import Adapter
 from peers.blocks.families import Family
 from swarm.errors import BadInputError
 from swarm.ids import Span
+from swarm.records import ALL_CAPABILITIES
 from swarm.tuning import linear_modules
 
 
 class SpanBackend:
+    name = "torch"
+    capabilities = ALL_CAPABILITIES
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -79,6 +84,9 @@ class SpanBackend:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [*self.layers.parameters(), *self.layers.buffers(), *self.rotary.buffers()]
+
     def run(
         self,
         hidden: torch.Tensor,
@@ -86,11 +94,13 @@ class SpanBackend:
         *,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        cache: DynamicCache | None = None,
+        cache: object | None = None,
         past: int = 0,
         adapter: Adapter | None = None,
     ) -> torch.Tensor:
         """Blocks ``sub`` (inside this span) over ``hidden`` [batch, n, hidden]; ``past`` tokens already cached."""
+        if cache is not None and not isinstance(cache, DynamicCache):  # a cache made by another runtime
+            raise TypeError(f"the torch runtime takes a DynamicCache, not {type(cache).__name__}")
         lora = adapter is not None and bool(adapter.lora)
         token = self._active.set(adapter)
         if lora:

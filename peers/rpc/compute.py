@@ -19,7 +19,7 @@ import torch
 
 from peers.activations import ActivationStore, Kept, SavedBytes, storages
 from peers.adapters import Adapter, AdapterCache, Pin, parse_adapter
-from peers.blocks.backend import SpanBackend
+from peers.blocks.runtime import SpanRuntime, require
 from peers.config import ComputeConfig
 from peers.rpc.checks import Limits, check_aux, check_finite, check_hidden, check_names, check_sub
 from peers.rpc.limits import Quota
@@ -27,6 +27,7 @@ from swarm.config import Timing
 from swarm.errors import ActivationsGoneError, BadInputError
 from swarm.ids import Span
 from swarm.protocol import AdapterRef, BackwardRequest, ForwardRequest, ReleaseRequest, TrainTag
+from swarm.records import Capability
 from swarm.tuning import GRAD_PREFIX, is_adapter_name
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Learner(Protocol):
 class ComputeService:
     def __init__(self, limits: Limits, cfg: ComputeConfig, timing: Timing) -> None:
         self.limits = limits
-        self.backend: SpanBackend | None = None
+        self.backend: SpanRuntime | None = None
         self.learner: Learner | None = None
         self.serving = False  # a standby holds weights but takes no requests
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
@@ -64,12 +65,12 @@ class ComputeService:
         self.adapters = AdapterCache(cfg.max_adapter_bytes, timing.adapter_ttl, per_caller=cfg.max_caller_adapter_bytes)
         self.queued = Quota("queued compute requests", cfg.max_caller_queued, cfg.max_queued,
                             ("--max-caller-queued", "--max-queued"))  # fmt: skip
-        self._weights: tuple[SpanBackend, set[int]] | None = None  # the backend's weight storages (see _exclude)
+        self._weights: tuple[SpanRuntime, set[int]] | None = None  # the backend's weight storages (see _exclude)
         self.stats: Counter[str] = Counter()
         self.active = 0  # requests the servicer is processing now (reported by info)
         self._tasks: set[asyncio.Task[object]] = set()
 
-    def set_backend(self, backend: SpanBackend, learner: Learner | None = None) -> None:
+    def set_backend(self, backend: SpanRuntime, learner: Learner | None = None) -> None:
         """Swap in a newly loaded span. Sessions on blocks the new span lacks end at their next step."""
         self.backend, self.learner = backend, learner
 
@@ -118,9 +119,10 @@ class ComputeService:
             if any(is_adapter_name(name) for name in tensors):
                 raise BadInputError("request carries adapter tensors but no adapter reference")
             return None, None
+        assert self.backend is not None
+        require(self.backend, Capability.ADAPTERS, "a request with an adapter (LoRA or prompts)")
         if not ref.has_tensors:
             return self.adapters.get(caller, ref, sub)
-        assert self.backend is not None
         limits = self.limits
         adapter = parse_adapter(tensors, sub, self.backend.linears, limits.hidden_size, limits.dtype, ref.scaling)
         bound = self.adapters.put(caller, ref, adapter, sub)
@@ -138,8 +140,7 @@ class ComputeService:
         backend = self.backend
         assert backend is not None
         if self._weights is None or self._weights[0] is not backend:
-            tensors = [*backend.layers.parameters(), *backend.layers.buffers(), *backend.rotary.buffers()]
-            self._weights = backend, storages(tensors)
+            self._weights = backend, storages(backend.weight_tensors())
         named = list(adapter.named().values()) if adapter is not None else []
         return self._weights[1] | storages(named)
 
@@ -153,6 +154,11 @@ class ComputeService:
     # ---- forward --------------------------------------------------------------------------------------------------
     async def forward(self, req: ForwardRequest, tensors: Tensors, caller: str) -> Tensors:
         sub = self.sub(req.start, req.end)
+        backend = self.backend
+        assert backend is not None  # self.sub raised if nothing is held
+        require(backend, Capability.FORWARD, "a forward pass")
+        if req.keep_for_backward:
+            require(backend, Capability.BACKWARD, "a forward kept for a backward (keep_for_backward)")
         check_names(tensors)
         hidden = check_hidden(tensors, self.limits)
         check_finite(hidden, "hidden")
@@ -205,6 +211,8 @@ class ComputeService:
     # ---- backward -------------------------------------------------------------------------------------------------
     async def backward(self, req: BackwardRequest, tensors: Tensors, caller: str) -> Tensors:
         sub = self.sub(req.start, req.end)
+        assert self.backend is not None  # self.sub raised if nothing is held
+        require(self.backend, Capability.BACKWARD, "a backward pass")
         check_names(tensors)
         grad = check_hidden(tensors, self.limits, "grad_output")
         check_finite(grad, "grad_output")

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from peers.adapters import Adapter, Pin
+from peers.blocks.runtime import require
 from peers.kv_cache import CacheBudget
 from peers.rpc.checks import check_aux, check_finite, check_hidden, check_names
 from peers.rpc.compute import ComputeService, Tensors
@@ -17,6 +17,7 @@ from peers.rpc.limits import Quota
 from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import OpenSession
+from swarm.records import Capability
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Session:
     sub: Span
     max_length: int
     batch: int
-    cache: DynamicCache | None
+    cache: object | None  # the runtime's own KV cache (``SpanRuntime.new_cache``)
     reserved: int
     position: int = 0
     adapter: Adapter | None = None  # the client's adapter, bound for the session's life
@@ -49,6 +50,8 @@ class Sessions:
         if self.leaving:
             raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
         sub = self.compute.sub(msg.start, msg.end)
+        assert self.compute.backend is not None  # sub raised if nothing is held
+        require(self.compute.backend, Capability.INFERENCE, "an inference session")
         if (caller, msg.session_id) in self.open:
             raise BadInputError(f"session {msg.session_id} is already open here")
         self.quota.acquire(caller)  # counted from here: a session waiting for cache room holds a place too

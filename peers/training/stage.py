@@ -43,6 +43,9 @@ class TrainableStage:
 
     @classmethod
     def from_config(cls, cfg: PeerConfig, run_file: Path) -> TrainableStage:
+        if cfg.compute.runtime != "torch":
+            raise BadInputError(f"--train serves a stage whose weights learn (backward passes, optimizer steps): "
+                                f"only the torch runtime does that, not --runtime {cfg.compute.runtime}")  # fmt: skip
         run = load_run(run_file, cfg.cache_dir)
         config = run.hf_config()
         if run.stages[-1].end != config.num_hidden_layers:

@@ -20,9 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class SwarmConnection:
-    def __init__(
-        self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None
-    ) -> None:
+    def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None) -> None:
         """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely)."""
         self.cfg = cfg
         self.timing = cfg.timing
@@ -32,8 +30,14 @@ class SwarmConnection:
         try:
             self.loop = LoopThread("swarm-client")
             p2p = self.loop.run(self.store.replicate_p2p())
-            self.remote = Remote(p2p, self.store.credentials(), cfg.direct, pool_size=cfg.pool_size,
-                                 max_reply_bytes=cfg.max_reply_bytes, dial_timeout=cfg.timing.handshake_timeout)
+            self.remote = Remote(
+                p2p,
+                self.store.credentials(),
+                cfg.direct,
+                pool_size=cfg.pool_size,
+                max_reply_bytes=cfg.max_reply_bytes,
+                dial_timeout=cfg.timing.handshake_timeout,
+            )
             self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)
         except BaseException:

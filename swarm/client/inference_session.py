@@ -1,10 +1,12 @@
-"""An inference session: one server-side KV cache per hop of a chain, kept in step.
+"""An inference session: a ``generate`` plan whose ``span_step`` nodes each hold a server-side KV cache, kept in
+step. The plan is compiled once per route and runs through the executor at every step; this is its remote part.
 
-A step runs the whole chain in one trip to the event loop. Each hop remembers what it was sent. When a hop fails
+A step runs the whole chain in one trip to the event loop. Each node remembers what it was sent. When a node fails
 (error, dropped connection, or no answer within the step timeout), the retry helper bans its peer and runs the step
-again from that hop: the hop's blocks are routed anew (possibly over several peers) and its remembered inputs are
-replayed onto the replacement, which rebuilds the cache, so the session goes on from the same position. A hop that
-stays far slower than its server announced is moved the same way, if another route exists."""
+again from that node: the plan is repaired (the node rebound to a new route over its blocks, possibly several
+peers) and the node's remembered inputs are replayed onto the replacement, which rebuilds the cache, so the session
+goes on from the same position. A node that stays far slower than its server announced is moved the same way, if
+another route exists."""
 
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ import torch
 from swarm.client import replies
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
+from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.history import TokenHistory
 from swarm.errors import AdapterMissingError, CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
+from swarm.plan.compile import ModelShape, generate_plan, repair
+from swarm.plan.ir import Plan, SpanStep
 from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
+from swarm.records import Capability
 from swarm.rpc.hop import Hop
 from swarm.rpc.remote import InferenceStream, Tensors
 
@@ -45,46 +51,91 @@ class _HopState:
 
 class InferenceSession:
     def __init__(self, conn: SwarmConnection, delivery: AdapterDelivery | None, max_length: int, batch_size: int,
-                 prefix: int = 0) -> None:  # fmt: skip
+                 model: ModelShape, plans: PlanCache, prefix: int = 0) -> None:  # fmt: skip
         self.conn = conn
         self.delivery = delivery
         self.max_length = max_length
         self.batch_size = batch_size
+        self.model = model
+        self.plans = plans
         self.session_id = uuid.uuid4().hex
         self.position = 0
         self.history = TokenHistory(prefix)
-        self._hops: list[_HopState] = []
+        self.plan: Plan | None = None  # the generate plan of the current route (repaired as nodes fail)
+        self._schedule: Schedule | None = None
+        self._ids: list[str] = []  # its span_step nodes, in chain order
+        self._states: dict[str, _HopState] = {}
+        self._generation = 0
         self.closed = False
 
     @property
     def route(self) -> list[Hop]:
-        return [h.hop for h in self._hops]
+        return [self._states[i].hop for i in self._ids]
 
     @property
     def failovers(self) -> int:
         return self.conn.retrier.failovers
 
+    @property
+    def _needs(self) -> frozenset[Capability]:
+        needs = {Capability.INFERENCE}
+        if self.delivery is not None:
+            needs.add(Capability.ADAPTERS)
+        return frozenset(needs)
+
+    # ---- the plan -------------------------------------------------------------------------------------------------
+    def _bind(self, plan: Plan, schedule: Schedule | None, route: list[Hop]) -> None:
+        self.plan, self._schedule = plan, schedule
+        self._ids = [n.id for n in plan.order() if isinstance(n, SpanStep)]
+        self._states = {i: _HopState(hop) for i, hop in zip(self._ids, route, strict=True)}
+
+    def plan_for(self, prompts: int) -> tuple[Plan, Schedule]:
+        """The plan of the next step (``prompts``: the first, which puts the trainable prompts in front): compiled
+        once per route, routed when the session takes its first step."""
+        if self.plan is None:
+            route = self.conn.retrier.run(lambda: self._new_route(0, self.model.num_blocks), "route")
+            self._bind(*self._compiled(route, 0), route)
+        assert self.plan is not None
+        if prompts:
+            return self._compiled(self.route, prompts)
+        if self._schedule is None:  # repaired: its schedule is worked out once more
+            self._schedule = schedule(self.plan)
+        return self.plan, self._schedule
+
+    def _compiled(self, route: list[Hop], prompts: int) -> tuple[Plan, Schedule]:
+        key = ("generate", tuple(route), self.max_length, prompts, self.batch_size)
+        return self.plans.get(key, lambda: generate_plan(self.model, route, max_length=self.max_length,
+                                                         prompts=prompts))  # fmt: skip
+
+    def segment(self, plan: Plan, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The plan's remote part: one step through every ``span_step`` node."""
+        return self.step(hidden, ctx.mask, ctx.positions)
+
     # ---- routing ------------------------------------------------------------------------------------------------
-    def _new_hops(self, start: int, end: int) -> list[_HopState]:
+    def _new_route(self, start: int, end: int) -> list[Hop]:
         need = self.batch_size * self.max_length
         view = self.conn.view
         try:
-            route = view.route(start, end, mode="inference", min_cache_tokens=need)
+            return view.route(start, end, mode="inference", min_cache_tokens=need, needs=self._needs)
         except MissingBlocksError:
-            view.route(start, end, mode="inference")  # raises if the blocks themselves are missing
+            view.route(start, end, mode="inference", needs=self._needs)  # raises if the blocks themselves are missing
             error = CacheFullError(
                 f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
                 f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"
             )
             error.retriable = False
             raise error from None
-        return [_HopState(hop) for hop in route]
 
     async def _replace(self, index: int) -> None:
-        """Route new servers for hop ``index``'s blocks and replay its history onto them."""
-        old = self._hops[index]
+        """Repair the plan: rebind node ``index`` to new servers for its blocks and replay its history onto them."""
+        node_id = self._ids[index]
+        old = self._states[node_id]
         old.close()
-        fresh = await asyncio.to_thread(self._new_hops, old.hop.start, old.hop.end)
+        route = await asyncio.to_thread(self._new_route, old.hop.start, old.hop.end)
+        assert self.plan is not None
+        self._generation += 1
+        plan, ids = repair(self.plan, node_id, route, self._generation)
+        fresh = [_HopState(hop) for hop in route]
         log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
                                            "session": self.session_id})  # fmt: skip
         if old.inputs:
@@ -99,7 +150,10 @@ class InferenceSession:
                 for state in fresh:
                     state.close()
                 raise
-        self._hops[index : index + 1] = fresh
+        self.plan, self._schedule = plan, None
+        del self._states[node_id]
+        self._states.update(zip(ids, fresh, strict=True))
+        self._ids[index : index + 1] = ids
 
     # ---- one hop --------------------------------------------------------------------------------------------------
     def _message(self, state: _HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
@@ -179,14 +233,12 @@ class InferenceSession:
                      explicit: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
         """The chain from the first hop not ``done`` in this step: route it first if there is none yet, replace a
         broken hop, open a new one. A hop that fails is marked broken and the error goes to the retry helper."""
-        if not self._hops:
-            self._hops = await asyncio.to_thread(self._new_hops, 0, self.conn.view.num_blocks)
         h = done[-1] if done else hidden
-        while len(done) < len(self._hops):
+        while len(done) < len(self._ids):
             index = len(done)
-            if self._hops[index].broken:
+            if self._states[self._ids[index]].broken:
                 await self._replace(index)
-            state = self._hops[index]
+            state = self._states[self._ids[index]]
             try:
                 out = await self._exchange(state, h, mask, positions, self.position)
             except BaseException:
@@ -219,7 +271,9 @@ class InferenceSession:
         # replays need explicit positions even where the server could infer them
         explicit = position_ids if position_ids is not None else torch.arange(self.position, self.position + n)
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
-        done: list[torch.Tensor] = []  # outputs of the hops this step got through, kept across attempts
+        if self.plan is None:
+            self.plan_for(0)
+        done: list[torch.Tensor] = []  # outputs of the nodes this step got through, kept across attempts
         conn = self.conn
         out = conn.retrier.run(lambda: conn.loop.run(self._chain(hidden, mask, position_ids, explicit, done)),
                                "inference step", confirm=True)  # fmt: skip
@@ -229,7 +283,7 @@ class InferenceSession:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for state in self._hops:
+            for state in self._states.values():
                 state.close()
 
     def __enter__(self) -> InferenceSession:

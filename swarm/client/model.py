@@ -19,12 +19,17 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarm.client import peft_format
 from swarm.client.adapters import AdapterDelivery, ClientAdapters
 from swarm.client.connection import SwarmConnection
+from swarm.client.executor import Context
 from swarm.client.inference_session import InferenceSession
-from swarm.client.sequential import RemoteBlocks
+from swarm.client.procedures import Procedures
+from swarm.client.runner import PlanRunner
+from swarm.client.sequential import RemoteChain
 from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.model_files import load_config, model_folder, new_model, read_tensors, served_fingerprints, weight_map
+from swarm.plan.compile import ModelShape, float_dtype
+from swarm.plan.ir import Plan, Task
 from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
 from swarm.records import TrainerProgress
 from swarm.rpc.hop import Hop
@@ -46,7 +51,7 @@ class _LocalParts(torch.nn.Module):
 
 
 # transformers leaves PreTrainedModel.__init_subclass__ unannotated
-class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
+class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
     config_class = PretrainedConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -63,8 +68,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         self.adapters: ClientAdapters | None = None
         self.loaded_tensor_names: tuple[str, ...] = ()
         self._conn: SwarmConnection | None = None
-        self._blocks: RemoteBlocks | None = None
+        self._blocks: RemoteChain | None = None
+        self._runner: PlanRunner | None = None
         self._session: InferenceSession | None = None
+        self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
 
     # ---- loading ------------------------------------------------------------------------------------------------
     @classmethod
@@ -165,7 +172,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
     def _connect(self, cfg: ClientConfig, model_id: str, fingerprints: frozenset[str] | None) -> None:
         self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprints)
         remote = self.adapters is not None and self.adapters.applies_remotely
-        self._blocks = RemoteBlocks(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
+        self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
+        dtype = float_dtype(str(self.model.embed_tokens.weight.dtype).removeprefix("torch."))
+        shape = ModelShape(
+            model_id,
+            int(self.config.num_hidden_layers),
+            int(self.config.hidden_size),
+            int(self.config.vocab_size),
+            dtype,
+        )
+        self._runner = PlanRunner(self, self._conn, self._blocks, shape)
 
     def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training."""
@@ -198,7 +214,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
                     self._conn.notify(delivery.holders(), ReleaseRequest(client=delivery.adapters.client_id))
                 delivery.forget()
             self._conn.close()
-            self._conn = self._blocks = None
+            self._conn = self._blocks = self._runner = None
 
     def __enter__(self) -> DistributedModelForCausalLM:
         return self
@@ -215,15 +231,27 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         return self._conn
 
     @property
-    def blocks(self) -> RemoteBlocks:
+    def blocks(self) -> RemoteChain:
         if self._blocks is None:
             raise BadInputError("this model is closed")
         return self._blocks
 
     @property
+    def runner(self) -> PlanRunner:
+        """Compiles this model's procedures into plans and runs them (``swarm.client.runner``)."""
+        if self._runner is None:
+            raise BadInputError("this model is closed")
+        return self._runner
+
+    @property
     def route(self) -> list[Hop]:
         """The servers the last call went through."""
         return self._session.route if self._session is not None else self.blocks.last_route
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The plan the last call ran, as repaired when servers failed (``swarm.plan``)."""
+        return self.blocks.last_plan
 
     @property
     def failovers(self) -> int:
@@ -257,8 +285,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session."""
         if self._session is not None:
             raise BadInputError("an inference session is already open on this model")
-        session = InferenceSession(self.connection, self.blocks.delivery, max_length + self.prompt_tokens,
-                                   batch_size, prefix=self.prompt_tokens)  # fmt: skip
+        session = InferenceSession(self.connection, self.blocks.delivery, max_length + self.prompt_tokens, batch_size,
+                                   self.runner.shape, self.runner.plans, prefix=self.prompt_tokens)  # fmt: skip
         self._session = session
         try:
             yield session
@@ -310,69 +338,38 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):  # type: ig
         train: TrainTag | None = None,
         **kwargs: object,
     ) -> CausalLMOutputWithPast:
-        """Hugging Face's causal LM forward. ``train`` tags every remote call with a pre-training run's global step
-        and the micro-batch's sample count (``swarm.client.training``)."""
+        """Hugging Face's causal LM forward, as a plan run by the executor. ``train`` tags every remote call with a
+        pre-training run's global step and the micro-batch's sample count (``swarm.client.training``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise BadInputError("give exactly one of input_ids or inputs_embeds")
         if self._session is not None:
             if input_ids is None:
                 raise BadInputError("inside an inference session, pass input_ids")
-            hidden = self._session_step(self._session, input_ids, attention_mask, position_ids)
-        else:
-            embeds = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
-            if self.prompt_tokens:
-                embeds, attention_mask, position_ids, labels = self._with_prompts(
-                    embeds, attention_mask, position_ids, labels
-                )
-            padded = attention_mask is not None and not bool(attention_mask.all())
-            hidden = self.blocks(embeds, attention_mask if padded else None, position_ids, train)
-        logits = self.lm_head(self.model.norm(hidden))
-        loss = None
+            logits = self._session_step(self._session, input_ids, attention_mask, position_ids)
+            loss = None
+            if labels is not None:
+                loss = self.causal_loss(logits, labels)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        ctx = Context(attention_mask if padded else None, position_ids, train)
+        inputs = {"input_ids": input_ids} if input_ids is not None else {}
+        if inputs_embeds is not None:
+            inputs["inputs_embeds"] = inputs_embeds
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        if self.prompt_tokens and self._session is None:
-            logits = logits[:, self.prompt_tokens :]  # one logit row per input token, as without prompts
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    def _with_prompts(
-        self,
-        embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        labels: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Prepend the trainable prompts as PEFT's prompt tuning does: attended by every token, no labels."""
-        assert self.adapters is not None
-        n, batch = self.prompt_tokens, embeds.shape[0]
-        prompts = self.adapters.prompts.to(embeds.dtype).unsqueeze(0).expand(batch, -1, -1)
-        embeds = torch.cat([prompts, embeds], dim=1)
-        if attention_mask is not None:
-            ones = torch.ones(batch, n, dtype=attention_mask.dtype, device=attention_mask.device)
-            attention_mask = torch.cat([ones, attention_mask], dim=1)
-        if position_ids is not None:
-            position_ids = torch.cat([torch.arange(n).expand(batch, -1), position_ids + n], dim=1)
-        if labels is not None:
-            labels = torch.cat([torch.full((batch, n), -100, dtype=labels.dtype), labels], dim=1)
-        return embeds, attention_mask, position_ids, labels
-
-    def _session_step(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        new, full_mask, position_ids = session.history.unseen(input_ids, attention_mask, position_ids,
-                                                              session.position)  # fmt: skip
-        embeds = self.model.embed_tokens(new)
-        first, prefix, batch = session.position == 0, session.history.prefix, new.shape[0]
-        if prefix:  # the prompts go in front of the first step; later positions shift past them
-            if first:
-                embeds, full_mask, position_ids, _ = self._with_prompts(embeds, full_mask, position_ids, None)
-            else:
-                ones = torch.ones(batch, prefix, dtype=torch.int64)
-                full_mask = None if full_mask is None else torch.cat([ones, full_mask.to(torch.int64)], dim=1)
-                position_ids = None if position_ids is None else position_ids + prefix
-        padded = full_mask is not None and not bool(full_mask.all())
-        hidden = session.step(embeds, full_mask if padded else None, position_ids)
-        session.history.record(new)
-        self.blocks.last_route = session.route  # what ``route`` shows once the session is over
-        return hidden[:, prefix:] if first else hidden
+            inputs["labels"] = labels
+        keep = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or (inputs_embeds is not None and inputs_embeds.requires_grad)
+        )
+        task: Task = "forward"
+        target, every = self._pretraining or (1, 0)
+        if keep and train is not None:
+            task = "pretrain"
+        elif keep and labels is not None:
+            task = "finetune"
+        out = self.runner.forward(inputs, ctx, keep=keep, prompts=self.prompt_tokens, task=task, target_batch=target,
+                                  average_every=every, params="adapter" if self.adapters else "client")  # fmt: skip
+        return CausalLMOutputWithPast(loss=out.get("loss"), logits=out["logits"])
 
 
 def _client_config(

@@ -13,7 +13,7 @@ from typing import Literal
 
 from swarm.errors import MissingBlocksError
 from swarm.protocol import PROTOCOL_VERSION
-from swarm.records import PeerState, ServerRecord, View, servers
+from swarm.records import Capability, PeerState, ServerRecord, View, servers
 from swarm.rpc.hop import Hop
 
 Mode = Literal["inference", "forward"]
@@ -47,8 +47,11 @@ def eligible(
     fingerprint: str | None,
     banned: frozenset[str] = frozenset(),
     min_cache_tokens: int = 0,
+    needs: frozenset[Capability] = frozenset(),
 ) -> list[ServerRecord]:
-    """Servers a route may use: online, speaking this protocol, serving the chosen weights, not banned, with room."""
+    """Servers a route may use: online, speaking this protocol, serving the chosen weights, not banned, with room,
+    and whose runtime can do what the route ``needs`` (a training forward needs ``backward``, a LoRA or prompt route
+    ``adapters``; an ONNX server has neither)."""
     return [
         r
         for r in servers(view).values()
@@ -57,6 +60,7 @@ def eligible(
         and (fingerprint is None or r.fingerprint == fingerprint)
         and r.peer_id not in banned
         and r.cache_tokens_free >= min_cache_tokens
+        and needs <= r.capabilities
     ]
 
 

@@ -1,10 +1,12 @@
-"""Forward and backward through the remote blocks, as a torch autograd function.
+"""The remote part of a forward or training plan: its ``span_forward`` and ``span_backward`` nodes, run server by
+server, with failover as plan repair.
 
-Forward walks the swarm hop by hop along the route planned when the pass began (re-planned from where the last hop
-ended when a hop fails, so a failed peer is routed around mid-pass) and asks each server to keep its graph for the
-backward. Backward walks the hops in reverse; if a server
-lost the graph it recomputes from the inputs the client kept, and if the server is gone the retry helper bans it and
-the span is re-routed, its forward recomputed elsewhere and backpropagated there.
+Forward runs the plan's forward nodes in chain order, each through its transfers (the casts to and from the
+server's wire dtype) and one compute call. When a node fails, the retry helper bans its server and the next attempt
+repairs the plan: the node is rebound to a new route over the same blocks (possibly several servers), and what
+depends on it runs on the replacement. Backward runs the ``span_backward`` nodes in reverse; a server that lost the
+graph recomputes from the inputs the client kept, and a server that is gone gets its forward node repaired: the
+span's forward is recomputed elsewhere (keeping graphs) and backpropagated there.
 
 With a client adapter, every call names it by version, and carries its tensors for the hop's blocks only when that
 server has not seen this version yet; backward replies carry the adapter's gradients, summed into the parameters'.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,26 +25,22 @@ import torch
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
 from swarm.client.replies import checked, expected
-from swarm.errors import ActivationsGoneError, AdapterMissingError
+from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError
+from swarm.plan.compile import repair
+from swarm.plan.ir import Plan, SpanBackward, SpanForward, Transfer
 from swarm.protocol import BackwardRequest, ForwardRequest, TrainTag
+from swarm.records import Capability
 from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Tensors
 
 
-@dataclass
-class Trace:
-    hop: Hop
-    forward_id: str | None
-    inputs: torch.Tensor  # what the hop received, in the client's dtype
-
-
-def _wire_dtype(hop: Hop) -> torch.dtype:
-    dtype = getattr(torch, hop.dtype)
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype)
     return dtype
 
 
-def _aux(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> Tensors:
+def aux_tensors(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> Tensors:
     aux: Tensors = {}
     if attention_mask is not None:
         aux["attention_mask"] = attention_mask.to(torch.int64)
@@ -51,27 +49,63 @@ def _aux(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None)
     return aux
 
 
-class RemoteBlocks:
+@dataclass
+class ChainRun:
+    """One call's remote chain as it runs: the plan (repaired as servers fail), the hop each remote node is bound
+    to, the forward nodes in chain order, and what each received (a recompute starts from it)."""
+
+    plan: Plan
+    hops: dict[str, Hop]
+    aux: Tensors
+    train: TrainTag | None
+    needs: frozenset[Capability]
+    forward_ids: list[str] = field(default_factory=list)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # node -> what it received (client dtype)
+    server_ids: dict[str, str | None] = field(default_factory=dict)  # node -> the forward_id its server keeps
+    failed: set[str] = field(default_factory=set)
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.forward_ids:
+            self.forward_ids = [n.id for n in self.plan.order() if isinstance(n, SpanForward)]
+
+    @property
+    def keep(self) -> bool:
+        """The plan keeps graphs for a backward."""
+        return any(isinstance(n, SpanBackward) for n in self.plan.nodes)
+
+    def route(self) -> list[Hop]:
+        return [self.hops[i] for i in self.forward_ids]
+
+    def backward_ids(self, forward_ids: list[str]) -> list[str]:
+        """The backward nodes of ``forward_ids``, in the order they run (reverse chain order)."""
+        by_forward = {n.inputs[1]: n.id for n in self.plan.nodes if isinstance(n, SpanBackward)}
+        return [by_forward[f] for f in reversed(forward_ids)]
+
+
+class RemoteChain:
     def __init__(self, conn: SwarmConnection, delivery: AdapterDelivery | None = None) -> None:
         self.conn = conn
         self.delivery = delivery  # set when the model tunes remote blocks (LoRA, deep prompts)
         self.last_route: list[Hop] = []
+        self.last_plan: Plan | None = None  # the plan of the last call, as repaired
 
-    def __call__(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        train: TrainTag | None = None,
-    ) -> torch.Tensor:
-        params = self.delivery.adapters.remote_parameters() if self.delivery is not None else []
-        if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.delivery.adapters.remote_parameters() if self.delivery is not None else []
+
+    def run(self, run: ChainRun, hidden: torch.Tensor) -> torch.Tensor:
+        """The chain's output for ``hidden``, differentiable when it needs to be (a kept forward under grad)."""
+        params = self.params()
+        grad = hidden.requires_grad or any(p.requires_grad for p in params)
+        out: torch.Tensor
+        if torch.is_grad_enabled() and grad:
             # torch declares Function.apply without types
-            out: torch.Tensor = _RemoteFn.apply(  # type: ignore[no-untyped-call]
-                hidden, attention_mask, position_ids, self, train, *params
-            )
+            if run.keep:
+                out = _RemoteFn.apply(hidden, self, run, *params)  # type: ignore[no-untyped-call]
+            else:  # routed over servers that cannot backpropagate: a backward must fail, not skip the servers
+                out = _ForwardOnlyFn.apply(hidden, self, run)  # type: ignore[no-untyped-call]
             return out
-        return self.forward(hidden, attention_mask, position_ids, keep=False, train=train)[0]
+        return self.forward(run, hidden)
 
     # ---- one call ---------------------------------------------------------------------------------------------------
     def _call(self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors) -> Tensors:
@@ -96,7 +130,7 @@ class RemoteBlocks:
             ref, payload = self.delivery.part(hop, send)
             request = request.model_copy(update={"adapter": ref})
             self.conn.remote.traffic["adapter_bytes_sent"] += sum(t.nbytes for t in payload.values())
-            adapter = payload or self.delivery.adapters.payload(hop.start, hop.end, _wire_dtype(hop))
+            adapter = payload or self.delivery.adapters.payload(hop.start, hop.end, _torch_dtype(hop.dtype))
             tensors = dict(tensors, **payload)
         conn = self.conn
         expect = expected(request, tensors, adapter)
@@ -110,122 +144,163 @@ class RemoteBlocks:
         conn.view.observe(hop.peer_id, "forward", time.perf_counter() - t0, units)
         return out
 
+    def _codec(self, run: ChainRun, transfer_id: str) -> torch.dtype:
+        node = run.plan.node(transfer_id)
+        assert isinstance(node, Transfer)
+        return _torch_dtype(node.codec)
+
+    # ---- repair -----------------------------------------------------------------------------------------------------
+    def _repair(self, run: ChainRun, node_id: str) -> list[str]:
+        """Rebind forward node ``node_id`` (and its backward) to a new route over its blocks, around banned peers."""
+        node = run.plan.node(node_id)
+        assert isinstance(node, SpanForward)
+        route = self.conn.view.route(node.start, node.end, mode="forward", stochastic=run.train is not None,
+                                     needs=run.needs)  # fmt: skip
+        run.generation += 1
+        run.plan, fresh = repair(run.plan, node_id, route, run.generation)
+        for new_id, hop in zip(fresh, route, strict=True):
+            run.hops[new_id] = hop
+        for n in run.plan.nodes:
+            if isinstance(n, SpanBackward) and n.inputs[1] in fresh:
+                run.hops[n.id] = run.hops[n.inputs[1]]
+        if node_id in run.forward_ids:
+            i = run.forward_ids.index(node_id)
+            run.forward_ids[i : i + 1] = fresh
+        if node_id in run.inputs:
+            run.inputs[fresh[0]] = run.inputs[node_id]
+        self.last_route = run.route()
+        return fresh
+
     # ---- forward ----------------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        *,
-        keep: bool,
-        train: TrainTag | None = None,
-        start: int = 0,
-        end: int | None = None,
-    ) -> tuple[torch.Tensor, list[Trace]]:
-        conn = self.conn
-        end = conn.view.num_blocks if end is None else end
-        aux = _aux(attention_mask, position_ids)
-        traces: list[Trace] = []
-        position, h = start, hidden.detach()
-        plan: list[Hop] = []  # the route planned when the pass began (or when a hop of it last failed)
-        while position < end:
+    def forward(self, run: ChainRun, hidden: torch.Tensor) -> torch.Tensor:
+        self.last_route = run.route()
+        out = self._forward_nodes(run, run.forward_ids, hidden.detach())
+        self.last_route, self.last_plan = run.route(), run.plan
+        return out
 
-            def attempt(position: int = position, h: torch.Tensor = h) -> tuple[Hop, str | None, torch.Tensor]:
-                nonlocal plan
-                if not plan or plan[0].start != position:
-                    plan = conn.view.route(position, end, mode="forward", stochastic=train is not None)
-                self.last_route = [t.hop for t in traces] + plan  # the route as currently planned, for observers
-                hop = plan[0]
-                forward_id = uuid.uuid4().hex if keep else None
-                request = ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=keep, forward_id=forward_id,
-                                         train=train)  # fmt: skip
+    def _forward_nodes(self, run: ChainRun, ids: list[str], x: torch.Tensor) -> torch.Tensor:
+        """Forward nodes ``ids`` (repaired in place as they fail) over ``x``."""
+        i = 0
+        while i < len(ids):
+
+            def attempt(i: int = i, x: torch.Tensor = x) -> tuple[str, torch.Tensor]:
+                if ids[i] in run.failed:
+                    fresh = self._repair(run, ids[i])
+                    if ids is not run.forward_ids:
+                        ids[i : i + 1] = fresh
+                node_id = ids[i]
                 try:
-                    out = self._call(hop, request, dict(aux, hidden=h.to(_wire_dtype(hop))))["hidden"]
+                    return node_id, self._span_forward(run, node_id, x)
                 except BaseException:
-                    plan = []  # the retry routes the rest afresh, around the failed peer
+                    run.failed.add(node_id)  # the retry routes its blocks afresh, around the failed peer
                     raise
-                return hop, forward_id, out
 
-            hop, forward_id, out = conn.retrier.run(attempt, "forward", confirm=True)
-            traces.append(Trace(hop, forward_id, h))
-            position, h, plan = hop.end, out.to(hidden.dtype), plan[1:]
-        self.last_route = [t.hop for t in traces]
-        return h, traces
+            node_id, out = self.conn.retrier.run(attempt, "forward", confirm=True)
+            run.inputs[node_id] = x
+            x, i = out, i + 1
+        return x
+
+    def _span_forward(self, run: ChainRun, node_id: str, x: torch.Tensor) -> torch.Tensor:
+        node = run.plan.node(node_id)
+        assert isinstance(node, SpanForward)
+        server_id = uuid.uuid4().hex if node.keep else None
+        request = ForwardRequest(start=node.start, end=node.end, keep_for_backward=node.keep, forward_id=server_id,
+                                 train=run.train)  # fmt: skip
+        wire = self._codec(run, node.inputs[0])
+        out = self._call(run.hops[node_id], request, dict(run.aux, hidden=x.to(wire)))["hidden"]
+        run.server_ids[node_id] = server_id
+        return out.to(x.dtype)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
-    def backward(
-        self,
-        traces: list[Trace],
-        grad: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        input_grad: bool = True,
-        train: TrainTag | None = None,
-    ) -> tuple[torch.Tensor | None, list[Tensors]]:
-        """The gradient of the first hop's input (None if ``input_grad`` is False), and every hop's reply (which
-        holds the adapter's gradients)."""
+    def backward(self, run: ChainRun, grad: torch.Tensor,
+                 input_grad: bool = True) -> tuple[torch.Tensor | None, list[Tensors]]:  # fmt: skip
+        """The gradient of the chain's input (None if ``input_grad`` is False), and every backward node's reply
+        (which holds the adapter's gradients)."""
         replies: list[Tensors] = []
-        g: torch.Tensor | None = grad
-        for i in reversed(range(len(traces))):
-            assert g is not None
-            g = self._backward_span(traces[i], g, attention_mask, position_ids, input_grad or i > 0, train, replies)
+        g = self._backward_nodes(run, run.backward_ids(run.forward_ids), grad, input_grad, replies)
+        self.last_route, self.last_plan = run.route(), run.plan
         return g, replies
 
-    def _backward_span(self, trace: Trace, grad: torch.Tensor, attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None, input_grad: bool, train: TrainTag | None,
+    def _backward_nodes(self, run: ChainRun, ids: list[str], grad: torch.Tensor, input_grad: bool,
+                        replies: list[Tensors]) -> torch.Tensor | None:  # fmt: skip
+        g: torch.Tensor | None = grad
+        for k, node_id in enumerate(ids):
+            assert g is not None
+            g = self._backward_node(run, node_id, g, input_grad or k < len(ids) - 1, replies)
+        return g
+
+    def _backward_node(self, run: ChainRun, node_id: str, grad: torch.Tensor, input_grad: bool,
                        replies: list[Tensors]) -> torch.Tensor | None:  # fmt: skip
-        """Backpropagate through one traced hop. If its server fails, the retry helper bans it and the next
-        attempt recomputes this span's forward elsewhere (keeping graphs) and backpropagates through that."""
+        """Backpropagate through one backward node. If its server fails, the retry helper bans it and the next
+        attempt repairs its forward node: recomputed elsewhere (keeping graphs), backpropagated there."""
+        forward_id = run.plan.node(node_id).inputs[1]
+        x = run.inputs[forward_id]
+        cover = [forward_id]  # the forward nodes that now compute these blocks
         first = [True]
-        route = self.last_route
 
         def attempt() -> tuple[torch.Tensor | None, list[Tensors]]:
             if first[0]:
                 first[0] = False
-                return self._backward_hop(trace, grad, attention_mask, position_ids, input_grad, train)
-            hop = trace.hop
-            _, traces = self.forward(trace.inputs, attention_mask, position_ids, keep=True, train=train,
-                                     start=hop.start, end=hop.end)  # fmt: skip
-            if hop in route:  # observers see the whole route, with the replacement in the dead hop's place
-                i = route.index(hop)
-                self.last_route = route[:i] + [t.hop for t in traces] + route[i + 1 :]
-            return self.backward(traces, grad, attention_mask, position_ids, input_grad, train)
+                return self._span_backward(run, node_id, grad, input_grad)
+            if cover == [forward_id]:
+                cover[:] = self._repair(run, forward_id)
+            self._forward_nodes(run, cover, x)
+            more: list[Tensors] = []
+            g = self._backward_nodes(run, run.backward_ids(cover), grad, input_grad, more)
+            return g, more
 
         g, more = self.conn.retrier.run(attempt, "backward", confirm=True)
         replies.extend(more)
         return g
 
-    def _backward_hop(self, trace: Trace, grad: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None, input_grad: bool,
-                      train: TrainTag | None) -> tuple[torch.Tensor | None, list[Tensors]]:  # fmt: skip
-        hop, dtype = trace.hop, _wire_dtype(trace.hop)
-        request = BackwardRequest(start=hop.start, end=hop.end, forward_id=trace.forward_id, input_grad=input_grad,
-                                  train=train)  # fmt: skip
+    def _span_backward(self, run: ChainRun, node_id: str, grad: torch.Tensor,
+                       input_grad: bool) -> tuple[torch.Tensor | None, list[Tensors]]:  # fmt: skip
+        node = run.plan.node(node_id)
+        assert isinstance(node, SpanBackward)
+        forward_id = node.inputs[1]
+        hop, wire = run.hops[node_id], self._codec(run, node.inputs[0])
+        request = BackwardRequest(start=node.start, end=node.end, forward_id=run.server_ids.get(forward_id),
+                                  input_grad=input_grad, train=run.train)  # fmt: skip
         try:
-            out = self._call(hop, request, {"grad_output": grad.to(dtype)})
+            out = self._call(hop, request, {"grad_output": grad.to(wire)})
         except ActivationsGoneError:  # the server dropped the graph: same server, recompute from our inputs
-            resend = dict(_aux(attention_mask, position_ids), hidden=trace.inputs.to(dtype))
-            out = self._call(hop, request, dict(resend, grad_output=grad.to(dtype)))
+            resend = dict(run.aux, hidden=run.inputs[forward_id].to(wire))
+            out = self._call(hop, request, dict(resend, grad_output=grad.to(wire)))
         return (out["grad_input"].to(grad.dtype) if input_grad else None), [out]
 
 
 class _RemoteFn(torch.autograd.Function):
     # ``ctx: Any``: torch's autograd context takes arbitrary attributes and declares none
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None, blocks: RemoteBlocks, train: TrainTag | None,
+    def forward(ctx: Any, hidden: torch.Tensor, chain: RemoteChain, run: ChainRun,
                 *adapter_params: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        out, traces = blocks.forward(hidden, attention_mask, position_ids, keep=True, train=train)
-        ctx.blocks, ctx.traces, ctx.aux, ctx.train = blocks, traces, (attention_mask, position_ids), train
-        ctx.num_params = len(adapter_params)
+        out = chain.forward(run, hidden)
+        ctx.chain, ctx.run, ctx.num_params = chain, run, len(adapter_params)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        blocks: RemoteBlocks = ctx.blocks
-        mask, positions = ctx.aux
-        grad, replies = blocks.backward(ctx.traces, grad_output.contiguous(), mask, positions,
-                                        input_grad=ctx.needs_input_grad[0], train=ctx.train)  # fmt: skip
-        delivery = blocks.delivery
+        chain: RemoteChain = ctx.chain
+        grad, replies = chain.backward(ctx.run, grad_output.contiguous(), input_grad=ctx.needs_input_grad[0])
+        delivery = chain.delivery
         params = delivery.adapters.gradients(replies) if ctx.num_params and delivery is not None else []
-        return (grad, None, None, None, None, *params)
+        return (grad, None, None, *params)
+
+
+class _ForwardOnlyFn(torch.autograd.Function):
+    """A forward through servers whose runtime cannot run a backward (no backward-capable route existed): the
+    outputs are right, and a backward through them is a clear error rather than gradients that skip the blocks."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, chain: RemoteChain, run: ChainRun) -> torch.Tensor:
+        ctx.route = run.route()
+        return chain.forward(run, hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        runtimes = ", ".join(sorted({f"{h.peer_id[-8:]} ({h.runtime})" for h in ctx.route if h.runtime != "torch"}))
+        raise BadInputError(
+            "this forward ran on servers that cannot run a backward pass (" + (runtimes or "no backward capability")
+            + "): no server with the 'backward' capability held those blocks. Run under torch.no_grad(), or wait "
+            "for such servers"
+        )

@@ -14,7 +14,7 @@ import time
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.config import ClientConfig
 from swarm.dht import RecordStore
-from swarm.records import ServerRecord, View
+from swarm.records import Capability, ServerRecord, View
 from swarm.rpc.hop import Hop
 
 log = logging.getLogger(__name__)
@@ -93,11 +93,12 @@ class SwarmView:
             return per * tokens * len(hop.span)
         return self.hop_latency + (hop.step_seconds if mode == "inference" else hop.token_seconds) * tokens
 
-    def servers(self, min_cache_tokens: int = 0, exclude: frozenset[str] = frozenset()) -> list[ServerRecord]:
-        """The servers a route may use now."""
+    def servers(self, min_cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
+                needs: frozenset[Capability] = frozenset()) -> list[ServerRecord]:  # fmt: skip
+        """The servers a route may use now (``needs``: capabilities their runtime must have)."""
         view = self.snapshot()
         return eligible(view, fingerprint=self.current_fingerprint(view), banned=self.banned() | exclude,
-                        min_cache_tokens=min_cache_tokens)  # fmt: skip
+                        min_cache_tokens=min_cache_tokens, needs=needs)  # fmt: skip
 
     def route(
         self,
@@ -108,10 +109,12 @@ class SwarmView:
         min_cache_tokens: int = 0,
         exclude: frozenset[str] = frozenset(),
         stochastic: bool = False,
+        needs: frozenset[Capability] = frozenset(),
     ) -> list[Hop]:
-        """The cheapest route over live, unbanned servers now; ``stochastic`` scales each server's cost by an Exp(1)
-        draw (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``."""
-        records = self.servers(min_cache_tokens, exclude)
+        """The cheapest route over live, unbanned servers now whose runtime has every capability in ``needs``;
+        ``stochastic`` scales each server's cost by an Exp(1) draw (micro-batches wired to replicas in proportion to
+        their speed). Raises ``MissingBlocksError``."""
+        records = self.servers(min_cache_tokens, exclude, needs)
         noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
         return choose_route(records, start, end, mode=mode, measured=self.measured(mode),
                             default_latency=self.hop_latency, model_id=self.model_id, noise=noise)  # fmt: skip

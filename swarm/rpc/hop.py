@@ -18,6 +18,7 @@ class Hop:
     direct: str | None = None  # host:port of its plain-TCP data plane, if it offers one
     step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
     token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
+    runtime: str = "torch"  # the server's execution runtime (peers.blocks.runtime)
 
     @classmethod
     def of(
@@ -39,6 +40,7 @@ class Hop:
             r.direct_address,
             step_seconds,
             token_seconds,
+            r.runtime,
         )
 
     @property

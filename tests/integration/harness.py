@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from swarm.config import Timing
+from swarm.dht import _own_children
 from swarm.errors import SwarmError
 from swarm.local_swarm import LocalSwarm
 from swarm.protocol import RPC_FORWARD, Reply, parse_reply
@@ -50,14 +51,14 @@ def raw_call(client: Any, hop: Hop, meta: dict[str, Any], tensors: dict[str, tor
     return message[1]
 
 
-def check_forward(client: Any, ref: Any, vocab: int, seq: int = 37) -> None:
+def check_forward(client: Any, ref: Any, vocab: int, seq: int = 37, tol: float = 1e-4) -> None:
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (2, seq))
     with torch.no_grad():
         ours = client(ids).logits
         theirs = ref(ids).logits
     assert ours.shape == theirs.shape
-    assert (ours - theirs).abs().max().item() < 1e-4
+    assert (ours - theirs).abs().max().item() < tol
 
 
 def check_greedy(client: Any, ref: Any, vocab: int, new_tokens: int = 32) -> None:
@@ -69,7 +70,7 @@ def check_greedy(client: Any, ref: Any, vocab: int, new_tokens: int = 32) -> Non
     assert torch.equal(ours, theirs)
 
 
-def check_session_steps(client: Any, ref: Any, vocab: int) -> None:
+def check_session_steps(client: Any, ref: Any, vocab: int, tol: float = 1e-4) -> None:
     """A prefill then 8 single-token steps in one session, logits equal to a local run with a KV cache."""
     from transformers import DynamicCache
 
@@ -83,11 +84,14 @@ def check_session_steps(client: Any, ref: Any, vocab: int) -> None:
             ref_logits.append(ref(steps[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1])
         with client.inference_session(max_length=32) as session:
             ours = [client(prompt).logits[:, -1]]
+            compiled = client.runner.plans.compiled
             for i in range(8):
                 ours.append(client(steps[:, i : i + 1]).logits[:, -1])
             assert session.position == 19
+            assert client.runner.plans.compiled == compiled  # one plan per route, not per step
+            assert session.plan is not None and session.plan.task == "generate"
     for a, b in zip(ours, ref_logits, strict=True):
-        assert (a - b).abs().max().item() < 1e-4
+        assert (a - b).abs().max().item() < tol
 
 
 def check_backward(client: Any, ref: Any, vocab: int) -> None:
@@ -102,6 +106,55 @@ def check_backward(client: Any, ref: Any, vocab: int) -> None:
     assert ours_in.grad is not None
     assert (ours_in.grad - theirs_in.grad).abs().max().item() < 1e-5
     assert ours_in.grad.abs().sum() > 0
+
+
+def check_score(client: Any, ref: Any, vocab: int) -> None:
+    """Per-token log-probabilities of a padded batch, through the swarm's score plan, equal a local run's."""
+    torch.manual_seed(5)
+    ids = torch.randint(0, vocab, (2, 17))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        ours = client.score(ids, attention_mask=mask)
+        logits = ref(ids, attention_mask=mask).logits
+    theirs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
+    assert ours.shape == (2, 16) and ours.dtype == torch.float32
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert client.runner.last[0].task == "score"
+
+
+def check_hidden_states(client: Any, ref: Any, vocab: int, blocks: list[int] | None = None) -> None:
+    """The output of each block but the last (whose Hugging Face counterpart is normed), through plans that route
+    only the blocks up to it, equals a local run's ``hidden_states``."""
+    torch.manual_seed(6)
+    ids = torch.randint(0, vocab, (2, 9))
+    with torch.no_grad():
+        theirs = ref(ids, output_hidden_states=True).hidden_states
+        for block in range(ref.config.num_hidden_layers - 1) if blocks is None else blocks:
+            ours = client.hidden_states(ids, block)
+            assert ours.shape == theirs[block + 1].shape
+            assert (ours - theirs[block + 1]).abs().max().item() < 1e-4
+            plan = client.runner.last[0]
+            assert plan.task == "hidden" and max(n.end for n in plan.remote()) == block + 1
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process ``pid`` started, and theirs (a server's DHT child, its p2pd), as they are now."""
+    out, frontier = [], [pid]
+    while frontier:
+        kids = _own_children(frontier.pop())
+        out += kids
+        frontier += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:

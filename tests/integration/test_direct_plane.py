@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ssl
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -68,6 +69,10 @@ async def _recording_proxy(target: str, captured: bytearray) -> tuple[asyncio.Se
     return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+async def _on_loop(fn: Callable[[], object]) -> None:
+    fn()
+
+
 def test_direct_calls_are_encrypted(two_servers):
     client, hops = two_servers
     loop = client.connection.loop
@@ -84,9 +89,9 @@ def test_direct_calls_are_encrypted(two_servers):
         assert captured[:1] == b"\x16"  # a TLS handshake record, not our framing
         plain = hidden.numpy().tobytes()
         assert len(captured) > len(plain) and plain[:64] not in captured and plain[-64:] not in captured
-        remote.close()
+        loop.run(_on_loop(remote.close))
     finally:
-        proxy.close()
+        loop.run(_on_loop(proxy.close))  # asyncio objects are closed on their loop's thread, never from another
 
 
 def test_an_address_answering_as_another_peer_is_refused(two_servers):

@@ -45,6 +45,10 @@ def test_kill_mid_generation_keeps_every_token(folder, ref):
         assert torch.equal(out, expected)
         assert killer.killed and client.failovers >= 1
         assert killer.killed[0] not in {h.peer_id for h in client.route}
+        # failover was plan repair: the killed server's node was rebound, and the plan names no dead server
+        plan = client.last_plan
+        assert plan is not None and any(".r" in n.id for n in plan.remote())
+        assert killer.killed[0] not in {n.peer for n in plan.remote()}
 
 
 def test_several_kills_during_one_generation(folder, ref):
@@ -147,7 +151,12 @@ def test_frozen_server_is_routed_around(folder, ref):
             frozen_at = freezer.events[0]
             stall = next(t for t in freezer.times if t > frozen_at) - frozen_at
             assert freezer.killed[0] not in {h.peer_id for h in client.route}
-            assert stall < client.connection.timing.step_timeout + 3
+            # moved on by the step timeout (2 s here), not the request timeout (20 s): the bound tells the two apart
+            # with room for a loaded machine (a replacement that takes seconds to open makes an idle neighbour
+            # expire, which is itself handled); how fast a freeze is survived is bench_failover's to measure
+            timing = client.connection.timing
+            assert timing.step_timeout + 10 < timing.request_timeout
+            assert stall < timing.step_timeout + 10
         finally:
             for peer_id in freezer.killed:
                 swarm.peer_by_id(peer_id).proc.send_signal(signal.SIGCONT)

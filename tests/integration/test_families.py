@@ -9,6 +9,8 @@ from tests.integration.harness import (
     check_backward,
     check_forward,
     check_greedy,
+    check_hidden_states,
+    check_score,
     check_session_steps,
     connect,
     running_swarm,
@@ -48,3 +50,10 @@ def test_session_prefill_and_steps_match_local(family_swarm):
 def test_backward_matches_local(family_swarm):
     client, ref, _ = family_swarm
     check_backward(client, ref, ref.config.vocab_size)
+
+
+def test_scoring_and_hidden_states_match_local(family_swarm):
+    """Two procedures that exist only as plans (no RPC of their own): scoring texts and extracting hidden states."""
+    client, ref, _ = family_swarm
+    check_score(client, ref, ref.config.vocab_size)
+    check_hidden_states(client, ref, ref.config.vocab_size)

@@ -17,38 +17,21 @@ import torch
 from swarm.dht import _own_children
 from swarm.local_swarm import LocalSwarm
 from tests.conftest import local_reference
-from tests.integration.harness import TEST_SERVER_ARGS, check_forward, connect, running_swarm
-
-
-def _descendants(pid: int) -> list[int]:
-    out, frontier = [], [pid]
-    while frontier:
-        kids = _own_children(frontier.pop())
-        out += kids
-        frontier += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.integration.harness import TEST_SERVER_ARGS, alive, check_forward, connect, descendants, running_swarm
 
 
 def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 @pytest.mark.slow
 def test_sigkill_of_a_server_leaves_nothing_behind(tiny_models):
     with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
         victim = swarm.peers[1]
-        family = _descendants(victim.pid)
+        family = descendants(victim.pid)
         assert len(family) >= 2  # the DHT child and its p2pd
         swarm.kill(victim, signal.SIGKILL)
         assert _wait_gone(family) == []
@@ -65,7 +48,7 @@ def test_sigterm_leaves_cleanly_and_identity_is_stable(tiny_models, tmp_path):
     )
     with swarm:
         first = swarm.peers[0].maddr
-        family = _descendants(swarm.peers[0].pid)
+        family = descendants(swarm.peers[0].pid)
         swarm.peers[0].proc.send_signal(signal.SIGTERM)
         assert swarm.peers[0].proc.wait(30) == 0
         assert _wait_gone(family) == []
@@ -96,7 +79,7 @@ def test_killed_client_script_leaves_nothing_behind(tiny_models):
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout.readline().strip() == "ready"
-            family = _descendants(proc.pid)
+            family = descendants(proc.pid)
             assert len(family) >= 2
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)

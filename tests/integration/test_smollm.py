@@ -16,6 +16,8 @@ from tests.integration.harness import (
     check_backward,
     check_forward,
     check_greedy,
+    check_hidden_states,
+    check_score,
     check_session_steps,
     connect,
     running_swarm,
@@ -74,6 +76,12 @@ def test_client_never_reads_block_tensors(smollm):
 def test_greedy_generation_matches_local(smollm):
     client, ref, _ = smollm
     check_greedy(client, ref, ref.config.vocab_size)
+
+
+def test_scoring_and_hidden_states_match_local(smollm):
+    client, ref, _ = smollm
+    check_score(client, ref, ref.config.vocab_size)
+    check_hidden_states(client, ref, ref.config.vocab_size, blocks=[0, 13, 28])
 
 
 def test_session_prefill_and_steps_match_local(smollm):

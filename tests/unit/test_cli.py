@@ -35,6 +35,7 @@ def test_every_flag_reaches_its_field():
     assert cfg.compute.cache_tokens == 64 and cfg.placement.standby_fraction == 0.25
     assert cfg.timing == Timing.for_tests()
     assert parse("--throughput", "auto").compute.throughput is None
+    assert parse("--runtime", "onnx").compute.runtime == "onnx" and parse().compute.runtime == "torch"
 
 
 def test_help_shows_the_fields_defaults():
@@ -47,6 +48,7 @@ def test_help_shows_the_fields_defaults():
 def test_bad_values_and_combinations_are_clear_errors(capsys):
     for argv, message in ((("--direct-port", "sometimes"), "--direct-port takes a port number or 'off'"),
                           (("--blocks", "3"), "a span looks like START:END"),
+                          (("--runtime", "tensorrt"), "--runtime takes 'torch' or 'onnx'"),
                           (("--cache-tokens", "many"), "invalid literal for int()")):  # fmt: skip
         with pytest.raises(SystemExit) as info:
             parse(*argv)

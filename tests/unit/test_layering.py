@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py"}
+ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py",
+                "swarm/plan/__main__.py"}  # fmt: skip
 PUBLIC_API = "swarm/__init__.py"  # re-exports the client lazily
 
 

@@ -25,6 +25,7 @@ from swarm.config import Timing
 from swarm.errors import AdapterMissingError, BadInputError, BusyError
 from swarm.ids import Span
 from swarm.protocol import AdapterRef, OpenSession
+from swarm.records import ALL_CAPABILITIES
 
 ATTACKERS = [f"attacker-{i}" for i in range(50)]
 
@@ -73,7 +74,7 @@ def _fake_compute() -> SimpleNamespace:
     return SimpleNamespace(
         sub=lambda start, end: Span(start, end),
         bind_adapter=lambda caller, ref, tensors, sub: (None, None),
-        backend=SimpleNamespace(new_cache=lambda: None),
+        backend=SimpleNamespace(new_cache=lambda: None, name="torch", capabilities=ALL_CAPABILITIES),
         stats={"sessions": 0},
     )
 

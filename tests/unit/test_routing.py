@@ -1,4 +1,5 @@
-"""Routing over a swarm view: coverage, overlaps, mid-span entry, speed, bans, fingerprints, missing blocks."""
+"""Routing over a swarm view: coverage, overlaps, mid-span entry, speed, bans, fingerprints, missing blocks, and
+the capabilities a route needs of a server's runtime."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from swarm.client.routing import choose_route, eligible, pick_fingerprint
 from swarm.errors import MissingBlocksError
-from swarm.records import PeerState
+from swarm.records import ALL_CAPABILITIES, Capability, PeerState, parse_record
 from tests.unit.test_basics import record
 
 
@@ -105,3 +106,50 @@ def test_a_moved_peer_is_known_by_its_current_record():
     new = record(peer_id="m", start=4, end=8)
     assert servers(view_of(old, new))["m"].span == new.span
     assert servers(view_of(record(peer_id="gone", state=PeerState.LEAVING)))["gone"].state == PeerState.LEAVING
+
+
+ONNX_CAPS = frozenset({Capability.INFERENCE, Capability.FORWARD})
+
+
+def test_routes_that_need_a_capability_skip_servers_without_it():
+    torch_a = record(peer_id="torch-a", start=0, end=4)
+    onnx_b = record(peer_id="onnx-b", start=4, end=8, runtime="onnx", capabilities=ONNX_CAPS, inference_sps=1e6)
+    torch_b = record(peer_id="torch-b", start=4, end=8, inference_sps=1.0)
+    view = view_of(torch_a, onnx_b, torch_b)
+    assert {r.peer_id for r in eligible(view, fingerprint="fp")} == {"torch-a", "onnx-b", "torch-b"}
+    for needs in ({Capability.BACKWARD}, {Capability.ADAPTERS}, {Capability.FORWARD, Capability.BACKWARD}):
+        names = {r.peer_id for r in eligible(view, fingerprint="fp", needs=frozenset(needs))}
+        assert names == {"torch-a", "torch-b"}, needs
+    assert {r.peer_id for r in eligible(view, fingerprint="fp", needs=frozenset({Capability.FORWARD}))} == {
+        "torch-a", "onnx-b", "torch-b",
+    }  # fmt: skip
+    # a record without the fields (a peer from before runtimes were announced) is read as the torch runtime
+    legacy = {k: v for k, v in torch_a.to_wire().items() if k not in ("runtime", "capabilities")}
+    parsed = parse_record(legacy)
+    assert parsed is not None and parsed.runtime == "torch" and parsed.capabilities == ALL_CAPABILITIES
+
+
+class _Store:
+    """The one call SwarmView makes of its record store, over a fixed view."""
+
+    def __init__(self, view):
+        self._view = view
+
+    def view(self, model_id, num_blocks):
+        return self._view
+
+
+def test_swarm_view_routes_by_needed_capabilities():
+    from swarm.client.swarm_view import SwarmView
+    from swarm.config import ClientConfig
+
+    onnx_fast = record(peer_id="onnx", start=0, end=8, runtime="onnx", capabilities=ONNX_CAPS, inference_sps=1e6,
+                       forward_tps=1e6)  # fmt: skip
+    torch_slow = record(peer_id="torch", start=0, end=8, inference_sps=1.0, forward_tps=1.0)
+    sv = SwarmView(_Store(view_of(onnx_fast, torch_slow)), "m", 8, ClientConfig())
+    assert spans(sv.route(0, 8)) == [("onnx", 0, 8)]  # the faster one, when nothing special is needed
+    assert spans(sv.route(0, 8, mode="forward", needs=frozenset({Capability.BACKWARD}))) == [("torch", 0, 8)]
+    assert {r.peer_id for r in sv.servers(needs=frozenset({Capability.ADAPTERS}))} == {"torch"}
+    lone = SwarmView(_Store(view_of(onnx_fast)), "m", 8, ClientConfig())
+    with pytest.raises(MissingBlocksError):  # only a server without the capability holds these blocks
+        lone.route(0, 8, needs=frozenset({Capability.ADAPTERS}))

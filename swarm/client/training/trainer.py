@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from swarm.averaging import OwnedAverager
+from swarm.client.executor import Handler
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.config import DirectPolicy, Timing
 from swarm.dht import RecordStore, dht_time
@@ -97,6 +98,7 @@ class Trainer:
             timing=self.timing, cache_dir=run.cache_dir, direct=direct, wiring_seed=wiring_seed, identity=identity,
             swarm_key=swarm_key,
         )  # fmt: skip
+        self.model.pretraining(run.target_batch_size, run.average_every)  # its plans carry the step's update
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, run)
         self.step = 0  # global steps done
@@ -197,6 +199,23 @@ class Trainer:
         return statistics.fmean(losses) if losses else float("nan")
 
     def _apply_step(self, to_step: int) -> None:
+        """The update phase of the pre-training plan: the optimizer step, then the averaging round when due."""
+        handlers: dict[str, Handler] = {"optimizer_step": lambda node: self._optimizer_step(to_step),
+                                        "average": lambda node: self._average_due()}  # fmt: skip
+        last = self.model.runner.last
+        if last is not None and last[0].task == "pretrain":
+            self.model.run_update(handlers)
+        else:  # no micro-batch of this step ran here (others completed it): the same update, in the same order
+            handlers["optimizer_step"](None)  # type: ignore[arg-type]  # the handlers ignore their node
+            handlers["average"](None)  # type: ignore[arg-type]
+        if self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _average_due(self) -> None:
+        if self.run.average_every and self.step % self.run.average_every == 0:
+            self._average()
+
+    def _optimizer_step(self, to_step: int) -> None:
         if self.samples:
             with torch.no_grad():
                 for p in self.params:
@@ -212,10 +231,6 @@ class Trainer:
         # reach their averaging rounds together. A peer that misses it takes the step at its next request, or from
         # the progress in the DHT.
         self.model.notify_step(self.step)
-        if self.run.average_every and self.step % self.run.average_every == 0:
-            self._average()
-        if self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0:
-            self.save_checkpoint()
 
     def _average(self) -> None:
         """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several."""

@@ -1,0 +1,75 @@
+"""What the server's RPC code needs of the thing that runs a span: the execution-plane interface.
+
+Two runtimes implement it: ``peers.blocks.backend.SpanBackend`` (PyTorch: inference, forward, backward, adapters) and
+``peers.blocks.onnx_runtime.OnnxSpan`` (ONNX Runtime on CPU, Llama-family blocks: inference and forward). A peer
+announces its runtime and capabilities in its ``ServerRecord``, so routes that need a capability skip servers
+without it; a request that needs one anyway (sent by a buggy or hostile client) gets ``BadInputError`` from
+``require`` before any compute."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from transformers import PretrainedConfig
+
+from peers.adapters import Adapter
+from swarm.errors import BadInputError
+from swarm.ids import Span
+from swarm.records import Capability
+
+RUNTIMES = ("torch", "onnx")
+
+
+class SpanRuntime(Protocol):
+    """A span of decoder blocks, ready to run requests (one object per loaded span).
+
+    ``run`` takes and returns torch tensors whatever runs inside, so the RPC code, the wire format and the checks
+    are the same for every runtime. A KV cache is whatever ``new_cache`` returns: opaque to the caller, handed back
+    to ``run`` of the same runtime with ``past``, the tokens it already holds (the server's session counts them)."""
+
+    name: str  # "torch" or "onnx": announced in the peer's record
+    capabilities: frozenset[Capability]
+    config: PretrainedConfig
+    span: Span
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def linears(self) -> Mapping[str, tuple[int, int]]:
+        """LoRA's possible targets in one block: module path -> (in, out) features (empty without adapters)."""
+        ...
+
+    def new_cache(self) -> object:
+        """An empty KV cache for one inference session."""
+        ...
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        sub: Span,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        past: int = 0,
+        adapter: Adapter | None = None,
+    ) -> torch.Tensor:
+        """Blocks ``sub`` (inside ``span``) over ``hidden`` [batch, n, hidden]: ``attention_mask`` [batch, past + n]
+        of 0/1, ``position_ids`` [batch, n] (default: ``past`` onwards), ``cache`` updated in place when given."""
+        ...
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Torch tensors that hold the span's weights (not counted as memory a kept autograd graph adds)."""
+        ...
+
+
+def require(runtime: SpanRuntime, capability: Capability, what: str) -> None:
+    """Refuse a request whose ``what`` needs a capability this peer's runtime lacks (the peer stays up)."""
+    if capability not in runtime.capabilities:
+        has = ", ".join(sorted(runtime.capabilities))
+        raise BadInputError(
+            f"{what} needs the {capability.value!r} capability, which this server's {runtime.name} runtime lacks "
+            f"(it has: {has}); route this request to a server whose record lists {capability.value!r}"
+        )
