@@ -129,11 +129,12 @@ class PlanRunner:
         """Logits (and loss, given ``labels``); ``keep``: graphs kept for a backward (a training step: ``task``
         finetune or pretrain adds its update phase)."""
         needs = self.needs(keep)
+        found: list[Hop] = []
         if keep and ctx.train is None and self.chain.delivery is None:
             # a plain forward under grad mode (a user who did not say no_grad, or one who will backpropagate): where
             # only servers without a backward hold some blocks, run it there, and let a backward fail clearly
-            keep, needs = self._backward_or_not(needs)
-        route = self.route(self.shape.num_blocks, needs, stochastic=ctx.train is not None)
+            keep, needs, found = self._backward_or_not(needs)
+        route = found or self.route(self.shape.num_blocks, needs, stochastic=ctx.train is not None)
         labels, embeds = "labels" in inputs, "inputs_embeds" in inputs
         key = (task, tuple(route), prompts, labels, keep, embeds, target_batch, average_every, params)
 
@@ -147,18 +148,17 @@ class PlanRunner:
         plan, sched = self.plans.get(key, build)
         return self._run(plan, sched, route, inputs, ctx, needs)
 
-    def _backward_or_not(self, needs: frozenset[Capability]) -> tuple[bool, frozenset[Capability]]:
+    def _backward_or_not(self, needs: frozenset[Capability]) -> tuple[bool, frozenset[Capability], list[Hop]]:
+        """Keep graphs or not, what the route needs then, and the route found (empty: route as any call does)."""
         view, end = self.conn.view, self.shape.num_blocks
         try:
-            view.route(0, end, mode="forward", needs=needs)
-            return True, needs
+            return True, needs, view.route(0, end, mode="forward", needs=needs)
         except MissingBlocksError:
             forward_only = self.needs(False)
             try:
-                view.route(0, end, mode="forward", needs=forward_only)
+                return False, forward_only, view.route(0, end, mode="forward", needs=forward_only)
             except MissingBlocksError:
-                return True, needs  # blocks are missing either way: wait for them as any call does
-            return False, forward_only
+                return True, needs, []  # blocks are missing either way: wait for them as any call does
 
     def score(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         needs = self.needs(False)
