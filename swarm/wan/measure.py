@@ -81,10 +81,10 @@ def measure_rtt(wan: Wan, a: str, b: str, count: int = 40, warmup: int = 5) -> f
 def throughput(wan: Wan, a: str, b: str, nbytes: int, warmup_bytes: int | None = None) -> dict[str, Any]:
     """Send ``nbytes`` over one TCP connection from ``a`` to a sink in ``b``; the sink's report (``steady_mbit``:
     after ``warmup_bytes``, by default a quarter, so slow start is left out; ``mbit``: the whole connection)."""
-    warmup = nbytes // 4 if warmup_bytes is None else warmup_bytes
+    warmup = min(nbytes // 4 if warmup_bytes is None else warmup_bytes, nbytes - 1)
     server, port = _server(wan, b, "sink", wan.address(b), str(warmup))
     try:
-        _client(wan, a, "send", wan.address(b), str(port), str(nbytes))
+        _client(wan, a, "send", wan.address(b), str(port), str(nbytes), str(warmup))
     except BaseException:
         server.kill()
         server.wait()

@@ -54,41 +54,58 @@ def ping(host: str, port: int, count: int, size: int) -> None:
 
 
 def sink(host: str, warmup: int) -> None:
-    """Read one connection to its end; report the rate over everything after the first ``warmup`` bytes (the
-    steady state, past slow start) and over the whole connection."""
+    """Read one connection to its end, in two phases. The first ``warmup`` bytes open the congestion window (slow
+    start); once they are all in, the sink says "go" and times the rest from its first packet to the end.
+
+    Timing from a byte count reached mid-stream would be wrong by up to a window: segments that arrived behind a
+    lost one wait in the receiver's out-of-order queue and are handed over only with the retransmission, so they
+    would count as received after the mark though they crossed the link before it. After "go" the path is empty.
+    """
     with _listen(host) as server:
         conn, _ = server.accept()
         accepted = time.perf_counter()
-        received, steady_from, steady_bytes = 0, None, 0
+        buf = bytearray(CHUNK)
+        received = 0
         with conn:
-            buf = bytearray(CHUNK)
+            while received < warmup and (n := conn.recv_into(buf, min(CHUNK, warmup - received))):
+                received += n
+            conn.sendall(b"g")
+            first = conn.recv_into(buf)
+            steady_from, steady_bytes = time.perf_counter(), 0
+            received += first
             while n := conn.recv_into(buf):
                 received += n
-                if steady_from is None and received >= warmup:
-                    steady_from, steady_bytes = time.perf_counter(), received
+                steady_bytes += n
         end = time.perf_counter()
-    steady_s = end - steady_from if steady_from is not None else 0.0
+    steady_s = end - steady_from
     result = {
         "bytes": received,
         "seconds": end - accepted,
-        "mbit": received * 8 / 1e6 / (end - accepted) if end > accepted else 0.0,
-        "steady_bytes": received - steady_bytes,
+        "mbit": received * 8 / 1e6 / (end - accepted),
+        "steady_bytes": steady_bytes,
         "steady_seconds": steady_s,
-        "steady_mbit": (received - steady_bytes) * 8 / 1e6 / steady_s if steady_s > 0 else 0.0,
+        "steady_mbit": steady_bytes * 8 / 1e6 / steady_s if steady_bytes else 0.0,
     }
     print(json.dumps(result), flush=True)
 
 
-def send(host: str, port: int, nbytes: int) -> None:
-    """Send ``nbytes`` and close; the sink does the timing, since it sees when bytes actually arrive."""
+def send(host: str, port: int, nbytes: int, warmup: int) -> None:
+    """Send ``warmup`` bytes, wait for the sink's "go", send the rest and close; the sink does the timing, since
+    it sees when bytes actually arrive."""
     block = memoryview(b"\0" * CHUNK)
     t0 = time.perf_counter()
     with socket.create_connection((host, port), timeout=60) as conn:
-        left = nbytes
-        while left > 0:
-            n = min(left, CHUNK)
-            conn.sendall(block[:n])
-            left -= n
+
+        def push(count: int) -> None:
+            while count > 0:
+                n = min(count, CHUNK)
+                conn.sendall(block[:n])
+                count -= n
+
+        push(warmup)
+        if conn.recv(1) != b"g":
+            raise ConnectionError("the sink closed before saying go")
+        push(nbytes - warmup)
         conn.shutdown(socket.SHUT_WR)
         conn.recv(1)  # wait for the sink to close, so every byte was received
     print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
@@ -103,9 +120,10 @@ def main(argv: list[str]) -> int:
     elif mode == "sink":
         sink(args[0], int(args[1]))
     elif mode == "send":
-        send(args[0], int(args[1]), int(args[2]))
+        send(args[0], int(args[1]), int(args[2]), int(args[3]))
     else:
-        print(f"unknown mode {mode!r}: echo HOST | ping HOST PORT COUNT SIZE | sink HOST WARMUP | send HOST PORT N")
+        usage = "echo HOST | ping HOST PORT COUNT SIZE | sink HOST WARMUP | send HOST PORT N WARMUP"
+        print(f"unknown mode {mode!r}: {usage}")
         return 2
     return 0
 
