@@ -73,19 +73,19 @@ class Wan:
     # -- life cycle ------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._started:
-            raise WanError("this Wan was already started; make a new one")
+        if self._started or self._closed:
+            raise WanError("this Wan was already started or closed; make a new one")
         reason = netns.unavailable_reason()
         if reason is not None:
             raise WanError(reason)
+        cfg = self.config
+        clash = netns.namespaces() & set(self._state.namespaces)
+        if clash:  # someone else's: raised before this Wan owns anything, so close() will not touch them
+            raise WanError(f"namespaces already exist: {sorted(clash)} (prefix {cfg.prefix!r} in use?)")
         self._started = True
         fds: list[int] = []
         try:
             self._save_state()  # before anything exists, so a crash at any point leaves a usable record
-            cfg = self.config
-            clash = netns.namespaces() & set(self._state.namespaces)
-            if clash:
-                raise WanError(f"namespaces already exist: {sorted(clash)} (prefix {cfg.prefix!r} in use?)")
             netns.ip(batch=[f"netns add {ns}" for ns in self._state.namespaces])
             for node in cfg.nodes:
                 fds.append(open_tun(cfg.device(node)))
@@ -98,6 +98,7 @@ class Wan:
                     batch=[
                         "link set lo up",  # p2pd and hivemind also bind 127.0.0.1 inside the node
                         f"addr add {cfg.address(node)}/{cfg.prefixlen()} dev {dev}",
+                        f"link set {dev} addrgenmode none",  # no IPv6 link-local, so no IPv6 chatter
                         f"link set {dev} mtu {MTU} txqueuelen {TXQUEUELEN} up",
                     ],
                 )
@@ -141,7 +142,8 @@ class Wan:
 
     def close(self) -> None:
         """Stop the router and every process started with ``popen``, delete every namespace. Idempotent."""
-        if self._closed:
+        if self._closed or not self._started:
+            self._closed = True
             return
         self._closed = True
         errors: list[str] = []

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from swarm.wan import Wan, WanConfig, measure_rtt, measure_throughput, unavailable_reason
+from swarm.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
 from swarm.wan.emulator import child_env
 from swarm.wan.netns import namespaces, start_time
 from swarm.wan.router import IDLE_WAKE_S
@@ -124,6 +124,15 @@ def test_close_removes_everything_and_is_idempotent():
     assert sleeper.poll() is not None
     assert _leftovers(cfg.prefix) == []
     wan.close()  # a second close does nothing
+
+
+def test_a_prefix_in_use_is_refused_and_left_alone(wan):
+    twin = Wan(WanConfig(nodes=("a", "b"), prefix=wan.config.prefix))
+    with pytest.raises(WanError, match="already exist"):
+        twin.start()
+    twin.close()
+    assert len(_leftovers(wan.config.prefix)) == 2  # the running WAN's namespaces are untouched
+    assert measure_rtt(wan, "a", "b", count=3, warmup=1) > 0
 
 
 def test_down_cleans_what_a_killed_up_left(tmp_path):
