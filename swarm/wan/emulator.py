@@ -209,6 +209,7 @@ class Wan:
         self._check_running()
         kwargs.setdefault("env", child_env())
         child = subprocess.Popen(self.argv(node, argv), **kwargs)
+        self._children = [c for c in self._children if c.poll() is None]  # a long benchmark starts many
         self._children.append(child)
         return child
 

@@ -125,3 +125,10 @@ def test_cli_options_become_a_config_and_router_spec():
     assert cfg.mbit_of("c") == 10 and cfg.prefix == "wancli" and cfg.loss == 0.001
     spec = RouterSpec([3, 4], ["10.77.0.1", "10.77.0.2"], [[0, 1], [1, 0]], [None, 5.0], [20, 20], 1.0, 0.01, 7)
     assert RouterSpec.from_json(spec.to_json()) == spec
+
+
+def test_unavailable_without_root(monkeypatch):
+    from swarm.wan import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "root" in (netns.unavailable_reason() or "")
