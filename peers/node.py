@@ -274,6 +274,7 @@ async def run_peer(
     tasks: list[asyncio.Task[None]] = []
     direct: DirectServer | None = None
     remote: Remote | None = None
+    servicer: Servicer | None = None
     peer: Peer | None = None
     try:
         p2p = await store.replicate_p2p()
@@ -284,7 +285,8 @@ async def run_peer(
                        for m in (net.announce_maddrs or store.visible_maddrs())]  # fmt: skip
         servicer = Servicer(compute, sessions, peer.info, max_bytes=cfg.compute.max_message_bytes, timing=cfg.timing,
                             added_latency_s=net.added_latency_ms / 1000, training=stage.training,
-                            admit=_admit(store), budget=wire.ByteBudget(cfg.compute.max_held_bytes))  # fmt: skip
+                            admit=_admit(store), budget=wire.ByteBudget(cfg.compute.max_held_bytes),
+                            remote=remote)  # fmt: skip
         await servicer.register(p2p)
         if net.direct_port is not None:
             limits_direct = DirectLimits(net.max_connections, net.max_caller_connections,
@@ -318,6 +320,8 @@ async def run_peer(
             await asyncio.gather(*tasks, return_exceptions=True)
         if direct is not None:
             await direct.close()
+        if servicer is not None and servicer.relay is not None:
+            servicer.relay.close()
         stage.close()
         compute.close()
         if remote is not None:

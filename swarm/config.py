@@ -173,6 +173,8 @@ class ClientConfig:
     slow_steps: int = 3  # consecutive slow inference steps before a hop is moved
     move_gain: float = 2.0  # ...and only if another route is expected to be at least this many times faster
     small_step_tokens: int = 8  # inference steps of at most this many tokens wait step_timeout, others longer
+    chain: bool = True  # inference steps pass from server to server (one trip per step), not through the client
+    prefill_chunk: int = 128  # a chained step of more tokens goes in pieces this long, pipelined through the servers
     pool_size: int = 4  # kept-open compute connections per server (micro-batches in flight)
     max_reply_bytes: int = 256 * 1024 * 1024  # a larger reply is refused: replies are hostile input too
     wiring_seed: int | None = None  # seed of the stochastic wiring of training micro-batches (None: random)

@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from swarm.errors import SwarmError, VersionMismatchError, error_from_code
 from swarm.identity import Signed
+from swarm.records import Record
 
-PROTOCOL_VERSION = 4  # 4: an authenticated, encrypted direct plane, membership tokens
+PROTOCOL_VERSION = 5  # 5: inference steps chained server to server (signed routes, pushes, output commitments)
+# 4: an authenticated, encrypted direct plane, membership tokens
 # 3: signed step notices, training tags that name their trainer, averaging-round states
 # (2: one typed model per request kind, typed replies, no placeholder spans or extras)
 
@@ -25,8 +27,10 @@ RPC_INFERENCE = "swarm.inference"  # bidirectional stream: one session, one step
 RPC_COMPUTE_LOOP = "swarm.compute_loop"  # direct TCP only: compute requests back to back on one connection
 RPC_INFO = "swarm.info"  # unary: the server's live stats
 RPC_BANDWIDTH = "swarm.bandwidth"  # streamed: swallows a payload and says how much arrived (link estimates)
+RPC_PUSH = "swarm.push"  # server to server, one way: inference steps passed along a client's signed route
 
 MAX_ID = 128  # longest id a peer may send (session, forward, client token)
+MAX_ROUTE = 256  # hops in one chained route
 
 
 class Message(BaseModel):
@@ -135,9 +139,62 @@ class OpenSession(Message):
 class InferenceStep(Message):
     """One step: tensors ``hidden`` [batch, n, hidden] and optional ``attention_mask`` [batch, position + n] and
     ``position_ids`` [batch, n]. ``position`` is how many tokens the client believes the server already holds;
-    a mismatch is an error, which keeps replayed histories honest."""
+    a mismatch is an error, which keeps replayed histories honest (one exception: the start of the server's last
+    step, which undoes and redoes that step: a chain repaired upstream sends it again).
+
+    ``hops``: how many further servers of the session's route the output is pushed through, server to server
+    (0: reply to the client only). ``tag``: echoed in every reply the step causes, so a client that retried a step
+    tells the replies of its attempts apart."""
 
     position: int = Field(ge=0)
+    hops: int = Field(default=0, ge=0, le=MAX_ROUTE)
+    tag: int = Field(default=0, ge=0)
+
+
+class ChainHop(Message):
+    """One server of a chained route: its peer id, the session id the client opened there, and where to reach it
+    (what a previous hop dials; the connection is refused unless the far end proves to be ``peer_id``)."""
+
+    peer_id: str = Field(max_length=MAX_ID)
+    session_id: str = Field(min_length=1, max_length=MAX_ID)
+    direct: str | None = Field(default=None, max_length=256)
+    maddrs: tuple[Annotated[str, Field(max_length=256)], ...] = Field(default=(), max_length=8)
+
+
+class ChainRoute(Record):
+    """A client's route for one inference session, which it signs (``swarm.identity.Signed``) and gives every hop:
+    the capability that lets hop i push into hop i+1's session. A newer ``generation`` replaces an older one."""
+
+    client: str = Field(max_length=MAX_ID)
+    generation: int = Field(ge=0)
+    hops: tuple[ChainHop, ...] = Field(min_length=1, max_length=MAX_ROUTE)
+
+    @property
+    def author(self) -> str:
+        return self.client
+
+
+class PushStep(Request):
+    """A step passed from the previous hop of a route (``swarm.push``): into the session ``session_id`` that
+    ``client`` opened on this server, under route ``generation``; tensors as an ``InferenceStep``'s."""
+
+    client: str = Field(max_length=MAX_ID)
+    session_id: str = Field(min_length=1, max_length=MAX_ID)
+    generation: int = Field(ge=0)
+    step: InferenceStep
+
+
+class StepReply(Message):
+    """What a server says of each step it ran (beside tensor ``hidden``, its output): the step's ``position`` and
+    ``tag``, sha-256 digests of its input and of its output as sent, and its Ed25519 signature over them with the
+    key it certified at the session's opening (``commit_key``/``commit_cert``: its identity key's signature)."""
+
+    ok: Literal[True] = True
+    position: int = Field(ge=0)
+    tag: int = Field(default=0, ge=0)
+    input_digest: str = Field(max_length=64)
+    digest: str = Field(max_length=64)
+    signature: str = Field(max_length=128)
 
 
 class InferenceRequest(Request):
@@ -146,6 +203,7 @@ class InferenceRequest(Request):
 
     open: OpenSession | None = None
     step: InferenceStep | None = None
+    route: Signed | None = None  # the client's signed ``ChainRoute`` (at the opening, and after every repair)
 
 
 class BandwidthProbe(Request):
@@ -188,6 +246,15 @@ class ErrorReply(Message):
 
 class Reply(Message):
     ok: Literal[True] = True
+
+
+class OpenReply(Reply):
+    """A session's opening (or route update): the key that signs this server's step commitments, certified by its
+    identity key (``commit_cert``: its signature over ``swarm.rpc.commit.cert_message``)."""
+
+    commit_key: str = Field(max_length=128)
+    public_key: str = Field(max_length=1024)
+    commit_cert: str = Field(max_length=1024)
 
 
 class StateReply(Reply):

@@ -23,6 +23,7 @@ from swarm.protocol import (
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
+    RPC_PUSH,
     DirectCall,
     DirectHello,
     check_version,
@@ -56,6 +57,7 @@ class DirectServer:
             RPC_INFERENCE: servicer.rpc_inference,
             RPC_BANDWIDTH: servicer.rpc_bandwidth,
             RPC_COMPUTE_LOOP: servicer.rpc_compute_loop,
+            RPC_PUSH: servicer.rpc_push,
         }
         self.creds, self.limits, self.admit = creds, limits, admit
         self.server: asyncio.Server | None = None

@@ -17,14 +17,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
+from peers.rpc.chain import Relay
 from peers.rpc.compute import ComputeService, Tensors
+from peers.rpc.inference import InferenceLoop
 from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
-from peers.rpc.sessions import Session, Sessions
+from peers.rpc.sessions import Sessions
 from swarm import wire
 from swarm.config import Timing
-from swarm.errors import BadInputError, NotMemberError, SessionExpiredError, StaleStepError, SwarmError
+from swarm.errors import BadInputError, NotMemberError, StaleStepError, SwarmError
 from swarm.protocol import (
     COMPUTE_REQUEST,
     RPC_BANDWIDTH,
@@ -32,12 +35,12 @@ from swarm.protocol import (
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
     RPC_INFO,
+    RPC_PUSH,
     BackwardRequest,
     BandwidthProbe,
     BandwidthReply,
     ErrorReply,
     ForwardRequest,
-    InferenceRequest,
     InfoReply,
     InfoRequest,
     Message,
@@ -48,6 +51,9 @@ from swarm.protocol import (
     StepNotice,
     check_version,
 )
+from swarm.rpc.commit import CommitSigner
+from swarm.rpc.remote import Remote
+from swarm.rpc.secure import Credentials
 
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
@@ -92,9 +98,11 @@ class Servicer:
         training: TrainingRpc | None = None,
         admit: Admit | None = None,
         budget: wire.ByteBudget | None = None,
+        remote: Remote | None = None,
     ) -> None:
         """``admit``: a private swarm's membership check (None: an open swarm); ``budget``: bytes of requests held,
-        all callers together."""
+        all callers together; ``remote``: this server's own calls, which chaining pushes steps through (None: it
+        answers steps but passes none on)."""
         self.compute = compute
         self.sessions = sessions
         self.info = info
@@ -104,6 +112,10 @@ class Servicer:
         self.training = training
         self.admit = admit
         self.budget = budget
+        self.relay = None if remote is None else Relay(remote, sessions, timing, max_bytes, self._check_member, budget)
+        signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
+        self.inference = InferenceLoop(sessions, self.relay, signer, timing, self._decoder, self._check_member,
+                                       self._delay, error_reply)  # fmt: skip
 
     def _decoder(self) -> wire.Decoder:
         return wire.Decoder(self.max_bytes, self.budget)
@@ -119,7 +131,7 @@ class Servicer:
         await p2p.add_protobuf_handler(RPC_FORWARD, self.rpc_forward, wire.Frame)
         await p2p.add_protobuf_handler(RPC_INFO, self.rpc_info, wire.Frame)
         for name, handler in ((RPC_FORWARD_STREAM, self.rpc_forward_stream), (RPC_INFERENCE, self.rpc_inference),
-                              (RPC_BANDWIDTH, self.rpc_bandwidth)):  # fmt: skip
+                              (RPC_BANDWIDTH, self.rpc_bandwidth), (RPC_PUSH, self.rpc_push)):  # fmt: skip
             await p2p.add_protobuf_handler(name, handler, wire.Frame, stream_input=True, stream_output=True)
 
     async def _delay(self) -> None:
@@ -219,59 +231,16 @@ class Servicer:
             decoder.release()
 
     async def rpc_inference(self, frames: Frames, context: CallerContext | None) -> Frames:
-        """One session per stream: the first message opens it (and may carry the first step), each further message
-        is one step; the session and its cache room end with the stream, at the first error, or after
-        ``Timing.session_idle`` without a message (the client then hears ``SessionExpiredError`` when it comes back:
-        the reply is waiting in the stream)."""
-        caller = caller_of(context)
-        decoder = self._decoder()
-        guarded = self._guard(frames, decoder, self.timing.session_idle)
-        session: Session | None = None
-        try:
-            while True:
-                message = await wire.read_message(guarded, decoder)
-                if message is None:
-                    return
-                meta, tensors = message
-                if session is None:
-                    self._check_member(caller, meta)
-                check_version(meta)
-                request = InferenceRequest.model_validate(meta)
-                if session is None:
-                    if request.open is None:
-                        raise BadInputError("the first message of an inference stream must open the session")
-                    session = await self.sessions.start(request.open, tensors, caller)
-                    log.info("session opened", extra={"session": session.id, "span": str(session.sub)})
-                elif request.open is not None:
-                    raise BadInputError("this stream's session is already open")
-                if request.step is None:
-                    decoder.release()
-                    for f in _reply(Reply()):
-                        yield f
-                    continue
-                self.compute.active += 1
-                try:
-                    await self._delay()
-                    out = await self.sessions.step(session, request.step.position, tensors)
-                finally:
-                    self.compute.active -= 1
-                decoder.release()
-                for f in _reply(Reply(), out):
-                    yield f
-        except Exception as e:
-            if isinstance(e, StreamIdle | StreamStalled):
-                if session is None:
-                    return  # nothing was opened: nothing to give back or explain
-                why = "idle for" if isinstance(e, StreamIdle) else "stalled mid-message for"
-                e = SessionExpiredError(f"session {why} {e.seconds:g} s; reopen the session")
-            if session is not None:  # free its room before anything else: the reply may wait on a slow reader
-                await self.sessions.end(session)
-            for f in error_reply(e, session=session.id if session else None):
-                yield f
-        finally:
-            decoder.release()
-            if session is not None:
-                await self.sessions.end(session)
+        """One inference session per stream (``peers.rpc.inference``)."""
+        async for f in self.inference.serve(frames, context):
+            yield f
+
+    async def rpc_push(self, frames: Frames, context: CallerContext | None) -> Frames:
+        """Steps a previous hop passes along a client's route (``peers.rpc.chain``)."""
+        if self.relay is None:
+            return
+        async for f in self.relay.rpc_push(frames, context):
+            yield f
 
     async def rpc_bandwidth(self, frames: Frames, context: CallerContext | None) -> Frames:
         """Receive one payload message and report its size: what a joining peer times to estimate its link."""

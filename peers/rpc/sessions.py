@@ -4,7 +4,8 @@ Sessions are capped per caller and in total; they are keyed by caller too, so no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +17,7 @@ from peers.rpc.compute import ComputeService, Tensors
 from peers.rpc.limits import Quota
 from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
-from swarm.protocol import OpenSession
+from swarm.protocol import ChainRoute, OpenSession
 from swarm.records import Capability
 
 
@@ -32,6 +33,16 @@ class Session:
     adapter: Adapter | None = None  # the client's adapter, bound for the session's life
     pin: Pin | None = None  # ...and held in the adapter cache (counted, not evictable) until the session ends
     caller: str = ""
+    last_start: int | None = None  # where the last step began: a step sent again from there redoes it
+    route: ChainRoute | None = None  # the client's signed route, once it gave one (``peers.rpc.chain``)
+    index: int = 0  # this session's place in it
+    # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
+    inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
+
+    @property
+    def previous(self) -> str | None:
+        """The peer id allowed to push into this session: the hop before it on the client's route."""
+        return self.route.hops[self.index - 1].peer_id if self.route is not None and self.index > 0 else None
 
 
 class Sessions:
@@ -44,6 +55,7 @@ class Sessions:
         # open sessions per caller and in total (default: unbounded, for a server built without a config)
         self.quota = quota or Quota("open sessions", 1 << 30, 1 << 30, ("--max-caller-sessions", "--max-sessions"))
         self.open: dict[tuple[str, str], Session] = {}  # by (caller, session id)
+        self.changed = asyncio.Condition()  # a session opened or took a new route (a push may be waiting for it)
         self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
 
     async def start(self, msg: OpenSession, tensors: Tensors, caller: str) -> Session:
@@ -70,7 +82,27 @@ class Sessions:
                           adapter=adapter, pin=pin, caller=caller)  # fmt: skip
         self.open[(caller, session.id)] = session
         self.compute.stats["sessions"] += 1
+        await self.notify()
         return session
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_for(self, caller: str, session_id: str, generation: int, timeout: float) -> Session:
+        """Session ``session_id`` of ``caller`` once it is open under route ``generation`` or newer: a step pushed
+        along a route can arrive before the client's own opening (or route update) of that hop."""
+
+        def ready() -> bool:
+            s = self.open.get((caller, session_id))
+            return s is not None and s.route is not None and s.route.generation >= generation
+
+        try:
+            async with asyncio.timeout(timeout), self.changed:
+                await self.changed.wait_for(ready)
+        except TimeoutError:
+            raise BadInputError(f"no session {session_id} of {caller} under route {generation} here") from None
+        return self.open[(caller, session_id)]
 
     async def end(self, session: Session) -> None:
         if self.open.pop((session.caller, session.id), None) is not None:
@@ -87,7 +119,7 @@ class Sessions:
         batch, n = hidden.shape[:2]
         if batch != session.batch:
             raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
-        if position != session.position:
+        if position != session.position and position != session.last_start:
             raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
         held = self.compute.held
         if held is None or session.sub not in held:
@@ -97,8 +129,12 @@ class Sessions:
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
             )
         mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
+        if position < session.position:  # redo the last step (sent again after a repair upstream): forget it first
+            _rewind(session.cache, position)
+            session.position = position
         out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens,
                                      caller=session.caller)  # fmt: skip
+        session.last_start = position
         session.position += n
         self.compute.stats["inference_steps"] += 1
         return {"hidden": out}
@@ -110,3 +146,11 @@ class Sessions:
         with torch.inference_mode():
             return backend.run(hidden, session.sub, attention_mask=mask, position_ids=pos, cache=session.cache,
                                past=session.position, adapter=session.adapter)  # fmt: skip
+
+
+def _rewind(cache: object | None, tokens: int) -> None:
+    """Drop what ``cache`` holds past its first ``tokens`` positions. The torch runtime's cache appends, so it is
+    cropped; the ONNX runtime's is read up to the session's position whatever it holds beyond."""
+    crop = getattr(cache, "crop", None)
+    if crop is not None:
+        crop(tokens)

@@ -40,6 +40,7 @@ class SwarmConnection:
             )
             self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)
+            self.rtt: dict[str, float] = {}  # peer id -> measured round trip (s): what chained steps' deadlines add
         except BaseException:
             self.store.shutdown()
             raise

@@ -14,12 +14,12 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 
 from swarm.client import replies
 from swarm.client.adapters import AdapterDelivery
+from swarm.client.chain import Chain, HopState
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.history import TokenHistory
@@ -29,24 +29,9 @@ from swarm.plan.ir import Plan, SpanStep
 from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
 from swarm.records import Capability
 from swarm.rpc.hop import Hop
-from swarm.rpc.remote import InferenceStream, Tensors
+from swarm.rpc.remote import Tensors
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _HopState:
-    hop: Hop
-    stream: InferenceStream | None = None
-    broken: bool = False  # failed (or too slow): the next attempt replaces it
-    slow_steps: int = 0
-    send_adapter: bool = False  # open with the adapter's tensors even if the server should have them
-    inputs: list[torch.Tensor] = field(default_factory=list)  # hidden sent at each step (client dtype)
-    positions: list[torch.Tensor] = field(default_factory=list)
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
 
 
 class InferenceSession:
@@ -64,9 +49,11 @@ class InferenceSession:
         self.plan: Plan | None = None  # the generate plan of the current route (repaired as nodes fail)
         self._schedule: Schedule | None = None
         self._ids: list[str] = []  # its span_step nodes, in chain order
-        self._states: dict[str, _HopState] = {}
+        self._states: dict[str, HopState] = {}
         self._generation = 0
         self.closed = False
+        self._chain_steps = Chain(conn.remote, self.session_id, self._opening, conn.timing.open_timeout, conn.rtt,
+                                  self._observe)  # fmt: skip
 
     @property
     def route(self) -> list[Hop]:
@@ -87,7 +74,7 @@ class InferenceSession:
     def _bind(self, plan: Plan, schedule: Schedule | None, route: list[Hop]) -> None:
         self.plan, self._schedule = plan, schedule
         self._ids = [n.id for n in plan.order() if isinstance(n, SpanStep)]
-        self._states = {i: _HopState(hop) for i, hop in zip(self._ids, route, strict=True)}
+        self._states = {i: HopState(hop) for i, hop in zip(self._ids, route, strict=True)}
 
     def plan_for(self, prompts: int) -> tuple[Plan, Schedule]:
         """The plan of the next step (``prompts``: the first, which puts the trainable prompts in front): compiled
@@ -135,9 +122,22 @@ class InferenceSession:
         assert self.plan is not None
         self._generation += 1
         plan, ids = repair(self.plan, node_id, route, self._generation)
-        fresh = [_HopState(hop) for hop in route]
+        fresh = [HopState(hop) for hop in route]
         log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
                                            "session": self.session_id})  # fmt: skip
+        if self.conn.cfg.chain:  # the repair comes first: the route the fresh hops are given must name them
+            self.plan, self._schedule = plan, None
+            del self._states[node_id]
+            self._states.update(zip(ids, fresh, strict=True))
+            self._ids[index : index + 1] = ids
+            self._chain_steps.generation += 1
+            if old.inputs:  # the history, through the fresh hops only, in pipelined chunks like any long step
+                await self._chain_steps.prepare(fresh, self._all_states)
+                mask = None if self.history.mask is None else self.history.mask[:, : self.position]
+                positions = torch.cat(old.positions, dim=1)
+                await self._chain_steps.run(fresh, torch.cat(old.inputs, dim=1), mask, positions, positions, 0,
+                                            self._chunk, self._base_timeout, [], replay=True)  # fmt: skip
+            return
         if old.inputs:
             hidden = torch.cat(old.inputs, dim=1)
             positions = torch.cat(old.positions, dim=1)
@@ -156,23 +156,28 @@ class InferenceSession:
         self._ids[index : index + 1] = ids
 
     # ---- one hop --------------------------------------------------------------------------------------------------
-    def _message(self, state: _HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
-                 positions: torch.Tensor | None, position: int) -> tuple[InferenceRequest, Tensors]:  # fmt: skip
+    def _opening(self, state: HopState) -> tuple[OpenSession, Tensors]:
+        """Hop ``state``'s opening: the adapter is bound to the server's session at open, named by version, its
+        tensors sent only when that server lacks this version (or when a reference came back adapter_missing)."""
         hop = state.hop
+        tensors: Tensors = {}
+        ref = None
+        if self.delivery is not None:
+            send = state.send_adapter or self.delivery.needs_sending(hop)
+            ref, tensors = self.delivery.part(hop, send)
+            self.delivery.delivered(hop)  # optimistic: an adapter_missing reply sends the tensors next time
+        opening = OpenSession(session_id=state.session_id, start=hop.start, end=hop.end, max_length=self.max_length,
+                              batch_size=self.batch_size, adapter=ref)  # fmt: skip
+        return opening, dict(tensors)
+
+    def _message(self, state: HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
+                 positions: torch.Tensor | None, position: int) -> tuple[InferenceRequest, Tensors]:  # fmt: skip
         step = InferenceStep(position=position)
-        tensors: Tensors = {"hidden": hidden.to(getattr(torch, hop.dtype))}
+        tensors: Tensors = {"hidden": hidden.to(getattr(torch, state.hop.dtype))}
         request = InferenceRequest(step=step)
         if state.stream is None:
-            # the adapter is bound to the server's session at open: named by version, its tensors sent only when
-            # that server lacks this version (or when a reference came back adapter_missing: state.send_adapter)
-            ref = None
-            if self.delivery is not None:
-                send = state.send_adapter or self.delivery.needs_sending(hop)
-                ref, payload = self.delivery.part(hop, send)
-                tensors.update(payload)
-            opening = OpenSession(session_id=uuid.uuid4().hex,  # per hop: one server may hold two hops of a session
-                                  start=hop.start, end=hop.end, max_length=self.max_length,
-                                  batch_size=self.batch_size, adapter=ref)  # fmt: skip
+            opening, part = self._opening(state)
+            tensors.update(part)
             request = InferenceRequest(open=opening, step=step)
         if mask is not None:
             tensors["attention_mask"] = mask
@@ -181,11 +186,24 @@ class InferenceSession:
         return request, tensors
 
     def _timeout(self, hidden: torch.Tensor) -> float:
+        return self._base_timeout(hidden.shape[1])
+
+    def _base_timeout(self, tokens: int) -> float:
+        """A step's compute allowance: short for a few tokens (a frozen server is found fast), long otherwise."""
         timing = self.conn.timing
-        small = hidden.shape[0] * hidden.shape[1] <= self.conn.cfg.small_step_tokens
+        small = self.batch_size * tokens <= self.conn.cfg.small_step_tokens
         return timing.step_timeout if small else timing.request_timeout
 
-    async def _exchange(self, state: _HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
+    @property
+    def _chunk(self) -> int:
+        """Tokens per piece of a long step (deep prompts must arrive whole in the first step: no pieces then)."""
+        return self.conn.cfg.prefill_chunk if self.delivery is None else 0
+
+    @property
+    def _all_states(self) -> list[HopState]:
+        return [self._states[i] for i in self._ids]
+
+    async def _exchange(self, state: HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
                         positions: torch.Tensor | None, position: int) -> torch.Tensor:  # fmt: skip
         opening = state.stream is None
         request, tensors = self._message(state, hidden, mask, positions, position)
@@ -203,12 +221,10 @@ class InferenceSession:
             self.delivery.delivered(state.hop, False)
             state.stream, state.send_adapter = None, True
             return await self._exchange(state, hidden, mask, positions, position)
-        if opening and self.delivery is not None:
-            self.delivery.delivered(state.hop)
         await self._observe(state, time.perf_counter() - t0, hidden.shape[1])
         return out.to(hidden.dtype)
 
-    async def _observe(self, state: _HopState, elapsed: float, tokens: int) -> None:
+    async def _observe(self, state: HopState, elapsed: float, tokens: int) -> None:
         """Feed routing's latency estimates, and move a hop that stays far slower than its server announced when
         another route is expected to be at least twice as fast (no ban: a slow peer is still a working one)."""
         view, hop = self.conn.view, state.hop
@@ -236,6 +252,9 @@ class InferenceSession:
         h = done[-1] if done else hidden
         while len(done) < len(self._ids):
             index = len(done)
+            if self.conn.cfg.chain:
+                await self._chained(index, h, mask, positions, explicit, done)
+                return done[-1]
             if self._states[self._ids[index]].broken:
                 await self._replace(index)
             state = self._states[self._ids[index]]
@@ -250,6 +269,30 @@ class InferenceSession:
             done.append(out)
             h = out
         return h
+
+    async def _chained(self, index: int, h: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                       explicit: torch.Tensor, done: list[torch.Tensor]) -> None:  # fmt: skip
+        """The rest of the chain from node ``index`` in one trip: broken hops replaced first, every hop opened or
+        told the current route, the step sent to the first of them (``swarm.client.chain``)."""
+        i = index
+        while i < len(self._ids):
+            if self._states[self._ids[i]].broken:
+                await self._replace(i)  # may put several hops in its place: look at the same index again
+                continue
+            i += 1
+        rest = [self._states[n] for n in self._ids[index:]]
+        try:
+            await self._chain_steps.prepare(rest, self._all_states)
+            await self._chain_steps.run(rest, h, mask, positions, explicit, self.position, self._chunk,
+                                        self._base_timeout, done)  # fmt: skip
+        except AdapterMissingError as e:  # a server dropped its copy of the adapter: open it again, tensors included
+            state = next((s for s in rest if s.hop.peer_id == e.peer_id), None)
+            if state is None or state.send_adapter or self.delivery is None or self.position:
+                raise
+            self.delivery.delivered(state.hop, False)
+            state.stream, state.send_adapter, state.broken, state.generation = None, True, False, -1
+            state.acks.clear()
+            await self._chained(len(done), done[-1] if len(done) > index else h, mask, positions, explicit, done)
 
     # ---- a step through every hop ---------------------------------------------------------------------------------
     def step(

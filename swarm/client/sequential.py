@@ -300,7 +300,8 @@ class _ForwardOnlyFn(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         runtimes = ", ".join(sorted({f"{h.peer_id[-8:]} ({h.runtime})" for h in ctx.route if h.runtime != "torch"}))
         raise BadInputError(
-            "this forward ran on servers that cannot run a backward pass (" + (runtimes or "no backward capability")
+            "this forward ran on servers that cannot run a backward pass ("
+            + (runtimes or "no backward capability")
             + "): no server with the 'backward' capability held those blocks. Run under torch.no_grad(), or wait "
             "for such servers"
         )

@@ -41,6 +41,7 @@ from swarm.protocol import (
     StateReply,
     StateRequest,
     StepNotice,
+    StepReply,
     parse_reply,
 )
 from swarm.rpc.direct import DirectDialError, TcpChannel
@@ -118,9 +119,7 @@ class Remote:
         answer as that peer: remembered for ``fallback_s``)."""
         assert hop.direct is not None
         try:
-            return await TcpChannel.open(
-                hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout
-            )
+            return await TcpChannel.open(hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout)
         except DirectDialError as e:
             if self.direct == "always":
                 raise unavailable(hop.peer_id, "cannot be dialled directly", e) from None
@@ -316,27 +315,39 @@ class InferenceStream:
         self.remote, self.hop, self.channel = remote, hop, channel
         self.closed = False
 
-    async def exchange(
-        self, request: InferenceRequest, tensors: Tensors, timeout: float, max_bytes: int | None = None
-    ) -> Tensors:
-        """Send one step and wait for its reply (at most ``max_bytes``: what the step can honestly get back)."""
-        if max_bytes is not None:
-            self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
+    async def send(self, request: InferenceRequest, tensors: Tensors) -> None:
+        """Send one message of the session (its replies are read in order with ``receive``)."""
         try:
             frames = wire.encode(self.remote.meta(request), tensors)
             self.remote.traffic["sent_bytes"] += wire.encoded_size(frames)
-            received = self.channel.decoder.total_bytes
             await self.channel.send(frames)
+        except Exception as e:
+            self.close()
+            raise unavailable(self.hop.peer_id, "failed", e) from None
+
+    async def receive(self, reply: type[R], timeout: float, max_bytes: int | None = None) -> tuple[R, Tensors]:
+        """The session's next reply (at most ``max_bytes``: what the step can honestly get back), as ``reply``."""
+        if max_bytes is not None:
+            self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
+        try:
+            received = self.channel.decoder.total_bytes
             message = await asyncio.wait_for(self.channel.receive(), timeout)
             self.remote.traffic["received_bytes"] += self.channel.decoder.total_bytes - received
         except Exception as e:
             self.close()
             raise unavailable(self.hop.peer_id, "failed", e) from None
         try:
-            return _parse(message, Reply, self.hop.peer_id)[1]
+            return _parse(message, reply, self.hop.peer_id)
         except SwarmError:
             self.close()
             raise
+
+    async def exchange(
+        self, request: InferenceRequest, tensors: Tensors, timeout: float, max_bytes: int | None = None
+    ) -> Tensors:
+        """Send one step and wait for its reply (at most ``max_bytes``: what the step can honestly get back)."""
+        await self.send(request, tensors)
+        return (await self.receive(StepReply, timeout, max_bytes))[1]
 
     def close(self) -> None:
         if not self.closed:

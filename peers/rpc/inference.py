@@ -1,0 +1,165 @@
+"""One inference session per stream (``swarm.inference``), its steps from two sources in arrival order: the client's
+own messages on this stream, and steps the previous hop of the client's route pushed (``peers.rpc.chain``).
+
+The first message opens the session (and may carry the client's signed route and a first step). Every step is
+answered on the client's stream with its output and this server's signed commitment (``swarm.rpc.commit``); a step
+for further hops is also pushed to the next one. The session and its cache room end with the stream, at the first
+error, or after ``Timing.session_idle`` with neither a message nor a push (the client then hears
+``SessionExpiredError`` when it comes back: the reply waits in the stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import torch
+
+from peers.rpc.chain import Pushed, Relay
+from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
+from peers.rpc.sessions import Session, Sessions
+from swarm import wire
+from swarm.config import Timing
+from swarm.errors import BadInputError, SessionExpiredError
+from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
+from swarm.rpc.commit import CommitSigner
+
+log = logging.getLogger(__name__)
+Frames = AsyncIterator[wire.Frame]
+NO_IDLE = 1e9  # the client's stream may stay silent while pushes feed the session: the session's own clock counts
+
+
+class _FromClient:
+    def __init__(self, message: wire.Message, opening: bool = False) -> None:
+        self.message = message
+        self.opening = opening
+        self.done = asyncio.Event()
+
+
+class _Ended:
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+def _frames(reply: Message, tensors: dict[str, torch.Tensor] | None = None) -> list[wire.Frame]:
+    return wire.encode(reply.model_dump(mode="json"), tensors)
+
+
+class InferenceLoop:
+    def __init__(self, sessions: Sessions, relay: Relay | None, signer: CommitSigner, timing: Timing,
+                 decoder: Callable[[], wire.Decoder], admit: Callable[[str, dict[str, object]], None],
+                 delay: Callable[[], Awaitable[None]],
+                 error_reply: Callable[..., list[wire.Frame]]) -> None:  # fmt: skip
+        self.sessions = sessions
+        self.relay = relay
+        self.signer = signer
+        self.timing = timing
+        self.decoder = decoder
+        self.admit = admit
+        self.delay = delay
+        self.error_reply = error_reply
+
+    async def serve(self, frames: Frames, context: CallerContext | None) -> Frames:
+        caller = caller_of(context)
+        decoder = self.decoder()
+        guarded = GuardedFrames(frames, decoder, self.timing.session_idle, self.timing.message_timeout)
+        session: Session | None = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            message = await wire.read_message(guarded, decoder)
+            if message is None:
+                return
+            self.admit(caller, message[0])
+            check_version(message[0])
+            request = InferenceRequest.model_validate(message[0])
+            if request.open is None:
+                raise BadInputError("the first message of an inference stream must open the session")
+            session = await self.sessions.start(request.open, message[1], caller)
+            log.info("session opened", extra={"session": session.id, "span": str(session.sub), "peer": caller})
+            guarded.idle = NO_IDLE
+            item: object = _FromClient(message, opening=True)
+            reader = asyncio.create_task(self._read(guarded, decoder, session))
+            while True:
+                if isinstance(item, _Ended):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                for f in await self._handle(session, item):
+                    yield f
+                if isinstance(item, _FromClient):
+                    item.done.set()
+                try:
+                    async with asyncio.timeout(self.timing.session_idle):
+                        item = await session.inbox.get()
+                except TimeoutError:
+                    raise StreamIdle(self.timing.session_idle) from None
+        except Exception as e:
+            if isinstance(e, StreamIdle | StreamStalled):
+                if session is None:
+                    return  # nothing was opened: nothing to give back or explain
+                why = "idle for" if isinstance(e, StreamIdle) else "stalled mid-message for"
+                e = SessionExpiredError(f"session {why} {e.seconds:g} s; reopen the session")
+            if session is not None:  # free its room before anything else: the reply may wait on a slow reader
+                await self.sessions.end(session)
+            for f in self.error_reply(e, session=session.id if session else None):
+                yield f
+        finally:
+            if reader is not None:
+                reader.cancel()
+            decoder.release()
+            if session is not None:
+                await self.sessions.end(session)
+
+    @staticmethod
+    async def _read(guarded: GuardedFrames, decoder: wire.Decoder, session: Session) -> None:
+        """The client's further messages, one at a time into the session's inbox (the next is read once this one
+        is answered, so the bytes it holds in the server's budget stay bounded)."""
+        try:
+            while (message := await wire.read_message(guarded, decoder)) is not None:
+                item = _FromClient(message)
+                session.inbox.put_nowait(item)
+                await item.done.wait()
+                decoder.release()
+            session.inbox.put_nowait(_Ended())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            session.inbox.put_nowait(_Ended(e))
+
+    async def _handle(self, session: Session, item: object) -> list[wire.Frame]:
+        if isinstance(item, Pushed):
+            step, tensors = item.push.step, item.tensors
+            hidden = tensors.get("hidden")
+            if hidden is not None and hidden.is_floating_point():  # the previous hop sent its own dtype
+                tensors = {**tensors, "hidden": hidden.to(self.sessions.compute.limits.dtype)}
+            return await self._step(session, step, tensors, item.tensors.get("hidden"))
+        assert isinstance(item, _FromClient)
+        meta, tensors = item.message
+        check_version(meta)
+        request = InferenceRequest.model_validate(meta)
+        if request.open is not None and not item.opening:
+            raise BadInputError("this stream's session is already open")
+        if request.route is not None:
+            if self.relay is None:
+                raise BadInputError("this server does not chain steps")
+            self.relay.bind(session, request.route)
+            await self.sessions.notify()
+        if request.step is None:
+            return _frames(self.signer.opening)
+        return await self._step(session, request.step, tensors, tensors.get("hidden"))
+
+    async def _step(self, session: Session, step: InferenceStep, tensors: dict[str, torch.Tensor],
+                    received: torch.Tensor | None) -> list[wire.Frame]:  # fmt: skip
+        self.sessions.compute.active += 1
+        try:
+            await self.delay()
+            out = (await self.sessions.step(session, step.position, tensors))["hidden"]
+        finally:
+            self.sessions.compute.active -= 1
+        if step.hops:
+            if self.relay is None:
+                raise BadInputError("this server does not chain steps")
+            self.relay.push(session, step, out, tensors)
+        assert received is not None  # the step's checks required it
+        reply = self.signer.reply(step.position, step.tag, received, out)
+        return _frames(reply, {"hidden": out})
