@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -160,6 +161,7 @@ def load_model_card(name_or_path: str) -> ModelCard:
 
 
 DirectPolicy = Literal["auto", "always", "never"]
+DIRECT_POLICIES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -180,3 +182,30 @@ class ClientConfig:
     wiring_seed: int | None = None  # seed of the stochastic wiring of training micro-batches (None: random)
     identity: Path | None = None  # identity file: a stable peer id (a closed run's trainer); None: a fresh key
     swarm_key: Path | None = None  # a private swarm's key file (``swarm.membership``); None: an open swarm
+
+
+def client_config(
+    initial_peers: Sequence[str],
+    timing: Timing | None,
+    cache_dir: Path | None,
+    direct: DirectPolicy,
+    wiring_seed: int | None = None,
+    identity: Path | None = None,
+    swarm_key: Path | None = None,
+    **fields: object,
+) -> ClientConfig:
+    """A client's configuration from what a user passes (``fields``: further ``ClientConfig`` fields), checked."""
+    if not initial_peers:
+        raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
+    if direct not in DIRECT_POLICIES:
+        raise BadInputError("direct must be 'auto', 'always' or 'never'")
+    return ClientConfig(
+        initial_peers=tuple(initial_peers),
+        timing=timing or Timing(),
+        cache_dir=cache_dir or default_cache_dir(),
+        direct=direct,
+        wiring_seed=wiring_seed,
+        identity=identity,
+        swarm_key=swarm_key,
+        **fields,  # type: ignore[arg-type]
+    )

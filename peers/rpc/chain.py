@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -34,14 +35,17 @@ log = logging.getLogger(__name__)
 
 Admit = Callable[[str, dict[str, object]], None]  # raises NotMemberError for a caller outside a private swarm
 MAX_INBOX = 64  # steps waiting in one session (a prompt's chunks in flight); a push beyond is dropped
+MAX_WAITING = 256  # sessions with pushes that arrived before the route allowing them, all pushers together
+MAX_WAITING_PER_PUSHER = 16  # ...and per pusher (anyone can push before a route is known: these bound them)
+MAX_WAITING_BYTES = 64 << 20  # tensor bytes of the pushes waiting, all together
 QUEUE_FRAMES = 4096  # frames waiting on one push connection
 
 
 class Pushed:
     """A step pushed by the previous hop, waiting in its session's inbox."""
 
-    def __init__(self, push: PushStep, tensors: dict[str, torch.Tensor]) -> None:
-        self.push, self.tensors = push, tensors
+    def __init__(self, push: PushStep, tensors: dict[str, torch.Tensor], nbytes: int = 0) -> None:
+        self.push, self.tensors, self.nbytes = push, tensors, nbytes
 
 
 def accept_route(session: Session, signed: Signed, caller: str, own_peer_id: str) -> ChainRoute:
@@ -110,6 +114,10 @@ class Relay:
         self.budget = budget
         self.peer_id = remote.creds.peer_id
         self._links: dict[tuple[str, str | None], _PushLink] = {}
+        self._waiting: dict[tuple[str, str, str], list[Pushed]] = {}  # (pusher, client, session) -> early pushes
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._waiting_bytes = 0
+        self._by_pusher: Counter[str] = Counter()
 
     def _link(self, hop: ChainHop) -> _PushLink:
         key = (hop.peer_id, hop.direct)
@@ -167,17 +175,61 @@ class Relay:
             yield frame
 
     async def _place(self, pusher: str, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
+        """Into its session's inbox now if the session is ready for it; else behind the pushes already waiting for
+        that session, which one task waits for, so a push the client's route update has not yet made welcome never
+        holds up pushes to other sessions on the same connection (nor are two pushes to one session reordered)."""
         self.admit(pusher, meta)
         check_version(meta)
         push = PushStep.model_validate(meta)
-        session = await self.sessions.wait_for(push.client, push.session_id, push.generation, self.timing.open_timeout)
+        key = (pusher, push.client, push.session_id)  # by pusher: another's early pushes never hold these up
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            session = self.sessions.open.get(key[1:])
+            if session is not None and session.route is not None and session.route.generation >= push.generation:
+                return self._enqueue(pusher, session, Pushed(push, tensors))
+            if len(self._waiting) >= MAX_WAITING or self._by_pusher[pusher] >= MAX_WAITING_PER_PUSHER:
+                raise BadInputError("too many sessions have pushes waiting for them")
+            waiting = self._waiting[key] = []
+            self._by_pusher[pusher] += 1
+            self._tasks.add(task := asyncio.create_task(self._wait(key, push.generation)))
+            task.add_done_callback(self._tasks.discard)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if len(waiting) >= MAX_INBOX or self._waiting_bytes + nbytes > MAX_WAITING_BYTES:
+            raise BadInputError(f"too many pushes wait for session {push.session_id}")
+        self._waiting_bytes += nbytes
+        waiting.append(Pushed(push, tensors, nbytes))
+
+    async def _wait(self, key: tuple[str, str, str], generation: int) -> None:
+        pusher = key[0]
+        try:
+            session: Session | None = await self.sessions.wait_for(*key[1:], generation, self.timing.open_timeout)
+        except BadInputError as e:
+            session, why = None, e
+        try:
+            for pushed in self._waiting.get(key, []):
+                try:
+                    if session is None:
+                        raise why
+                    self._enqueue(pusher, session, pushed)
+                except BadInputError as e:
+                    log.info("push refused: %s", e, extra={"peer": pusher})
+        finally:
+            self._waiting_bytes -= sum(p.nbytes for p in self._waiting.pop(key, []))
+            self._by_pusher[pusher] -= 1
+            if self._by_pusher[pusher] <= 0:
+                del self._by_pusher[pusher]
+
+    @staticmethod
+    def _enqueue(pusher: str, session: Session, pushed: Pushed) -> None:
         if session.previous != pusher:
-            raise BadInputError(f"{pusher} is not the hop before session {push.session_id} on its route")
+            raise BadInputError(f"{pusher} is not the hop before session {session.id} on its route")
         if session.inbox.qsize() >= MAX_INBOX:
-            raise BadInputError(f"session {push.session_id} has {MAX_INBOX} steps waiting")
-        session.inbox.put_nowait(Pushed(push, tensors))
+            raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
+        session.inbox.put_nowait(pushed)
 
     def close(self) -> None:
         for link in self._links.values():
             link.close()
         self._links.clear()
+        for task in self._tasks:
+            task.cancel()

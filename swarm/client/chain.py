@@ -164,12 +164,18 @@ class Chain:
             except BaseException as e:
                 state.broken = True
                 state.close()
-                if k > 0 and getattr(e, "previous_suspect", False) and not replay:
-                    prior = states[k - 1]  # what it gave the client is as doubtful as what it passed on
+                if k > 0 and getattr(e, "previous_suspect", False):
+                    # the two disagree on what passed between them: one of them lies. Both are replaced, and the
+                    # sender is the one banned (what it gave the client is as doubtful as what it passed on)
+                    prior = states[k - 1]
                     prior.broken = True
-                    prior.inputs.pop()
-                    prior.positions.pop()
-                    done.pop()
+                    prior.close()
+                    if not replay:
+                        prior.inputs.pop()
+                        prior.positions.pop()
+                        done.pop()
+                    raise unavailable(prior.hop.peer_id, f"gave the next hop ({state.hop.peer_id}) another output "
+                                      "than it committed to") from e  # fmt: skip
                 raise
             if not replay:
                 state.inputs.append(inputs)

@@ -60,6 +60,11 @@ class InferenceSession:
         return [self._states[i].hop for i in self._ids]
 
     @property
+    def hop_states(self) -> list[HopState]:
+        """Each hop's state in chain order: its server, inputs, and (chained) signed commitments."""
+        return self._all_states
+
+    @property
     def failovers(self) -> int:
         return self.conn.retrier.failovers
 

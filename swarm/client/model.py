@@ -24,7 +24,7 @@ from swarm.client.inference_session import InferenceSession
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
-from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
+from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.model_files import load_config, model_folder, new_model, read_tensors, served_fingerprints, weight_map
@@ -38,7 +38,6 @@ from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 log = logging.getLogger(__name__)
 
 LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")
-DIRECT_POLICIES = ("auto", "always", "never")
 
 
 class _LocalParts(torch.nn.Module):
@@ -92,6 +91,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         lora_targets: Sequence[str] = ("q_proj", "v_proj"),
         num_prompt_tokens: int = 16,
         swarm_key: Path | None = None,
+        chain: bool = True,
+        prefill_chunk: int = 128,
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -102,10 +103,13 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are),
         "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
-        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers)."""
+        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers). ``chain``: inference steps pass
+        from server to server (``False``: through this client at every hop); ``prefill_chunk``: tokens per pipelined
+        piece of a long chained step."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key)
+        cfg = client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key, chain=chain,
+                            prefill_chunk=prefill_chunk)  # fmt: skip
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -156,7 +160,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
         closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity, swarm_key)
+        cfg = client_config(initial_peers, timing, cache_dir, direct, wiring_seed=wiring_seed, identity=identity,
+                            swarm_key=swarm_key)  # fmt: skip
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
@@ -370,27 +375,3 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         out = self.runner.forward(inputs, ctx, keep=keep, prompts=self.prompt_tokens, task=task, target_batch=target,
                                   average_every=every, params="adapter" if self.adapters else "client")  # fmt: skip
         return CausalLMOutputWithPast(loss=out.get("loss"), logits=out["logits"])
-
-
-def _client_config(
-    initial_peers: Sequence[str],
-    timing: Timing | None,
-    cache_dir: Path | None,
-    direct: DirectPolicy,
-    wiring_seed: int | None = None,
-    identity: Path | None = None,
-    swarm_key: Path | None = None,
-) -> ClientConfig:
-    if not initial_peers:
-        raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
-    if direct not in DIRECT_POLICIES:
-        raise BadInputError("direct must be 'auto', 'always' or 'never'")
-    return ClientConfig(
-        initial_peers=tuple(initial_peers),
-        timing=timing or Timing(),
-        cache_dir=cache_dir or default_cache_dir(),
-        direct=direct,
-        wiring_seed=wiring_seed,
-        identity=identity,
-        swarm_key=swarm_key,
-    )

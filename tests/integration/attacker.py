@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from swarm import wire
 from swarm.config import Timing
 from swarm.dht import RecordStore, _get_subkeys, _store_records, dht_time, die_with_parent, start_dht
 from swarm.errors import SwarmError
@@ -28,10 +29,13 @@ from swarm.membership import SwarmKey
 from swarm.protocol import (
     PROTOCOL_VERSION,
     RPC_FORWARD,
+    RPC_PUSH,
     BackwardRequest,
     ForwardRequest,
     InferenceRequest,
+    InferenceStep,
     OpenSession,
+    PushStep,
     Reply,
     StepNotice,
     TrainTag,
@@ -301,8 +305,38 @@ def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, A
     return done
 
 
+def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """Push steps into an honest client's chained session on a server, over both planes and under every route
+    generation up to 3: the server must take pushes only from the hop before it on the client's signed route.
+    Started ahead (a DHT peer takes seconds), it says ``ready`` and then reads the target from stdin: one JSON line
+    with the server's hop, the client's peer id, its session id there and its position (as a leak would give them)."""
+    loop = LoopThread("pusher")
+    sent = 0
+    try:
+        p2p = loop.run(stores[0].replicate_p2p())
+        print(json.dumps({"ready": True}), flush=True)
+        target = json.loads(sys.stdin.readline())
+        h = target["hop"]
+        hop = Hop(h["peer_id"], h["start"], h["end"], tuple(h["maddrs"]), direct=h["direct"])
+        hidden = {"hidden": torch.full((1, 1, args.hidden_size), 7.0)}
+        for plane in ("never", "always"):
+            remote = Remote(p2p, stores[0].credentials(), plane)  # type: ignore[arg-type]
+            channel = loop.run(remote.open_channel(hop, RPC_PUSH))
+            for generation in range(4):
+                push = PushStep(client=target["client"], session_id=target["session"], generation=generation,
+                                step=InferenceStep(position=target["position"], hops=0))  # fmt: skip
+                loop.run(channel.send(wire.encode(remote.meta(push), hidden)))
+                sent += 1
+            time.sleep(0.5)  # let the server read them before the stream closes
+            channel.close()
+            remote.close()
+    finally:
+        loop.close(5.0)
+    return {"pushes": sent}
+
+
 ATTACKS = {"records": attack_records, "outsider": outsider, "broker": seize_broker, "training": attack_training,
-           "averaging": join_averaging}  # fmt: skip
+           "averaging": join_averaging, "push": push_into}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ and transports) whose compute and inference answers are rewritten in this proces
 
 Modes: ``no_hidden`` (a reply without ``hidden``: its tensor under another name), ``oversized`` (the true reply plus
 16 MiB of padding), ``bad_input`` (refuses every valid request as bad input), ``oom`` (fails every request with an
-internal "CUDA out of memory" error, which the servicer answers with code ``swarm_error``). It announces itself ten
+internal "CUDA out of memory" error, which the servicer answers with code ``swarm_error``), ``fork`` (in chained
+inference, passes the next hop another output than the one it reports to the client). It announces itself ten
 times faster than the honest test servers, so clients route to it first. ``start_liar`` starts one in a
 ``LocalSwarm``, which stops it with its own peers."""
 
@@ -23,7 +24,7 @@ from swarm.errors import BadInputError
 from swarm.local_swarm import LocalSwarm, PeerProcess
 
 Tensors = dict[str, torch.Tensor]
-MODES = ("no_hidden", "oversized", "bad_input", "oom")
+MODES = ("no_hidden", "oversized", "bad_input", "oom", "fork")
 PADDING = 4 << 20  # float32 elements: 16 MiB
 
 
@@ -43,6 +44,8 @@ def lie(mode: str, honest: Callable[[], Awaitable[Tensors]]) -> Callable[[], Awa
 
 def install(mode: str) -> None:
     """Rewrite forward, backward and inference-step answers of this process's server."""
+    if mode == "fork":
+        return install_fork()
     from peers.rpc.compute import ComputeService
     from peers.rpc.sessions import Sessions
 
@@ -60,6 +63,18 @@ def install(mode: str) -> None:
     ComputeService.forward = lying_forward  # type: ignore[method-assign]
     ComputeService.backward = lying_backward  # type: ignore[method-assign]
     Sessions.step = lying_step  # type: ignore[method-assign]
+
+
+def install_fork() -> None:
+    """Push a slightly different output to the next hop than the one the client gets (and commits to)."""
+    from peers.rpc.chain import Relay
+
+    push = Relay.push
+
+    def forking_push(self: Relay, session: Any, step: Any, out: torch.Tensor, tensors: Tensors) -> None:
+        push(self, session, step, out + 1e-3, tensors)
+
+    Relay.push = forking_push  # type: ignore[method-assign]
 
 
 def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:

@@ -51,7 +51,7 @@ def test_fuzzing_both_planes_beside_an_honest_session(fuzzed):
     batches = _batches(SCALE)
     prompt = torch.tensor([[5, 17, 42, 8, 99, 3]])
     new_tokens = len(batches) + 4
-    expected = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    expected = ref.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :]
 
     with torch.no_grad():
         client(prompt)  # warm: the route, and the server's first compute

@@ -1,0 +1,148 @@
+"""Inference steps chained server to server on loopback: exact against a local run, every step committed and the
+commitments consistent along the route, fewer bytes from the client than client-mediated steps, pushes from anyone
+but the previous hop refused (a real malicious process), and a hop that forks what it passes on is caught."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.errors import SwarmError
+from swarm.identity import Signed
+from swarm.local_swarm import Disturber
+from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
+from swarm.rpc.secure import Credentials
+from tests.conftest import local_reference
+from tests.integration.harness import connect, running_swarm, wait_for
+from tests.integration.liar import start_liar
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+THREE = ["0:1", "1:3", "3:4"]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models):
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_models):
+    return local_reference(tiny_models["llama"])
+
+
+def prompt(n: int = 21) -> torch.Tensor:
+    torch.manual_seed(5)
+    return torch.randint(0, 320, (1, n))
+
+
+def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, ref):
+    ids = prompt()
+    expected = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    with running_swarm(folder, THREE) as swarm:
+        sent = {}
+        for chain in (True, False):
+            with connect(folder, swarm, chain=chain, prefill_chunk=8) as client:
+                with client.inference_session(max_length=64) as session:
+                    out = client.generate(ids, max_new_tokens=12, do_sample=False)
+                    states = session.hop_states
+                assert torch.equal(out, expected), f"chain={chain}"
+                sent[chain] = client.connection.remote.traffic["sent_bytes"]
+                if not chain:
+                    continue
+                assert len(states) == 3
+                # the 21-token prompt went in 3 pipelined pieces, then 11 single-token steps
+                for state in states:
+                    assert len(state.commitments) == 3 + 11
+                    assert all(state.commit is not None and state.commit.verify(c) for c in state.commitments)
+                for before, after in zip(states, states[1:], strict=False):
+                    assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
+                forged = states[0].commitments[0].model_copy(update={"digest": "0" * 64})
+                assert not states[0].commit.verify(forged)
+        # the client sends each step once instead of once per hop
+        assert sent[True] < 0.6 * sent[False], sent
+
+
+def test_pushes_from_outside_the_route_are_refused(folder, ref):
+    ids = prompt(9)
+    more = torch.tensor([[17]])  # the user's next token, after a first answer
+    with running_swarm(folder, ["0:2", "2:4"]) as swarm, connect(folder, swarm) as client:
+        cmd = [sys.executable, "-m", "tests.integration.attacker", "push", "--initial-peers", *swarm.initial_peers,
+               "--model-id", Path(folder).name, "--num-blocks", "4", "--hidden-size", "64"]  # fmt: skip
+        attacker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert attacker.stdout is not None and attacker.stdin is not None
+            assert json.loads(attacker.stdout.readline()) == {"ready": True}
+            with client.inference_session(max_length=64) as session:
+                head = client.generate(ids, max_new_tokens=6, do_sample=False)
+                target = session.hop_states[1]  # the second hop: it takes pushes, from the first one only
+                h = target.hop
+                leak = {"hop": dict(peer_id=h.peer_id, start=h.start, end=h.end, maddrs=list(h.maddrs),
+                                    direct=h.direct),
+                        "client": client.connection.peer_id, "session": target.session_id,
+                        "position": session.position}  # fmt: skip
+                attacker.stdin.write(json.dumps(leak) + "\n")
+                attacker.stdin.flush()
+                report = json.loads(attacker.stdout.readline())
+                out = client.generate(more, max_new_tokens=10, do_sample=False)
+            assert attacker.wait(30) == 0
+        finally:
+            if attacker.poll() is None:
+                attacker.kill()
+                attacker.wait()
+        assert report["pushes"] == 8
+        expected = ref.generate(torch.cat([head, more], dim=1), max_new_tokens=10, do_sample=False)
+        assert torch.equal(out, expected)  # not one pushed step reached the session
+        assert client.failovers == 0
+        # each push refused, at once or once its wait for a newer route ended (the servers' open_timeout)
+        wait_for(lambda: sum(p.log_path.read_text().count("push refused") for p in swarm.peers) == 8, 30,
+                 "every push to be refused")  # fmt: skip
+
+
+def test_a_hop_that_forks_what_it_passes_on_is_caught(folder, ref):
+    ids = prompt(9)
+    expected = ref.generate(ids, max_new_tokens=16, do_sample=False)
+    with running_swarm(folder, ["0:2", "2:4"]) as swarm:
+        liar = start_liar(swarm, "fork", "0:2")
+        liar_id = liar.maddr.split("/p2p/")[1]
+        with connect(folder, swarm) as client:
+            with client.inference_session(max_length=64) as session:
+                out = client.generate(ids, max_new_tokens=16, do_sample=False)
+                route = [s.hop.peer_id for s in session.hop_states]
+            assert torch.equal(out, expected)
+            assert client.failovers >= 1
+            assert liar_id not in route
+            assert liar_id in client.connection.view.banned()
+
+
+def test_mediated_steps_still_fail_over(folder, ref):
+    """``chain=False`` keeps the client-mediated path: a killed hop is replaced and replayed, tokens exact."""
+    ids = prompt(9)
+    expected = ref.generate(ids, max_new_tokens=32, do_sample=False)
+    with running_swarm(folder, ["0:2", "0:2", "2:4", "2:4"]) as swarm, connect(folder, swarm, chain=False) as c:
+        killer = Disturber(c, swarm, {8: 1})
+        out = c.generate(ids, max_new_tokens=32, do_sample=False, streamer=killer)
+        assert torch.equal(out, expected)
+        assert killer.killed and c.failovers >= 1
+
+
+def test_a_session_refuses_a_route_signed_by_someone_else(folder):
+    """The route rides on the client's own authenticated stream, and must be signed by that same client."""
+    with running_swarm(folder, ["0:4"]) as swarm, connect(folder, swarm) as client:
+        conn = client.connection
+        hop = conn.view.route(0, 4, mode="inference")[0]
+        other = Credentials.of(RSAPrivateKey())
+        route = ChainRoute(client=other.peer_id, generation=0, hops=(ChainHop(peer_id=hop.peer_id, session_id="s"),))
+        payload = route.model_dump_json()
+        signed = Signed(public_key=other.public_key, payload=payload, signature=other.sign(payload.encode()))
+        opening = OpenSession(session_id="s", start=0, end=4, max_length=8, batch_size=1)
+        stream = conn.loop.run(conn.remote.open_session(hop, 10.0))
+        with pytest.raises(SwarmError, match="another client"):
+            conn.loop.run(stream.send(InferenceRequest(open=opening, route=signed), {}))
+            conn.loop.run(stream.receive(OpenReply, 10.0))
