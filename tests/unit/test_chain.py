@@ -1,0 +1,118 @@
+"""Chaining's pure parts: routes a server accepts, commitments a client believes, pieces of a long step, and the
+wait of a push that arrived before its route."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from peers.rpc.chain import accept_route
+from peers.rpc.sessions import Session, Sessions
+from swarm.client.chain import chunks
+from swarm.errors import BadInputError
+from swarm.identity import Signed
+from swarm.ids import Span
+from swarm.protocol import ChainHop, ChainRoute, StepReply
+from swarm.rpc.commit import CommitKey, CommitSigner, digest
+from swarm.rpc.secure import Credentials
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[Credentials, Credentials, Credentials]:
+    return tuple(Credentials.of(RSAPrivateKey()) for _ in range(3))  # type: ignore[return-value]
+
+
+def signed(creds: Credentials, route: ChainRoute) -> Signed:
+    payload = route.model_dump_json()
+    return Signed(public_key=creds.public_key, payload=payload, signature=creds.sign(payload.encode()))
+
+
+def session(sid: str = "s1") -> Session:
+    return Session(sid, Span(0, 2), 64, 1, None, 64, caller="")
+
+
+def test_a_route_binds_only_when_its_owner_signed_it_and_it_names_this_session(keys):
+    client, server, other = keys
+    hops = (ChainHop(peer_id=other.peer_id, session_id="s0"), ChainHop(peer_id=server.peer_id, session_id="s1"))
+    route = ChainRoute(client=client.peer_id, generation=3, hops=hops)
+    s = session()
+    accept_route(s, signed(client, route), client.peer_id, server.peer_id)
+    assert s.index == 1 and s.previous == other.peer_id
+    with pytest.raises(BadInputError, match="another client"):  # a valid signature, of someone else's route
+        accept_route(session(), signed(other, route.model_copy(update={"client": other.peer_id})), client.peer_id,
+                     server.peer_id)  # fmt: skip
+    with pytest.raises(BadInputError, match="signed by"):  # the owner's name, another's key
+        accept_route(session(), signed(other, route), client.peer_id, server.peer_id)
+    with pytest.raises(BadInputError, match="exactly once"):
+        accept_route(session("s9"), signed(client, route), client.peer_id, server.peer_id)
+    twice = route.model_copy(update={"hops": (*hops, hops[1])})
+    with pytest.raises(BadInputError, match="exactly once"):
+        accept_route(session(), signed(client, twice), client.peer_id, server.peer_id)
+    with pytest.raises(BadInputError, match="older"):  # a route never goes back to an older generation
+        accept_route(s, signed(client, route.model_copy(update={"generation": 2})), client.peer_id, server.peer_id)
+    forged = signed(client, route).model_copy(update={"payload": route.model_copy(update={"generation": 9})
+                                                      .model_dump_json()})  # fmt: skip
+    with pytest.raises(BadInputError, match="signature"):
+        accept_route(session(), forged, client.peer_id, server.peer_id)
+
+
+def test_commitments_are_believed_only_under_a_certified_key(keys):
+    client, server, other = keys
+    signer = CommitSigner(server)
+    x, y = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    reply = signer.reply(5, 2, x, y)
+    assert reply.input_digest == digest(x) and reply.digest == digest(y)
+    key = CommitKey(signer.opening, server.peer_id)
+    assert key.verify(reply)
+    for change in ({"digest": digest(x)}, {"position": 6}, {"tag": 3}, {"signature": "00" * 64}):
+        assert not key.verify(reply.model_copy(update=change))
+    with pytest.raises(BadInputError, match="not certified"):  # another peer's certificate
+        CommitKey(signer.opening, other.peer_id)
+    stolen = CommitSigner(other).opening.model_copy(update={"public_key": server.public_key})
+    with pytest.raises(BadInputError, match="not certified"):  # a key certified by someone else, in its name
+        CommitKey(stolen, server.peer_id)
+    assert not key.verify(StepReply(position=5, tag=2, input_digest=reply.input_digest, digest=reply.digest,
+                                    signature="zz"))  # fmt: skip
+
+
+def test_digests_see_every_byte_and_the_dtype():
+    x = torch.zeros(2, 4)
+    assert digest(x) == digest(x.clone()) != digest(x.to(torch.float16))
+    y = x.clone()
+    y[1, 3] = 1e-30
+    assert digest(y) != digest(x)
+
+
+def test_a_long_step_goes_in_pieces():
+    assert chunks(5, 128) == [chunks(5, 128)[0]] and chunks(5, 128)[0].end == 5
+    pieces = chunks(300, 128)
+    assert [(c.start, c.end) for c in pieces] == [(0, 128), (128, 256), (256, 300)]
+    assert len(chunks(300, 0)) == 1
+
+
+def test_a_push_waits_for_its_session_and_route_then_gives_up():
+    async def main() -> None:
+        sessions = Sessions(compute=None, budget=None, cache_wait=0.1, inline_tokens=1)  # type: ignore[arg-type]
+        with pytest.raises(BadInputError, match="no session"):
+            await sessions.wait_for("client", "s1", 0, 0.05)
+        s = session()
+        s.caller = "client"
+
+        async def later() -> None:
+            await asyncio.sleep(0.05)
+            sessions.open[("client", "s1")] = s
+            await sessions.notify()  # opened, but without a route yet: still waiting
+            await asyncio.sleep(0.05)
+            s.route = ChainRoute(client="client", generation=1, hops=(ChainHop(peer_id="p", session_id="s1"),))
+            await sessions.notify()
+
+        task = asyncio.create_task(later())
+        assert await sessions.wait_for("client", "s1", 1, 5.0) is s
+        await task
+        with pytest.raises(BadInputError):  # a newer generation than the route it has
+            await sessions.wait_for("client", "s1", 2, 0.05)
+
+    asyncio.run(main())
