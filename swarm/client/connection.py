@@ -17,6 +17,7 @@ from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
+RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its compute allowance
 
 
 class SwarmConnection:
@@ -44,6 +45,11 @@ class SwarmConnection:
         except BaseException:
             self.store.shutdown()
             raise
+
+    def timeout(self, base: float, *peers: str) -> float:
+        """A call's time limit: ``base`` (the compute allowance) plus a few measured round trips to each of
+        ``peers`` (measured where sessions open; none yet: nothing added), so distant peers are not cut off."""
+        return base + RTT_SLACK * sum(self.rtt.get(p, 0.0) for p in peers)
 
     @property
     def peer_id(self) -> str:

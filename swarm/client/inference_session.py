@@ -29,7 +29,7 @@ from swarm.plan.ir import Plan, SpanStep
 from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
 from swarm.records import Capability
 from swarm.rpc.hop import Hop
-from swarm.rpc.remote import Tensors
+from swarm.rpc.remote import Tensors, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class InferenceSession:
         node_id = self._ids[index]
         old = self._states[node_id]
         old.close()
+        self.audit()
         route = await asyncio.to_thread(self._new_route, old.hop.start, old.hop.end)
         assert self.plan is not None
         self._generation += 1
@@ -190,8 +191,8 @@ class InferenceSession:
             tensors["position_ids"] = positions
         return request, tensors
 
-    def _timeout(self, hidden: torch.Tensor) -> float:
-        return self._base_timeout(hidden.shape[1])
+    def _timeout(self, hidden: torch.Tensor, peer_id: str) -> float:
+        return self.conn.timeout(self._base_timeout(hidden.shape[1]), peer_id)
 
     def _base_timeout(self, tokens: int) -> float:
         """A step's compute allowance: short for a few tokens (a frozen server is found fast), long otherwise."""
@@ -217,7 +218,7 @@ class InferenceSession:
         t0 = time.perf_counter()
         try:
             expect = replies.expected(request, tensors)
-            call = state.stream.exchange(request, tensors, self._timeout(hidden), expect.max_bytes)
+            call = state.stream.exchange(request, tensors, self._timeout(hidden, state.hop.peer_id), expect.max_bytes)
             out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
         except AdapterMissingError:
             if not opening or state.send_adapter or self.delivery is None:
@@ -328,9 +329,18 @@ class InferenceSession:
         self.position += n
         return out
 
+    def audit(self) -> None:
+        """Check the signatures of the hops' commitments so far; a hop whose signature does not hold is banned and
+        replaced at the next step (``Chain.audit``)."""
+        for state in Chain.audit(list(self._states.values())):
+            state.broken = True
+            error = unavailable(state.hop.peer_id, "signed a commitment with a key it did not certify")
+            self.conn.retrier.note_failure(error, "commitment audit")
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.audit()
             for state in self._states.values():
                 state.close()
 

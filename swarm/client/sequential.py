@@ -135,7 +135,8 @@ class RemoteChain:
         conn = self.conn
         expect = expected(request, tensors, adapter)
         t0 = time.perf_counter()
-        call = conn.remote.compute(hop, request, tensors, conn.timing.request_timeout, expect.max_bytes)
+        call = conn.remote.compute(hop, request, tensors, conn.timeout(conn.timing.request_timeout, hop.peer_id),
+                                   expect.max_bytes)  # fmt: skip
         out = conn.loop.run(checked(hop.peer_id, expect, call))
         first = tensors.get("hidden", tensors.get("grad_output"))
         assert first is not None

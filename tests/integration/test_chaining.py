@@ -60,6 +60,7 @@ def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, re
                 # the 21-token prompt went in 3 pipelined pieces, then 11 single-token steps
                 for state in states:
                     assert len(state.commitments) == 3 + 11
+                    assert state.verified == len(state.commitments)  # the session's end audited every signature
                     assert all(state.commit is not None and state.commit.verify(c) for c in state.commitments)
                 for before, after in zip(states, states[1:], strict=False):
                     assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
