@@ -76,19 +76,30 @@ class _PushLink:
 
     async def _run(self, remote: Remote, hop: ChainHop) -> None:
         channel: Channel | None = None
+        closed: asyncio.Task[wire.Message | None] | None = None
         try:
             target = Hop(hop.peer_id, 0, 1, tuple(hop.maddrs), direct=hop.direct)
             channel = await remote.open_channel(target, RPC_PUSH)
+            ended = closed = asyncio.ensure_future(channel.receive())  # the next hop never answers: ends when it closes
             while True:
-                frames = await self.queue.get()
-                self.queued -= len(frames)
-                await channel.send(frames)
+                frames = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait((frames, ended), return_when=asyncio.FIRST_COMPLETED)
+                if ended.done():
+                    frames.cancel()
+                    log.info("push connection closed by the next hop", extra={"peer": hop.peer_id})
+                    return
+                self.queued -= len(frames.result())
+                await channel.send(frames.result())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the next hop is gone or unreachable: its client finds out by the missing reply
             log.info("push connection failed: %s", e, extra={"peer": hop.peer_id})
         finally:
             self.dead = True
+            if closed is not None:
+                if closed.done() and not closed.cancelled():
+                    closed.exception()  # retrieved: how the stream ended does not matter here
+                closed.cancel()
             if channel is not None:
                 channel.close()
 
