@@ -12,6 +12,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from swarm.codecs import Codec
 from swarm.errors import SwarmError, VersionMismatchError, error_from_code
 from swarm.identity import Signed
 
@@ -73,6 +74,7 @@ class ForwardRequest(Request):
     forward_id: str | None = Field(default=None, max_length=MAX_ID)  # the name to keep it under
     adapter: AdapterRef | None = None
     train: TrainTag | None = None
+    codec: Codec | None = None  # how the reply's activations travel (None: exact), chosen by the client per link
 
 
 class BackwardRequest(Request):
@@ -87,6 +89,7 @@ class BackwardRequest(Request):
     adapter: AdapterRef | None = None
     input_grad: bool = True
     train: TrainTag | None = None
+    codec: Codec | None = None  # how the reply's ``grad_input`` travels (None: exact)
 
 
 class ReleaseRequest(Request):
@@ -146,6 +149,7 @@ class InferenceRequest(Request):
 
     open: OpenSession | None = None
     step: InferenceStep | None = None
+    codec: Codec | None = None  # how this step's reply ``hidden`` travels (None: exact)
 
 
 class BandwidthProbe(Request):

@@ -24,6 +24,7 @@ from swarm.client.inference_session import InferenceSession
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
+from swarm.codecs import parse_codec
 from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
@@ -92,6 +93,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         lora_targets: Sequence[str] = ("q_proj", "v_proj"),
         num_prompt_tokens: int = 16,
         swarm_key: Path | None = None,
+        codec: str = "auto",
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -102,10 +104,10 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are),
         "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
-        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers)."""
+        ``swarm_key``: a private swarm's key file. ``codec``: activations' codec, "auto" (per link) or one to force."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key)
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key, codec=codec)
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -152,11 +154,12 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         wiring_seed: int | None = None,
         identity: Path | None = None,
         swarm_key: Path | None = None,
+        codec: str = "auto",
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
         closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
-        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity, swarm_key)
+        cfg = _client_config(initial_peers, timing, cache_dir, direct, wiring_seed, identity, swarm_key, codec)
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
@@ -380,11 +383,13 @@ def _client_config(
     wiring_seed: int | None = None,
     identity: Path | None = None,
     swarm_key: Path | None = None,
+    codec: str = "auto",
 ) -> ClientConfig:
     if not initial_peers:
         raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
     if direct not in DIRECT_POLICIES:
         raise BadInputError("direct must be 'auto', 'always' or 'never'")
+    parse_codec(codec)  # an unknown name fails here, before anything connects
     return ClientConfig(
         initial_peers=tuple(initial_peers),
         timing=timing or Timing(),
@@ -393,4 +398,5 @@ def _client_config(
         wiring_seed=wiring_seed,
         identity=identity,
         swarm_key=swarm_key,
+        codec=codec,
     )
