@@ -125,7 +125,9 @@ class Remote:
         answer as that peer: remembered for ``fallback_s``)."""
         assert hop.direct is not None
         try:
-            return await TcpChannel.open(hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout)
+            return await TcpChannel.open(
+                hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout
+            )
         except DirectDialError as e:
             if self.direct == "always":
                 raise unavailable(hop.peer_id, "cannot be dialled directly", e) from None
@@ -211,7 +213,6 @@ class Remote:
         """One compute call over a kept-open connection to ``hop``; the connection goes back to the pool only after
         a complete reply, so a broken or abandoned one is never reused."""
         idle = self._idle.setdefault(f"{hop.peer_id}@{hop.direct}", [])
-        received = 0
         try:
             await channel.send(frames)
             message = await channel.receive()
