@@ -95,7 +95,7 @@ def main() -> None:
     print(f"  received (outputs, grads): {per_step.get('received_bytes', 0) / 1e6:8.2f} MB")
     last_local, last_swarm = sides["local"][3][-1], sides["swarm"][3][-1]
     print(f"\nswarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
-          f"{abs(last_swarm - last_local) / last_local:.3%}")
+          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
     print("\nloss per step (local PEFT vs swarm):")
     for i, (a, b) in enumerate(zip(sides["local"][3], sides["swarm"][3], strict=True)):
         print(f"  step {i + 1}: {a:.5f}  {b:.5f}  (diff {abs(a - b):.1e})")

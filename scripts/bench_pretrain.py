@@ -106,7 +106,7 @@ def main() -> None:
         print(f"  step {i + 1:>4}: {losses['local'][i]:.5f}  {losses['swarm'][i]:.5f}")
     last_local, last_swarm = losses["local"][-1], losses["swarm"][-1]
     print(f"swarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
-          f"{abs(last_swarm - last_local) / last_local:.3%}")
+          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
     save_plot(args.plot, {"local (one process)": losses["local"], "swarm (3 stage peers)": losses["swarm"]},
               f"{run.name}: local vs swarm")  # fmt: skip
     print(f"plot of both loss curves: {args.plot}")

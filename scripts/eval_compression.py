@@ -91,8 +91,12 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=32)
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--codecs", nargs="+", default=[c.value for c in Codec])
-    p.add_argument("--greedy-codecs", nargs="*", default=["none", "float16", "bfloat16", "block8"],
-                   help="codecs whose greedy match is measured (generation is the slow part)")
+    p.add_argument(
+        "--greedy-codecs",
+        nargs="*",
+        default=["none", "float16", "bfloat16", "block8"],
+        help="codecs whose greedy match is measured (generation is the slow part)",
+    )
     args = p.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -104,8 +108,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     train, held = stdlib_split()
     data = windows(load_tokenizer(folder), held, args.prompts, args.context + args.positions)
-    print(f"SmolLM2-135M, simulated 3-server wire (boundaries at embed, {BOUNDARIES}, final block); stdlib text: "
-          f"{len(train)} train / {len(held)} held-out files; {len(data)} prompts x {args.positions} positions")
+    print(
+        f"SmolLM2-135M, simulated 3-server wire (boundaries at embed, {BOUNDARIES}, final block); stdlib text: "
+        f"{len(train)} train / {len(held)} held-out files; {len(data)} prompts x {args.positions} positions"
+    )
 
     def run(codec: Codec, greedy_too: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         hooks = Wire(model, codec)
@@ -146,12 +152,16 @@ def main() -> None:
         rows.append((name, top1, match, diff.max().item(), diff.mean().item(), prefill, step, sent, seconds))
         print(f"  {name}: top-1 {top1:.2%}, greedy match {match:.1%}, {seconds:.0f} s", flush=True)
     base_prefill = rows[0][5]
-    print(f"\n| codec | top-1 agreement | greedy match | max logit err | mean logit err | bytes/token (prefill "
-          f"{args.context + args.positions}) | vs float32 | bytes/token (1-token step) |")
+    print(
+        f"\n| codec | top-1 agreement | greedy match | max logit err | mean logit err | bytes/token (prefill "
+        f"{args.context + args.positions}) | vs float32 | bytes/token (1-token step) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, top1, match, dmax, dmean, prefill, step, _, _ in rows:
-        print(f"| {name} | {top1:.2%} | {match:.1%} | {dmax:.3f} | {dmean:.4f} | {prefill:.0f} | "
-              f"{base_prefill / prefill:.2f}x | {step:.0f} |")
+        print(
+            f"| {name} | {top1:.2%} | {match:.1%} | {dmax:.3f} | {dmean:.4f} | {prefill:.0f} | "
+            f"{base_prefill / prefill:.2f}x | {step:.0f} |"
+        )
 
 
 if __name__ == "__main__":

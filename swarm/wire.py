@@ -4,6 +4,8 @@ A message is (metadata dict, named tensors). It travels as one or more hivemind 
 the first frame carries the msgpack metadata (with the tensor names), and tensor bytes are cut into parts of at most
 ``FRAME_BYTES`` so that no frame reaches p2pd's 4 MiB limit. A receiver knows when a message is complete from the
 names list and each tensor's part count, so one stream can carry many messages back to back (inference steps).
+Activations (``swarm.codecs.ACTIVATIONS``) may travel compressed: each tensor part names its compression, and
+decoding restores the sender's dtype whatever the codec, after ``swarm.codecs`` has checked every field.
 """
 
 from __future__ import annotations

@@ -205,3 +205,18 @@ def test_fuzzed_valid_tensors_round_trip():
             assert (y - x).norm() <= 0.05 * x.norm() + 1e-3
 
     check()
+
+
+def test_link_estimates():
+    from swarm.rpc.links import Links
+
+    links = Links(smoothing=0.5)
+    assert links.mbps("a") is None and links.mbps("a", prior=100.0) == 100.0
+    assert links.mbps("a", prior=0.0) is None  # a zero or missing announcement is unknown, not a dead link
+    links.observe("a", 1000, 0.5, prior=100.0)  # small: latency and compute, not bandwidth
+    assert links.mbps("a", prior=100.0) == 100.0
+    links.observe("a", 1 << 20, 8 * (1 << 20) / 50e6, prior=100.0)  # a 1 MiB exchange at 50 Mbps
+    assert links.mbps("a", prior=100.0) == pytest.approx(75.0)
+    links.observe("b", 1 << 20, 8 * (1 << 20) / 10e6)  # no prior: the first sample
+    assert links.mbps("b") == pytest.approx(10.0)
+    assert choose_codec(1 << 20, links.mbps("b")) == Codec.block8
