@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--distinct", type=int, default=0, help="cycle over this many batches (a loss that can fall)")
     p.add_argument("--codec", default="none", help="the swarm side's activation codec: auto, none, float16, block8...")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -43,7 +44,9 @@ def main() -> None:
     folder = model_folder(load_model_card(args.model), default_cache_dir())
     vocab = load_config(folder).vocab_size
     gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen) for _ in range(args.steps + 1)]
+    distinct = args.distinct or args.steps + 1
+    pool = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen) for _ in range(distinct)]
+    data = [pool[i % distinct] for i in range(args.steps + 1)]
 
     with LocalSwarm(args.model, args.spans, extra_args=("--throughput", "100")) as swarm:
         remote = DistributedModelForCausalLM.from_pretrained(

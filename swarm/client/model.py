@@ -24,7 +24,6 @@ from swarm.client.inference_session import InferenceSession
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
-from swarm.codecs import parse_codec
 from swarm.config import ClientConfig, DirectPolicy, Timing, default_cache_dir, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
@@ -389,7 +388,6 @@ def _client_config(
         raise BadInputError("give initial_peers: multiaddrs of running swarm peers")
     if direct not in DIRECT_POLICIES:
         raise BadInputError("direct must be 'auto', 'always' or 'never'")
-    parse_codec(codec)  # an unknown name fails here, before anything connects
     return ClientConfig(
         initial_peers=tuple(initial_peers),
         timing=timing or Timing(),
