@@ -158,6 +158,7 @@ class Peer:
             # the runtime serving the span and what it can do: routes that need a capability skip peers without it
             runtime=backend.name if backend is not None else "torch",
             capabilities=backend.capabilities if backend is not None else ALL_CAPABILITIES,
+            network_mbps=self.network_mbps if self.network_mbps and self.network_mbps > 0 else None,
         )
 
     async def publish(self, state: PeerState | None = None) -> None:

@@ -33,6 +33,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--distinct", type=int, default=0, help="cycle over this many batches (a loss that can fall)")
+    p.add_argument("--codec", default="none", help="the swarm side's activation codec: auto, none, float16, block8...")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -42,12 +44,14 @@ def main() -> None:
     folder = model_folder(load_model_card(args.model), default_cache_dir())
     vocab = load_config(folder).vocab_size
     gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen) for _ in range(args.steps + 1)]
+    distinct = args.distinct or args.steps + 1
+    pool = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen) for _ in range(distinct)]
+    data = [pool[i % distinct] for i in range(args.steps + 1)]
 
     with LocalSwarm(args.model, args.spans, extra_args=("--throughput", "100")) as swarm:
         remote = DistributedModelForCausalLM.from_pretrained(
             args.model, initial_peers=swarm.initial_peers, tuning="lora", lora_rank=args.rank,
-            lora_alpha=2 * args.rank, lora_targets=tuple(args.targets),
+            lora_alpha=2 * args.rank, lora_targets=tuple(args.targets), codec=args.codec,
         )  # fmt: skip
         with remote, tempfile.TemporaryDirectory() as adapter_dir:
             remote.save_adapter(adapter_dir)
@@ -92,6 +96,9 @@ def main() -> None:
     activations = per_step.get("sent_bytes", 0) - per_step.get("adapter_bytes_sent", 0)
     print(f"  activations etc. sent:     {activations / 1e6:8.2f} MB")
     print(f"  received (outputs, grads): {per_step.get('received_bytes', 0) / 1e6:8.2f} MB")
+    last_local, last_swarm = sides["local"][3][-1], sides["swarm"][3][-1]
+    print(f"\nswarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
+          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
     print("\nloss per step (local PEFT vs swarm):")
     for i, (a, b) in enumerate(zip(sides["local"][3], sides["swarm"][3], strict=True)):
         print(f"  step {i + 1}: {a:.5f}  {b:.5f}  (diff {abs(a - b):.1e})")

@@ -22,6 +22,7 @@ import torch
 
 from swarm.client.training.local import LocalTraining
 from swarm.client.training.trainer import Trainer
+from swarm.codecs import parse_codec
 from swarm.config import Timing
 from swarm.local_swarm import LocalSwarm
 from swarm.training.data import Samples, corpus_files, tokenize
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3, help="steps of each side not timed")
     p.add_argument("--plot", type=Path, default=Path("pretrain-losses.png"))
+    p.add_argument("--codec", default="none", help="the swarm side's activation codec: auto, none, float16, block8...")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -70,6 +72,7 @@ def main() -> None:
         args_ = ("--throughput", "100", "--train", str(run_file))
         with LocalSwarm("tiny-llama", spans, extra_args=args_) as swarm:
             with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing()) as trainer:
+                trainer.model.connection.remote.codec = parse_codec(args.codec)
                 traffic = trainer.model.connection.remote.traffic
                 times: dict[str, list[float]] = {"local": [], "swarm": []}
                 losses: dict[str, list[float]] = {"local": [], "swarm": []}
@@ -101,6 +104,9 @@ def main() -> None:
     print(f"\nloss per step, local vs swarm (largest difference {diff:.1e}):")
     for i in range(0, args.steps, max(args.steps // 10, 1)):
         print(f"  step {i + 1:>4}: {losses['local'][i]:.5f}  {losses['swarm'][i]:.5f}")
+    last_local, last_swarm = losses["local"][-1], losses["swarm"][-1]
+    print(f"swarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
+          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
     save_plot(args.plot, {"local (one process)": losses["local"], "swarm (3 stage peers)": losses["swarm"]},
               f"{run.name}: local vs swarm")  # fmt: skip
     print(f"plot of both loss curves: {args.plot}")

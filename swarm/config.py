@@ -182,6 +182,9 @@ class ClientConfig:
     wiring_seed: int | None = None  # seed of the stochastic wiring of training micro-batches (None: random)
     identity: Path | None = None  # identity file: a stable peer id (a closed run's trainer); None: a fresh key
     swarm_key: Path | None = None  # a private swarm's key file (``swarm.membership``); None: an open swarm
+    # how hidden states and gradients travel: "auto" (exact on fast links, float16 on medium ones, 8-bit where the
+    # link is the bottleneck: ``swarm.codecs.choose_codec``) or a codec name to force ("none", "float16", "block8"...)
+    codec: str = "auto"
 
 
 def client_config(

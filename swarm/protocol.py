@@ -12,6 +12,7 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from swarm.codecs import Codec
 from swarm.errors import SwarmError, VersionMismatchError, error_from_code
 from swarm.identity import Signed
 from swarm.records import Record
@@ -77,6 +78,7 @@ class ForwardRequest(Request):
     forward_id: str | None = Field(default=None, max_length=MAX_ID)  # the name to keep it under
     adapter: AdapterRef | None = None
     train: TrainTag | None = None
+    codec: Codec | None = None  # how the reply's activations travel (None: exact), chosen by the client per link
 
 
 class BackwardRequest(Request):
@@ -91,6 +93,7 @@ class BackwardRequest(Request):
     adapter: AdapterRef | None = None
     input_grad: bool = True
     train: TrainTag | None = None
+    codec: Codec | None = None  # how the reply's ``grad_input`` travels (None: exact)
 
 
 class ReleaseRequest(Request):
@@ -182,6 +185,7 @@ class PushStep(Request):
     session_id: str = Field(min_length=1, max_length=MAX_ID)
     generation: int = Field(ge=0)
     step: InferenceStep
+    codec: Codec | None = None  # how the step's output travels on, to the next hop and to the client
 
 
 class StepReply(Message):
@@ -204,6 +208,7 @@ class InferenceRequest(Request):
     open: OpenSession | None = None
     step: InferenceStep | None = None
     route: Signed | None = None  # the client's signed ``ChainRoute`` (at the opening, and after every repair)
+    codec: Codec | None = None  # how this step's reply ``hidden`` travels (None: exact)
 
 
 class BandwidthProbe(Request):

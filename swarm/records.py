@@ -79,6 +79,7 @@ class ServerRecord(Record):
     # before runtimes were announced still reads as what that peer is (the schema version stays).
     runtime: str = Field(default="torch", pattern=r"^[a-z0-9_.-]{1,32}$")  # printed by swarm.status: a plain name
     capabilities: frozenset[Capability] = ALL_CAPABILITIES
+    network_mbps: float | None = Field(default=None, gt=0)  # its link (as in PeerRecord): clients' codec prior
 
     @property
     def author(self) -> str:

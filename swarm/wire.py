@@ -4,6 +4,8 @@ A message is (metadata dict, named tensors). It travels as one or more hivemind 
 the first frame carries the msgpack metadata (with the tensor names), and tensor bytes are cut into parts of at most
 ``FRAME_BYTES`` so that no frame reaches p2pd's 4 MiB limit. A receiver knows when a message is complete from the
 names list and each tensor's part count, so one stream can carry many messages back to back (inference steps).
+Activations (``swarm.codecs.ACTIVATIONS``) may travel compressed: each tensor part names its compression, and
+decoding restores the sender's dtype whatever the codec, after ``swarm.codecs`` has checked every field.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from swarm import codecs
+from swarm.codecs import Codec
 from swarm.errors import BadInputError, BusyError
 
 FRAME_BYTES = 2 * 1024 * 1024
@@ -55,13 +59,15 @@ Meta = dict[str, object]  # decoded metadata: hostile until a pydantic model has
 Message = tuple[Meta, dict[str, torch.Tensor]]
 
 
-def encode(meta: Meta, tensors: dict[str, torch.Tensor] | None = None) -> list[Frame]:
+def encode(meta: Meta, tensors: dict[str, torch.Tensor] | None = None, codec: Codec | None = None) -> list[Frame]:
+    """``codec``: how the float tensors named in ``codecs.ACTIVATIONS`` travel (None or ``none``: exact); every other
+    tensor always travels exact. A receiver needs no setting: each tensor part says its compression."""
     tensors = tensors or {}
     header = dict(meta, _tensors=list(tensors))
     frames = [Frame(metadata=msgpack.packb(header, use_bin_type=True))]
     size = 0
-    for tensor in tensors.values():
-        serialized = _serialize(tensor)
+    for name, tensor in tensors.items():
+        serialized = _serialize(tensor, codec if codec is not None and name in codecs.ACTIVATIONS else None)
         for part in split_for_streaming(serialized, FRAME_BYTES):
             if size + len(part.buffer) > FRAME_BYTES and len(frames[-1].tensors) > 0:
                 frames.append(Frame())
@@ -69,6 +75,14 @@ def encode(meta: Meta, tensors: dict[str, torch.Tensor] | None = None) -> list[F
             frames[-1].tensors.append(part)
             size += len(part.buffer)
     return frames
+
+
+def as_received(tensor: torch.Tensor, codec: Codec | None) -> torch.Tensor:
+    """``tensor`` as a receiver decodes it when it travels in ``codec`` (itself when exact): what a commitment to a
+    sent activation must digest."""
+    if codec is None or codec == Codec.none or not tensor.is_floating_point():
+        return tensor
+    return _to_tensor(_serialize(tensor, codec))
 
 
 def encoded_size(frames: Iterable[Frame]) -> int:
@@ -192,20 +206,27 @@ def _combine(parts: list[TensorPart]) -> TensorPart:
     return combined
 
 
-def _serialize(tensor: torch.Tensor) -> TensorPart:
-    """Raw little-endian bytes of a contiguous tensor (hivemind's Tensor message, no compression). Our own codec:
-    hivemind's generic one costs ~0.5 ms per small tensor, which is most of a decode step's overhead."""
+def _serialize(tensor: torch.Tensor, codec: Codec | None = None) -> TensorPart:
+    """Raw little-endian bytes of a contiguous tensor (hivemind's Tensor message, no compression), or ``codec``'s
+    form of a float tensor. Our own serializer: hivemind's generic one costs ~0.5 ms per small tensor, which is most
+    of a decode step's overhead."""
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise BadInputError(f"tensor dtype {name!r} cannot be sent")
+    if codec is not None and codec != Codec.none and tensor.is_floating_point():
+        part = codecs.compress(tensor, codec, name)
+        if part is not None:
+            return part
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return TensorPart(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
 
 
 def _to_tensor(serialized: TensorPart) -> torch.Tensor:
+    if serialized.compression != runtime_pb2.CompressionType.NONE:
+        return codecs.decompress(serialized)
     dtype = DTYPES.get(serialized.dtype)
-    if dtype is None or serialized.compression != runtime_pb2.CompressionType.NONE:
-        raise BadInputError(f"tensor dtype {serialized.dtype!r} / compression {serialized.compression} is not accepted")
+    if dtype is None:
+        raise BadInputError(f"tensor dtype {serialized.dtype!r} is not accepted")
     shape = tuple(serialized.size)
     numel = 1
     for dim in shape:

@@ -24,6 +24,7 @@ import torch
 from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
 from peers.rpc.sessions import Session, Sessions
 from swarm import wire
+from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError
 from swarm.identity import Signed, open_signed
@@ -156,16 +157,18 @@ class Relay:
         if session.index + 1 < len(route.hops):
             self._link(route.hops[session.index + 1])  # dial now: the first push then finds it open
 
-    def push(self, session: Session, step: InferenceStep, out: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-        """Pass ``out`` (this hop's output of ``step``) to the next hop, with the step's mask and positions."""
+    def push(self, session: Session, step: InferenceStep, out: torch.Tensor, tensors: dict[str, torch.Tensor],
+             codec: Codec | None = None) -> None:  # fmt: skip
+        """Pass ``out`` (this hop's output of ``step``) to the next hop, with the step's mask and positions, its
+        activation in ``codec`` (the client's choice for the step)."""
         route = session.route
         if route is None or session.index + step.hops >= len(route.hops):
             raise BadInputError(f"a step for {step.hops} more hops, but the route has no such hops after this one")
         nxt = route.hops[session.index + 1]
         push = PushStep(client=session.caller, session_id=nxt.session_id, generation=route.generation,
-                        step=step.model_copy(update={"hops": step.hops - 1}))  # fmt: skip
+                        step=step.model_copy(update={"hops": step.hops - 1}), codec=codec)  # fmt: skip
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}
-        self._link(nxt).send(wire.encode(self.remote.meta(push), carried))
+        self._link(nxt).send(wire.encode(self.remote.meta(push), carried, codec))
 
     async def rpc_push(
         self, frames: AsyncIterator[wire.Frame], context: CallerContext | None

@@ -19,6 +19,7 @@ from peers.rpc.chain import Pushed, Relay
 from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
 from peers.rpc.sessions import Session, Sessions
 from swarm import wire
+from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError, SessionExpiredError
 from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
@@ -132,7 +133,7 @@ class InferenceLoop:
             hidden = tensors.get("hidden")
             if hidden is not None and hidden.is_floating_point():  # the previous hop sent its own dtype
                 tensors = {**tensors, "hidden": hidden.to(self.sessions.compute.limits.dtype)}
-            return await self._step(session, step, tensors, item.tensors.get("hidden"))
+            return await self._step(session, step, tensors, item.tensors.get("hidden"), item.push.codec)
         assert isinstance(item, _FromClient)
         meta, tensors = item.message
         check_version(meta)
@@ -146,10 +147,12 @@ class InferenceLoop:
             await self.sessions.notify()
         if request.step is None:
             return _frames(self.signer.opening)
-        return await self._step(session, request.step, tensors, tensors.get("hidden"))
+        return await self._step(session, request.step, tensors, tensors.get("hidden"), request.codec)
 
     async def _step(self, session: Session, step: InferenceStep, tensors: dict[str, torch.Tensor],
-                    received: torch.Tensor | None) -> list[wire.Frame]:  # fmt: skip
+                    received: torch.Tensor | None, codec: Codec | None) -> list[wire.Frame]:  # fmt: skip
+        """Run ``step``; push its output on if it goes further; answer with the output (in ``codec``, the client's
+        choice, as the push) and the commitment to what was ``received`` and what receivers decode."""
         self.sessions.compute.active += 1
         try:
             await self.delay()
@@ -159,7 +162,7 @@ class InferenceLoop:
         if step.hops:
             if self.relay is None:
                 raise BadInputError("this server does not chain steps")
-            self.relay.push(session, step, out, tensors)
+            self.relay.push(session, step, out, tensors, codec)
         assert received is not None  # the step's checks required it
-        reply = self.signer.reply(step.position, step.tag, received, out)
-        return _frames(reply, {"hidden": out})
+        reply = self.signer.reply(step.position, step.tag, received, wire.as_received(out, codec))
+        return wire.encode(reply.model_dump(mode="json"), {"hidden": out}, codec)

@@ -26,6 +26,7 @@ from peers.rpc.inference import InferenceLoop
 from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
 from peers.rpc.sessions import Sessions
 from swarm import wire
+from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError, NotMemberError, StaleStepError, SwarmError
 from swarm.protocol import (
@@ -68,8 +69,9 @@ class TrainingRpc(Protocol):
     async def step(self, notice: StepNotice) -> None: ...
 
 
-def _reply(reply: Message, tensors: Tensors | None = None) -> list[wire.Frame]:
-    return wire.encode(reply.model_dump(mode="json"), tensors)
+def _reply(reply: Message, tensors: Tensors | None = None, codec: Codec | None = None) -> list[wire.Frame]:
+    """``codec``: how the reply's activations travel, as the request asked (``swarm.codecs``)."""
+    return wire.encode(reply.model_dump(mode="json"), tensors, codec)
 
 
 def error_reply(e: BaseException, **fields: object) -> list[wire.Frame]:
@@ -155,9 +157,9 @@ class Servicer:
             req = COMPUTE_REQUEST.validate_python(meta)
             await self._delay()
             if isinstance(req, ForwardRequest):
-                return _reply(Reply(), await self.compute.forward(req, tensors, caller))
+                return _reply(Reply(), await self.compute.forward(req, tensors, caller), req.codec)
             if isinstance(req, BackwardRequest):
-                return _reply(Reply(), await self.compute.backward(req, tensors, caller))
+                return _reply(Reply(), await self.compute.backward(req, tensors, caller), req.codec)
             if isinstance(req, ReleaseRequest):
                 self.compute.release(req, caller)
                 return _reply(Reply())

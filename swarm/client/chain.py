@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swarm import wire
 from swarm.client import replies
 from swarm.client.connection import RTT_SLACK
+from swarm.codecs import Codec
 from swarm.errors import SwarmError
 from swarm.identity import Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
@@ -30,6 +32,7 @@ from swarm.rpc.commit import CommitKey, digest
 from swarm.rpc.hop import Hop
 from swarm.rpc.remote import InferenceStream, Remote, Tensors, unavailable
 
+_SAVING = {Codec.none: 0, Codec.float16: 1, Codec.bfloat16: 1, Codec.uint8: 2, Codec.quantile8: 2, Codec.block8: 2}
 MAX_STALE = 64  # replies of abandoned attempts skipped in one read before the stream counts as broken
 
 
@@ -123,6 +126,12 @@ class Chain:
                 state.broken = True
                 raise result
 
+    def codec(self, states: list[HopState], piece: torch.Tensor) -> Codec:
+        """One codec for a chained step's activations on every link it crosses: what the slowest link calls for
+        (each link's own choice, ``Remote.codec_for``; the most compressing of them)."""
+        choices = [self.remote.codec_for(s.hop, {"hidden": piece}) for s in states]
+        return max(choices, key=lambda c: _SAVING.get(c, 0))
+
     def deadline(self, states: list[HopState], upto: int, base: float) -> float:
         """How long hop ``upto`` of a chained step may take to answer: the compute allowance ``base`` plus a few
         measured round trips per hop the step crosses to reach it (unmeasured hops count nothing)."""
@@ -142,18 +151,18 @@ class Chain:
         tag, first = self._tag, states[0]
         pieces = chunks(hidden.shape[1], chunk)
         assert first.stream is not None
-        sent: list[torch.Tensor] = []
+        codec = self.codec(states, hidden[:, : pieces[0].end].to(getattr(torch, first.hop.dtype)))
+        digests: list[str] = []
         for c in pieces:
             x = hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype))
-            sent.append(x)
+            digests.append(digest(wire.as_received(x, codec)))  # what the first hop decodes and commits to
             tensors: Tensors = {"hidden": x}
             if mask is not None:
                 tensors["attention_mask"] = mask[:, : position + c.end]
             if positions is not None:
                 tensors["position_ids"] = positions[:, c.start : c.end]
             step = InferenceStep(position=position + c.start, hops=len(states) - 1, tag=tag)
-            await first.stream.send(InferenceRequest(step=step), tensors)
-        digests = [digest(x) for x in sent]
+            await first.stream.send(InferenceRequest(step=step), tensors, codec)
         inputs = hidden
         before = time.perf_counter()
         for k, state in enumerate(states):
@@ -200,7 +209,7 @@ class Chain:
         stream, hop = state.stream, state.hop
         assert stream is not None
         while state.acks:
-            opening, _ = await stream.receive(OpenReply, self.open_timeout + timeout)
+            opening, _, _ = await stream.receive(OpenReply, self.open_timeout + timeout)
             rtt = time.perf_counter() - state.acks.pop(0)
             old = self.rtt.get(hop.peer_id)
             self.rtt[hop.peer_id] = rtt if old is None else 0.7 * old + 0.3 * rtt
@@ -212,7 +221,7 @@ class Chain:
             want = (shape[0], c.end - c.start, shape[2])
             bound = replies.Expect({"hidden": (want, getattr(torch, hop.dtype))}, True).max_bytes
             for _ in range(MAX_STALE):
-                reply, tensors = await stream.receive(StepReply, timeout, bound)
+                reply, tensors, _ = await stream.receive(StepReply, timeout, bound)
                 if reply.tag == tag:
                     break
             else:

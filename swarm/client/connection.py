@@ -8,6 +8,7 @@ import logging
 
 from swarm.client.retry import Retrier
 from swarm.client.swarm_view import SwarmView
+from swarm.codecs import parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import start_dht
 from swarm.membership import swarm_key_for
@@ -38,6 +39,7 @@ class SwarmConnection:
                 pool_size=cfg.pool_size,
                 max_reply_bytes=cfg.max_reply_bytes,
                 dial_timeout=cfg.timing.handshake_timeout,
+                codec=parse_codec(cfg.codec),
             )
             self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)

@@ -218,7 +218,9 @@ class InferenceSession:
         t0 = time.perf_counter()
         try:
             expect = replies.expected(request, tensors)
-            call = state.stream.exchange(request, tensors, self._timeout(hidden, state.hop.peer_id), expect.max_bytes)
+            codec = self.conn.remote.codec_for(state.hop, tensors)
+            call = state.stream.exchange(request, tensors, self._timeout(hidden, state.hop.peer_id), expect.max_bytes,
+                                         codec)  # fmt: skip
             out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
         except AdapterMissingError:
             if not opening or state.send_adapter or self.delivery is None:

@@ -93,6 +93,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         swarm_key: Path | None = None,
         chain: bool = True,
         prefill_chunk: int = 128,
+        codec: str = "auto",
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -105,11 +106,11 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
         ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers). ``chain``: inference steps pass
         from server to server (``False``: through this client at every hop); ``prefill_chunk``: tokens per pipelined
-        piece of a long chained step."""
+        piece of a long chained step. ``codec``: activations' codec, "auto" (per link) or one to force."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         cfg = client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key, chain=chain,
-                            prefill_chunk=prefill_chunk)  # fmt: skip
+                            prefill_chunk=prefill_chunk, codec=codec)  # fmt: skip
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -156,12 +157,13 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         wiring_seed: int | None = None,
         identity: Path | None = None,
         swarm_key: Path | None = None,
+        codec: str = "auto",
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
         closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
         cfg = client_config(initial_peers, timing, cache_dir, direct, wiring_seed=wiring_seed, identity=identity,
-                            swarm_key=swarm_key)  # fmt: skip
+                            swarm_key=swarm_key, codec=codec)  # fmt: skip
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)

@@ -19,6 +19,7 @@ class Hop:
     step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
     token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
     runtime: str = "torch"  # the server's execution runtime (peers.blocks.runtime)
+    network_mbps: float | None = None  # the server's announced link (codec choice's prior; None: unknown)
 
     @classmethod
     def of(
@@ -41,6 +42,7 @@ class Hop:
             step_seconds,
             token_seconds,
             r.runtime,
+            r.network_mbps,
         )
 
     @property

@@ -18,6 +18,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm import wire
+from swarm.codecs import ACTIVATIONS, Codec, choose_codec
 from swarm.config import DirectPolicy
 from swarm.errors import PeerUnavailableError, SwarmError
 from swarm.protocol import (
@@ -46,6 +47,7 @@ from swarm.protocol import (
 )
 from swarm.rpc.direct import DirectDialError, TcpChannel
 from swarm.rpc.hop import Hop
+from swarm.rpc.links import Links
 from swarm.rpc.secure import Credentials, client_context
 from swarm.rpc.transport import Channel, P2PChannel, Transport, choose_transport, stream_rpc, unary
 
@@ -87,6 +89,7 @@ class Remote:
         dial_timeout: float = 5.0,
         fallback_s: float = 60.0,
         pool_idle: float = 15.0,
+        codec: Codec | None = None,
     ) -> None:
         self.p2p = p2p
         self.creds = creds
@@ -99,6 +102,10 @@ class Remote:
         self.pool_size = pool_size  # idle compute connections kept per server (micro-batches in flight)
         self.max_reply_bytes = max_reply_bytes  # a reply larger than this is refused: replies are hostile too
         self.traffic: Counter[str] = Counter()  # sent_bytes / received_bytes over every message, all transports
+        # and, per compute call or inference step: codec.{name} (the codec of its activations, both ways) and
+        # activation_bytes (their float bytes before compression, as sent)
+        self.codec = codec  # forced activation codec (None: chosen per call from the link estimate)
+        self.links = Links()
         self._dialled: set[str] = set()
         self._idle: dict[str, list[TcpChannel]] = {}  # "peer@address" -> kept-open compute connections
 
@@ -156,6 +163,12 @@ class Remote:
     ) -> wire.Message | None:
         """One request, one reply, over the transport chosen for it (replies bounded by ``max_bytes``, default the
         transport's bound)."""
+        return (await self._exchange_counted(hop, rpc, frames, max_bytes))[0]
+
+    async def _exchange_counted(
+        self, hop: Hop, rpc: str, frames: list[wire.Frame], max_bytes: int | None = None
+    ) -> tuple[wire.Message | None, int]:
+        """``_exchange``, and the bytes its reply took."""
         transport = self.transport(hop, rpc, frames)
         limit = min(max_bytes or self.max_reply_bytes, self.max_reply_bytes)
         if transport == Transport.POOLED:
@@ -169,11 +182,11 @@ class Remote:
             self.traffic["received_bytes"] += decoder.total_bytes
             if message is None:
                 raise unavailable(hop.peer_id, "sent a reply that ends before all its tensors")
-            return message
+            return message, decoder.total_bytes
         channel = await self.open_channel(hop, rpc, limit)
         try:
             await channel.send(frames)
-            return await channel.receive()
+            return await channel.receive(), channel.decoder.total_bytes
         finally:
             self.traffic["received_bytes"] += channel.decoder.total_bytes
             channel.close()
@@ -195,7 +208,7 @@ class Remote:
             channel.decoder.max_bytes = limit  # this call's reply bound, whatever the connection carried before
         return channel
 
-    async def _pooled(self, hop: Hop, channel: TcpChannel, frames: list[wire.Frame]) -> wire.Message | None:
+    async def _pooled(self, hop: Hop, channel: TcpChannel, frames: list[wire.Frame]) -> tuple[wire.Message | None, int]:
         """One compute call over a kept-open connection to ``hop``; the connection goes back to the pool only after
         a complete reply, so a broken or abandoned one is never reused."""
         idle = self._idle.setdefault(f"{hop.peer_id}@{hop.direct}", [])
@@ -206,14 +219,25 @@ class Remote:
             channel.close()
             raise
         finally:
-            self.traffic["received_bytes"] += channel.decoder.total_bytes
+            received = channel.decoder.total_bytes
+            self.traffic["received_bytes"] += received
             channel.decoder.total_bytes = 0
         if message is not None and len(idle) < self.pool_size:
             channel.last_used = time.monotonic()
             idle.append(channel)
         else:
             channel.close()
-        return message
+        return message, received
+
+    def codec_for(self, hop: Hop, tensors: Tensors) -> Codec:
+        """The codec for the activations of a call to ``hop`` carrying ``tensors``, and of its reply (as large: a
+        hidden state for a hidden state, a gradient for a gradient): forced, or chosen from the link estimate."""
+        nbytes = sum(t.nbytes for name, t in tensors.items() if name in ACTIVATIONS and t.is_floating_point())
+        return choose_codec(nbytes, self.links.mbps(hop.peer_id, hop.network_mbps), forced=self.codec)
+
+    def _count(self, codec: Codec, tensors: Tensors) -> None:
+        self.traffic[f"codec.{codec}"] += 1
+        self.traffic["activation_bytes"] += sum(t.nbytes for n, t in tensors.items() if n in ACTIVATIONS)
 
     async def call(
         self,
@@ -224,18 +248,23 @@ class Remote:
         timeout: float,
         reply: type[R],
         max_bytes: int | None = None,
+        codec: Codec | None = None,
     ) -> tuple[R, Tensors]:
-        """Send ``request`` (with ``tensors``) and return the typed reply and its tensors."""
-        frames = wire.encode(self.meta(request), tensors)
-        self.traffic["sent_bytes"] += wire.encoded_size(frames)
+        """Send ``request`` (with ``tensors``, activations in ``codec``) and return the typed reply and its
+        tensors."""
+        frames = wire.encode(self.meta(request), tensors, codec)
+        sent = wire.encoded_size(frames)
+        self.traffic["sent_bytes"] += sent
+        t0 = time.perf_counter()
         try:
-            message = await asyncio.wait_for(self._exchange(hop, rpc, frames, max_bytes), timeout)
+            message, received = await asyncio.wait_for(self._exchange_counted(hop, rpc, frames, max_bytes), timeout)
         except SwarmError as e:
             e.peer_id = hop.peer_id
             raise
         except Exception as e:
             self._dialled.discard(hop.peer_id)
             raise unavailable(hop.peer_id, "failed", e) from None
+        self.links.observe(hop.peer_id, sent + received, time.perf_counter() - t0, hop.network_mbps)
         return _parse(message, reply, hop.peer_id)
 
     async def exchange_raw(
@@ -255,8 +284,12 @@ class Remote:
         timeout: float,
         max_bytes: int | None = None,
     ) -> Tensors:
-        """``max_bytes``: the largest reply this request can honestly get (the caller knows what it asked for)."""
-        return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply, max_bytes))[1]
+        """``max_bytes``: the largest reply this request can honestly get (the caller knows what it asked for).
+        Activations travel both ways in ``request.codec`` if set, else in the codec ``codec_for`` picks."""
+        codec = request.codec or self.codec_for(hop, tensors)
+        request = request.model_copy(update={"codec": None if codec == Codec.none else codec})
+        self._count(codec, tensors)
+        return (await self.call(hop, RPC_FORWARD, request, tensors, timeout, Reply, max_bytes, codec))[1]
 
     async def state(
         self, hop: Hop, timeout: float, max_bytes: int, last_round: bool = False
@@ -315,39 +348,56 @@ class InferenceStream:
         self.remote, self.hop, self.channel = remote, hop, channel
         self.closed = False
 
-    async def send(self, request: InferenceRequest, tensors: Tensors) -> None:
-        """Send one message of the session (its replies are read in order with ``receive``)."""
+    async def send(self, request: InferenceRequest, tensors: Tensors, codec: Codec | None = None) -> int:
+        """Send one message of the session (its replies are read in order with ``receive``); its activations travel
+        both ways in ``codec`` (None: exact; ``Remote.codec_for`` picks one per link). Returns the bytes sent."""
+        if codec is not None and codec != Codec.none:
+            request = request.model_copy(update={"codec": codec})
         try:
-            frames = wire.encode(self.remote.meta(request), tensors)
-            self.remote.traffic["sent_bytes"] += wire.encoded_size(frames)
+            frames = wire.encode(self.remote.meta(request), tensors, codec)
+            sent = wire.encoded_size(frames)
+            self.remote.traffic["sent_bytes"] += sent
+            if request.step is not None:
+                self.remote._count(codec or Codec.none, tensors)
             await self.channel.send(frames)
         except Exception as e:
             self.close()
             raise unavailable(self.hop.peer_id, "failed", e) from None
+        return sent
 
-    async def receive(self, reply: type[R], timeout: float, max_bytes: int | None = None) -> tuple[R, Tensors]:
-        """The session's next reply (at most ``max_bytes``: what the step can honestly get back), as ``reply``."""
+    async def receive(self, reply: type[R], timeout: float, max_bytes: int | None = None) -> tuple[R, Tensors, int]:
+        """The session's next reply (at most ``max_bytes``: what the step can honestly get back), as ``reply``, and
+        the bytes it took."""
         if max_bytes is not None:
             self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
         try:
             received = self.channel.decoder.total_bytes
             message = await asyncio.wait_for(self.channel.receive(), timeout)
-            self.remote.traffic["received_bytes"] += self.channel.decoder.total_bytes - received
+            received = self.channel.decoder.total_bytes - received
+            self.remote.traffic["received_bytes"] += received
         except Exception as e:
             self.close()
             raise unavailable(self.hop.peer_id, "failed", e) from None
         try:
-            return _parse(message, reply, self.hop.peer_id)
+            return (*_parse(message, reply, self.hop.peer_id), received)
         except SwarmError:
             self.close()
             raise
 
     async def exchange(
-        self, request: InferenceRequest, tensors: Tensors, timeout: float, max_bytes: int | None = None
+        self,
+        request: InferenceRequest,
+        tensors: Tensors,
+        timeout: float,
+        max_bytes: int | None = None,
+        codec: Codec | None = None,
     ) -> Tensors:
-        """Send one step and wait for its reply (at most ``max_bytes``: what the step can honestly get back)."""
-        await self.send(request, tensors)
-        return (await self.receive(StepReply, timeout, max_bytes))[1]
+        """Send one step and wait for its reply (client-mediated steps): the exchange also times the link."""
+        t0 = time.perf_counter()
+        sent = await self.send(request, tensors, codec)
+        _, out, received = await self.receive(StepReply, timeout, max_bytes)
+        self.remote.links.observe(self.hop.peer_id, sent + received, time.perf_counter() - t0, self.hop.network_mbps)
+        return out
 
     def close(self) -> None:
         if not self.closed:

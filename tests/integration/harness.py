@@ -35,6 +35,9 @@ def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any
 def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:
     from swarm import DistributedModelForCausalLM
 
+    # exact activations unless a test asks for a codec: "auto" would compress wherever the loopback probe came out
+    # slow, and these tests compare against local models (compression: test_compression.py)
+    kwargs.setdefault("codec", "none")
     return DistributedModelForCausalLM.from_pretrained(
         model, initial_peers=swarm.initial_peers, timing=Timing.for_tests(), **kwargs
     )

@@ -24,7 +24,8 @@ from swarm.errors import BadInputError
 from swarm.local_swarm import LocalSwarm, PeerProcess
 
 Tensors = dict[str, torch.Tensor]
-MODES = ("no_hidden", "oversized", "bad_input", "oom", "fork")
+MODES = ("no_hidden", "oversized", "bad_input", "oom")  # replies that lie (each liar test starts one of each)
+CHAIN_MODES = ("fork",)  # chained steps that lie
 PADDING = 4 << 20  # float32 elements: 16 MiB
 
 
@@ -96,8 +97,8 @@ def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> Pe
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in MODES:
-        print(f"usage: python -m tests.integration.liar {{{','.join(MODES)}}} [swarm.serve arguments...]")
+    if not argv or argv[0] not in MODES + CHAIN_MODES:
+        print(f"usage: python -m tests.integration.liar {{{','.join(MODES + CHAIN_MODES)}}} [swarm.serve arguments...]")
         return 2
     install(argv[0])
     from swarm.serve import main as serve

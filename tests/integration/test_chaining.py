@@ -70,6 +70,21 @@ def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, re
         assert sent[True] < 0.6 * sent[False], sent
 
 
+def test_chained_steps_carry_compressed_activations_with_consistent_commitments(folder):
+    """A forced 8-bit codec on every link of the chain: each hop's commitment digests what receivers decode, so the
+    digest chain still holds; every step travelled compressed."""
+    ids = prompt()
+    with running_swarm(folder, THREE) as swarm, connect(folder, swarm, codec="block8", prefill_chunk=8) as client:
+        with client.inference_session(max_length=64) as session:
+            client.generate(ids, max_new_tokens=8, do_sample=False)
+            states = session.hop_states
+        assert client.failovers == 0
+        for before, after in zip(states, states[1:], strict=False):
+            assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
+        traffic = client.connection.remote.traffic
+        assert traffic["codec.block8"] == 3 + 7 and traffic["codec.none"] == 0
+
+
 def test_pushes_from_outside_the_route_are_refused(folder, ref):
     ids = prompt(9)
     more = torch.tensor([[17]])  # the user's next token, after a first answer
