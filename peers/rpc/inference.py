@@ -156,13 +156,14 @@ class InferenceLoop:
         self.sessions.compute.active += 1
         try:
             await self.delay()
-            out = (await self.sessions.step(session, step.position, tensors))["hidden"]
+            result = await self.sessions.step(session, step.position, tensors)
         finally:
             self.sessions.compute.active -= 1
+        out = result["hidden"]
         if step.hops:
             if self.relay is None:
                 raise BadInputError("this server does not chain steps")
             self.relay.push(session, step, out, tensors, codec)
         assert received is not None  # the step's checks required it
         reply = self.signer.reply(step.position, step.tag, received, wire.as_received(out, codec))
-        return wire.encode(reply.model_dump(mode="json"), {"hidden": out}, codec)
+        return wire.encode(reply.model_dump(mode="json"), result, codec)

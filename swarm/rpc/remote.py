@@ -35,6 +35,7 @@ from swarm.protocol import (
     InferenceRequest,
     InfoReply,
     InfoRequest,
+    OpenReply,
     R,
     ReleaseRequest,
     Reply,
@@ -392,10 +393,11 @@ class InferenceStream:
         max_bytes: int | None = None,
         codec: Codec | None = None,
     ) -> Tensors:
-        """Send one step and wait for its reply (client-mediated steps): the exchange also times the link."""
+        """Send one message and wait for its reply (a client-mediated step, or an opening without a step): the
+        exchange also times the link."""
         t0 = time.perf_counter()
         sent = await self.send(request, tensors, codec)
-        _, out, received = await self.receive(StepReply, timeout, max_bytes)
+        _, out, received = await self.receive(StepReply if request.step is not None else OpenReply, timeout, max_bytes)
         self.remote.links.observe(self.hop.peer_id, sent + received, time.perf_counter() - t0, self.hop.network_mbps)
         return out
 
