@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -66,6 +67,7 @@ class _PushLink:
         self.queue: asyncio.Queue[list[wire.Frame]] = asyncio.Queue()
         self.queued = 0
         self.dead = False
+        self.last_used = time.monotonic()
         self._task = asyncio.create_task(self._run(remote, hop))
 
     async def _run(self, remote: Remote, hop: ChainHop) -> None:
@@ -91,6 +93,7 @@ class _PushLink:
             log.warning("push queue full: step dropped")
             return
         self.queued += len(frames)
+        self.last_used = time.monotonic()
         self.queue.put_nowait(frames)
 
     def close(self) -> None:
@@ -114,6 +117,11 @@ class Relay:
     def _link(self, hop: ChainHop) -> _PushLink:
         key = (hop.peer_id, hop.direct)
         link = self._links.get(key)
+        # The next hop ends a push stream idle for ``stream_idle`` (``rpc_push``), and this side would not notice: its
+        # next push would vanish into the closed stream. So a link idle for half of that is closed and dialled again.
+        if link is not None and not link.dead and time.monotonic() - link.last_used > self.timing.stream_idle / 2:
+            link.close()
+            link = None
         if link is None or link.dead:
             if len(self._links) >= 1024:  # next hops come from clients: keep this bounded
                 self._prune()
