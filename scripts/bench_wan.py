@@ -89,7 +89,7 @@ pipeline_depth = 2
 every_steps = 0
 [checkpoint]
 every_steps = 0
-dir = "{folder / 'ckpt'}"
+dir = "{folder / "ckpt"}"
 [stages]
 spans = {json.dumps(spans)}
 """)
@@ -232,7 +232,8 @@ class Bench:
             print(f"{model}: local one process, 1 thread: {local['tokens_per_s']:.1f} tokens/s "
                   f"(compute per token c = {local['step_s'] * 1000:.1f} ms), TTFT {local['ttft_s']:.2f} s")  # fmt: skip
         head = (f"| {'model':<12} | {'link':<19} | {'plane':<6} | {'mode':<14} | {'tok/s':>6} | {'step ms':>7} | "
-                f"{'floor ms':>8} | {'c ms':>5} | {'xfloor':>6} | {'x(n+1)d':>7} | {'x2nd':>5} | {'TTFT s':>6} | {'xlocal':>6} |")  # fmt: skip
+                f"{'floor ms':>8} | {'c ms':>5} | {'xfloor':>6} | {'x(n+1)d':>7} | {'x2nd':>5} | {'TTFT s':>6} | "
+                f"{'xlocal':>6} |")  # fmt: skip
         print(head)
         print(rule(head))
         for r in self.results:
@@ -245,10 +246,12 @@ class Bench:
             t = r["step_s"]
             tt = f"{ttft:>6.2f}" if ttft is not None else f"{'':>6}"
             tl = f"{ttft / local['ttft_s']:>5.2f}x" if ttft is not None else f"{'':>6}"
-            print(f"| {r['model']:<12} | {link_name(r['link']):<19} | {r['plane']:<6} | {r['mode']:<14} | "
-                  f"{r['tokens_per_s']:>6.1f} | {t * 1000:>7.1f} | {f['floor'] * 1000:>8.1f} | "
-                  f"{f['c'] * 1000:>5.1f} | {t / f['floor']:>5.2f}x | {t / f['chained']:>6.2f}x | "
-                  f"{t / f['mediated']:>4.2f}x | {tt} | {tl} |")
+            print(
+                f"| {r['model']:<12} | {link_name(r['link']):<19} | {r['plane']:<6} | {r['mode']:<14} | "
+                f"{r['tokens_per_s']:>6.1f} | {t * 1000:>7.1f} | {f['floor'] * 1000:>8.1f} | "
+                f"{f['c'] * 1000:>5.1f} | {t / f['floor']:>5.2f}x | {t / f['chained']:>6.2f}x | "
+                f"{t / f['mediated']:>4.2f}x | {tt} | {tl} |"
+            )
         train = [r for r in self.results if r["task"] in ("finetune", "pretrain")]
         if train:
             print("\n## Training (median step after one warm-up step)")
@@ -261,13 +264,17 @@ class Bench:
                 else:
                     what, value = f"pre-training tokens/s ({r['tokens_per_step']} tok/step)", r["tokens_per_s"]
                 mode = r["mode"].replace("chain=on", "").strip() or "-"
-                print(f"| {r['model']:<12} | {link_name(r['link']):<19} | {r['plane']:<6} | {mode:<14} | "
-                      f"{what:<40} | {value:>8.2f} |")
+                print(
+                    f"| {r['model']:<12} | {link_name(r['link']):<19} | {r['plane']:<6} | {mode:<14} | "
+                    f"{what:<40} | {value:>8.2f} |"
+                )
         mism = [r for r in self.results if r["task"] == "decode" and
                 r["tokens"] != self.local[r["model"]]["tokens"]]  # fmt: skip
         if mism:
-            print("\nWARNING: greedy tokens differ from the local run in:",
-                  ", ".join(f"{r['model']}/{r['link']}/{r['plane']}/{r['mode']}" for r in mism))
+            print(
+                "\nWARNING: greedy tokens differ from the local run in:",
+                ", ".join(f"{r['model']}/{r['link']}/{r['plane']}/{r['mode']}" for r in mism),
+            )
         else:
             print("\nEvery decode row's greedy tokens equal the local run's.")
 
@@ -285,17 +292,29 @@ def link_name(link: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="tiny Llama; loopback and link a; direct plane; decode, TTFT and fine-tuning; fewer tokens")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny Llama; loopback and link a; direct plane; decode, TTFT and fine-tuning; fewer tokens",
+    )
     p.add_argument("--models", nargs="+", choices=list(SPANS), default=["tiny-llama", "smollm2-135m"])
     p.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS))
     p.add_argument("--planes", nargs="+", choices=["direct", "libp2p"], default=["direct", "libp2p"])
-    p.add_argument("--pretrain-planes", nargs="+", choices=["direct", "libp2p"], default=["direct"],
-                   help="pre-training needs servers of its own per plane, so by default only the direct plane")
+    p.add_argument(
+        "--pretrain-planes",
+        nargs="+",
+        choices=["direct", "libp2p"],
+        default=["direct"],
+        help="pre-training needs servers of its own per plane, so by default only the direct plane",
+    )
     p.add_argument("--chain", nargs="+", choices=["off", "on"], default=["off", "on"])
     p.add_argument("--codec", default=None, help="add rows with this ClientConfig.codec (where the field exists)")
-    p.add_argument("--tasks", nargs="+", choices=["decode", "ttft", "finetune", "pretrain"],
-                   default=["decode", "ttft", "finetune", "pretrain"])
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=["decode", "ttft", "finetune", "pretrain"],
+        default=["decode", "ttft", "finetune", "pretrain"],
+    )
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed generations per decode row")
     p.add_argument("--prompt-len", type=int, default=512)

@@ -115,9 +115,10 @@ def measure_decode(model: Any, prompt: torch.Tensor, new_tokens: int, repeats: i
     for _ in range(repeats):
         out, stamps, _ = decode_run(model, prompt, new_tokens)
         steps += stamps.steps()
-    step = statistics.median(steps)
-    return {"step_s": step, "tokens_per_s": 1.0 / step, "steps_p10": sorted(steps)[len(steps) // 10],
-            "steps_p90": sorted(steps)[9 * len(steps) // 10], "tokens": out[0].tolist() if out is not None else []}  # fmt: skip
+    step, ordered = statistics.median(steps), sorted(steps)
+    tokens = out[0].tolist() if out is not None else []
+    return {"step_s": step, "tokens_per_s": 1.0 / step, "steps_p10": ordered[len(steps) // 10],
+            "steps_p90": ordered[9 * len(steps) // 10], "tokens": tokens}  # fmt: skip
 
 
 def measure_ttft(model: Any, long: torch.Tensor, repeats: int) -> float:
