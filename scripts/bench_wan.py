@@ -8,7 +8,8 @@ vs the floors the links allow, in one run. Needs root, /dev/net/tun and ``ip``.
 
 Models: SmolLM2-135M over 3 peers (0:10, 10:20, 20:30) and the tiny Llama card over 4 peers (2 blocks each).
 Links (one-way delay d between any two nodes, each node's bandwidth both ways): ``loopback`` (no WAN: 127.0.0.1,
-the reference), ``a`` 100 Mbit/s d=20 ms, ``b`` 100 Mbit/s d=50 ms, ``c`` 20 Mbit/s d=50 ms.
+the reference), ``a`` 100 Mbit/s d=20 ms, ``b`` 100 Mbit/s d=50 ms, ``c`` 20 Mbit/s d=50 ms; and, not in the
+default run, ``z``: the WAN with d=0 and no bandwidth limit (the emulator's own cost: router, MTU 1500, namespaces).
 Planes: ``direct`` (the servers' encrypted TLS data plane, the client's default ``direct="auto"``) and ``libp2p``
 (servers started with ``--direct-port off``, client ``direct="never"``: every byte through the p2pd daemons). The code
 base has no unencrypted direct TCP option (``swarm/rpc/direct.py`` is TLS-only), so there is no plain-TCP plane.
@@ -39,6 +40,7 @@ LINKS: dict[str, tuple[float, float | None]] = {  # name -> (one-way delay ms, M
     "a": (20.0, 100.0),
     "b": (50.0, 100.0),
     "c": (50.0, 20.0),
+    "z": (0.0, None),  # not in the default run: the emulator's own cost (router, MTU 1500, namespaces), no delay
 }
 SPANS = {
     "smollm2-135m": ["0:10", "10:20", "20:30"],
@@ -286,6 +288,8 @@ def rule(head: str) -> str:
 def link_name(link: str) -> str:
     if link == "loopback":
         return "loopback (no WAN)"
+    if link == "z":
+        return "z: WAN d=0, no limit"
     delay, mbit = LINKS[link]
     return f"{link}: {mbit:.0f}Mb/s d={delay:.0f}ms"
 
@@ -298,7 +302,7 @@ def main() -> int:
         help="tiny Llama; loopback and link a; direct plane; decode, TTFT and fine-tuning; fewer tokens",
     )
     p.add_argument("--models", nargs="+", choices=list(SPANS), default=["tiny-llama", "smollm2-135m"])
-    p.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS))
+    p.add_argument("--links", nargs="+", choices=list(LINKS), default=["loopback", "a", "b", "c"])
     p.add_argument("--planes", nargs="+", choices=["direct", "libp2p"], default=["direct", "libp2p"])
     p.add_argument(
         "--pretrain-planes",
