@@ -41,8 +41,9 @@ def overrides(mode: dict[str, Any]) -> Iterator[dict[str, Any]]:
     import swarm.client.model as client_model
 
     known = client_fields()
-    applied = {k: mode[k] for k in ("chain", "codec", "prefill_chunk") if k in mode and mode[k] is not None}
-    applied = {k: v for k, v in applied.items() if k in known}
+    applied: dict[str, Any] = {
+        k: mode[k] for k in ("chain", "codec", "prefill_chunk") if mode.get(k) is not None and k in known
+    }
     original = client_model._client_config
 
     def patched(*args: Any, **kwargs: Any) -> Any:
@@ -143,7 +144,8 @@ def task_local(spec: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = folder_of(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train(False)
     short, long = prompts(spec, model.config.vocab_size)
     with torch.no_grad():
         dec = measure_decode(model, short, int(spec.get("new_tokens", 32)), int(spec.get("repeats", 2)))

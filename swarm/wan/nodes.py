@@ -74,10 +74,10 @@ class ClientJob:
     def __init__(self, wan: Wan | None, node: str | None, spec: dict[str, Any], log_path: Any = None) -> None:
         """``wan`` None: a plain child process on this machine's own network (the loopback reference)."""
         env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        self._stderr = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+        self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
         argv = [sys.executable, "-m", "swarm.wan.client_job", json.dumps(spec)]
-        kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-                                      env=env)  # fmt: skip
+        stderr: Any = self._log if self._log is not None else subprocess.DEVNULL
+        kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         if wan is None:
             self.proc = subprocess.Popen(argv, **kwargs)
         else:
@@ -97,7 +97,8 @@ class ClientJob:
             if not line:
                 return None
             if line.startswith("{"):
-                return json.loads(line)
+                item: dict[str, Any] = json.loads(line)
+                return item
 
     def lines(self, timeout: float) -> list[dict[str, Any]]:
         out = []
@@ -130,8 +131,8 @@ class ClientJob:
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
-        if self._stderr is not subprocess.DEVNULL:
-            self._stderr.close()
+        if self._log is not None:
+            self._log.close()
 
     def __enter__(self) -> ClientJob:
         return self
