@@ -1,0 +1,141 @@
+"""A real swarm behind emulated links: every server a ``python -m swarm.serve`` process in its own WAN node, listening
+on that node's address, and clients (``swarm.wan.client_job``) in nodes of their own. Used by ``scripts/bench_wan.py``
+and ``tests/integration/test_wan_swarm.py``. Every process is stopped by the PID this object started, never by name.
+
+    with Wan(WanConfig(nodes=("c", "s1", "s2"), delay_ms=20, mbit=100)) as wan:
+        with WanSwarm(wan, "tiny-llama", {"s1": "0:4", "s2": "4:8"}) as swarm:
+            job = ClientJob(wan, "c", {"model": "tiny-llama", "initial_peers": swarm.initial_peers, ...})
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from swarm.local_swarm import LocalSwarm, PeerProcess
+from swarm.wan.emulator import Wan, child_env
+
+
+class WanSwarm(LocalSwarm):
+    """``LocalSwarm`` whose peers each run in a WAN node: ``spans`` maps node name -> span (or None: broker's choice);
+    the first one starts the swarm. ``extra_args`` go to every server (``--threads 1`` is always added)."""
+
+    def __init__(self, wan: Wan, model: str, spans: dict[str, str | None], **kwargs: Any) -> None:
+        super().__init__(model, list(spans.values()), **kwargs)
+        self.wan = wan
+        self.nodes = list(spans)
+        self.node_of: dict[int, str] = {}  # pid -> node
+
+    def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
+        node = self.nodes[len(self.peers)] if len(self.peers) < len(self.nodes) else None
+        if node is None:
+            raise ValueError("every WAN node of this swarm already runs a peer; give add_peer a node")
+        return self._spawn_in(node, span, args)
+
+    def add_peer(self, span: str | None, *extra: str, wait: bool = True, node: str | None = None) -> PeerProcess:
+        if node is None:
+            return super().add_peer(span, *extra, wait=wait)
+        peer = self._spawn_in(node, span, ("--initial-peers", *self.initial_peers, *extra))
+        if wait:
+            peer.wait_ready(self.startup_timeout)
+        return peer
+
+    def _spawn_in(self, node: str, span: str | None, args: tuple[str, ...]) -> PeerProcess:
+        import threading
+
+        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, "--threads", "1",
+               "--host", self.wan.address(node), *self.extra_args, *args]  # fmt: skip
+        if span:
+            cmd += ["--blocks", span]
+        if self.test_timings:
+            cmd.append("--test-timings")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"peer-{len(self.peers)}-{node}-{(span or 'auto').replace(':', '_')}.log"
+        env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        with open(log_path, "w") as stderr:
+            # ``ip netns exec`` execs the command, so this PID is the server's own
+            proc = self.wan.popen(node, cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        peer = PeerProcess(proc, span, tuple(args), log_path)
+        threading.Thread(target=peer._watch_stdout, daemon=True).start()
+        self.peers.append(peer)
+        self.node_of[proc.pid] = node
+        return peer
+
+
+class ClientJob:
+    """A client process (``python -m swarm.wan.client_job SPEC``) in a WAN node. It prints one JSON object a line;
+    ``lines()`` yields them. When the spec asks for a pause (a failover drill) it prints ``{"pause": ...}`` and waits
+    for a line on its stdin: ``resume()`` sends it."""
+
+    def __init__(self, wan: Wan | None, node: str | None, spec: dict[str, Any], log_path: Any = None) -> None:
+        """``wan`` None: a plain child process on this machine's own network (the loopback reference)."""
+        env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
+        argv = [sys.executable, "-m", "swarm.wan.client_job", json.dumps(spec)]
+        stderr: Any = self._log if self._log is not None else subprocess.DEVNULL
+        kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        if wan is None:
+            self.proc = subprocess.Popen(argv, **kwargs)
+        else:
+            assert node is not None
+            self.proc = wan.popen(node, argv, **kwargs)
+        self.log_path = log_path
+
+    def next(self, timeout: float) -> dict[str, Any] | None:
+        """The next JSON line, None at the end of output; raises TimeoutError after ``timeout`` seconds."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise TimeoutError(f"the client job printed nothing for {timeout:.0f} s{self._tail()}")
+            line = self.proc.stdout.readline()
+            if not line:
+                return None
+            if line.startswith("{"):
+                item: dict[str, Any] = json.loads(line)
+                return item
+
+    def lines(self, timeout: float) -> list[dict[str, Any]]:
+        out = []
+        while (item := self.next(timeout)) is not None:
+            out.append(item)
+        return out
+
+    def resume(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def _tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path) as f:
+                return "; its log ends:\n" + f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> ClientJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
