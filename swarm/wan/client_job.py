@@ -45,16 +45,16 @@ def overrides(mode: dict[str, Any]) -> Iterator[dict[str, Any]]:
     applied: dict[str, Any] = {
         k: mode[k] for k in ("chain", "codec", "prefill_chunk") if mode.get(k) is not None and k in known
     }
-    original = client_model.client_config
+    original = vars(client_model)["client_config"]
 
     def patched(*args: Any, **kwargs: Any) -> Any:
         return dataclasses.replace(original(*args, **kwargs), **applied)
 
-    client_model.client_config = patched
+    vars(client_model)["client_config"] = patched
     try:
         yield applied
     finally:
-        client_model.client_config = original
+        vars(client_model)["client_config"] = original
 
 
 class Stamps:
