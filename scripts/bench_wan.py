@@ -104,7 +104,7 @@ class Bench:
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-wan-"))
         self.results: list[dict[str, Any]] = []
         self.local: dict[str, dict[str, Any]] = {}
-        codecs: list[str | None] = [None]
+        codecs: list[str | None] = ["none"] if has_codec() else [None]  # exact by default: tokens compared with local
         if args.codec:
             if has_codec():
                 codecs = ["none", args.codec]
@@ -120,7 +120,7 @@ class Bench:
         out = []
         for chain in chains:
             for codec in self.codecs:
-                name = f"chain={'on' if chain else 'off'}" + (f" codec={codec}" if codec else "")
+                name = f"chain={'on' if chain else 'off'}" + (f" codec={codec}" if codec not in (None, "none") else "")
                 out.append({"name": name, "chain": chain, "direct": direct, "codec": codec})
         return out
 

@@ -75,6 +75,13 @@ def _parse(message: wire.Message | None, cls: type[R], peer_id: str) -> tuple[R,
         raise unavailable(peer_id, "sent a malformed reply", e) from None
 
 
+def _on_loopback(hop: Hop) -> bool:
+    """Every address ``hop`` announces is a loopback one (``127.0.0.0/8`` or ``::1``)."""
+    addresses = [hop.direct.rsplit(":", 1)[0]] if hop.direct else []
+    addresses += [m.split("/")[2] for m in hop.maddrs if m.startswith(("/ip4/", "/ip6/"))]
+    return bool(addresses) and all(a.startswith("127.") or a in ("::1", "[::1]") for a in addresses)
+
+
 class Remote:
     """One party's transport state: its P2P replica, the peers it has dialled, its direct-TCP policy, its kept-open
     compute connections and the traffic it counted."""
@@ -232,7 +239,11 @@ class Remote:
 
     def codec_for(self, hop: Hop, tensors: Tensors) -> Codec:
         """The codec for the activations of a call to ``hop`` carrying ``tensors``, and of its reply (as large: a
-        hidden state for a hidden state, a gradient for a gradient): forced, or chosen from the link estimate."""
+        hidden state for a hidden state, a gradient for a gradient): forced, or chosen from the link estimate. A
+        server on this very machine (a loopback address) gets exact tensors: both ends share the CPU that would
+        compress, and a link estimate there measures that CPU, not a network."""
+        if self.codec is None and _on_loopback(hop):
+            return Codec.none
         nbytes = sum(t.nbytes for name, t in tensors.items() if name in ACTIVATIONS and t.is_floating_point())
         return choose_codec(nbytes, self.links.mbps(hop.peer_id, hop.network_mbps), forced=self.codec)
 

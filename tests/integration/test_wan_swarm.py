@@ -79,7 +79,7 @@ def job_spec(folder: str, swarm: WanSwarm, modes: list[dict], **extra) -> dict:
 
 def test_chained_generation_is_exact_and_costs_one_trip(wan_swarm, folder, ref):
     wan, swarm = wan_swarm
-    modes = [{"name": "chained", "chain": True}, {"name": "mediated", "chain": False}]
+    modes = [{"name": "chained", "chain": True, "codec": "none"}, {"name": "mediated", "chain": False, "codec": "none"}]
     with ClientJob(wan, "c", job_spec(folder, swarm, modes), log_path=swarm.logs / "client-steps.log") as job:
         results = {r["mode"]: r for r in job.lines(JOB_TIMEOUT) if r.get("task") == "generate"}
     want = expected(ref, prompt(), NEW_TOKENS)
@@ -98,7 +98,7 @@ def test_chained_generation_is_exact_and_costs_one_trip(wan_swarm, folder, ref):
 
 def test_server_killed_mid_generation_changes_no_token(wan_swarm, folder, ref):
     wan, swarm = wan_swarm
-    spec = job_spec(folder, swarm, [{"name": "chained", "chain": True}], pause_after=6)
+    spec = job_spec(folder, swarm, [{"name": "chained", "chain": True, "codec": "none"}], pause_after=6)
     with ClientJob(wan, "c", spec, log_path=swarm.logs / "client-failover.log") as job:
         pause = job.next(JOB_TIMEOUT)
         assert pause is not None and "pause" in pause, pause
