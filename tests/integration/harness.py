@@ -97,7 +97,7 @@ def check_session_steps(client: Any, ref: Any, vocab: int, tol: float = 1e-4) ->
         assert (a - b).abs().max().item() < tol
 
 
-def check_backward(client: Any, ref: Any, vocab: int) -> None:
+def check_backward(client: Any, ref: Any, vocab: int, tol: float = 1e-5) -> None:
     torch.manual_seed(4)
     ids = torch.randint(0, vocab, (2, 13))
     mask = torch.ones_like(ids)
@@ -107,7 +107,10 @@ def check_backward(client: Any, ref: Any, vocab: int) -> None:
     client(inputs_embeds=ours_in, attention_mask=mask, labels=ids).loss.backward()
     ref(inputs_embeds=theirs_in, attention_mask=mask, labels=ids).loss.backward()
     assert ours_in.grad is not None
-    assert (ours_in.grad - theirs_in.grad).abs().max().item() < 1e-5
+    # relative to the gradients' scale where it exceeds 1 (SmolLM2's reach 100: float32 summation order alone moves
+    # them by ~2e-4 between the servers' and the local run's kernels); absolute below that
+    diff, scale = (ours_in.grad - theirs_in.grad).abs().max().item(), theirs_in.grad.abs().max().item()
+    assert diff < tol * max(1.0, scale), (diff, scale)
     assert ours_in.grad.abs().sum() > 0
 
 

@@ -24,6 +24,10 @@ from tests.integration.harness import (
 )
 
 MODEL = "smollm2-135m"
+# SmolLM2's logits reach about 30 after 30 float32 blocks: the three one-thread servers and the local reference sum
+# in different orders, and on this machine's CPU their largest difference measured 1.14e-4 (the issue-13 code too,
+# so it is the arithmetic, not the swarm). 3e-4 is 1e-5 of the logits' range; a wrong block or token is off by >0.1.
+TOL = 3e-4
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def _served(client) -> dict[str, int]:
 
 def test_forward_matches_local(smollm):
     client, ref, _ = smollm
-    check_forward(client, ref, ref.config.vocab_size)
+    check_forward(client, ref, ref.config.vocab_size, tol=TOL)
     assert [(h.start, h.end) for h in client.route] == [(0, 10), (10, 20), (20, 30)]
 
 
@@ -86,7 +90,7 @@ def test_scoring_and_hidden_states_match_local(smollm):
 
 def test_session_prefill_and_steps_match_local(smollm):
     client, ref, _ = smollm
-    check_session_steps(client, ref, ref.config.vocab_size)
+    check_session_steps(client, ref, ref.config.vocab_size, tol=TOL)
 
 
 def test_backward_matches_local_and_reaches_client_parameters(smollm):
