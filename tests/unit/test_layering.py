@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py",
-                "swarm/plan/__main__.py"}  # fmt: skip
+                "swarm/plan/__main__.py", "swarm/wan/client_job.py"}  # fmt: skip (client_job: a WAN node's client)
 PUBLIC_API = "swarm/__init__.py"  # re-exports the client lazily
 
 
