@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# swarm/wan/client_job.py: the client process of a WAN node (benchmarks and the WAN test)
 ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py",
-                "swarm/plan/__main__.py", "swarm/wan/client_job.py"}  # fmt: skip (client_job: a WAN node's client)
+                "swarm/plan/__main__.py", "swarm/wan/client_job.py"}  # fmt: skip
 PUBLIC_API = "swarm/__init__.py"  # re-exports the client lazily
 
 
