@@ -30,7 +30,8 @@ from swarm.identity import Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
 from swarm.rpc.commit import CommitKey, digest
 from swarm.rpc.hop import Hop
-from swarm.rpc.remote import InferenceStream, Remote, Tensors, unavailable
+from swarm.rpc.remote import Remote, Tensors, unavailable
+from swarm.rpc.stream import InferenceStream
 
 _SAVING = {Codec.none: 0, Codec.float16: 1, Codec.bfloat16: 1, Codec.uint8: 2, Codec.quantile8: 2, Codec.block8: 2}
 MAX_STALE = 64  # replies of abandoned attempts skipped in one read before the stream counts as broken

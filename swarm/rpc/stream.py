@@ -1,0 +1,81 @@
+"""One open inference session's stream to one server (``Remote.open_session``): its messages sent, its replies read
+in order and parsed, each bounded by what the step can honestly get back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from swarm import wire
+from swarm.codecs import Codec
+from swarm.errors import SwarmError
+from swarm.protocol import InferenceRequest, OpenReply, R, StepReply
+from swarm.rpc.hop import Hop
+from swarm.rpc.remote import Remote, Tensors, _parse, unavailable
+from swarm.rpc.transport import Channel
+
+
+class InferenceStream:
+    """One open inference session on one server: a bidirectional stream, one message group per step. The server
+    ends a session at its first error, and so does this side."""
+
+    def __init__(self, remote: Remote, hop: Hop, channel: Channel) -> None:
+        self.remote, self.hop, self.channel = remote, hop, channel
+        self.closed = False
+
+    async def send(self, request: InferenceRequest, tensors: Tensors, codec: Codec | None = None) -> int:
+        """Send one message of the session (its replies are read in order with ``receive``); its activations travel
+        both ways in ``codec`` (None: exact; ``Remote.codec_for`` picks one per link). Returns the bytes sent."""
+        if codec is not None and codec != Codec.none:
+            request = request.model_copy(update={"codec": codec})
+        try:
+            frames = wire.encode(self.remote.meta(request), tensors, codec)
+            sent = wire.encoded_size(frames)
+            self.remote.traffic["sent_bytes"] += sent
+            if request.step is not None:
+                self.remote._count(codec or Codec.none, tensors)
+            await self.channel.send(frames)
+        except Exception as e:
+            self.close()
+            raise unavailable(self.hop.peer_id, "failed", e) from None
+        return sent
+
+    async def receive(self, reply: type[R], timeout: float, max_bytes: int | None = None) -> tuple[R, Tensors, int]:
+        """The session's next reply (at most ``max_bytes``: what the step can honestly get back), as ``reply``, and
+        the bytes it took."""
+        if max_bytes is not None:
+            self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
+        try:
+            received = self.channel.decoder.total_bytes
+            message = await asyncio.wait_for(self.channel.receive(), timeout)
+            received = self.channel.decoder.total_bytes - received
+            self.remote.traffic["received_bytes"] += received
+        except Exception as e:
+            self.close()
+            raise unavailable(self.hop.peer_id, "failed", e) from None
+        try:
+            return (*_parse(message, reply, self.hop.peer_id), received)
+        except SwarmError:
+            self.close()
+            raise
+
+    async def exchange(
+        self,
+        request: InferenceRequest,
+        tensors: Tensors,
+        timeout: float,
+        max_bytes: int | None = None,
+        codec: Codec | None = None,
+    ) -> Tensors:
+        """Send one message and wait for its reply (a client-mediated step, or an opening without a step): the
+        exchange also times the link."""
+        t0 = time.perf_counter()
+        sent = await self.send(request, tensors, codec)
+        _, out, received = await self.receive(StepReply if request.step is not None else OpenReply, timeout, max_bytes)
+        self.remote.links.observe(self.hop.peer_id, sent + received, time.perf_counter() - t0, self.hop.network_mbps)
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.channel.close()
