@@ -80,11 +80,10 @@ def chunks(n: int, size: int) -> list[Chunk]:
 class Chain:
     """Runs steps through a list of hop states, chained; owned by one inference session."""
 
-    def __init__(self, remote: Remote, session: str, open_request: Callable[[HopState], tuple[OpenSession, Tensors]],
+    def __init__(self, remote: Remote, open_request: Callable[[HopState], tuple[OpenSession, Tensors]],
                  open_timeout: float, rtt: dict[str, float],
                  observe: Callable[[HopState, float, int], Awaitable[None]]) -> None:  # fmt: skip
         self.remote = remote
-        self.session = session
         self.open_request = open_request  # the opening of one hop (its adapter part, if any)
         self.open_timeout = open_timeout
         self.rtt = rtt  # peer id -> measured round trip (s), shared by the client's sessions
@@ -152,10 +151,10 @@ class Chain:
         tag, first = self._tag, states[0]
         pieces = chunks(hidden.shape[1], chunk)
         assert first.stream is not None
-        codec = self.codec(states, hidden[:, : pieces[0].end].to(getattr(torch, first.hop.dtype)))
+        xs = [hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype)) for c in pieces]
+        codec = self.codec(states, xs[0])
         digests: list[str] = []
-        for c in pieces:
-            x = hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype))
+        for c, x in zip(pieces, xs, strict=True):
             digests.append(digest(wire.as_received(x, codec)))  # what the first hop decodes and commits to
             tensors: Tensors = {"hidden": x}
             if mask is not None:

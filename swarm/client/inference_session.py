@@ -52,7 +52,7 @@ class InferenceSession:
         self._states: dict[str, HopState] = {}
         self._generation = 0
         self.closed = False
-        self._chain_steps = Chain(conn.remote, self.session_id, self._opening, conn.timing.open_timeout, conn.rtt,
+        self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt,
                                   self._observe)  # fmt: skip
 
     @property
