@@ -1,0 +1,1 @@
+"""Performance and cost model: hardware catalogue, micro-benchmarks, predictions."""
