@@ -1,0 +1,93 @@
+"""What the performance model needs of a decoder-only transformer: parameter counts, FLOPs and bytes per block and
+per token, from the model's Hugging Face config (a mapping, so that no config class or torch is needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int
+    tied: bool = False
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any) -> Arch:
+        """From a config dict (``config.json``, a card's ``[source.config]``) or a ``PretrainedConfig``."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        return cls(
+            hidden=hidden,
+            intermediate=int(get("intermediate_size")),
+            layers=int(get("num_hidden_layers")),
+            heads=heads,
+            kv_heads=int(get("num_key_value_heads") or heads),
+            vocab=int(get("vocab_size")),
+            head_dim=int(get("head_dim") or hidden // heads),
+            tied=bool(get("tie_word_embeddings", False)),
+        )
+
+    # ---- parameters ------------------------------------------------------------------------------------------------
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def block_linear_params(self) -> int:
+        """Weights of a block's matrix multiplications: q, k, v, o and the gated MLP's three."""
+        h, q = self.hidden, self.heads * self.head_dim
+        return h * q + 2 * h * self.kv_dim + q * h + 3 * h * self.intermediate
+
+    @property
+    def block_params(self) -> int:
+        return self.block_linear_params + 2 * self.hidden  # the two RMS norms
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return self.layers * self.block_params + embed * (1 if self.tied else 2) + self.hidden
+
+    def block_bytes(self, dtype_bytes: float) -> float:
+        return self.block_params * dtype_bytes
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """One block's keys and values for one position."""
+        return 2 * self.kv_dim * dtype_bytes
+
+    # ---- work ------------------------------------------------------------------------------------------------------
+    def block_flops(self, tokens: int, context: float) -> float:
+        """Forward FLOPs of one block over ``tokens`` new positions that each attend to ``context`` positions on
+        average: 2 per weight per token, and 2 x 2 per attended position per query dimension (scores, then the
+        weighted sum of values)."""
+        attention = 4.0 * tokens * context * self.heads * self.head_dim
+        return 2.0 * tokens * self.block_linear_params + attention
+
+    def block_traffic(self, tokens: int, context: float, dtype_bytes: float) -> float:
+        """Bytes one block's forward moves through memory: every weight once, the KV cache read over the context,
+        and the activations (about a dozen hidden-sized and three intermediate-sized tensors per token, written and
+        read)."""
+        weights = self.block_params * dtype_bytes
+        cache = context * self.kv_bytes_per_token(dtype_bytes)
+        acts = tokens * (12 * self.hidden + 3 * self.intermediate) * 2 * dtype_bytes
+        return weights + cache + acts
+
+    def head_flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.hidden * self.vocab
+
+    def head_traffic(self, tokens: int, dtype_bytes: float) -> float:
+        return (self.hidden * self.vocab + tokens * (self.vocab + self.hidden)) * dtype_bytes
+
+
+def context_of(past: int, tokens: int) -> float:
+    """Average positions attended by ``tokens`` new positions after ``past`` cached ones (causal)."""
+    return past + (tokens + 1) / 2

@@ -1,0 +1,161 @@
+"""Micro-benchmarks, measured once per machine and cached: what the performance model's parameters are on this
+machine. None of them runs a workload the model is validated against:
+
+- matmul FLOP/s: a 512 x 512 x 512 float32 GEMM;
+- memory bandwidth: a matrix-vector product over a 64 MiB matrix (streamed from memory, as decoding is);
+- the framework's fixed cost per block: a Llama decoder layer of hidden size 64 (too small for its arithmetic to
+  count), forward on one token against a KV cache, and forward + backward on 8 tokens, layers 1 and 8 of a stack
+  compared so that the stack's own fixed cost cancels;
+- the swarm's own fixed costs (``swarm.perf.probe``): a 2-layer model of hidden size 64 served by one and by two
+  real peers on this machine, and the transport's bandwidth with a 16 MiB probe.
+
+``Calibration`` is a versioned record written as JSON next to the other caches (``SWARM_CACHE_DIR``), keyed by the
+CPU, torch's version and the thread count."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarm.perf.model import Device, Software
+
+CALIBRATION_VERSION = 1
+MICRO = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
+         "tie_word_embeddings": False}  # fmt: skip
+
+
+class Hardware(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    flops: float = Field(gt=0)  # FLOP/s, float32 GEMM
+    bandwidth: float = Field(gt=0)  # bytes/s, streamed
+    block_overhead: float = Field(ge=0)  # s per block forward call
+    backward_overhead: float = Field(ge=0)  # s per block backward
+
+
+class Calibration(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: Literal[1] = CALIBRATION_VERSION
+    machine: str
+    threads: int = Field(gt=0)
+    hardware: Hardware
+    transport_bandwidth: float = Field(gt=0)  # bytes/s through the swarm's transport on loopback
+    software: dict[str, float]  # swarm.perf.model.Software's fields
+    measured_at: float
+
+    def device(self, name: str = "this machine (calibrated)") -> Device:
+        h = self.hardware
+        return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead)
+
+    def costs(self) -> Software:
+        return Software(**{k: max(v, 0.0) for k, v in self.software.items()})
+
+
+def machine_key(threads: int) -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu} | torch {torch.__version__} | {threads} thread(s)"
+
+
+def calibration_path(cache_dir: Path, threads: int) -> Path:
+    digest = hashlib.sha256(machine_key(threads).encode()).hexdigest()[:16]
+    return cache_dir / "perf" / f"calibration-{digest}.json"
+
+
+def load(path: Path) -> Calibration | None:
+    try:
+        return Calibration.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def save(cal: Calibration, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cal.model_dump(), indent=1))
+    os.replace(tmp, path)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure_hardware(repeats: int = 15) -> Hardware:
+    import torch
+
+    with torch.inference_mode():
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        flops = 2 * 512**3 / _median_time(lambda: torch.mm(a, b), repeats, 4)
+        m, v = torch.randn(4096, 4096), torch.randn(4096)
+        bandwidth = m.numel() * 4 / _median_time(lambda: torch.mv(m, v), repeats, 2)
+    return Hardware(flops=flops, bandwidth=bandwidth, **_block_overheads(repeats))
+
+
+def _stack(layers: int) -> object:
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**MICRO, num_hidden_layers=layers)).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _block_overheads(repeats: int) -> dict[str, float]:
+    """(t(8 layers) - t(1 layer)) / 7 for a one-token step against a 16-position cache, and the same for forward +
+    backward over 8 tokens (weights frozen, gradients to the input, as servers compute them)."""
+    import torch
+    from transformers import DynamicCache
+
+    def step_time(layers: int) -> float:
+        model = _stack(layers)
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)  # type: ignore[attr-defined]
+            model(inputs_embeds=torch.randn(1, 16, 64), cache=cache, use_cache=True)  # type: ignore[operator]
+            one = torch.randn(1, 1, 64)
+
+            def step() -> None:
+                model(inputs_embeds=one, cache=cache, use_cache=True)  # type: ignore[operator]
+                cache.crop(-1)  # back to 16 positions
+
+            return _median_time(step, repeats, 20)
+
+    def train_time(layers: int) -> float:
+        model = _stack(layers)
+        x = torch.randn(1, 8, 64, requires_grad=True)
+
+        def fb() -> None:
+            model(inputs_embeds=x).last_hidden_state.sum().backward()  # type: ignore[operator]
+
+        def f() -> None:
+            with torch.no_grad():
+                model(inputs_embeds=x)  # type: ignore[operator]
+
+        return _median_time(fb, repeats, 5) - _median_time(f, repeats, 5)
+
+    forward = max((step_time(8) - step_time(1)) / 7, 0.0)
+    backward = max((train_time(8) - train_time(1)) / 7, 0.0)
+    return {"block_overhead": forward, "backward_overhead": backward}

@@ -1,0 +1,144 @@
+"""Predictions for the workloads people run (and the benchmarks measure): decode tokens/s, time to first token,
+forward and forward + backward time, fine-tuning steps/s, pre-training tokens/s; each for a swarm (servers over
+links) and for the same model in one process. Every prediction is a compiled plan priced by ``swarm.perf.model``,
+plus the software's fixed costs, so what the executor would run is what is priced."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from swarm.perf.arch import Arch
+from swarm.perf.model import Cost, Device, Link, Setting, Software, pipeline, price
+from swarm.plan.compile import Call, ModelShape, finetune_plan, forward_plan, generate_plan
+from swarm.plan.ir import CLIENT
+from swarm.rpc.hop import Hop
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """Where a model runs: its servers (span and device each, in chain order), the client's device, and the links
+    (client <-> server and server <-> server, one ``Link`` for all; ``None``: the whole model in one process)."""
+
+    arch: Arch
+    client: Device
+    servers: tuple[tuple[int, int, Device], ...] = ()
+    link: Link = Link()
+    software: Software = Software()
+    cores: float = math.inf  # processors the parties share (all on one machine: its cores)
+
+    @property
+    def local(self) -> bool:
+        return not self.servers
+
+    def hops(self) -> list[Hop]:
+        if self.local:
+            return [Hop(LOCAL, 0, self.arch.layers)]
+        return [Hop(f"s{i}", a, b) for i, (a, b, _) in enumerate(self.servers)]
+
+    def setting(self, **numbers: object) -> Setting:
+        devices = {CLIENT: self.client, LOCAL: self.client}
+        devices |= {f"s{i}": d for i, (_, _, d) in enumerate(self.servers)}
+        link = Link(bandwidth=math.inf) if self.local else self.link
+        software = Software() if self.local else self.software
+        return Setting(self.arch, devices, lambda a, b: link, software, **numbers)  # type: ignore[arg-type]
+
+    def shape(self) -> ModelShape:
+        return ModelShape("model", self.arch.layers, self.arch.hidden, self.arch.vocab)
+
+
+def decode_step(sw: Swarm, past: int, chained: bool = True, batch: int = 1) -> Cost:
+    """One generated token's step after ``past`` positions."""
+    plan = generate_plan(sw.shape(), sw.hops(), Call(batch, 1), max_length=past + 1)
+    cost = price(plan, sw.setting(batch=batch, tokens=1, past=past, chained=chained)).cost
+    fixed = sw.software.local_step if sw.local else (
+        sw.software.client_step_chained if chained else sw.software.client_step)  # fmt: skip
+    return cost + Cost(software=fixed)
+
+
+def generate_time(sw: Swarm, prompt: int, new: int, chained: bool = True) -> Cost:
+    """``generate`` of ``new`` tokens after a ``prompt``: the prompt's step, then one step per further token."""
+    first = prefill(sw, prompt, chained)
+    return first + decode_step(sw, prompt + new // 2, chained).scaled(new - 1)
+
+
+def prefill(sw: Swarm, tokens: int, chained: bool = True, chunk: int = 128) -> Cost:
+    """A prompt's step (time to first token). Chained, a long prompt goes in pieces of ``chunk`` tokens pipelined
+    through the servers: the first piece's trip through every hop plus, for each further piece, the slowest hop's
+    piece (or the pieces' work over the shared cores, if that is more); client-mediated, hop after hop whole."""
+    plan = generate_plan(sw.shape(), sw.hops(), Call(1, tokens), max_length=tokens)
+    fixed = Cost(software=sw.software.local_step if sw.local else (
+        sw.software.client_step_chained if chained else sw.software.client_step))  # fmt: skip
+    pieces = max(1, math.ceil(tokens / chunk)) if chained and not sw.local else 1
+    if pieces == 1:
+        return price(plan, sw.setting(tokens=tokens, chained=chained)).cost + fixed
+    # whole-prompt bytes pay the window's growth once per link; each piece pays the compute at its position
+    piece = generate_plan(sw.shape(), sw.hops(), Call(1, chunk), max_length=tokens)
+    s = sw.setting(tokens=chunk, past=tokens // 2, chained=True)
+    one = price(piece, s).cost
+    per_hop = [price(piece, replace(s, devices={**s.devices}), ("forward",)).finish[f"s{j}"] for j in range(1)]
+    del per_hop
+    hops = [sw.setting(tokens=chunk, past=tokens // 2).devices[h.peer_id].block(sw.arch, chunk, tokens / 2)
+            .scaled(h.end - h.start) + Cost(software=sw.software.step_hop_chained) for h in sw.hops()]  # fmt: skip
+    slowest = max(hops, key=lambda c: c.total)
+    rest = slowest.scaled(pieces - 1)
+    work = sum(hops, Cost()).scaled(pieces).total
+    if work / sw.cores > one.total + rest.total:
+        rest = rest + Cost(bubble=work / sw.cores - one.total - rest.total)
+    window = sw.link.time(tokens * sw.arch.hidden * 4).comm - sw.link.time(chunk * sw.arch.hidden * 4).comm
+    return one + rest + Cost(comm=max(window, 0.0)) + fixed
+
+
+def forward_time(sw: Swarm, batch: int, tokens: int) -> Cost:
+    plan = forward_plan(sw.shape(), sw.hops(), Call(batch, tokens))
+    fixed = sw.software.local_call if sw.local else sw.software.client_call
+    return price(plan, sw.setting(batch=batch, tokens=tokens)).cost + Cost(software=fixed)
+
+
+def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, client_params: int = 0) -> Cost:
+    """Forward, loss and backward through every block (weights frozen on the servers: gradients of the inputs, and
+    of ``adapter_params`` LoRA weights or the client's ``client_params``), then the optimizer step of those. The
+    adapter travels with the forward and its gradients with the backward."""
+    shape, hops = sw.shape(), sw.hops()
+    plan = finetune_plan(shape, hops, Call(batch, tokens), params="adapter" if adapter_params else "client")
+    s = sw.setting(batch=batch, tokens=tokens, adapter_params=adapter_params, client_params=client_params)
+    cost = price(plan, s).cost
+    sw_ = sw.software
+    fixed = (sw_.local_call + sw_.local_backward) if sw.local else (sw_.client_call + sw_.client_backward)
+    if adapter_params and not sw.local:  # each hop's share of the adapter, there and (as gradients) back
+        for h in hops:
+            share = adapter_params * (h.end - h.start) / sw.arch.layers * 4
+            cost = cost + sw.link.time(share).scaled(2)
+    return cost + Cost(software=fixed)
+
+
+def pretrain_step(sw: Swarm, batch: int, tokens: int, micro_batch: int, depth: int) -> Cost:
+    """One global pre-training step: micro-batches through the stages (forward, then backward with weight
+    gradients), ``depth`` in flight, then the client's optimizer step and the trainer's fixed costs."""
+    a, client = sw.arch, sw.client
+    n = micro_batch * tokens
+    head = client.roofline(a.head_flops(n) * 3, a.head_traffic(n, client.dtype_bytes) * 3)
+    client_params = 2 * a.vocab * a.hidden + a.hidden
+    if sw.local:
+        dev = sw.client
+        blocks = (dev.block(a, n, tokens / 2) + dev.block_backward(a, n, tokens / 2, True)).scaled(a.layers)
+        per_batch = blocks.scaled(batch // micro_batch) + head.scaled(batch // micro_batch)
+        opt = client.roofline(12.0 * a.params, 32.0 * a.params)
+        return per_batch + opt + Cost(software=sw.software.local_call + sw.software.local_backward)
+    link = sw.link.time(n * a.hidden * 4)
+    fwd = [d.block(a, n, tokens / 2).scaled(e - s) + link + Cost(software=sw.software.stage_call)
+           for s, e, d in sw.servers]  # fmt: skip
+    bwd = [d.block_backward(a, n, tokens / 2, True).scaled(e - s) + link + Cost(software=sw.software.stage_call)
+           for s, e, d in sw.servers]  # fmt: skip
+    stages = [*fwd, head, *reversed(bwd)]
+    waves = pipeline(stages, max(1, batch // micro_batch), depth, sw.cores)
+    opt = client.roofline(12.0 * client_params, 32.0 * client_params)
+    return waves + opt + Cost(software=sw.software.train_step)
+
+
+def uniform(arch: Arch, spans: Sequence[tuple[int, int]], server: Device, client: Device, link: Link,
+            software: Software, cores: float = math.inf) -> Swarm:  # fmt: skip
+    return Swarm(arch, client, tuple((a, b, server) for a, b in spans), link, software, cores)

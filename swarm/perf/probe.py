@@ -1,0 +1,181 @@
+"""The swarm's own fixed costs, measured with real peers on this machine serving a model too small for its compute
+to matter (2 layers of hidden size 64, vocabulary 256): what a hop, a call, a session step and a training step cost
+beyond the work of the blocks. An entry point (it runs the client): ``python -m swarm.perf calibrate``.
+
+Each cost is a difference between two configurations that differ in that one thing (one server against two, the
+same client), so the client's and the model's own costs cancel; what the micro model still computes is taken off
+with the hardware's calibrated block costs."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from swarm.perf.arch import Arch, context_of
+from swarm.perf.calibrate import MICRO, Hardware
+from swarm.perf.model import Device
+
+MIB = 1024 * 1024
+CARD = """name = "perf-micro"
+description = "the performance model's calibration model: 2 layers, hidden 64, seeded random weights"
+[source]
+kind = "random"
+seed = 0
+dtype = "float32"
+[source.config]
+{config}
+"""
+RUN = """name = "perf-micro-run"
+seed = 0
+[model]
+{config}
+[data]
+tokenizer = "bytes"
+seq_len = 16
+[optimizer]
+lr = 1e-3
+[schedule]
+kind = "constant"
+[batch]
+target_batch_size = 2
+micro_batch_size = 2
+pipeline_depth = 1
+[averaging]
+every_steps = 0
+[checkpoint]
+every_steps = 0
+dir = "{dir}"
+[stages]
+spans = {spans}
+"""
+
+
+def _toml(config: dict[str, object]) -> str:
+    def value(v: object) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+    return "\n".join(f"{k} = {value(v)}" for k, v in config.items())
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], float]:
+    """(``Software`` fields, transport bytes/s)."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm import DistributedModelForCausalLM
+    from swarm.config import default_cache_dir, load_model_card
+    from swarm.local_swarm import LocalSwarm
+    from swarm.model_files import model_folder
+
+    config = dict(MICRO, num_hidden_layers=2)
+    arch = Arch.from_config(config)
+    dev = Device("calibrated", hw.flops, hw.bandwidth, 4.0, hw.block_overhead, hw.backward_overhead)
+    new, seq = 32, 64
+
+    def blocks(n: int, tokens: int, past: int) -> float:
+        return n * dev.block(arch, tokens, context_of(past, tokens)).total
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="swarm-perf-") as tmp:
+        card = Path(tmp) / "perf-micro.toml"
+        card.write_text(CARD.format(config=_toml(config)))
+        local = AutoModelForCausalLM.from_pretrained(model_folder(load_model_card(str(card)), default_cache_dir()))
+        torch.manual_seed(0)
+        prompt, long = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, seq))
+        gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        step_compute = blocks(2, 1, 16 + new // 2)
+        out["local_step"] = _timed(lambda: local.generate(prompt, **gen), repeats) / new - step_compute
+        with torch.no_grad():
+            out["local_call"] = _timed(lambda: local(long), repeats) - blocks(2, seq, 0)
+        step: dict[tuple[int, bool], float] = {}
+        call: dict[int, float] = {}
+        train: dict[int, float] = {}
+        bandwidth = 0.0
+        for spans in (["0:2"], ["0:1", "1:2"]):
+            n = len(spans)
+            with LocalSwarm(str(card), list(spans), extra_args=("--throughput", "100")) as swarm:
+                for chain in (True, False):
+                    with DistributedModelForCausalLM.from_pretrained(
+                        str(card), initial_peers=swarm.initial_peers, chain=chain, codec="none"
+                    ) as remote:
+                        step[n, chain] = _timed(lambda: remote.generate(prompt, **gen), repeats) / new
+                        if not chain:
+                            continue
+                        with torch.no_grad():
+                            call[n] = _timed(lambda: remote(long), repeats)
+
+                        def fb() -> None:
+                            remote.zero_grad(set_to_none=True)
+                            remote(long, labels=long).loss.backward()
+
+                        train[n] = _timed(fb, repeats) - call[n]
+                        if n == 1:
+                            bandwidth = _transport_bandwidth(remote)
+        train_steps = _pretrain_steps(Path(tmp), config, repeats)
+    out["step_hop"] = step[2, False] - step[1, False]
+    out["step_hop_chained"] = step[2, True] - step[1, True]
+    out["client_step"] = step[1, False] - out["step_hop"] - step_compute
+    out["client_step_chained"] = step[1, True] - out["step_hop_chained"] - step_compute
+    out["call_hop"] = call[2] - call[1]
+    out["client_call"] = call[1] - out["call_hop"] - blocks(2, seq, 0)
+    backward = 2 * dev.block_backward(arch, seq, context_of(0, seq), False).total
+    out["backward_hop"] = train[2] - train[1]
+    out["client_backward"] = train[1] - out["backward_hop"] - backward
+    # pre-training, one micro-batch per step: a step through 2 stages makes 2 more stage calls than through 1
+    out["stage_call"] = (train_steps[2] - train_steps[1]) / 2
+    compute = 2 * (dev.block(arch, 2 * 16, context_of(0, 16)).total
+                   + dev.block_backward(arch, 2 * 16, context_of(0, 16), True).total)  # fmt: skip
+    out["train_step"] = train_steps[1] - 2 * out["stage_call"] - compute
+    return out, bandwidth
+
+
+def _transport_bandwidth(remote: object) -> float:
+    """Bytes/s of the client's transport to a server on this machine: a 16 MiB probe against a 64 KiB one."""
+    from swarm.rpc.hop import Hop
+
+    conn = remote.connection  # type: ignore[attr-defined]
+    hop = Hop.of(next(iter(conn.view.servers())))
+    run = conn.loop.run
+
+    def send(nbytes: int) -> float:
+        return statistics.median(run(conn.remote.send_payload(hop, nbytes, 60.0), 120.0) for _ in range(5))
+
+    small, big = send(64 * 1024), send(16 * MIB)
+    return (16 * MIB - 64 * 1024) / max(big - small, 1e-6)
+
+
+def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[int, float]:
+    """Median seconds of a pre-training step (one micro-batch of 2 x 16 bytes) through 1 and through 2 stages."""
+    from swarm.client.training.trainer import Trainer
+    from swarm.config import Timing
+    from swarm.local_swarm import LocalSwarm
+    from swarm.training.data import Samples, corpus_files, tokenize
+    from swarm.training.run import load_run
+
+    out = {}
+    for spans in (["0:2"], ["0:1", "1:2"]):
+        path = tmp / f"run-{len(spans)}.toml"
+        model = dict(config)
+        model.pop("max_position_embeddings")
+        model["max_position_embeddings"] = 64
+        path.write_text(RUN.format(config=_toml(model), dir=tmp / "ckpt", spans=str(spans).replace("'", '"')))
+        run = load_run(path)
+        data = Samples(tokenize(corpus_files(None), run.tokenizer, 256), run.seq_len, run.seed)
+        with LocalSwarm("tiny-llama", spans, extra_args=("--throughput", "100", "--train", str(path))) as swarm:
+            with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing()) as trainer:
+                out[len(spans)] = _timed(trainer.train_step, repeats * 2)
+    return out
