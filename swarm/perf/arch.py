@@ -65,21 +65,21 @@ class Arch:
         return 2 * self.kv_dim * dtype_bytes
 
     # ---- work ------------------------------------------------------------------------------------------------------
-    def block_flops(self, tokens: int, context: float) -> float:
-        """Forward FLOPs of one block over ``tokens`` new positions that each attend to ``context`` positions on
-        average: 2 per weight per token, and 2 x 2 per attended position per query dimension (scores, then the
-        weighted sum of values)."""
-        attention = 4.0 * tokens * context * self.heads * self.head_dim
-        return 2.0 * tokens * self.block_linear_params + attention
+    def attention_flops(self, tokens: int, context: float) -> float:
+        """Scores and the weighted sum of values: 2 x 2 FLOPs per attended position per query dimension, for
+        ``tokens`` new positions attending to ``context`` positions each on average."""
+        return 4.0 * tokens * context * self.heads * self.head_dim
 
-    def block_traffic(self, tokens: int, context: float, dtype_bytes: float) -> float:
-        """Bytes one block's forward moves through memory: every weight once, the KV cache read over the context,
-        and the activations (about a dozen hidden-sized and three intermediate-sized tensors per token, written and
-        read)."""
-        weights = self.block_params * dtype_bytes
-        cache = context * self.kv_bytes_per_token(dtype_bytes)
-        acts = tokens * (12 * self.hidden + 3 * self.intermediate) * 2 * dtype_bytes
-        return weights + cache + acts
+    def block_flops(self, tokens: int, context: float) -> float:
+        """Forward FLOPs of one block: 2 per weight per token, and attention's."""
+        return 2.0 * tokens * self.block_linear_params + self.attention_flops(tokens, context)
+
+    def activation_traffic(self, tokens: int, dtype_bytes: float) -> float:
+        """Bytes of a block's element-wise work, counted as tensor passes (each read or write of a whole tensor) per
+        token: two RMS norms (7 hidden-sized passes each), rotary embeddings on queries and keys (11 each: two
+        products, the half rotation's negation and concatenation, the sum), two residual sums (3 each), heads
+        transposed back (2); the MLP's activation (2 intermediate-sized) and gate product (3)."""
+        return tokens * (2 * 7 + 2 * 11 + 2 * 3 + 2) * self.hidden * dtype_bytes + tokens * 5 * self.intermediate * dtype_bytes
 
     def head_flops(self, tokens: int) -> float:
         return 2.0 * tokens * self.hidden * self.vocab

@@ -1,8 +1,10 @@
 """Micro-benchmarks, measured once per machine and cached: what the performance model's parameters are on this
 machine. None of them runs a workload the model is validated against:
 
-- matmul FLOP/s: a 512 x 512 x 512 float32 GEMM;
-- memory bandwidth: a matrix-vector product over a 64 MiB matrix (streamed from memory, as decoding is);
+- matmul FLOP/s: a 512 x 512 x 512 float32 linear layer (``x @ W.T``, as every projection is);
+- attention FLOP/s: causal scaled-dot-product attention over 256 positions, 4 heads of 64;
+- memory bandwidth: a matrix-vector product over a 64 MiB matrix (streamed from memory, as decoding is), and an
+  RMS norm and a rotary rotation of a [512, 512] tensor (1 MiB: a prompt's activations), counted as 18 passes;
 - the framework's fixed cost per block: a Llama decoder layer of hidden size 64 (too small for its arithmetic to
   count), forward on one token against a KV cache, and forward + backward on 8 tokens, layers 1 and 8 of a stack
   compared so that the stack's own fixed cost cancels;
@@ -36,8 +38,10 @@ MICRO = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
 
 class Hardware(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    flops: float = Field(gt=0)  # FLOP/s, float32 GEMM
+    flops: float = Field(gt=0)  # FLOP/s, float32 linear layer
+    attention_flops: float = Field(gt=0)  # FLOP/s, causal attention
     bandwidth: float = Field(gt=0)  # bytes/s, streamed
+    elementwise_bandwidth: float = Field(gt=0)  # bytes/s read and written by element-wise kernels
     block_overhead: float = Field(ge=0)  # s per block forward call
     backward_overhead: float = Field(ge=0)  # s per block backward
 
@@ -54,7 +58,8 @@ class Calibration(BaseModel):
 
     def device(self, name: str = "this machine (calibrated)") -> Device:
         h = self.hardware
-        return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead)
+        return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead,
+                      attention_flops=h.attention_flops, elementwise_bandwidth=h.elementwise_bandwidth)  # fmt: skip
 
     def costs(self) -> Software:
         return Software(**{k: max(v, 0.0) for k, v in self.software.items()})
@@ -104,13 +109,25 @@ def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1) -> floa
 
 def measure_hardware(repeats: int = 15) -> Hardware:
     import torch
+    import torch.nn.functional as F
 
     with torch.inference_mode():
         a, b = torch.randn(512, 512), torch.randn(512, 512)
-        flops = 2 * 512**3 / _median_time(lambda: torch.mm(a, b), repeats, 4)
+        flops = 2 * 512**3 / _median_time(lambda: F.linear(a, b), repeats, 4)
+        q = torch.randn(1, 4, 256, 64)
+        attention = 2 * 256 * 256 * 64 * 4 / _median_time(
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 4)  # fmt: skip
         m, v = torch.randn(4096, 4096), torch.randn(4096)
         bandwidth = m.numel() * 4 / _median_time(lambda: torch.mv(m, v), repeats, 2)
-    return Hardware(flops=flops, bandwidth=bandwidth, **_block_overheads(repeats))
+        x, w = torch.randn(512, 512), torch.randn(512)
+
+        def norm_and_rotary() -> torch.Tensor:
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # 7 passes
+            return torch.cat((-y[:, 256:], y[:, :256]), -1) * w + y * w  # 11 passes
+
+        elementwise = 18 * x.numel() * 4 / _median_time(norm_and_rotary, repeats, 10)
+    return Hardware(flops=flops, attention_flops=attention, bandwidth=bandwidth, elementwise_bandwidth=elementwise,
+                    **_block_overheads(repeats))  # fmt: skip
 
 
 def _stack(layers: int) -> object:

@@ -69,27 +69,38 @@ class Device:
     """What the model needs of a processor running blocks or the client's layers."""
 
     name: str
-    flops: float  # attainable FLOP/s of matrix multiplications in the dtype it computes in
+    flops: float  # attainable FLOP/s of matrix multiplications (linear layers) in the dtype it computes in
     bandwidth: float  # attainable bytes/s of streaming memory reads
     dtype_bytes: float = 4.0
     block_overhead: float = 0.0  # s: fixed cost of one block's forward call, whatever its size
     backward_overhead: float = 0.0  # s: fixed cost of one block's backward
     memory: float = math.inf  # bytes it can give to weights and caches
+    attention_flops: float = 0.0  # attainable FLOP/s of causal attention (0: as ``flops``)
+    elementwise_bandwidth: float = 0.0  # attainable bytes/s of element-wise kernels (0: as ``bandwidth``)
 
-    def roofline(self, flops: float, traffic: float) -> Cost:
-        c, m = flops / self.flops, traffic / self.bandwidth
+    def roofline(self, flops: float, traffic: float, rate: float = 0.0) -> Cost:
+        c, m = flops / (rate or self.flops), traffic / self.bandwidth
         return Cost(compute=c) if c >= m else Cost(memory=m)
 
     def block(self, arch: Arch, tokens: int, context: float) -> Cost:
-        work = self.roofline(arch.block_flops(tokens, context), arch.block_traffic(tokens, context, self.dtype_bytes))
-        return work + Cost(overhead=self.block_overhead)
+        """Kernels run one after another: the linear layers (bound by their FLOPs or by reading their weights),
+        attention (its FLOPs or reading the KV cache), then the element-wise work on activations (memory)."""
+        b = self.dtype_bytes
+        linear = self.roofline(2.0 * tokens * arch.block_linear_params, arch.block_params * b)
+        attention = self.roofline(arch.attention_flops(tokens, context), context * arch.kv_bytes_per_token(b),
+                                  self.attention_flops)  # fmt: skip
+        acts = Cost(memory=arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
+        return linear + attention + acts + Cost(overhead=self.block_overhead)
 
     def block_backward(self, arch: Arch, tokens: int, context: float, weight_grads: bool) -> Cost:
-        """Input gradients take the forward's FLOPs again (twice for attention); weight gradients as much again."""
-        linear = 2.0 * tokens * arch.block_linear_params
-        flops = (2.0 if weight_grads else 1.0) * linear + 2.0 * (arch.block_flops(tokens, context) - linear)
-        traffic = (2.0 if weight_grads else 1.0) * arch.block_traffic(tokens, context, self.dtype_bytes)
-        return self.roofline(flops, traffic) + Cost(overhead=self.backward_overhead)
+        """Input gradients take the linear layers' FLOPs again (weight gradients as much again), attention's
+        twice, and the activations' traffic twice."""
+        b, k = self.dtype_bytes, 2.0 if weight_grads else 1.0
+        linear = self.roofline(k * 2.0 * tokens * arch.block_linear_params, k * arch.block_params * b)
+        attention = self.roofline(2 * arch.attention_flops(tokens, context),
+                                  2 * context * arch.kv_bytes_per_token(b), self.attention_flops)  # fmt: skip
+        acts = Cost(memory=2 * arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
+        return linear + attention + acts + Cost(overhead=self.backward_overhead)
 
 
 @dataclass(frozen=True)
