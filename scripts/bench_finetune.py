@@ -12,9 +12,11 @@ both: they must agree. Bytes are counted over every message the client sent and 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--distinct", type=int, default=0, help="cycle over this many batches (a loss that can fall)")
     p.add_argument("--codec", default="none", help="the swarm side's activation codec: auto, none, float16, block8...")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here (read by validate_model.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -99,6 +102,9 @@ def main() -> None:
     last_local, last_swarm = sides["local"][3][-1], sides["swarm"][3][-1]
     print(f"\nswarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
           f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "adapter_params": n_params,
+                                         "local_step_s": t_local, "swarm_step_s": t_swarm}, indent=1))  # fmt: skip
     print("\nloss per step (local PEFT vs swarm):")
     for i, (a, b) in enumerate(zip(sides["local"][3], sides["swarm"][3], strict=True)):
         print(f"  step {i + 1}: {a:.5f}  {b:.5f}  (diff {abs(a - b):.1e})")

@@ -11,8 +11,10 @@ computes gradients for the client's own parameters (embeddings, norm, head): the
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,10 +90,12 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here (read by validate_model.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    results: dict[str, list[tuple[str, float, float]]] = {}
     for model_name in args.models:
-        rows = bench(model_name, args)
+        rows = results[model_name] = bench(model_name, args)
         print(f"\n{model_name}: {len(SPANS[model_name])} peers on 127.0.0.1, 1 torch thread per process")
         print(f"| {'metric':<38} | {'local':>9} | {'swarm':>9} | {'ratio':>6} |")
         print(f"|{'-' * 40}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
@@ -101,6 +105,9 @@ def main() -> None:
             else:
                 ratio = swarm / local
                 print(f"| {name:<38} | {local:>9.3f} | {swarm:>9.3f} | {ratio:>5.2f}x |")
+        if args.json:
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "spans": SPANS,
+                                             "results": results}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

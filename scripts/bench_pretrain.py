@@ -13,6 +13,7 @@ Bytes are counted over every message the trainer sent and received.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="steps of each side not timed")
     p.add_argument("--plot", type=Path, default=Path("pretrain-losses.png"))
     p.add_argument("--codec", default="none", help="the swarm side's activation codec: auto, none, float16, block8...")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here (read by validate_model.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -99,6 +101,9 @@ def main() -> None:
     print(f"| {'training tokens/s (median)':<30} | {tokens / t_local:>9.0f} | {tokens / t_swarm:>9.0f} | "
           f"{t_local / t_swarm:>5.2f}x |")  # fmt: skip
     print(f"| {'seconds per step (median)':<30} | {t_local:>9.3f} | {t_swarm:>9.3f} | {'':>6} |")
+    if args.json:
+        args.json.write_text(json.dumps({"run": str(args.run), "tokens_per_step": tokens, "local_step_s": t_local,
+                                         "swarm_step_s": t_swarm}, indent=1))  # fmt: skip
     print(f"\nbytes per token, trainer side, every message: {sent / tokens:.0f} sent, {received / tokens:.0f} received")
     diff = max(abs(a - b) for a, b in zip(losses["local"], losses["swarm"], strict=True))
     print(f"\nloss per step, local vs swarm (largest difference {diff:.1e}):")

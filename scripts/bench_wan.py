@@ -206,7 +206,7 @@ class Bench:
                 s = dict(self.base_spec(model, peers), tasks=["pretrain"], modes=self.modes(plane, [True]),
                          pretrain_run=str(run))  # fmt: skip
                 for item in self.run_job(wan, s, f"{model}-{link}-{plane}-pretrain"):
-                    self.results.append(dict(item, model=model, link=link, plane=plane))
+                    self.results.append(dict(item, model=model, link=link, plane=plane, pretrain_run=str(run)))
 
             self.with_swarm(model, link, plane, run, train)
 

@@ -24,7 +24,10 @@ class Arch:
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any) -> Arch:
         """From a config dict (``config.json``, a card's ``[source.config]``) or a ``PretrainedConfig``."""
-        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+
+        def get(key: str, default: Any = None) -> Any:
+            return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(
             hidden=hidden,
@@ -79,7 +82,10 @@ class Arch:
         token: two RMS norms (7 hidden-sized passes each), rotary embeddings on queries and keys (11 each: two
         products, the half rotation's negation and concatenation, the sum), two residual sums (3 each), heads
         transposed back (2); the MLP's activation (2 intermediate-sized) and gate product (3)."""
-        return tokens * (2 * 7 + 2 * 11 + 2 * 3 + 2) * self.hidden * dtype_bytes + tokens * 5 * self.intermediate * dtype_bytes
+        return (
+            tokens * (2 * 7 + 2 * 11 + 2 * 3 + 2) * self.hidden * dtype_bytes
+            + tokens * 5 * self.intermediate * dtype_bytes
+        )
 
     def head_flops(self, tokens: int) -> float:
         return 2.0 * tokens * self.hidden * self.vocab

@@ -1,8 +1,9 @@
 """Micro-benchmarks, measured once per machine and cached: what the performance model's parameters are on this
 machine. None of them runs a workload the model is validated against:
 
-- matmul FLOP/s: a 512 x 512 x 512 float32 linear layer (``x @ W.T``, as every projection is);
-- attention FLOP/s: causal scaled-dot-product attention over 256 positions, 4 heads of 64;
+- matmul FLOP/s: a float32 linear layer (``x @ W.T``, as every projection is) of 512 tokens through a 512 x 16384
+  weight matrix: 32 MiB of weights, more than the caches hold, as a model's layers are read from memory;
+- attention FLOP/s: causal scaled-dot-product attention over 512 positions, 8 heads of 64;
 - memory bandwidth: a matrix-vector product over a 64 MiB matrix (streamed from memory, as decoding is), and an
   RMS norm and a rotary rotation of a [512, 512] tensor (1 MiB: a prompt's activations), counted as 18 passes;
 - the framework's fixed cost per block: a Llama decoder layer of hidden size 64 (too small for its arithmetic to
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.perf.model import Device, Software
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION: Literal[1] = 1
 MICRO = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
          "tie_word_embeddings": False}  # fmt: skip
@@ -112,11 +113,11 @@ def measure_hardware(repeats: int = 15) -> Hardware:
     import torch.nn.functional as F
 
     with torch.inference_mode():
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        flops = 2 * 512**3 / _median_time(lambda: F.linear(a, b), repeats, 4)
-        q = torch.randn(1, 4, 256, 64)
-        attention = 2 * 256 * 256 * 64 * 4 / _median_time(
-            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 4)  # fmt: skip
+        a, b = torch.randn(512, 512), torch.randn(16384, 512)
+        flops = 2 * 512 * 512 * 16384 / _median_time(lambda: F.linear(a, b), repeats)
+        q = torch.randn(1, 8, 512, 64)
+        attention = 2 * 512 * 512 * 64 * 8 / _median_time(
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 2)  # fmt: skip
         m, v = torch.randn(4096, 4096), torch.randn(4096)
         bandwidth = m.numel() * 4 / _median_time(lambda: torch.mv(m, v), repeats, 2)
         x, w = torch.randn(512, 512), torch.randn(512)
@@ -135,7 +136,7 @@ def _stack(layers: int) -> object:
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    model = LlamaModel(LlamaConfig(**MICRO, num_hidden_layers=layers)).eval()
+    model = LlamaModel(LlamaConfig(**MICRO, num_hidden_layers=layers)).eval()  # type: ignore[arg-type,no-untyped-call]
     for p in model.parameters():
         p.requires_grad_(False)
     return model

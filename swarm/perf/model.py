@@ -49,7 +49,7 @@ class Cost:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return float(sum(getattr(self, f.name) for f in fields(self)))
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -148,6 +148,11 @@ class Software:
     client_call: float = 0.0  # the client's own cost per model call (plan walk, embedding, norm, head)
     client_backward: float = 0.0  # ...and per backward through the remote part (autograd, loss)
     local_step: float = 0.0  # Hugging Face generate's loop per token in one process (the local reference)
+    local_open: float = 0.0  # Hugging Face generate's fixed cost per call
+    open_hop: float = 0.0  # opening an inference session: per hop, client-mediated (streams, the first step)
+    open_hop_chained: float = 0.0  # ...chained (streams, the signed route, the commitment key, the audit)
+    client_open: float = 0.0  # the client's fixed cost per ``generate`` call, client-mediated
+    client_open_chained: float = 0.0  # ...chained
     local_call: float = 0.0  # one local model call's fixed cost beyond its blocks (embedding, norm, head, loss)
     local_backward: float = 0.0  # one local backward's fixed cost beyond its blocks
     stage_call: float = 0.0  # per pre-training stage call (forward or backward), with its tags and checks

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from swarm.perf.arch import Arch
 from swarm.perf.model import Cost, Device, Link, Setting, Software, pipeline, price
@@ -59,37 +59,54 @@ def decode_step(sw: Swarm, past: int, chained: bool = True, batch: int = 1) -> C
     return cost + Cost(software=fixed)
 
 
+OPEN_ROUND_TRIPS = 3  # a session's connection to a hop: TCP's handshake, TLS 1.3's, the signed hello and its proof
+
+
+def session_open(sw: Swarm, chained: bool = True) -> Cost:
+    """What ``generate`` costs before its first step: the client's fixed cost, and the hops' streams, opened at
+    once (their round trips overlap; the software does not)."""
+    f = sw.software
+    if sw.local:
+        return Cost(software=f.local_open)
+    per_hop, client = (f.open_hop_chained, f.client_open_chained) if chained else (f.open_hop, f.client_open)
+    return Cost(software=client + per_hop * len(sw.servers), comm=OPEN_ROUND_TRIPS * sw.link.rtt)
+
+
 def generate_time(sw: Swarm, prompt: int, new: int, chained: bool = True) -> Cost:
-    """``generate`` of ``new`` tokens after a ``prompt``: the prompt's step, then one step per further token."""
-    first = prefill(sw, prompt, chained)
+    """``generate`` of ``new`` tokens after a ``prompt``: opening the session, the prompt's step, then one step per
+    further token (at the middle position, which prices the growing KV cache on average)."""
+    first = session_open(sw, chained) + prefill(sw, prompt, chained)
     return first + decode_step(sw, prompt + new // 2, chained).scaled(new - 1)
 
 
+def ttft(sw: Swarm, prompt: int, chained: bool = True, chunk: int = 128) -> Cost:
+    """Time to first token of a fresh ``generate``: the session's opening and the prompt's step."""
+    return session_open(sw, chained) + prefill(sw, prompt, chained, chunk)
+
+
 def prefill(sw: Swarm, tokens: int, chained: bool = True, chunk: int = 128) -> Cost:
-    """A prompt's step (time to first token). Chained, a long prompt goes in pieces of ``chunk`` tokens pipelined
-    through the servers: the first piece's trip through every hop plus, for each further piece, the slowest hop's
-    piece (or the pieces' work over the shared cores, if that is more); client-mediated, hop after hop whole."""
-    plan = generate_plan(sw.shape(), sw.hops(), Call(1, tokens), max_length=tokens)
+    """A prompt's step. Chained, a prompt longer than ``chunk`` goes in pieces pipelined through the servers: the
+    first piece's trip through every hop, then the slowest hop's time per further piece (or the pieces' work over
+    the cores the parties share, if that is more); the whole prompt's bytes grow each link's TCP window once.
+    Client-mediated, the prompt goes hop after hop whole."""
     fixed = Cost(software=sw.software.local_step if sw.local else (
         sw.software.client_step_chained if chained else sw.software.client_step))  # fmt: skip
     pieces = max(1, math.ceil(tokens / chunk)) if chained and not sw.local else 1
     if pieces == 1:
+        plan = generate_plan(sw.shape(), sw.hops(), Call(1, tokens), max_length=tokens)
         return price(plan, sw.setting(tokens=tokens, chained=chained)).cost + fixed
-    # whole-prompt bytes pay the window's growth once per link; each piece pays the compute at its position
-    piece = generate_plan(sw.shape(), sw.hops(), Call(1, chunk), max_length=tokens)
-    s = sw.setting(tokens=chunk, past=tokens // 2, chained=True)
-    one = price(piece, s).cost
-    per_hop = [price(piece, replace(s, devices={**s.devices}), ("forward",)).finish[f"s{j}"] for j in range(1)]
-    del per_hop
-    hops = [sw.setting(tokens=chunk, past=tokens // 2).devices[h.peer_id].block(sw.arch, chunk, tokens / 2)
-            .scaled(h.end - h.start) + Cost(software=sw.software.step_hop_chained) for h in sw.hops()]  # fmt: skip
-    slowest = max(hops, key=lambda c: c.total)
-    rest = slowest.scaled(pieces - 1)
-    work = sum(hops, Cost()).scaled(pieces).total
-    if work / sw.cores > one.total + rest.total:
-        rest = rest + Cost(bubble=work / sw.cores - one.total - rest.total)
-    window = sw.link.time(tokens * sw.arch.hidden * 4).comm - sw.link.time(chunk * sw.arch.hidden * 4).comm
-    return one + rest + Cost(comm=max(window, 0.0)) + fixed
+    plan = generate_plan(sw.shape(), sw.hops(), Call(1, chunk), max_length=tokens)
+    s = sw.setting(tokens=chunk, past=(tokens - chunk) // 2, chained=True)
+    first = price(plan, s).cost
+    hops = [s.devices[h.peer_id].block(sw.arch, chunk, (tokens + 1) / 2).scaled(h.end - h.start)
+            + Cost(software=sw.software.step_hop_chained) for h in sw.hops()]  # fmt: skip
+    rest = max(hops, key=lambda c: c.total).scaled(pieces - 1)
+    work = sum(hops, Cost()).total * pieces
+    if work / sw.cores > first.total + rest.total:
+        rest = rest + Cost(bubble=work / sw.cores - first.total - rest.total)
+    piece_bytes, whole = chunk * sw.arch.hidden * 4, tokens * sw.arch.hidden * 4
+    window = sw.link.slow_start_rounds(whole) - sw.link.slow_start_rounds(piece_bytes)
+    return first + rest + Cost(comm=max(window, 0) * sw.link.rtt) + fixed
 
 
 def forward_time(sw: Swarm, batch: int, tokens: int) -> Cost:
@@ -98,14 +115,15 @@ def forward_time(sw: Swarm, batch: int, tokens: int) -> Cost:
     return price(plan, sw.setting(batch=batch, tokens=tokens)).cost + Cost(software=fixed)
 
 
-def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, client_params: int = 0) -> Cost:
+def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, client_params: int = 0,
+               update: bool = True) -> Cost:  # fmt: skip
     """Forward, loss and backward through every block (weights frozen on the servers: gradients of the inputs, and
-    of ``adapter_params`` LoRA weights or the client's ``client_params``), then the optimizer step of those. The
+    of ``adapter_params`` LoRA weights or the client's ``client_params``), then (``update``) the optimizer step. The
     adapter travels with the forward and its gradients with the backward."""
     shape, hops = sw.shape(), sw.hops()
     plan = finetune_plan(shape, hops, Call(batch, tokens), params="adapter" if adapter_params else "client")
     s = sw.setting(batch=batch, tokens=tokens, adapter_params=adapter_params, client_params=client_params)
-    cost = price(plan, s).cost
+    cost = price(plan, s, ("forward", "backward", "update") if update else ("forward", "backward")).cost
     sw_ = sw.software
     fixed = (sw_.local_call + sw_.local_backward) if sw.local else (sw_.client_call + sw_.client_backward)
     if adapter_params and not sw.local:  # each hop's share of the adapter, there and (as gradients) back

@@ -85,7 +85,7 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
     arch = Arch.from_config(config)
     dev = Device("calibrated", hw.flops, hw.bandwidth, 4.0, hw.block_overhead, hw.backward_overhead,
                  attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth)  # fmt: skip
-    new, seq = 32, 64
+    new, seq = 24, 64  # the middle of the 8- and 40-token generations
 
     def blocks(n: int, tokens: int, past: int) -> float:
         return n * dev.block(arch, tokens, context_of(past, tokens)).total
@@ -97,23 +97,23 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
         local = AutoModelForCausalLM.from_pretrained(model_folder(load_model_card(str(card)), default_cache_dir()))
         torch.manual_seed(0)
         prompt, long = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, seq))
-        gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         step_compute = blocks(2, 1, 16 + new // 2)
-        out["local_step"] = _timed(lambda: local.generate(prompt, **gen), repeats) / new - step_compute
+        step, opened = _generation(local, prompt, repeats)
+        out["local_step"], out["local_open"] = step - step_compute, opened
         with torch.no_grad():
             out["local_call"] = _timed(lambda: local(long), repeats) - blocks(2, seq, 0)
-        step: dict[tuple[int, bool], float] = {}
+        steps: dict[tuple[int, bool], tuple[float, float]] = {}
         call: dict[int, float] = {}
         train: dict[int, float] = {}
         bandwidth = 0.0
         for spans in (["0:2"], ["0:1", "1:2"]):
             n = len(spans)
-            with LocalSwarm(str(card), list(spans), extra_args=("--throughput", "100")) as swarm:
+            with LocalSwarm(str(card), list[str | None](spans), extra_args=("--throughput", "100")) as swarm:
                 for chain in (True, False):
                     with DistributedModelForCausalLM.from_pretrained(
                         str(card), initial_peers=swarm.initial_peers, chain=chain, codec="none"
                     ) as remote:
-                        step[n, chain] = _timed(lambda: remote.generate(prompt, **gen), repeats) / new
+                        steps[n, chain] = _generation(remote, prompt, repeats)
                         if not chain:
                             continue
                         with torch.no_grad():
@@ -127,10 +127,12 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
                         if n == 1:
                             bandwidth = _transport_bandwidth(remote)
         train_steps = _pretrain_steps(Path(tmp), config, repeats)
-    out["step_hop"] = step[2, False] - step[1, False]
-    out["step_hop_chained"] = step[2, True] - step[1, True]
-    out["client_step"] = step[1, False] - out["step_hop"] - step_compute
-    out["client_step_chained"] = step[1, True] - out["step_hop_chained"] - step_compute
+    for chain, suffix in ((False, ""), (True, "_chained")):
+        (one, open1), (two, open2) = steps[1, chain], steps[2, chain]
+        out[f"step_hop{suffix}"] = two - one
+        out[f"client_step{suffix}"] = one - out[f"step_hop{suffix}"] - step_compute
+        out[f"open_hop{suffix}"] = open2 - open1
+        out[f"client_open{suffix}"] = open1 - out[f"open_hop{suffix}"]
     out["call_hop"] = call[2] - call[1]
     out["client_call"] = call[1] - out["call_hop"] - blocks(2, seq, 0)
     backward = 2 * dev.block_backward(arch, seq, context_of(0, seq), False).total
@@ -144,6 +146,19 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
     return out, bandwidth
 
 
+def _generation(model: object, prompt: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(seconds per generated token, fixed seconds per ``generate`` call) from generations of 8 and of 40 tokens:
+    the slope and the intercept, so that opening a session and the prompt's step do not count as decoding."""
+
+    def run(n: int) -> float:
+        gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return _timed(lambda: model.generate(prompt, **gen), repeats)  # type: ignore[attr-defined]
+
+    short, long = run(8), run(40)
+    per_token = (long - short) / 32
+    return per_token, short - 8 * per_token
+
+
 def _transport_bandwidth(remote: object) -> float:
     """Bytes/s of the client's transport to a server on this machine: a 16 MiB probe against a 64 KiB one."""
     from swarm.rpc.hop import Hop
@@ -153,10 +168,10 @@ def _transport_bandwidth(remote: object) -> float:
     run = conn.loop.run
 
     def send(nbytes: int) -> float:
-        return statistics.median(run(conn.remote.send_payload(hop, nbytes, 60.0), 120.0) for _ in range(5))
+        return float(statistics.median(run(conn.remote.send_payload(hop, nbytes, 60.0), 120.0) for _ in range(5)))
 
     small, big = send(64 * 1024), send(16 * MIB)
-    return (16 * MIB - 64 * 1024) / max(big - small, 1e-6)
+    return float((16 * MIB - 64 * 1024) / max(big - small, 1e-6))
 
 
 def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[int, float]:
@@ -176,7 +191,9 @@ def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[
         path.write_text(RUN.format(config=_toml(model), dir=tmp / "ckpt", spans=str(spans).replace("'", '"')))
         run = load_run(path)
         data = Samples(tokenize(corpus_files(None), run.tokenizer, 256), run.seq_len, run.seed)
-        with LocalSwarm("tiny-llama", spans, extra_args=("--throughput", "100", "--train", str(path))) as swarm:
+        with LocalSwarm(
+            "tiny-llama", list[str | None](spans), extra_args=("--throughput", "100", "--train", str(path))
+        ) as swarm:
             with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing()) as trainer:
                 out[len(spans)] = _timed(trainer.train_step, repeats * 2)
     return out

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# swarm/wan/client_job.py: the client process of a WAN node (benchmarks and the WAN test)
+# swarm/wan/client_job.py: the client process of a WAN node (benchmarks and the WAN test); swarm/perf/probe.py: the
+# calibration's swarm with a client (run by ``python -m swarm.perf calibrate``)
 ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py",
-                "swarm/plan/__main__.py", "swarm/wan/client_job.py"}  # fmt: skip
+                "swarm/plan/__main__.py", "swarm/wan/client_job.py", "swarm/perf/probe.py"}  # fmt: skip
 PUBLIC_API = "swarm/__init__.py"  # re-exports the client lazily
 
 

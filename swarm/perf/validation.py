@@ -1,0 +1,214 @@
+"""Predictions for the runs of the benchmarks (``scripts/validate_model.py``): each benchmark's JSON in, one row per
+measured number out, with the prediction and its breakdown. Pure, apart from reading the models' configs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.perf.arch import Arch
+from swarm.perf.calibrate import Calibration
+from swarm.perf.model import Cost, Link
+from swarm.perf.predict import (
+    Swarm,
+    decode_step,
+    forward_time,
+    generate_time,
+    pretrain_step,
+    train_time,
+    ttft,
+    uniform,
+)
+
+TOLERANCE = 0.25
+CORES = 2.0  # every party of a benchmark shares this machine's cores
+WAN_LINKS = {"a": (20.0, 100.0), "b": (50.0, 100.0), "c": (50.0, 20.0)}  # as scripts/bench_wan.py
+GOODPUT = 0.96  # of a link's rate left for payload after TCP/IP headers (1448 of 1500-byte frames, plus ACKs)
+CODEC_BYTES = {"none": 4.0, "float16": 2.0, "bfloat16": 2.0, "block8": 1.0 + 9 / 128}  # per value on the wire
+
+
+@dataclass(frozen=True)
+class Row:
+    bench: str
+    case: str
+    unit: str
+    measured: float
+    predicted: float
+    cost: Cost
+    rate: bool  # the unit is per second (predicted from 1 / time)
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bench": self.bench, "case": self.case, "unit": self.unit, "measured": self.measured,
+                "predicted": self.predicted, "error": self.error, "breakdown": self.cost.as_dict()}  # fmt: skip
+
+
+def _row(bench: str, case: str, unit: str, measured: float, cost: Cost, per: float = 0.0) -> Row:
+    """``per``: the measured number is ``per`` units per second (the prediction is ``per / time``); else seconds."""
+    predicted = per / cost.total if per else cost.total
+    return Row(bench, case, unit, measured, predicted, cost, bool(per))
+
+
+def arch_of(model: str) -> Arch:
+    from swarm.config import default_cache_dir, load_model_card
+    from swarm.model_files import load_config, model_folder
+
+    return Arch.from_config(load_config(model_folder(load_model_card(model), default_cache_dir())))
+
+
+def spans_of(spans: list[str]) -> list[tuple[int, int]]:
+    return [(int(s.split(":")[0]), int(s.split(":")[1])) for s in spans]
+
+
+def lora_params(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
+    q = arch.heads * arch.head_dim
+    size = {"q_proj": (arch.hidden, q), "k_proj": (arch.hidden, arch.kv_dim), "v_proj": (arch.hidden, arch.kv_dim),
+            "o_proj": (q, arch.hidden)}  # fmt: skip
+    return arch.layers * sum(rank * (size[t][0] + size[t][1]) for t in targets)
+
+
+def swarms(cal: Calibration, arch: Arch, spans: list[str], link: Link | None = None) -> tuple[Swarm, Swarm]:
+    dev, sw = cal.device(), cal.costs()
+    link = link or Link(bandwidth=cal.transport_bandwidth)
+    local = Swarm(arch, dev, software=sw, cores=CORES)
+    return local, uniform(arch, spans_of(spans), dev, dev, link, sw, cores=CORES)
+
+
+def inference_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+    rows = []
+    new, seq = int(data["args"]["new_tokens"]), int(data["args"]["seq"])
+    for model, results in data["results"].items():
+        arch = arch_of(model)
+        local, remote = swarms(cal, arch, data["spans"][model])
+        client_params = arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden
+        for name, m_local, m_swarm in results:
+            for side, m, sw in (("local", m_local, local), ("swarm", m_swarm, remote)):
+                case = f"{model} {len(remote.servers)} peers, {name.split(',')[0].split(' s')[0]} ({side})"
+                if name.startswith("decode"):
+                    rows.append(_row("bench_inference", case, "tokens/s", m, generate_time(sw, 16, new), per=new))
+                elif name.startswith("forward+backward"):
+                    cost = train_time(sw, 1, seq, client_params=client_params, update=False)
+                    rows.append(_row("bench_inference", case, "s", m, cost))
+                elif name.startswith("forward"):
+                    rows.append(_row("bench_inference", case, "s", m, forward_time(sw, 1, seq)))
+    return rows
+
+
+def finetune_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+    a = data["args"]
+    arch = arch_of(a["model"])
+    local, remote = swarms(cal, arch, a["spans"])
+    n = int(data["adapter_params"])
+    rows = []
+    for side, m, sw in (("local PEFT", data["local_step_s"], local), ("swarm", data["swarm_step_s"], remote)):
+        cost = train_time(sw, int(a["batch"]), int(a["seq"]), adapter_params=n)
+        case = f"{a['model']} LoRA r={a['rank']}, {len(a['spans'])} peers, batch {a['batch']}x{a['seq']} ({side})"
+        rows.append(_row("bench_finetune", case, "steps/s", 1.0 / float(m), cost, per=1.0))
+    return rows
+
+
+def pretrain_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+    from swarm.training.run import load_run
+
+    run = load_run(Path(data["run"]))
+    return _pretrain(cal, run, "bench_pretrain", data["local_step_s"], data["swarm_step_s"], None)
+
+
+def _pretrain(cal: Calibration, run: Any, bench: str, m_local: float | None, m_swarm: float,
+              link: Link | None) -> list[Row]:  # fmt: skip
+    arch = Arch.from_config(run.hf_config())
+    local, remote = swarms(cal, arch, [str(s) for s in run.stages], link)
+    tokens = run.target_batch_size * run.seq_len
+    rows = []
+    for side, m, sw in (("local", m_local, local), ("swarm", m_swarm, remote)):
+        if m is None:
+            continue
+        cost = pretrain_step(sw, run.target_batch_size, run.seq_len, run.micro_batch_size, run.pipeline_depth)
+        case = f"{run.name}, {len(run.stages)} stages, batch {run.target_batch_size}x{run.seq_len} ({side})"
+        rows.append(_row(bench, case, "tokens/s", tokens / float(m), cost, per=tokens))
+    return rows
+
+
+def wan_link(cal: Calibration, link: str, codec: str) -> Link:
+    """The emulated link as the model sees it: one-way delay, and the slower of the link's goodput and the
+    transport's own rate per byte (serialization), scaled by the codec's bytes per value."""
+    scale = CODEC_BYTES.get(codec, 4.0) / 4.0
+    if link in ("loopback", "z"):
+        return Link(bandwidth=cal.transport_bandwidth / scale)
+    delay, mbit = WAN_LINKS[link]
+    wire = mbit * 1e6 / 8 * GOODPUT
+    return Link(delay=delay / 1e3, bandwidth=1.0 / ((1.0 / wire + 1.0 / cal.transport_bandwidth) * scale))
+
+
+def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]) -> list[Row]:
+    rows = []
+    for model, local_item in data["local"].items():
+        arch = arch_of(model)
+        local, _ = swarms(cal, arch, spans[model])
+        rows.append(_row("bench_wan", f"{model} local decode step", "s", local_item["step_s"], decode_step(local, 24)))
+        rows.append(_row("bench_wan", f"{model} local time to first token", "s", local_item["ttft_s"],
+                         ttft(local, 512)))  # fmt: skip
+    for r in data["results"]:
+        if r.get("plane") != "direct" or r["task"] == "local":
+            continue
+        model, mode = r["model"], r.get("mode", "")
+        chained = "chain=on" in mode
+        codec = mode.split("codec=")[1] if "codec=" in mode else "none"
+        link = wan_link(cal, r["link"], codec)
+        arch = arch_of(model)
+        _, remote = swarms(cal, arch, spans[model], link)
+        where = f"{model} {len(remote.servers)} peers, link {r['link']}, {mode}"
+        if r["task"] == "decode":
+            rows.append(_row("bench_wan", f"{where}: decode step", "s", r["step_s"], decode_step(remote, 24, chained)))
+        elif r["task"] == "ttft":
+            rows.append(
+                _row("bench_wan", f"{where}: time to first token", "s", r["ttft_s"], ttft(remote, 512, chained))
+            )
+        elif r["task"] == "finetune":
+            n = lora_params(arch, 8, ("q_proj", "k_proj", "v_proj", "o_proj"))
+            cost = train_time(remote, int(r.get("batch", 2)), int(r.get("seq", 64)), adapter_params=n)
+            rows.append(_row("bench_wan", f"{where}: LoRA steps/s", "steps/s", r["steps_per_s"], cost, per=1.0))
+        elif r["task"] == "pretrain":
+            from swarm.training.run import load_run
+
+            run = load_run(Path(r["pretrain_run"]))
+            rows += _pretrain(cal, run, "bench_wan", None, r["step_s"], link)
+            rows[-1] = Row(rows[-1].bench, f"{where}: pre-training", *_rest(rows[-1]))
+    return rows
+
+
+def _rest(row: Row) -> tuple[str, float, float, Cost, bool]:
+    return row.unit, row.measured, row.predicted, row.cost, row.rate
+
+
+def predict_rows(cal: Calibration, measured: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    if "inference" in measured:
+        rows += inference_rows(cal, measured["inference"])
+    if "finetune" in measured:
+        rows += finetune_rows(cal, measured["finetune"])
+    if "pretrain" in measured:
+        rows += pretrain_rows(cal, measured["pretrain"])
+    if "wan" in measured:
+        spans = {"smollm2-135m": ["0:10", "10:20", "20:30"], "tiny-llama": ["0:2", "2:4", "4:6", "6:8"]}
+        rows += wan_rows(cal, measured["wan"], spans)
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| benchmark | case | unit | measured | predicted | error | compute | memory | overhead | comm | software "
+            "| bubble |")  # fmt: skip
+    out = [head, "|" + " --- |" * 12]
+    for r in rows:
+        total = r.cost.total or math.inf
+        shares = " | ".join(f"{getattr(r.cost, k) / total:.0%}" for k in
+                            ("compute", "memory", "overhead", "comm", "software", "bubble"))  # fmt: skip
+        mark = "" if abs(r.error) <= TOLERANCE else " **miss**"
+        out.append(f"| {r.bench} | {r.case} | {r.unit} | {r.measured:.4g} | {r.predicted:.4g} | {r.error:+.0%}{mark} "
+                   f"| {shares} |")  # fmt: skip
+    return "\n".join(out)

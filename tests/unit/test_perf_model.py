@@ -1,0 +1,144 @@
+"""The performance model's pure parts: counts against a real Hugging Face model, the link model, plan pricing (chained
+against client-mediated crossings), pipelines, the calibration record, and the validation rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.perf.arch import Arch, context_of
+from swarm.perf.calibrate import Calibration, Hardware
+from swarm.perf.model import INITIAL_WINDOW, Cost, Device, Link, Software, pipeline, price
+from swarm.perf.predict import Swarm, decode_step, forward_time, pretrain_step, train_time, ttft, uniform
+from swarm.perf.validation import Row, finetune_rows, table, wan_link
+from swarm.plan.compile import Call, ModelShape, generate_plan, repair
+from swarm.rpc.hop import Hop
+
+SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)  # fmt: skip
+FAST = Device("ideal", flops=1e18, bandwidth=1e18)  # work costs nothing: only links and software remain
+
+
+def test_parameter_count_equals_hugging_face():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for tied in (False, True):
+        cfg = dict(SMALL, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+        assert Arch.from_config(cfg).params == sum(p.numel() for p in model.parameters())
+        block = model.model.layers[0]
+        assert Arch.from_config(cfg).block_params == sum(p.numel() for p in block.parameters())
+
+
+def test_smollm2_counts():
+    arch = Arch(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, vocab=49152, head_dim=64, tied=True)
+    assert arch.params == 134_515_008  # SmolLM2-135M's published parameter count
+    assert arch.kv_bytes_per_token(2) == 2 * 192 * 2
+    assert arch.block_flops(1, 0) == 2 * arch.block_linear_params  # attention of nothing costs nothing
+    assert context_of(10, 1) == 11  # one new token attends to the 10 cached and itself
+
+
+def test_slow_start():
+    link = Link(delay=0.02, bandwidth=100e6 / 8)
+    assert link.slow_start_rounds(INITIAL_WINDOW) == 0
+    rounds = [link.slow_start_rounds(n) for n in (30_000, 100_000, 500_000, 5_000_000)]
+    assert rounds == sorted(rounds) and rounds[0] >= 1
+    assert Link(delay=0.02, bandwidth=100e6 / 8, warm=True).slow_start_rounds(5_000_000) == 0
+    # the window stops growing at the bandwidth-delay product: a huge message is bandwidth-bound after that
+    assert link.slow_start_rounds(1e9) == link.slow_start_rounds(1e8)
+    t = link.time(1e6).comm
+    assert t > 0.02 + 1e6 / link.bandwidth
+
+
+def test_chained_steps_cross_each_link_once():
+    arch = Arch.from_config(SMALL)
+    for n in (1, 2, 3):
+        spans = [(i, i + 1) for i in range(n)]
+        sw = uniform(arch, spans, FAST, FAST, Link(delay=0.01), Software())
+        assert decode_step(sw, 8, chained=True).comm == pytest.approx((n + 1) * 0.01)
+        assert decode_step(sw, 8, chained=False).comm == pytest.approx(2 * n * 0.01)
+
+
+def test_work_scales_with_blocks_and_tokens():
+    arch = Arch.from_config(SMALL)
+    dev = Device("d", flops=1e9, bandwidth=1e9, block_overhead=1e-4)
+    local = Swarm(arch, dev)
+    assert forward_time(local, 1, 256).total > forward_time(local, 1, 16).total
+    one = uniform(arch, [(0, 3)], dev, dev, Link(), Software())
+    three = uniform(arch, [(0, 1), (1, 2), (2, 3)], dev, dev, Link(), Software(call_hop=0.01))
+    assert forward_time(three, 1, 16).total == pytest.approx(forward_time(one, 1, 16).total + 0.03)
+    frozen = train_time(local, 1, 64, update=False).total
+    assert train_time(local, 1, 64, client_params=10**6, update=False).total > frozen  # head's weight gradient
+    assert ttft(three, 512).total > ttft(three, 128).total
+
+
+def test_price_of_a_repaired_plan():
+    shape = ModelShape("m", 3, 64, 300)
+    plan = generate_plan(shape, [Hop("a", 0, 2), Hop("b", 2, 3)], Call(1, 1), max_length=8)
+    fixed, _ = repair(plan, "s0", [Hop("c", 0, 1), Hop("d", 1, 2)], 1)
+    arch = Arch.from_config(SMALL)
+    sw = uniform(arch, [(0, 2), (2, 3)], FAST, FAST, Link(delay=0.01), Software())
+    s = sw.setting(tokens=1, past=4)
+    s = type(s)(**{**s.__dict__, "devices": {**s.devices, "c": FAST, "d": FAST, "a": FAST, "b": FAST}})
+    assert price(fixed, s).cost.comm == pytest.approx(6 * 0.01)  # three servers, client-mediated
+    assert price(fixed, type(s)(**{**s.__dict__, "chained": True})).cost.comm == pytest.approx(4 * 0.01)
+
+
+def test_pipeline():
+    a, b = Cost(compute=1.0), Cost(compute=3.0)
+    assert pipeline([a, b], 1, 1).total == 4.0
+    assert pipeline([a, b], 2, 1).total == 8.0  # one at a time
+    assert pipeline([a, b], 2, 2).total == 7.0  # the second follows the slowest stage
+    assert pipeline([a, b], 2, 2, cores=1).total == 8.0  # one core: no faster than the work
+    assert pipeline([a, b], 2, 2, cores=1).bubble == 1.0
+
+
+def test_pretraining_more_stages_cost_more_calls():
+    arch = Arch.from_config(SMALL)
+    dev = Device("d", flops=1e12, bandwidth=1e11)
+    sw = Software(stage_call=0.005)
+    two = uniform(arch, [(0, 2), (2, 3)], dev, dev, Link(), sw)
+    three = uniform(arch, [(0, 1), (1, 2), (2, 3)], dev, dev, Link(), sw)
+    assert pretrain_step(three, 16, 64, 8, 2).total > pretrain_step(two, 16, 64, 8, 2).total
+
+
+def test_calibration_record_and_clamping(tmp_path):
+    hw = Hardware(flops=1e11, attention_flops=4e10, bandwidth=1e10, elementwise_bandwidth=1e10,
+                  block_overhead=3e-4, backward_overhead=9e-4)  # fmt: skip
+    cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8,
+                      software={"step_hop": 0.002, "client_step": -0.001}, measured_at=0.0)  # fmt: skip
+    again = Calibration.model_validate_json(cal.model_dump_json())
+    assert again == cal
+    assert again.costs().client_step == 0.0  # a negative difference of noisy timings is no cost
+    assert again.device().attention_flops == 4e10
+    with pytest.raises(ValueError):
+        Calibration.model_validate({**cal.model_dump(), "version": 2})
+
+
+def test_validation_rows_and_table(monkeypatch):
+    hw = Hardware(flops=1e11, attention_flops=4e10, bandwidth=1e10, elementwise_bandwidth=1e10,
+                  block_overhead=3e-4, backward_overhead=9e-4)  # fmt: skip
+    cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8, software={}, measured_at=0.0)
+    monkeypatch.setattr("swarm.perf.validation.arch_of", lambda model: Arch.from_config(SMALL))
+    data = {"args": {"model": "small", "spans": ["0:1", "1:3"], "batch": 2, "seq": 32, "rank": 8},
+            "adapter_params": 1000, "local_step_s": 0.5, "swarm_step_s": 0.6}  # fmt: skip
+    rows = finetune_rows(cal, data)
+    assert [r.case.endswith("(swarm)") for r in rows] == [False, True]
+    assert all(r.rate and r.predicted > 0 for r in rows)
+    assert rows[1].error == pytest.approx(rows[1].predicted / (1 / 0.6) - 1)
+    text = table(rows + [Row("b", "c", "s", 1.0, 2.0, Cost(comm=2.0), False)])
+    assert "**miss**" in text and "| 100% |" in text
+    # a WAN link is no faster than the transport, and a codec of fewer bytes per value makes it faster
+    assert wan_link(cal, "a", "none").bandwidth < 1e8
+    assert wan_link(cal, "a", "block8").bandwidth > wan_link(cal, "a", "none").bandwidth
+    assert math.isclose(wan_link(cal, "b", "none").delay, 0.05)
+
+
+def test_no_torch_needed_to_price():
+    # pricing is pure arithmetic: the module works on tensors nowhere (a planner on a machine without torch)
+    import swarm.perf.model as m
+
+    assert "torch" not in m.__dict__
+    assert torch.__version__  # the test process has torch; the model does not use it
