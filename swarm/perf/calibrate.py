@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -97,82 +97,102 @@ def save(cal: Calibration, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+def _median_time(
+    fn: Callable[[], object], repeats: int, inner: int = 1, sync: Callable[[], None] = lambda: None
+) -> float:
     fn()
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync()
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
 
 
-def measure_hardware(repeats: int = 15) -> Hardware:
+def measure_hardware(repeats: int = 15, device: str = "cpu", dtype: str = "float32") -> Hardware:
+    """The micro-benchmarks on ``device`` in ``dtype``. On a GPU the shapes are scaled up (a GEMM of 8192 tokens
+    through 8192 x 8192 weights, attention over 4096 positions of 32 heads of 128, 1 GiB streamed) so that they
+    measure the device rather than kernel launches."""
     import torch
     import torch.nn.functional as F
 
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    size = 2 if dt in (torch.float16, torch.bfloat16) else 4
+    gpu = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if gpu else (lambda: None)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt)
+
     with torch.inference_mode():
-        a, b = torch.randn(512, 512), torch.randn(16384, 512)
-        flops = 2 * 512 * 512 * 16384 / _median_time(lambda: F.linear(a, b), repeats)
-        q = torch.randn(1, 8, 512, 64)
-        attention = 2 * 512 * 512 * 64 * 8 / _median_time(
-            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 2)  # fmt: skip
-        m, v = torch.randn(4096, 4096), torch.randn(4096)
-        bandwidth = m.numel() * 4 / _median_time(lambda: torch.mv(m, v), repeats, 2)
-        x, w = torch.randn(512, 512), torch.randn(512)
+        t, k, n = (8192, 8192, 8192) if gpu else (512, 512, 16384)
+        a, b = rand(t, k), rand(n, k)
+        flops = 2 * t * k * n / _median_time(lambda: F.linear(a, b), repeats, sync=sync)
+        heads, seq, hd = (32, 4096, 128) if gpu else (8, 512, 64)
+        q = rand(1, heads, seq, hd)
+        attention = 2 * seq * seq * hd * heads / _median_time(
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 2, sync)  # fmt: skip
+        rows = 16384 if gpu else 4096
+        m, v = rand(rows, rows * 2 if gpu else rows), rand(rows * 2 if gpu else rows)
+        bandwidth = m.numel() * size / _median_time(lambda: torch.mv(m, v), repeats, 2, sync)
+        side = 8192 if gpu else 512
+        x, w = rand(side, side), rand(side)
 
         def norm_and_rotary() -> torch.Tensor:
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # 7 passes
-            return torch.cat((-y[:, 256:], y[:, :256]), -1) * w + y * w  # 11 passes
+            return torch.cat((-y[:, side // 2 :], y[:, : side // 2]), -1) * w + y * w  # 11 passes
 
-        elementwise = 18 * x.numel() * 4 / _median_time(norm_and_rotary, repeats, 10)
+        elementwise = 18 * x.numel() * size / _median_time(norm_and_rotary, repeats, 10, sync)
     return Hardware(flops=flops, attention_flops=attention, bandwidth=bandwidth, elementwise_bandwidth=elementwise,
-                    **_block_overheads(repeats))  # fmt: skip
+                    **_block_overheads(repeats, dev, dt, sync))  # fmt: skip
 
 
-def _stack(layers: int) -> object:
+def _stack(layers: int, device: Any, dtype: Any) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    model = LlamaModel(LlamaConfig(**MICRO, num_hidden_layers=layers)).eval()  # type: ignore[arg-type,no-untyped-call]
+    model: Any = LlamaModel(LlamaConfig(**MICRO, num_hidden_layers=layers))  # type: ignore[arg-type]
+    model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
 
 
-def _block_overheads(repeats: int) -> dict[str, float]:
+def _block_overheads(repeats: int, device: Any, dtype: Any, sync: Callable[[], None]) -> dict[str, float]:
     """(t(8 layers) - t(1 layer)) / 7 for a one-token step against a 16-position cache, and the same for forward +
     backward over 8 tokens (weights frozen, gradients to the input, as servers compute them)."""
     import torch
     from transformers import DynamicCache
 
     def step_time(layers: int) -> float:
-        model = _stack(layers)
+        model = _stack(layers, device, dtype)
         with torch.inference_mode():
-            cache = DynamicCache(config=model.config)  # type: ignore[attr-defined]
-            model(inputs_embeds=torch.randn(1, 16, 64), cache=cache, use_cache=True)  # type: ignore[operator]
-            one = torch.randn(1, 1, 64)
+            cache = DynamicCache(config=model.config)
+            model(inputs_embeds=torch.randn(1, 16, 64, device=device, dtype=dtype), cache=cache, use_cache=True)
+            one = torch.randn(1, 1, 64, device=device, dtype=dtype)
 
             def step() -> None:
-                model(inputs_embeds=one, cache=cache, use_cache=True)  # type: ignore[operator]
+                model(inputs_embeds=one, cache=cache, use_cache=True)
                 cache.crop(-1)  # back to 16 positions
 
-            return _median_time(step, repeats, 20)
+            return _median_time(step, repeats, 20, sync)
 
     def train_time(layers: int) -> float:
-        model = _stack(layers)
-        x = torch.randn(1, 8, 64, requires_grad=True)
+        model = _stack(layers, device, dtype)
+        x = torch.randn(1, 8, 64, device=device, dtype=dtype, requires_grad=True)
 
         def fb() -> None:
-            model(inputs_embeds=x).last_hidden_state.sum().backward()  # type: ignore[operator]
+            model(inputs_embeds=x).last_hidden_state.sum().backward()
 
         def f() -> None:
             with torch.no_grad():
-                model(inputs_embeds=x)  # type: ignore[operator]
+                model(inputs_embeds=x)
 
-        return _median_time(fb, repeats, 5) - _median_time(f, repeats, 5)
+        return _median_time(fb, repeats, 5, sync) - _median_time(f, repeats, 5, sync)
 
     forward = max((step_time(8) - step_time(1)) / 7, 0.0)
     backward = max((train_time(8) - train_time(1)) / 7, 0.0)
