@@ -1,23 +1,43 @@
 """The broker's planner on a simulated swarm: 1,000 seeded peers, an 80-block model of 1.75 GB per block (70B
 parameters in 16-bit).
 
-    python scripts/simulate_swarm.py [--peers 1000] [--seed 0]
+    python scripts/simulate_swarm.py [--peers 1000] [--seed 0] [--swarms 10]
 
 Population: 60% 10 GB cards of throughput 1.0, 25% 24 GB of 2.5, 10% 80 GB of 5.0, 5% 80 GB of 8.0 (blocks per unit
 time). Prints planning time (target < 1 s), the bottleneck reached vs the upper bound (total throughput / blocks;
 target >= 90%), and how many peers move after 10% of them leave.
+
+Then ``--swarms`` seeded swarms of catalogue devices (``configs/hardware``), 100 to 1,000 peers in three device mixes,
+each peer's per-block throughput PREDICTED by the performance model (``swarm.perf``) for a Llama-2-70B block in
+bfloat16: decode tokens/s of a batch of 16 sequences after 1,024 cached positions; memory: the device's less 1 GB;
+link: log-uniform 20 to 1,000 Mbit/s, a token's hidden state (16 KiB) crossing it twice. For each swarm: the
+predicted throughput (tokens/s, the weakest block's, as every token crosses every block) of the broker's planner
+(replication 1, no standbys) and of Petals-style greedy placement (peers join in a random order, each at the window
+of the weakest blocks, never moving), and the planner's share of the upper bound. PASS: the planner is at least as
+good as greedy on every swarm and reaches 90% of the upper bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 
 from peers.broker.planner import PeerInfo, Policy, Role, plan_swarm
+from swarm.perf.arch import Arch
+from swarm.perf.catalogue import load_catalogue
+from swarm.perf.model import Link
+from swarm.perf.placement import block_throughput, bottleneck, device_of, greedy_spans, link_tokens
 
 GB = 1024**3
 KINDS = [(0.60, 10, 1.0), (0.25, 24, 2.5), (0.10, 80, 5.0), (0.05, 80, 8.0)]
+LLAMA2_70B = Arch(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, head_dim=128)
+MIXES = {  # fractions of catalogue devices (the 24 GB share split between RTX 3090 and 4090)
+    "consumer": {"rtx3080": 0.80, "rtx3090": 0.075, "rtx4090": 0.075, "a100": 0.04, "h100": 0.01},
+    "default": {"rtx3080": 0.60, "rtx3090": 0.125, "rtx4090": 0.125, "a100": 0.10, "h100": 0.05},
+    "datacentre": {"rtx3080": 0.40, "rtx3090": 0.15, "rtx4090": 0.15, "a100": 0.20, "h100": 0.10},
+}
 
 
 def population(n: int, rng: random.Random) -> list[PeerInfo]:
@@ -36,6 +56,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=80)
     p.add_argument("--block-gb", type=float, default=1.75)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--swarms", type=int, default=10, help="seeded catalogue swarms compared with greedy (0: none)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     block_bytes = int(args.block_gb * GB)
@@ -77,6 +98,53 @@ def main() -> None:
         f"{promoted} standbys promoted; bottleneck {after.bottleneck:.2f} of bound {after.upper_bound:.2f} "
         f"({after.bottleneck / after.upper_bound:.1%})"
     )
+    if args.swarms:
+        compare(args.swarms)
+
+
+def catalogue_swarm(n: int, mix: dict[str, float], rng: random.Random) -> list[PeerInfo]:
+    """``n`` peers drawn from ``mix``, rates predicted by the performance model."""
+    cat = load_catalogue()
+    devices = {k: device_of(cat[k]) for k in mix}
+    rate = {k: block_throughput(d, LLAMA2_70B, batch=16, past=1024) for k, d in devices.items()}
+    token_bytes = LLAMA2_70B.hidden * 2
+    kinds, weights = list(mix), list(mix.values())
+    peers = []
+    for i in range(n):
+        k = rng.choices(kinds, weights)[0]
+        mbps = math.exp(rng.uniform(math.log(20), math.log(1000)))
+        tokens = link_tokens(Link(bandwidth=mbps * 1e6 / 8), token_bytes)
+        peers.append(PeerInfo(f"{k}-{i:04d}", rate[k], int(devices[k].memory), link_tokens=tokens))
+    return peers
+
+
+def compare(swarms: int) -> None:
+    block_bytes = int(LLAMA2_70B.block_bytes(2))
+    blocks = LLAMA2_70B.layers
+    print(f"\nLlama-2-70B ({blocks} blocks of {block_bytes / 1e9:.2f} GB), catalogue devices, predicted tokens/s:")
+    cat = load_catalogue()
+    each = {k: block_throughput(device_of(cat[k]), LLAMA2_70B, batch=16, past=1024) for k in MIXES["default"]}
+    print("predicted decode tokens/s per block (batch 16): " + ", ".join(f"{k} {v:.0f}" for k, v in each.items()))
+    print(f"{'seed':>4} {'mix':>10} {'peers':>5} {'planner':>9} {'greedy':>9} {'plan/greedy':>11} {'plan/bound':>10}"
+          f" {'time':>6}")  # fmt: skip
+    ok = True
+    for seed in range(swarms):
+        rng = random.Random(seed)
+        n = 100 + 100 * (seed % 10)
+        mix = list(MIXES)[seed % len(MIXES)]
+        peers = catalogue_swarm(n, MIXES[mix], rng)
+        t0 = time.perf_counter()
+        plan = plan_swarm(peers, blocks, block_bytes, Policy(replication=1, standby_fraction=0.0))
+        took = time.perf_counter() - t0
+        rates = [(p.throughput, p.link_tokens) for p in peers]
+        caps = [min(blocks, p.memory // block_bytes) for p in peers]
+        greedy = bottleneck(greedy_spans(rates, caps, blocks, seed), rates, blocks)
+        ratio, share = plan.bottleneck / max(greedy, 1e-12), plan.bottleneck / plan.upper_bound
+        ok = ok and plan.bottleneck >= greedy * (1 - 1e-9) and share >= 0.9
+        print(f"{seed:>4} {mix:>10} {n:>5} {plan.bottleneck:>9.1f} {greedy:>9.1f} {ratio:>11.2f} {share:>10.1%}"
+              f" {took:>5.2f}s")  # fmt: skip
+    verdict = "PASS" if ok else "FAIL"
+    print(f"{verdict}: planner >= greedy on every swarm and >= 90% of the upper bound")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.ids import assignment_key, broker_key, peers_key
 from swarm.lease import LeaseRules
+from swarm.perf.model import Link
+from swarm.perf.placement import link_tokens
 from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float, 
         role = Role.SERVE if r.state == PeerState.ONLINE else Role.STANDBY if r.state == PeerState.STANDBY else None
         link = math.inf
         if r.network_mbps and r.token_bytes:  # every token crosses the link twice: into and out of the span
-            link = r.network_mbps * 1e6 / 8 / (2 * r.token_bytes)
+            link = link_tokens(Link(bandwidth=r.network_mbps * 1e6 / 8), r.token_bytes)
         pinned = r.span if r.pinned else None
         out.append(PeerInfo(r.peer_id, r.block_throughput, r.memory, pinned, r.span, role, link_tokens=link))
     return out

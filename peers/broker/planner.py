@@ -11,7 +11,9 @@ The plan: pinned peers stay where they are; peers that already serve keep their 
 bottleneck by more than the hysteresis; a standby whose preloaded span covers a hole is promoted before anyone
 loads from disk; new peers take the window where blocks are weakest, using all the memory they offer; local-search
 rounds then move peers while that raises the bottleneck; finally the weakest peers beyond the replication need
-become standbys holding the most fragile spans.
+become standbys holding the most fragile spans. "Weakest" is tried two ways, keeping the better final bottleneck (the
+first on ties): the most sum of 1 / throughput over the window, and Petals' rule (the window whose sorted throughputs
+are smallest, i.e. the weakest block covered first). A peer's share comes from ``swarm.perf.placement.peer_rate``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from swarm.ids import Span
+from swarm.perf.placement import peer_rate
 
 
 class Role(StrEnum):
@@ -107,6 +110,18 @@ def _best_window(totals: list[float], length: int, share: float) -> Span:
     return Span(best, best + length)
 
 
+def _weakest_window(totals: list[float], length: int, share: float = 0.0) -> Span:
+    """The window whose blocks, sorted from the weakest, are weakest (Petals' ``choose_best_blocks`` rule): it covers
+    the weakest block first, then the next weakest, and so on; the first such window on ties."""
+    # a sorted window starts with its minimum: only windows holding a weakest block of all can win
+    low, last = min(totals), len(totals) - length
+    starts = sorted(
+        {s for i, t in enumerate(totals) if t == low for s in range(max(i - length + 1, 0), min(i, last) + 1)}
+    )
+    best = min(starts, key=lambda s: sorted(totals[s : s + length]))
+    return Span(best, best + length)
+
+
 def _add(totals: list[float], span: Span, share: float) -> None:
     for b in range(span.start, span.end):
         totals[b] += share
@@ -117,8 +132,9 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
     link = {p.peer_id: p.link_tokens for p in peers}
 
     def share(pid: str, length: int) -> float:
-        """What a peer adds to each block of a span of ``length`` blocks."""
-        return min(speed[pid] / length, link[pid])
+        """What a peer adds to each block of a span of ``length`` blocks (the performance model's throughput rule:
+        compute and transfers overlap, the slower bounds the peer)."""
+        return peer_rate(speed[pid], length, link[pid])
 
     cap = {p.peer_id: capacity(p, num_blocks, block_bytes) for p in peers}
     unplaceable = tuple(p.peer_id for p in peers if cap[p.peer_id] < 1 and p.pinned is None)
@@ -138,18 +154,50 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
             spans[p.peer_id] = p.span
             _add(totals, p.span, share(p.peer_id, len(p.span)))
 
-    # everyone else: strongest first, into the weakest window their memory allows
+    # two constructions, each followed by the local search: the window maximising the sum of 1 / throughput, and
+    # Petals' rule (the weakest block first); the better final bottleneck wins, the first on ties
     free = [p for p in peers if p.peer_id not in spans and cap[p.peer_id] >= 1 and p.pinned is None]
+    placed = set(spans) | {p.peer_id for p in free}
+    movable = [p for p in peers if p.pinned is None and p.peer_id in placed]
+    # each peer's most: its compute, or its link times the blocks it can hold, whichever is smaller
+    bound = sum(min(speed[p.peer_id], link[p.peer_id] * cap[p.peer_id]) for p in peers if cap[p.peer_id] >= 1)
+    best: Plan | None = None
+    for window in (_best_window, _weakest_window):
+        found, found_totals = _search(dict(spans), list(totals), free, movable, cap, speed, share, policy, window)
+        placements = {pid: Placement(span, Role.SERVE) for pid, span in found.items()}
+        placements = _choose_standbys(peers, placements, found_totals, speed, policy)
+        serving = {pid: pl.span for pid, pl in placements.items() if pl.role == Role.SERVE}
+        final = _totals(num_blocks, serving, share)
+        plan = Plan(placements, min(final) if final else 0.0, bound / max(num_blocks, 1), unplaceable)
+        if best is None or plan.bottleneck > best.bottleneck * (1 + 1e-9) + 1e-12:
+            best = plan
+    assert best is not None
+    return best
+
+
+Window = Callable[[list[float], int, float], Span]  # (block totals, span length, the peer's share) -> where
+
+
+def _search(
+    spans: dict[str, Span],
+    totals: list[float],
+    free: list[PeerInfo],
+    movable: list[PeerInfo],
+    cap: dict[str, int],
+    speed: dict[str, float],
+    share: Share,
+    policy: Policy,
+    window: Window,
+) -> tuple[dict[str, Span], list[float]]:
+    """Place the ``free`` peers, strongest first, at the ``window`` their memory allows, then move peers while that
+    raises the bottleneck (or, at equal bottleneck, lowers the count of weakest blocks); peers that already held their
+    span must gain more than the hysteresis to move. Updates and returns ``spans`` and ``totals``."""
     for p in sorted(free, key=lambda q: -speed[q.peer_id]):
         length = cap[p.peer_id]
         each = share(p.peer_id, length)
-        span = _best_window(totals, length, each)
+        span = window(totals, length, each)
         spans[p.peer_id] = span
         _add(totals, span, each)
-
-    # local search: move a peer if the bottleneck (or, at equal bottleneck, the count of weakest blocks) improves;
-    # peers that already held their span must gain more than the hysteresis to move
-    movable = [p for p in peers if p.pinned is None and p.peer_id in spans]
     for _ in range(policy.rounds):
         changed = False
         for p in sorted(movable, key=lambda q: speed[q.peer_id]):
@@ -158,7 +206,7 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
             before = min(totals)
             weak_before = _weak(totals, before)
             _add(totals, old, -each)
-            candidate = _best_window(totals, len(old), each)
+            candidate = window(totals, len(old), each)
             _add(totals, candidate, each)
             after = min(totals)
             if p.span == old:  # it already holds this span: moving costs a reload, so demand a real gain
@@ -173,14 +221,7 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
                 _add(totals, old, each)
         if not changed:
             break
-
-    placements = {pid: Placement(span, Role.SERVE) for pid, span in spans.items()}
-    placements = _choose_standbys(peers, placements, totals, speed, policy)
-    serving = {pid: pl.span for pid, pl in placements.items() if pl.role == Role.SERVE}
-    final = _totals(num_blocks, serving, share)
-    # each peer's most: its compute, or its link times the blocks it can hold, whichever is smaller
-    bound = sum(min(speed[p.peer_id], link[p.peer_id] * cap[p.peer_id]) for p in peers if cap[p.peer_id] >= 1)
-    return Plan(placements, min(final) if final else 0.0, bound / max(num_blocks, 1), unplaceable)
+    return spans, totals
 
 
 def _weak(totals: list[float], level: float) -> int:

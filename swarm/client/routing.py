@@ -1,8 +1,10 @@
 """Pure routing: from a swarm view to a chain of servers covering blocks ``start:end``.
 
-Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs a network
-latency plus (b - a) blocks at s's speed (measured by the client where it can, claimed otherwise). Servers may
-overlap and be entered mid-span.
+Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs what the
+performance model prices one hop at (``swarm.perf.placement.hop_seconds``: s's measured round trip where the client
+has one, else the prior; the step's bytes over s's announced bandwidth; the software's fixed cost per hop) plus
+(b - a) blocks at s's speed (measured by the client where it can, claimed otherwise). Servers may overlap and be
+entered mid-span.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from swarm.errors import MissingBlocksError
+from swarm.perf.placement import RouteCosts
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import Capability, PeerState, ServerRecord, View, servers
 from swarm.rpc.hop import Hop
@@ -74,14 +77,21 @@ def choose_route(
     default_latency: float = 0.003,
     model_id: str = "",
     noise: Mapping[str, float] | None = None,
+    rtt: Mapping[str, float] | None = None,
+    costs: RouteCosts | None = None,
 ) -> list[Hop]:
     """Cheapest chain covering ``start:end``; ``mode`` picks which speed prices a block: the client's own
     measurement of a server where it has one (``measured``: seconds per block per step or token, network included),
     else what the server claims. A server is believed only until it has been measured.
 
     ``noise`` (peer -> factor) scales each server's cost: with independent Exp(1) factors, a choice between replicas
-    falls to each with probability proportional to its speed (SWARM's stochastic wiring of training micro-batches)."""
-    measured, noise = measured or {}, noise or {}
+    falls to each with probability proportional to its speed (SWARM's stochastic wiring of training micro-batches).
+
+    A hop's network and software are priced by the performance model with ``costs`` (default: a flat
+    ``default_latency`` per unmeasured hop, client-mediated, bytes not priced), ``rtt`` (peer -> measured round trip
+    in seconds) and each server's announced ``network_mbps``."""
+    measured, noise, rtt = measured or {}, noise or {}, rtt or {}
+    costs = costs or RouteCosts.from_prior(default_latency)
     # A claim is believed only as far as the fastest peer measured so far: a stranger that announces an absurd speed
     # under a fresh id would otherwise take every first call.
     fastest = min((measured[r.peer_id] for r in records if r.peer_id in measured), default=0.0)
@@ -107,7 +117,7 @@ def choose_route(
             if not (r.start <= a < r.end):
                 continue
             factor = noise.get(r.peer_id, 1.0)
-            hop_cost = default_latency * factor
+            hop_cost = costs.hop(rtt.get(r.peer_id), r.network_mbps) * factor
             per_block = block_cost(r) * factor
             for b in points[index[a] + 1 :]:
                 if b > r.end:

@@ -40,6 +40,8 @@ class SwarmView:
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
         # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
         self.speeds: dict[tuple[str, Mode], float] = {}
+        # peer -> measured round trip (s): routing prices a measured peer's hop by it (the connection may share its own)
+        self.rtt: dict[str, float] = {}
         self._rng = random.Random(cfg.wiring_seed)  # stochastic wiring of training micro-batches
 
     @property
@@ -116,5 +118,5 @@ class SwarmView:
         their speed). Raises ``MissingBlocksError``."""
         records = self.servers(min_cache_tokens, exclude, needs)
         noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
-        return choose_route(records, start, end, mode=mode, measured=self.measured(mode),
+        return choose_route(records, start, end, mode=mode, measured=self.measured(mode), rtt=dict(self.rtt),
                             default_latency=self.hop_latency, model_id=self.model_id, noise=noise)  # fmt: skip
