@@ -43,7 +43,8 @@ class SwarmConnection:
             )
             self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
             self.retrier = Retrier(self.view, cfg.timing)
-            self.rtt: dict[str, float] = {}  # peer id -> measured round trip (s): what chained steps' deadlines add
+            # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
+            self.rtt: dict[str, float] = self.view.rtt
         except BaseException:
             self.store.shutdown()
             raise
