@@ -147,16 +147,16 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
 
 
 def _generation(model: object, prompt: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """(seconds per generated token, fixed seconds per ``generate`` call) from generations of 8 and of 40 tokens:
-    the slope and the intercept, so that opening a session and the prompt's step do not count as decoding."""
+    """(seconds per generated token, fixed seconds per ``generate`` call): the slope between generations of 8 and
+    of 40 tokens, and what a generation of one token (the session's opening and the prompt's step) costs beyond
+    one step."""
 
     def run(n: int) -> float:
         gen = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         return _timed(lambda: model.generate(prompt, **gen), repeats)  # type: ignore[attr-defined]
 
-    short, long = run(8), run(40)
-    per_token = (long - short) / 32
-    return per_token, short - 8 * per_token
+    per_token = (run(40) - run(8)) / 32
+    return per_token, run(1) - per_token
 
 
 def _transport_bandwidth(remote: object) -> float:
