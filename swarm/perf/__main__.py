@@ -1,5 +1,10 @@
 """``python -m swarm.perf calibrate [--force]``: measure this machine's micro-benchmarks (hardware, and the swarm's
-own fixed costs with real peers on loopback), cache them, and print them. ``show`` prints the cached ones."""
+own fixed costs with real peers on loopback), cache them, and print them. ``show`` prints the cached ones.
+
+``python -m swarm.perf predict --model smollm2-135m --spans 0:10 10:20 20:30 --device rtx3080 --delay-ms 20
+--mbps 100``: what such a swarm would deliver (decode, time to first token, forward, LoRA fine-tuning), with each
+prediction's breakdown. ``--device this`` uses this machine's calibration; the swarm's software costs are this
+machine's calibrated ones when cached (else left out, and said)."""
 
 from __future__ import annotations
 
@@ -32,10 +37,23 @@ def calibrated(threads: int = 1, force: bool = False) -> Calibration:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m swarm.perf", description=__doc__)
-    p.add_argument("command", choices=["calibrate", "show"])
+    p.add_argument("command", choices=["calibrate", "show", "predict"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (as the benchmarks use)")
     p.add_argument("--force", action="store_true", help="measure again even if cached")
+    p.add_argument("--model", default="smollm2-135m", help="predict: a model card name or Hugging Face folder")
+    p.add_argument("--spans", nargs="+", default=None, help="predict: the servers' spans, in order (default: one)")
+    p.add_argument("--device", default="this", help="predict: the servers' device (a configs/hardware name, or this)")
+    p.add_argument("--client-device", default="this", help="predict: the client's device")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--delay-ms", type=float, default=0.0, help="predict: one-way delay between any two parties")
+    p.add_argument("--mbps", type=float, default=None, help="predict: each party's link, Mbit/s (default: unlimited)")
+    p.add_argument("--prompt", type=int, default=512, help="predict: prompt tokens")
     args = p.parse_args(argv)
+    if args.command == "predict":
+        from swarm.perf.report import predict_report
+
+        print(predict_report(args, load(calibration_path(default_cache_dir(), args.threads))))
+        return 0
     if args.command == "show":
         cal = load(calibration_path(default_cache_dir(), args.threads))
         if cal is None:

@@ -82,23 +82,24 @@ class Device:
         c, m = flops / (rate or self.flops), traffic / self.bandwidth
         return Cost(compute=c) if c >= m else Cost(memory=m)
 
-    def block(self, arch: Arch, tokens: int, context: float) -> Cost:
-        """Kernels run one after another: the linear layers (bound by their FLOPs or by reading their weights),
-        attention (its FLOPs or reading the KV cache), then the element-wise work on activations (memory)."""
+    def block(self, arch: Arch, tokens: int, context: float, sequences: int = 1) -> Cost:
+        """Kernels run one after another: the linear layers (bound by their FLOPs or by reading their weights once
+        for all ``tokens``), attention (its FLOPs or reading each of the ``sequences``' KV cache), then the
+        element-wise work on activations (memory)."""
         b = self.dtype_bytes
         linear = self.roofline(2.0 * tokens * arch.block_linear_params, arch.block_params * b)
-        attention = self.roofline(arch.attention_flops(tokens, context), context * arch.kv_bytes_per_token(b),
-                                  self.attention_flops)  # fmt: skip
+        cache = sequences * context * arch.kv_bytes_per_token(b)
+        attention = self.roofline(arch.attention_flops(tokens, context), cache, self.attention_flops)
         acts = Cost(memory=arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
         return linear + attention + acts + Cost(overhead=self.block_overhead)
 
-    def block_backward(self, arch: Arch, tokens: int, context: float, weight_grads: bool) -> Cost:
+    def block_backward(self, arch: Arch, tokens: int, context: float, weight_grads: bool, sequences: int = 1) -> Cost:
         """Input gradients take the linear layers' FLOPs again (weight gradients as much again), attention's
         twice, and the activations' traffic twice."""
         b, k = self.dtype_bytes, 2.0 if weight_grads else 1.0
         linear = self.roofline(k * 2.0 * tokens * arch.block_linear_params, k * arch.block_params * b)
-        attention = self.roofline(2 * arch.attention_flops(tokens, context),
-                                  2 * context * arch.kv_bytes_per_token(b), self.attention_flops)  # fmt: skip
+        cache = 2 * sequences * context * arch.kv_bytes_per_token(b)
+        attention = self.roofline(2 * arch.attention_flops(tokens, context), cache, self.attention_flops)
         acts = Cost(memory=2 * arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
         return linear + attention + acts + Cost(overhead=self.backward_overhead)
 
@@ -199,9 +200,9 @@ def node_cost(node: Node, s: Setting, plan: Plan, src: str | None = None) -> Cos
         blocks = node.end - node.start
         ctx = context_of(s.past, s.tokens)
         if isinstance(node, SpanBackward):
-            work = dev.block_backward(a, n, ctx, s.weight_grads).scaled(blocks)
+            work = dev.block_backward(a, n, ctx, s.weight_grads, s.batch).scaled(blocks)
             return work + Cost(software=s.software.backward_hop)
-        work = dev.block(a, n, ctx).scaled(blocks)
+        work = dev.block(a, n, ctx, s.batch).scaled(blocks)
         if isinstance(node, SpanStep):
             return work + Cost(software=s.software.step_hop_chained if s.chained else s.software.step_hop)
         return work + Cost(software=s.software.call_hop)
