@@ -125,7 +125,8 @@ def main() -> int:
     hw = measure_hardware(7 if args.small else 15, args.device, args.dtype)
     b = 2.0 if args.dtype != "float32" else 4.0
     calibrated = Device(f"{name} (calibrated)", hw.flops, hw.bandwidth, b, hw.block_overhead, hw.backward_overhead,
-                        attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth)  # fmt: skip
+                        attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
+                        stream_curve=hw.stream_curve)  # fmt: skip
     spec = lookup(name, load_catalogue())
     print(f"{name}: {hw}")
     rows: list[Row] = []

@@ -46,6 +46,12 @@ class Arch:
         return self.kv_heads * self.head_dim
 
     @property
+    def block_matrices(self) -> tuple[int, ...]:
+        """Weights of each matrix multiplication of a block: q, k, v, o and the gated MLP's gate, up and down."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_dim, self.intermediate
+        return (h * q, h * kv, h * kv, q * h, h * i, h * i, i * h)
+
+    @property
     def block_linear_params(self) -> int:
         """Weights of a block's matrix multiplications: q, k, v, o and the gated MLP's three."""
         h, q = self.hidden, self.heads * self.head_dim

@@ -4,7 +4,9 @@ machine. None of them runs a workload the model is validated against:
 - matmul FLOP/s: a float32 linear layer (``x @ W.T``, as every projection is) of 512 tokens through a 512 x 16384
   weight matrix: 32 MiB of weights, more than the caches hold, as a model's layers are read from memory;
 - attention FLOP/s: causal scaled-dot-product attention over 512 positions, 8 heads of 64;
-- memory bandwidth: a matrix-vector product over a 64 MiB matrix (streamed from memory, as decoding is), and an
+- memory bandwidth: a matrix-vector product over a 64 MiB matrix; and, as decoding reads a model's weights, one
+  token through weight matrices of 0.25, 1, 4 and 16 MiB, each size cycling through 256 MiB of them (more than the
+  caches hold: small matrices stream slower, each call ramping up anew); and an
   RMS norm and a rotary rotation of a [512, 512] tensor (1 MiB: a prompt's activations), counted as 18 passes;
 - the framework's fixed cost per block: a Llama decoder layer of hidden size 64 (too small for its arithmetic to
   count), forward on one token against a KV cache, and forward + backward on 8 tokens, layers 1 and 8 of a stack
@@ -33,7 +35,7 @@ from swarm.perf.model import Device, Software
 
 CALIBRATION_VERSION: Literal[1] = 1
 MICRO = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-         "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 512,
+         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
          "tie_word_embeddings": False}  # fmt: skip
 
 
@@ -43,6 +45,7 @@ class Hardware(BaseModel):
     attention_flops: float = Field(gt=0)  # FLOP/s, causal attention
     bandwidth: float = Field(gt=0)  # bytes/s, streamed
     elementwise_bandwidth: float = Field(gt=0)  # bytes/s read and written by element-wise kernels
+    stream_curve: tuple[tuple[float, float], ...] = ()  # (matrix bytes, bytes/s) of one token through such matrices
     block_overhead: float = Field(ge=0)  # s per block forward call
     backward_overhead: float = Field(ge=0)  # s per block backward
 
@@ -60,7 +63,8 @@ class Calibration(BaseModel):
     def device(self, name: str = "this machine (calibrated)") -> Device:
         h = self.hardware
         return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead,
-                      attention_flops=h.attention_flops, elementwise_bandwidth=h.elementwise_bandwidth)  # fmt: skip
+                      attention_flops=h.attention_flops, elementwise_bandwidth=h.elementwise_bandwidth,
+                      stream_curve=h.stream_curve)  # fmt: skip
 
     def costs(self) -> Software:
         return Software(**{k: max(v, 0.0) for k, v in self.software.items()})
@@ -146,8 +150,18 @@ def measure_hardware(repeats: int = 15, device: str = "cpu", dtype: str = "float
             return torch.cat((-y[:, side // 2 :], y[:, : side // 2]), -1) * w + y * w  # 11 passes
 
         elementwise = 18 * x.numel() * size / _median_time(norm_and_rotary, repeats, 10, sync)
+        curve = []
+        for mib in (1, 4, 16, 64) if gpu else (0.25, 1, 4, 16):
+            cols = 512  # rows of 512 values: a small model's layer width
+            mats = [
+                rand(max(1, int(mib * 2**20 / size / cols)), cols) for _ in range(int((1024 if gpu else 256) / mib))
+            ]
+            one = rand(1, cols)
+            total = sum(m.numel() for m in mats) * size
+            seconds = _median_time(lambda one=one, mats=mats: [F.linear(one, m) for m in mats], 5, sync=sync)
+            curve.append((mib * 2**20, total / seconds))
     return Hardware(flops=flops, attention_flops=attention, bandwidth=bandwidth, elementwise_bandwidth=elementwise,
-                    **_block_overheads(repeats, dev, dt, sync))  # fmt: skip
+                    stream_curve=tuple(curve), **_block_overheads(repeats, dev, dt, sync))  # fmt: skip
 
 
 def _stack(layers: int, device: Any, dtype: Any) -> Any:

@@ -77,17 +77,43 @@ class Device:
     memory: float = math.inf  # bytes it can give to weights and caches
     attention_flops: float = 0.0  # attainable FLOP/s of causal attention (0: as ``flops``)
     elementwise_bandwidth: float = 0.0  # attainable bytes/s of element-wise kernels (0: as ``bandwidth``)
+    # (matrix bytes, bytes/s) of a few tokens through weight matrices of that size, read from memory: small matrices
+    # stream slower (each call ramps up anew). Empty: ``bandwidth`` for every size.
+    stream_curve: tuple[tuple[float, float], ...] = ()
+
+    def stream_rate(self, nbytes: float) -> float:
+        """Bytes/s reading one weight matrix of ``nbytes``: the curve, interpolated in log-size, flat beyond it."""
+        curve = self.stream_curve
+        if not curve:
+            return self.bandwidth
+        if nbytes <= curve[0][0]:
+            return curve[0][1]
+        for (s0, r0), (s1, r1) in zip(curve, curve[1:], strict=False):
+            if nbytes <= s1:
+                f = math.log(nbytes / s0) / math.log(s1 / s0)
+                return r0 + f * (r1 - r0)
+        return curve[-1][1]
+
+    def weights_time(self, arch: Arch) -> float:
+        """Seconds to read a block's weight matrices (and norms) once."""
+        b = self.dtype_bytes
+        return sum(m * b / self.stream_rate(m * b) for m in arch.block_matrices) + 2 * arch.hidden * b / self.bandwidth
 
     def roofline(self, flops: float, traffic: float, rate: float = 0.0) -> Cost:
         c, m = flops / (rate or self.flops), traffic / self.bandwidth
         return Cost(compute=c) if c >= m else Cost(memory=m)
+
+    def linear(self, flops: float, read: float) -> Cost:
+        """Matrix multiplications bound by their FLOPs or by ``read`` seconds of reading their weights."""
+        c = flops / self.flops
+        return Cost(compute=c) if c >= read else Cost(memory=read)
 
     def block(self, arch: Arch, tokens: int, context: float, sequences: int = 1) -> Cost:
         """Kernels run one after another: the linear layers (bound by their FLOPs or by reading their weights once
         for all ``tokens``), attention (its FLOPs or reading each of the ``sequences``' KV cache), then the
         element-wise work on activations (memory)."""
         b = self.dtype_bytes
-        linear = self.roofline(2.0 * tokens * arch.block_linear_params, arch.block_params * b)
+        linear = self.linear(2.0 * tokens * arch.block_linear_params, self.weights_time(arch))
         cache = sequences * context * arch.kv_bytes_per_token(b)
         attention = self.roofline(arch.attention_flops(tokens, context), cache, self.attention_flops)
         acts = Cost(memory=arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
@@ -97,7 +123,7 @@ class Device:
         """Input gradients take the linear layers' FLOPs again (weight gradients as much again), attention's
         twice, and the activations' traffic twice."""
         b, k = self.dtype_bytes, 2.0 if weight_grads else 1.0
-        linear = self.roofline(k * 2.0 * tokens * arch.block_linear_params, k * arch.block_params * b)
+        linear = self.linear(k * 2.0 * tokens * arch.block_linear_params, k * self.weights_time(arch))
         cache = 2 * sequences * context * arch.kv_bytes_per_token(b)
         attention = self.roofline(2 * arch.attention_flops(tokens, context), cache, self.attention_flops)
         acts = Cost(memory=2 * arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
@@ -207,7 +233,9 @@ def node_cost(node: Node, s: Setting, plan: Plan, src: str | None = None) -> Cos
             return work + Cost(software=s.software.step_hop_chained if s.chained else s.software.step_hop)
         return work + Cost(software=s.software.call_hop)
     if isinstance(node, Head):
-        return client.roofline(a.head_flops(n), a.head_traffic(n, client.dtype_bytes))
+        head = a.hidden * a.vocab * client.dtype_bytes
+        read = head / client.stream_rate(head) + (a.head_traffic(n, client.dtype_bytes) - head) / client.bandwidth
+        return client.linear(a.head_flops(n), read)
     if isinstance(node, Loss | LogProbs):
         return client.roofline(6.0 * n * a.vocab, 3.0 * n * a.vocab * client.dtype_bytes)
     if isinstance(node, LocalBackward):

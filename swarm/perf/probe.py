@@ -84,7 +84,8 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
     config = dict(MICRO, num_hidden_layers=2)
     arch = Arch.from_config(config)
     dev = Device("calibrated", hw.flops, hw.bandwidth, 4.0, hw.block_overhead, hw.backward_overhead,
-                 attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth)  # fmt: skip
+                 attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
+                 stream_curve=hw.stream_curve)  # fmt: skip
     new, seq = 24, 64  # the middle of the 8- and 40-token generations
 
     def blocks(n: int, tokens: int, past: int) -> float:

@@ -142,3 +142,29 @@ def test_no_torch_needed_to_price():
 
     assert "torch" not in m.__dict__
     assert torch.__version__  # the test process has torch; the model does not use it
+
+
+def test_predict_report_and_gpu_script(tmp_path, monkeypatch):
+    import argparse
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from swarm.perf.report import predict_report
+
+    monkeypatch.setattr("swarm.perf.report.arch_of", lambda model: Arch.from_config(SMALL))
+    args = argparse.Namespace(model="small", spans=["0:1", "1:3"], device="rtx3080", client_device="cpu",
+                              dtype="bfloat16", delay_ms=20.0, mbps=100.0, prompt=64)  # fmt: skip
+    text = predict_report(args, None)
+    assert "2 x NVIDIA GeForce RTX 3080" in text and "software costs are left out" in text
+    assert "decode, chained" in text and "LoRA" in text
+    with pytest.raises(SystemExit, match="unknown device"):
+        predict_report(argparse.Namespace(**{**vars(args), "device": "tpu9"}), None)
+    # the GPU rows' script runs the same code path on a CPU with tiny shapes
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "scripts/validate_gpu.py", "--device", "cpu", "--dtype", "float32", "--small",
+                    "--json", str(out)], cwd=root, check=True, capture_output=True, timeout=300)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) >= 4 and all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)
