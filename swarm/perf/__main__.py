@@ -14,7 +14,15 @@ import sys
 import time
 
 from swarm.config import default_cache_dir
-from swarm.perf.calibrate import Calibration, calibration_path, load, machine_key, measure_hardware, save
+from swarm.perf.calibrate import (
+    Calibration,
+    calibration_path,
+    load,
+    machine_key,
+    measure_codecs,
+    measure_hardware,
+    save,
+)
 
 
 def calibrated(threads: int = 1, force: bool = False) -> Calibration:
@@ -30,7 +38,8 @@ def calibrated(threads: int = 1, force: bool = False) -> Calibration:
     hardware = measure_hardware()
     software, bandwidth = measure_software(hardware)
     cal = Calibration(machine=machine_key(threads), threads=threads, hardware=hardware,
-                      transport_bandwidth=bandwidth, software=software, measured_at=time.time())  # fmt: skip
+                      transport_bandwidth=bandwidth, software=software, codecs=measure_codecs(),
+                      measured_at=time.time())  # fmt: skip
     save(cal, path)
     return cal
 

@@ -133,15 +133,24 @@ class Device:
 @dataclass(frozen=True)
 class Link:
     """One direction between two parties: one-way delay, bandwidth (bytes/s), and whether a message finds the TCP
-    window already open (kept-open connections busy enough) or must grow it from the initial window."""
+    window already open (kept-open connections busy enough) or must grow it from the initial window. A codec sends
+    ``ratio`` wire bytes per float32 byte and costs CPU time at both ends: a fixed part per tensor and a part per
+    byte (``swarm.perf.calibrate.measure_codecs``)."""
 
     delay: float = 0.0
     bandwidth: float = math.inf
     warm: bool = False
+    ratio: float = 1.0
+    codec_fixed: float = 0.0
+    codec_per_byte: float = 0.0
 
     @property
     def rtt(self) -> float:
         return 2 * self.delay
+
+    def exact(self) -> Link:
+        """The same link for tensors that always travel exact (adapters, their gradients)."""
+        return replace(self, ratio=1.0, codec_fixed=0.0, codec_per_byte=0.0)
 
     def slow_start_rounds(self, nbytes: float) -> int:
         """Round trips spent waiting for acknowledgements before ``nbytes`` are all sent: the window starts at
@@ -157,8 +166,11 @@ class Link:
         return rounds
 
     def time(self, nbytes: float) -> Cost:
-        serial = nbytes / self.bandwidth if math.isfinite(self.bandwidth) else 0.0
-        return Cost(comm=self.delay + serial + self.slow_start_rounds(nbytes) * self.rtt)
+        """A tensor of ``nbytes`` (float32) across: the wire's share, and the codec's CPU time at both ends."""
+        wire = nbytes * self.ratio
+        serial = wire / self.bandwidth if math.isfinite(self.bandwidth) else 0.0
+        codec = self.codec_fixed + nbytes * self.codec_per_byte
+        return Cost(comm=self.delay + serial + self.slow_start_rounds(wire) * self.rtt, software=codec)
 
 
 @dataclass(frozen=True)

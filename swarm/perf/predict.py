@@ -129,7 +129,7 @@ def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, c
     if adapter_params and not sw.local:  # each hop's share of the adapter, there and (as gradients) back
         for h in hops:
             share = adapter_params * (h.end - h.start) / sw.arch.layers * 4
-            cost = cost + sw.link.time(share).scaled(2)
+            cost = cost + sw.link.exact().time(share).scaled(2)
     return cost + Cost(software=fixed)
 
 

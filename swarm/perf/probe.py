@@ -1,8 +1,8 @@
 """The swarm's own fixed costs, measured with real peers on this machine serving a model too small for its compute
-to matter (2 layers of hidden size 64, vocabulary 256): what a hop, a call, a session step and a training step cost
+to matter (3 layers of hidden size 64, vocabulary 256): what a hop, a call, a session step and a training step cost
 beyond the work of the blocks. An entry point (it runs the client): ``python -m swarm.perf calibrate``.
 
-Each cost is a difference between two configurations that differ in that one thing (one server against two, the
+Each cost is a difference between two configurations that differ in that one thing (one server against three, the
 same client), so the client's and the model's own costs cancel; what the micro model still computes is taken off
 with the hardware's calibrated block costs."""
 
@@ -21,8 +21,10 @@ from swarm.perf.calibrate import MICRO, Hardware
 from swarm.perf.model import Device
 
 MIB = 1024 * 1024
+LAYERS = 3  # the micro model's; served by one peer, then by one peer per layer
+SPANS = (["0:3"], ["0:1", "1:2", "2:3"])
 CARD = """name = "perf-micro"
-description = "the performance model's calibration model: 2 layers, hidden 64, seeded random weights"
+description = "the performance model's calibration model: 3 layers, hidden 64, seeded random weights"
 [source]
 kind = "random"
 seed = 0
@@ -81,7 +83,7 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
     from swarm.local_swarm import LocalSwarm
     from swarm.model_files import model_folder
 
-    config = dict(MICRO, num_hidden_layers=2)
+    config = dict(MICRO, num_hidden_layers=LAYERS)
     arch = Arch.from_config(config)
     dev = Device("calibrated", hw.flops, hw.bandwidth, 4.0, hw.block_overhead, hw.backward_overhead,
                  attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
@@ -98,16 +100,16 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
         local = AutoModelForCausalLM.from_pretrained(model_folder(load_model_card(str(card)), default_cache_dir()))
         torch.manual_seed(0)
         prompt, long = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, seq))
-        step_compute = blocks(2, 1, 16 + new // 2)
+        step_compute = blocks(LAYERS, 1, 16 + new // 2)
         step, opened = _generation(local, prompt, repeats)
         out["local_step"], out["local_open"] = step - step_compute, opened
         with torch.no_grad():
-            out["local_call"] = _timed(lambda: local(long), repeats) - blocks(2, seq, 0)
+            out["local_call"] = _timed(lambda: local(long), repeats) - blocks(LAYERS, seq, 0)
         steps: dict[tuple[int, bool], tuple[float, float]] = {}
         call: dict[int, float] = {}
         train: dict[int, float] = {}
         bandwidth = 0.0
-        for spans in (["0:2"], ["0:1", "1:2"]):
+        for spans in SPANS:
             n = len(spans)
             with LocalSwarm(str(card), list[str | None](spans), extra_args=("--throughput", "100")) as swarm:
                 for chain in (True, False):
@@ -128,21 +130,22 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
                         if n == 1:
                             bandwidth = _transport_bandwidth(remote)
         train_steps = _pretrain_steps(Path(tmp), config, repeats)
+    k = LAYERS - 1  # hops more in the second configuration
     for chain, suffix in ((False, ""), (True, "_chained")):
-        (one, open1), (two, open2) = steps[1, chain], steps[2, chain]
-        out[f"step_hop{suffix}"] = two - one
+        (one, open1), (many, open_many) = steps[1, chain], steps[LAYERS, chain]
+        out[f"step_hop{suffix}"] = (many - one) / k
         out[f"client_step{suffix}"] = one - out[f"step_hop{suffix}"] - step_compute
-        out[f"open_hop{suffix}"] = open2 - open1
+        out[f"open_hop{suffix}"] = (open_many - open1) / k
         out[f"client_open{suffix}"] = open1 - out[f"open_hop{suffix}"]
-    out["call_hop"] = call[2] - call[1]
-    out["client_call"] = call[1] - out["call_hop"] - blocks(2, seq, 0)
-    backward = 2 * dev.block_backward(arch, seq, context_of(0, seq), False).total
-    out["backward_hop"] = train[2] - train[1]
+    out["call_hop"] = (call[LAYERS] - call[1]) / k
+    out["client_call"] = call[1] - out["call_hop"] - blocks(LAYERS, seq, 0)
+    backward = LAYERS * dev.block_backward(arch, seq, context_of(0, seq), False).total
+    out["backward_hop"] = (train[LAYERS] - train[1]) / k
     out["client_backward"] = train[1] - out["backward_hop"] - backward
-    # pre-training, one micro-batch per step: a step through 2 stages makes 2 more stage calls than through 1
-    out["stage_call"] = (train_steps[2] - train_steps[1]) / 2
-    compute = 2 * (dev.block(arch, 2 * 16, context_of(0, 16)).total
-                   + dev.block_backward(arch, 2 * 16, context_of(0, 16), True).total)  # fmt: skip
+    # pre-training, one micro-batch per step: each further stage adds a forward and a backward call
+    out["stage_call"] = (train_steps[LAYERS] - train_steps[1]) / (2 * k)
+    compute = LAYERS * (dev.block(arch, 2 * 16, context_of(0, 16)).total
+                        + dev.block_backward(arch, 2 * 16, context_of(0, 16), True).total)  # fmt: skip
     out["train_step"] = train_steps[1] - 2 * out["stage_call"] - compute
     return out, bandwidth
 
@@ -176,7 +179,7 @@ def _transport_bandwidth(remote: object) -> float:
 
 
 def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[int, float]:
-    """Median seconds of a pre-training step (one micro-batch of 2 x 16 bytes) through 1 and through 2 stages."""
+    """Median seconds of a pre-training step (one micro-batch of 2 x 16 bytes) through 1 and through 3 stages."""
     from swarm.client.training.trainer import Trainer
     from swarm.config import Timing
     from swarm.local_swarm import LocalSwarm
@@ -184,7 +187,7 @@ def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[
     from swarm.training.run import load_run
 
     out = {}
-    for spans in (["0:2"], ["0:1", "1:2"]):
+    for spans in SPANS:
         path = tmp / f"run-{len(spans)}.toml"
         model = dict(config)
         model.pop("max_position_embeddings")

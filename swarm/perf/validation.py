@@ -26,7 +26,6 @@ TOLERANCE = 0.25
 CORES = 2.0  # every party of a benchmark shares this machine's cores
 WAN_LINKS = {"a": (20.0, 100.0), "b": (50.0, 100.0), "c": (50.0, 20.0)}  # as scripts/bench_wan.py
 GOODPUT = 0.96  # of a link's rate left for payload after TCP/IP headers (1448 of 1500-byte frames, plus ACKs)
-CODEC_BYTES = {"none": 4.0, "float16": 2.0, "bfloat16": 2.0, "block8": 1.0 + 9 / 128}  # per value on the wire
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def lora_params(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
 
 def swarms(cal: Calibration, arch: Arch, spans: list[str], link: Link | None = None) -> tuple[Swarm, Swarm]:
     dev, sw = cal.device(), cal.costs()
-    link = link or Link(bandwidth=cal.transport_bandwidth)
+    link = link or cal.link()
     local = Swarm(arch, dev, software=sw, cores=CORES)
     return local, uniform(arch, spans_of(spans), dev, dev, link, sw, cores=CORES)
 
@@ -135,14 +134,12 @@ def _pretrain(cal: Calibration, run: Any, bench: str, m_local: float | None, m_s
 
 
 def wan_link(cal: Calibration, link: str, codec: str) -> Link:
-    """The emulated link as the model sees it: one-way delay, and the slower of the link's goodput and the
-    transport's own rate per byte (serialization), scaled by the codec's bytes per value."""
-    scale = CODEC_BYTES.get(codec, 4.0) / 4.0
+    """The emulated link as the model sees it: one-way delay, the slower of the link's goodput and the transport's
+    own rate per byte, and the codec."""
     if link in ("loopback", "z"):
-        return Link(bandwidth=cal.transport_bandwidth / scale)
+        return cal.link(codec=codec)
     delay, mbit = WAN_LINKS[link]
-    wire = mbit * 1e6 / 8 * GOODPUT
-    return Link(delay=delay / 1e3, bandwidth=1.0 / ((1.0 / wire + 1.0 / cal.transport_bandwidth) * scale))
+    return cal.link(delay / 1e3, mbit * 1e6 / 8 * GOODPUT, codec)
 
 
 def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]) -> list[Row]:

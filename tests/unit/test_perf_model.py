@@ -132,7 +132,10 @@ def test_validation_rows_and_table(monkeypatch):
     assert "**miss**" in text and "| 100% |" in text
     # a WAN link is no faster than the transport, and a codec of fewer bytes per value makes it faster
     assert wan_link(cal, "a", "none").bandwidth < 1e8
-    assert wan_link(cal, "a", "block8").bandwidth > wan_link(cal, "a", "none").bandwidth
+    exact, block8 = wan_link(cal, "a", "none").time(1e6), wan_link(cal, "a", "block8").time(1e6)
+    assert block8.comm < exact.comm and block8.software == exact.software == 0.0  # no codec costs calibrated here
+    costly = cal.model_copy(update={"codecs": {"block8": (3e-4, 2e-8)}})
+    assert wan_link(costly, "a", "block8").time(1e6).software == pytest.approx(3e-4 + 2e-2)
     assert math.isclose(wan_link(cal, "b", "none").delay, 0.05)
 
 
