@@ -49,7 +49,9 @@ class Hardware(BaseModel):
     elementwise_bandwidth: float = Field(gt=0)  # bytes/s read and written by element-wise kernels
     stream_curve: tuple[tuple[float, float], ...] = ()  # (matrix bytes, bytes/s) of one token through such matrices
     block_overhead: float = Field(ge=0)  # s per block forward call
-    backward_overhead: float = Field(ge=0)  # s per block backward
+    backward_overhead: float = Field(ge=0)  # s per block backward (input gradients only)
+    weights_backward_overhead: float = Field(default=0.0, ge=0)  # ...with weight gradients too (pre-training)
+    optimizer_overhead: float = Field(default=0.0, ge=0)  # s per parameter tensor of an AdamW step
 
 
 class Calibration(BaseModel):
@@ -66,6 +68,7 @@ class Calibration(BaseModel):
     def device(self, name: str = "this machine (calibrated)") -> Device:
         h = self.hardware
         return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead,
+                      weights_backward_overhead=h.weights_backward_overhead, optimizer_overhead=h.optimizer_overhead,
                       attention_flops=h.attention_flops, elementwise_bandwidth=h.elementwise_bandwidth,
                       stream_curve=h.stream_curve)  # fmt: skip
 
@@ -252,8 +255,10 @@ def _block_overheads(repeats: int, device: Any, dtype: Any, sync: Callable[[], N
 
             return _median_time(step, repeats, 20, sync)
 
-    def train_time(layers: int) -> float:
+    def train_time(layers: int, weights: bool = False) -> float:
         model = _stack(layers, device, dtype)
+        for p in model.parameters():
+            p.requires_grad_(weights)
         x = torch.randn(1, 8, 64, device=device, dtype=dtype, requires_grad=True)
 
         def fb() -> None:
@@ -267,4 +272,21 @@ def _block_overheads(repeats: int, device: Any, dtype: Any, sync: Callable[[], N
 
     forward = max((step_time(8) - step_time(1)) / 7, 0.0)
     backward = max((train_time(8) - train_time(1)) / 7, 0.0)
-    return {"block_overhead": forward, "backward_overhead": backward}
+    weights = max((train_time(8, True) - train_time(1, True)) / 7, 0.0)
+    return {"block_overhead": forward, "backward_overhead": backward, "weights_backward_overhead": weights,
+            "optimizer_overhead": _optimizer_overhead(repeats, device, dtype, sync)}  # fmt: skip
+
+
+def _optimizer_overhead(repeats: int, device: Any, dtype: Any, sync: Callable[[], None]) -> float:
+    """Seconds per parameter tensor of an AdamW step (PyTorch's default implementation): 80 tensors of 64 values
+    against 10."""
+    import torch
+
+    def step_time(n: int) -> float:
+        params = [torch.zeros(64, device=device, dtype=dtype, requires_grad=True) for _ in range(n)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _median_time(opt.step, repeats, 5, sync)
+
+    return max((step_time(80) - step_time(10)) / 70, 0.0)

@@ -73,7 +73,9 @@ class Device:
     bandwidth: float  # attainable bytes/s of streaming memory reads
     dtype_bytes: float = 4.0
     block_overhead: float = 0.0  # s: fixed cost of one block's forward call, whatever its size
-    backward_overhead: float = 0.0  # s: fixed cost of one block's backward
+    backward_overhead: float = 0.0  # s: fixed cost of one block's backward (input gradients)
+    weights_backward_overhead: float = 0.0  # s: ...with weight gradients too (0: as ``backward_overhead``)
+    optimizer_overhead: float = 0.0  # s: fixed cost per parameter tensor of an optimizer step
     memory: float = math.inf  # bytes it can give to weights and caches
     attention_flops: float = 0.0  # attainable FLOP/s of causal attention (0: as ``flops``)
     elementwise_bandwidth: float = 0.0  # attainable bytes/s of element-wise kernels (0: as ``bandwidth``)
@@ -127,7 +129,12 @@ class Device:
         cache = 2 * sequences * context * arch.kv_bytes_per_token(b)
         attention = self.roofline(2 * arch.attention_flops(tokens, context), cache, self.attention_flops)
         acts = Cost(memory=2 * arch.activation_traffic(tokens, b) / (self.elementwise_bandwidth or self.bandwidth))
-        return linear + attention + acts + Cost(overhead=self.backward_overhead)
+        fixed = (
+            self.weights_backward_overhead
+            if weight_grads and self.weights_backward_overhead
+            else self.backward_overhead
+        )
+        return linear + attention + acts + Cost(overhead=fixed)
 
 
 @dataclass(frozen=True)

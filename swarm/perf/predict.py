@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarm.perf.arch import Arch
 from swarm.perf.model import Cost, Device, Link, Setting, Software, pipeline, price
@@ -39,10 +39,13 @@ class Swarm:
             return [Hop(LOCAL, 0, self.arch.layers)]
         return [Hop(f"s{i}", a, b) for i, (a, b, _) in enumerate(self.servers)]
 
-    def setting(self, **numbers: object) -> Setting:
+    def setting(self, warm: bool = False, **numbers: object) -> Setting:
+        """``warm``: the calls' connections are busy enough that TCP keeps its window open between them (training's
+        kept-open compute connections, idle far less than a retransmission timeout between a step's calls); an
+        inference session's small steps never grow the window, so a prompt after them starts from the initial one."""
         devices = {CLIENT: self.client, LOCAL: self.client}
         devices |= {f"s{i}": d for i, (_, _, d) in enumerate(self.servers)}
-        link = Link(bandwidth=math.inf) if self.local else self.link
+        link = Link(bandwidth=math.inf) if self.local else replace(self.link, warm=warm or self.link.warm)
         software = Software() if self.local else self.software
         return Setting(self.arch, devices, lambda a, b: link, software, **numbers)  # type: ignore[arg-type]
 
@@ -63,13 +66,15 @@ OPEN_ROUND_TRIPS = 3  # a session's connection to a hop: TCP's handshake, TLS 1.
 
 
 def session_open(sw: Swarm, chained: bool = True) -> Cost:
-    """What ``generate`` costs before its first step: the client's fixed cost, and the hops' streams, opened at
-    once (their round trips overlap; the software does not)."""
+    """What ``generate`` costs before its first step: the client's fixed cost and each hop's stream. A chained
+    session opens every hop at once (``Chain.prepare``: their round trips overlap; the software does not); a
+    client-mediated one opens each hop when its first step reaches it, one after another."""
     f = sw.software
     if sw.local:
         return Cost(software=f.local_open)
     per_hop, client = (f.open_hop_chained, f.client_open_chained) if chained else (f.open_hop, f.client_open)
-    return Cost(software=client + per_hop * len(sw.servers), comm=OPEN_ROUND_TRIPS * sw.link.rtt)
+    trips = OPEN_ROUND_TRIPS * (1 if chained else len(sw.servers))
+    return Cost(software=client + per_hop * len(sw.servers), comm=trips * sw.link.rtt)
 
 
 def generate_time(sw: Swarm, prompt: int, new: int, chained: bool = True) -> Cost:
@@ -104,7 +109,7 @@ def prefill(sw: Swarm, tokens: int, chained: bool = True, chunk: int = 128) -> C
     work = sum(hops, Cost()).total * pieces
     if work / sw.cores > first.total + rest.total:
         rest = rest + Cost(bubble=work / sw.cores - first.total - rest.total)
-    piece_bytes, whole = chunk * sw.arch.hidden * 4, tokens * sw.arch.hidden * 4
+    piece_bytes, whole = (k * sw.arch.hidden * 4 * sw.link.ratio for k in (chunk, tokens))  # on the wire
     window = sw.link.slow_start_rounds(whole) - sw.link.slow_start_rounds(piece_bytes)
     return first + rest + Cost(comm=max(window, 0) * sw.link.rtt) + fixed
 
@@ -122,14 +127,14 @@ def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, c
     adapter travels with the forward and its gradients with the backward."""
     shape, hops = sw.shape(), sw.hops()
     plan = finetune_plan(shape, hops, Call(batch, tokens), params="adapter" if adapter_params else "client")
-    s = sw.setting(batch=batch, tokens=tokens, adapter_params=adapter_params, client_params=client_params)
+    s = sw.setting(warm=True, batch=batch, tokens=tokens, adapter_params=adapter_params, client_params=client_params)
     cost = price(plan, s, ("forward", "backward", "update") if update else ("forward", "backward")).cost
     sw_ = sw.software
     fixed = (sw_.local_call + sw_.local_backward) if sw.local else (sw_.client_call + sw_.client_backward)
     if adapter_params and not sw.local:  # each hop's share of the adapter, there and (as gradients) back
         for h in hops:
             share = adapter_params * (h.end - h.start) / sw.arch.layers * 4
-            cost = cost + sw.link.exact().time(share).scaled(2)
+            cost = cost + replace(sw.link.exact(), warm=True).time(share).scaled(2)
     return cost + Cost(software=fixed)
 
 
@@ -144,9 +149,10 @@ def pretrain_step(sw: Swarm, batch: int, tokens: int, micro_batch: int, depth: i
         dev = sw.client
         blocks = (dev.block(a, n, tokens / 2) + dev.block_backward(a, n, tokens / 2, True)).scaled(a.layers)
         per_batch = blocks.scaled(batch // micro_batch) + head.scaled(batch // micro_batch)
-        opt = client.roofline(12.0 * a.params, 32.0 * a.params)
+        tensors = 9 * a.layers + 3  # each block's seven matrices and two norms; embeddings, norm and head
+        opt = client.roofline(12.0 * a.params, 32.0 * a.params) + Cost(overhead=tensors * client.optimizer_overhead)
         return per_batch + opt + Cost(software=sw.software.local_call + sw.software.local_backward)
-    link = sw.link.time(n * a.hidden * 4)
+    link = replace(sw.link, warm=True).time(n * a.hidden * 4).scaled(2)  # to the stage and back
     fwd = [d.block(a, n, tokens / 2).scaled(e - s) + link + Cost(software=sw.software.stage_call)
            for s, e, d in sw.servers]  # fmt: skip
     bwd = [d.block_backward(a, n, tokens / 2, True).scaled(e - s) + link + Cost(software=sw.software.stage_call)
@@ -154,7 +160,8 @@ def pretrain_step(sw: Swarm, batch: int, tokens: int, micro_batch: int, depth: i
     stages = [*fwd, head, *reversed(bwd)]
     waves = pipeline(stages, max(1, batch // micro_batch), depth, sw.cores)
     opt = client.roofline(12.0 * client_params, 32.0 * client_params)
-    return waves + opt + Cost(software=sw.software.train_step)
+    # the trainer's fixed costs, and its step notice to every stage (sent at once: one round trip)
+    return waves + opt + Cost(software=sw.software.train_step, comm=sw.link.rtt)
 
 
 def uniform(arch: Arch, spans: Sequence[tuple[int, int]], server: Device, client: Device, link: Link,

@@ -8,6 +8,7 @@ with the hardware's calibrated block costs."""
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import tempfile
 import time
@@ -23,7 +24,7 @@ from swarm.perf.model import Device
 MIB = 1024 * 1024
 LAYERS = 3  # the micro model's; served by one peer, then by one peer per layer
 SPANS = (["0:3"], ["0:1", "1:2", "2:3"])
-CARD = """name = "perf-micro"
+CARD = """name = "perf-micro-{digest}"
 description = "the performance model's calibration model: 3 layers, hidden 64, seeded random weights"
 [source]
 kind = "random"
@@ -95,8 +96,10 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="swarm-perf-") as tmp:
-        card = Path(tmp) / "perf-micro.toml"
-        card.write_text(CARD.format(config=_toml(config)))
+        # the card's name carries its config's digest: a generated model is cached by name
+        digest = hashlib.sha256(_toml(config).encode()).hexdigest()[:10]
+        card = Path(tmp) / f"perf-micro-{digest}.toml"
+        card.write_text(CARD.format(config=_toml(config), digest=digest))
         local = AutoModelForCausalLM.from_pretrained(model_folder(load_model_card(str(card)), default_cache_dir()))
         torch.manual_seed(0)
         prompt, long = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, seq))
