@@ -87,7 +87,8 @@ def inference_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
         client_params = arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden
         for name, m_local, m_swarm in results:
             for side, m, sw in (("local", m_local, local), ("swarm", m_swarm, remote)):
-                case = f"{model} {len(remote.servers)} peers, {name.split(',')[0].split(' s')[0]} ({side})"
+                label = name.rsplit(" ", 1)[0]  # without its unit: "decode", "forward [1, 512]"...
+                case = f"{model} {len(remote.servers)} peers, {label} ({side})"
                 if name.startswith("decode"):
                     rows.append(_row("bench_inference", case, "tokens/s", m, generate_time(sw, 16, new), per=new))
                 elif name.startswith("forward+backward"):
