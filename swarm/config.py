@@ -77,7 +77,9 @@ class Timing:
             session_idle=5.0,
             stream_idle=30.0,
             message_timeout=10.0,
-            missing_blocks_wait=2.0,
+            # a live replica whose announcement a loaded machine delayed is back within one record TTL: a client
+            # repairing a session waits that long before calling its blocks missing
+            missing_blocks_wait=6.0,
             retry_budget=20.0,
             ban_base=5.0,
             leave_grace=3.0,
