@@ -122,7 +122,7 @@ def main() -> int:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # as the CPU calibration and benchmarks run
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    hw = measure_hardware(7 if args.small else 15, args.device, args.dtype)
+    hw = measure_hardware(7 if args.small else 15, args.device, args.dtype, rounds=1 if args.small else 3)
     b = 2.0 if args.dtype != "float32" else 4.0
     calibrated = Device(f"{name} (calibrated)", hw.flops, hw.bandwidth, b, hw.block_overhead, hw.backward_overhead,
                         attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
