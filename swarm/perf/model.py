@@ -309,10 +309,6 @@ def price(plan: Plan, s: Setting, phases: tuple[str, ...] = ("forward", "backwar
     return Priced(end_cost, finish)
 
 
-def with_software(priced: Priced, **extra: float) -> Cost:
-    return priced.cost + Cost(software=sum(extra.values()))
-
-
 def pipeline(stage: list[Cost], micro_batches: int, depth: int, cores: float = math.inf) -> Cost:
     """A batch of ``micro_batches`` through stages of the given per-micro-batch costs (forward and backward of each
     stage), at most ``depth`` in flight: GPipe's schedule, where a wave of ``depth`` micro-batches takes one
@@ -320,14 +316,13 @@ def pipeline(stage: list[Cost], micro_batches: int, depth: int, cores: float = m
     other. With the stages sharing ``cores`` processors, no wave is faster than its work over the cores."""
     one = sum(stage, ZERO)
     slowest = max(stage, key=lambda c: c.total)
-    waves, left, total = 0, micro_batches, ZERO
+    left, total = micro_batches, ZERO
     while left > 0:
         m = min(depth, left)
         wave = one + slowest.scaled(m - 1)
         bound = one.total * m / cores
         if bound > wave.total:
             wave = wave + Cost(bubble=bound - wave.total)
-        total = total + replace(wave)
+        total = total + wave
         left -= m
-        waves += 1
     return total

@@ -4,7 +4,7 @@ measured number out, with the prediction and its breakdown. Pure, apart from rea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,13 +175,9 @@ def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]
             from swarm.training.run import load_run
 
             run = load_run(Path(r["pretrain_run"]))
-            rows += _pretrain(cal, run, "bench_wan", None, r["step_s"], link)
-            rows[-1] = Row(rows[-1].bench, f"{where}: pre-training", *_rest(rows[-1]))
+            (row,) = _pretrain(cal, run, "bench_wan", None, r["step_s"], link)
+            rows.append(replace(row, case=f"{where}: pre-training"))
     return rows
-
-
-def _rest(row: Row) -> tuple[str, float, float, Cost, bool]:
-    return row.unit, row.measured, row.predicted, row.cost, row.rate
 
 
 def predict_rows(cal: Calibration, measured: dict[str, Any]) -> list[Row]:
