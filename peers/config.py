@@ -18,9 +18,12 @@ def _port_or_off(text: str) -> int | None:
     if text == "off":
         return None
     try:
-        return int(text)
+        port = int(text)
     except ValueError:
-        raise BadInputError(f"--direct-port takes a port number or 'off', got {text!r}") from None
+        raise BadInputError(f"a port flag takes a port number or 'off', got {text!r}") from None
+    if not 0 <= port < 65536:
+        raise BadInputError(f"a port lies in 0..65535, got {port}")
+    return port
 
 
 def _auto_or_float(text: str) -> float | None:
@@ -126,6 +129,19 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True)
+class ObserveConfig:
+    """What the peer shows about itself over HTTP (``peers.observe``): Prometheus metrics and the web dashboard."""
+
+    http_host: str = option("127.0.0.1", help="address the metrics and dashboard ports listen on")
+    metrics_port: int | None = option(
+        None, parse=_port_or_off, show="off", help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free)"
+    )
+    dashboard_port: int | None = option(
+        None, parse=_port_or_off, show="off", help="serve the swarm's live web dashboard here (0 = any free port)"
+    )
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     """Which blocks the peer holds, and the broker's policy when this peer is the broker."""
 
@@ -153,6 +169,7 @@ class PeerConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     timing: Timing = field(default_factory=Timing)
     announce_failures: int = 3  # failed announce rounds in a row before a peer concludes it lost its DHT and leaves
 

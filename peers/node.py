@@ -17,6 +17,7 @@ from peers.config import PeerConfig
 from peers.follower import run_follower
 from peers.hardware import Hardware, cached_throughput, estimate_link_mbps, probe_hardware, usable_memory
 from peers.kv_cache import CacheBudget
+from peers.observe import Observers, start_observers
 from peers.rpc.checks import Limits
 from peers.rpc.compute import ComputeService
 from peers.rpc.direct_server import DirectLimits, DirectServer
@@ -277,6 +278,7 @@ async def run_peer(
     remote: Remote | None = None
     servicer: Servicer | None = None
     peer: Peer | None = None
+    observers: Observers | None = None
     try:
         p2p = await store.replicate_p2p()
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
@@ -309,6 +311,7 @@ async def run_peer(
             planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
             tasks.append(asyncio.create_task(run_broker(store, model.name, planner, cfg.timing)))
         tasks += [asyncio.create_task(work) for work in stage.background()]
+        observers = await start_observers(cfg.observe, peer, remote, cfg.timing)
         log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
         if on_ready is not None:
             on_ready(peer.maddrs)
@@ -319,6 +322,8 @@ async def run_peer(
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
+        if observers is not None:
+            observers.close()
         if direct is not None:
             await direct.close()
         if servicer is not None and servicer.relay is not None:

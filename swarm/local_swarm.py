@@ -28,6 +28,7 @@ class PeerProcess:
     args: tuple[str, ...]
     log_path: Path
     maddr: str | None = None
+    urls: dict[str, str] = field(default_factory=dict)  # "metrics", "dashboard": where a port 0 ended up
     _ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -46,6 +47,9 @@ class PeerProcess:
             if line.startswith("initial_peers: "):
                 self.maddr = line.split(" ", 1)[1].strip()
                 self._ready.set()
+            elif line.startswith(("metrics: ", "dashboard: ")):  # printed before initial_peers (peers.observe)
+                name, url = line.split(": ", 1)
+                self.urls[name] = url.strip()
         self._ready.set()  # exited: wake the waiter, which sees maddr is None
 
     def wait_ready(self, timeout: float) -> str:

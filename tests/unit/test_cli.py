@@ -46,7 +46,7 @@ def test_help_shows_the_fields_defaults():
 
 
 def test_bad_values_and_combinations_are_clear_errors(capsys):
-    for argv, message in ((("--direct-port", "sometimes"), "--direct-port takes a port number or 'off'"),
+    for argv, message in ((("--direct-port", "sometimes"), "a port flag takes a port number or 'off'"),
                           (("--blocks", "3"), "a span looks like START:END"),
                           (("--runtime", "tensorrt"), "--runtime takes 'torch' or 'onnx'"),
                           (("--cache-tokens", "many"), "invalid literal for int()")):  # fmt: skip

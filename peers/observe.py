@@ -1,0 +1,61 @@
+"""What a peer shows about itself over HTTP, off the serving path: Prometheus metrics (``--metrics-port``,
+``peers.metrics``) and the swarm's live web dashboard (``--dashboard-port``, ``swarm.dashboard``). Each listens on
+``--http-host`` (loopback by default) and prints its address on stdout (``metrics: URL``, ``dashboard: URL``) so
+launchers that asked for port 0 learn the port."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from peers.config import ObserveConfig
+    from peers.node import Peer
+    from swarm.config import Timing
+    from swarm.rpc.remote import Remote
+
+log = logging.getLogger(__name__)
+
+
+class Observers:
+    """The HTTP side servers a peer runs; ``close`` stops them all."""
+
+    def __init__(self) -> None:
+        self._closers: list[Callable[[], None]] = []
+        self.urls: dict[str, str] = {}
+
+    def add(self, name: str, url: str, close: Callable[[], None]) -> None:
+        self.urls[name] = url
+        self._closers.append(close)
+        print(f"{name}: {url}", flush=True)
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                close()
+        self._closers.clear()
+
+
+async def start_observers(cfg: ObserveConfig, peer: Peer, remote: Remote, timing: Timing) -> Observers:
+    observers = Observers()
+    try:
+        if cfg.metrics_port is not None:
+            start_metrics(observers, cfg, peer)
+        if cfg.dashboard_port is not None:
+            await start_dashboard(observers, cfg, peer, remote, timing)
+    except BaseException:
+        observers.close()
+        raise
+    return observers
+
+
+def start_metrics(observers: Observers, cfg: ObserveConfig, peer: Peer) -> None:
+    """Prometheus metrics of this peer (``peers.metrics``)."""
+    raise NotImplementedError("--metrics-port: to be written (peers.metrics)")
+
+
+async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, remote: Remote, timing: Timing) -> None:
+    """The swarm's dashboard as this peer sees it (``swarm.dashboard``)."""
+    raise NotImplementedError("--dashboard-port: to be written (swarm.dashboard)")

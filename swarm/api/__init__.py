@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API over a swarm (``python -m swarm.api``)."""
