@@ -112,7 +112,10 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
             watcher.cancel()
 
     app = service.app(lifespan)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
+    # open connections beyond the generations' slots (streams, dashboards, metrics) get 503 from uvicorn itself
+    connections = cfg.limits.max_concurrent * 4 + 32
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
+                                           limit_concurrency=connections))  # fmt: skip
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started and not task.done():

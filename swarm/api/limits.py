@@ -4,6 +4,7 @@ with 429 (never queued: a queue would only move the wait into the caller's timeo
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from collections import Counter
@@ -65,8 +66,17 @@ def caller_of(request: Request, key: str | None) -> str:
     return "addr:" + (request.client.host if request.client else "unknown")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 400 as soon as it exceeds ``limit`` bytes (whatever Content-Length says)."""
+async def read_body(request: Request, limit: int, timeout: float = 30.0) -> bytes:
+    """The request body, refused with 400 as soon as it exceeds ``limit`` bytes (whatever Content-Length says) or
+    takes longer than ``timeout`` seconds to arrive (a caller trickling bytes holds a connection, not a slot)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read(request, limit)
+    except TimeoutError:
+        raise errors.bad_request(f"the request body took over {timeout:.0f} s to arrive") from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise errors.bad_request(f"the request body is {declared} bytes; this server takes at most {limit}")
