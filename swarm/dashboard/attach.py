@@ -1,0 +1,49 @@
+"""Run a ``SwarmObserver`` on an event loop that already exists: a client connection's ``LoopThread`` (the API
+process) or a peer's own loop (``peers.observe``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Callable
+
+from swarm.config import Timing
+from swarm.dashboard.observer import SwarmObserver
+from swarm.dht import RecordStore
+from swarm.rpc.loop import LoopThread
+from swarm.rpc.remote import Remote
+
+REFRESH_PERIOD = 1.0  # seconds between snapshots
+
+
+def start_observer_on(
+    loop_thread: LoopThread,
+    store: RecordStore,
+    remote: Remote,
+    model_id: str,
+    num_blocks: int,
+    timing: Timing,
+    period: float = REFRESH_PERIOD,
+) -> tuple[SwarmObserver, Callable[[], None]]:
+    """An observer of ``model_id``'s swarm refreshing every ``period`` s on ``loop_thread``'s loop (where ``remote``
+    lives), and the function that stops it (idempotent; call it before the connection closes).
+
+    In the API: ``observer, stop = start_observer_on(conn.loop, conn.store, conn.remote, model_id, num_blocks,
+    conn.timing)``."""
+    observer = SwarmObserver(store, remote, model_id, num_blocks, timing)
+    future = asyncio.run_coroutine_threadsafe(observer.run(period), loop_thread.loop)
+
+    def stop() -> None:
+        future.cancel()  # cancels the task on its loop
+        with contextlib.suppress(concurrent.futures.CancelledError, concurrent.futures.TimeoutError, Exception):
+            future.result(timing.shutdown_timeout)
+
+    return observer, stop
+
+
+def start_observer_task(store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing,
+                        period: float = REFRESH_PERIOD) -> tuple[SwarmObserver, asyncio.Task[None]]:  # fmt: skip
+    """The same on the running loop (a peer's): the task is cancelled to stop it."""
+    observer = SwarmObserver(store, remote, model_id, num_blocks, timing)
+    return observer, asyncio.create_task(observer.run(period), name=f"dashboard-{model_id}")
