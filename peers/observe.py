@@ -68,7 +68,7 @@ async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, 
 
     assert cfg.dashboard_port is not None
     model = peer.model
-    observer, task = start_observer_task(peer.store, remote, model.name, model.num_blocks, timing)
+    observer, task = start_observer_task(peer.store, remote, model.name, model.num_blocks, timing, own_info=peer.info)
     try:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         app.include_router(dashboard_router({model.name: observer}, chat=False))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from swarm.config import Timing
 from swarm.dashboard.observer import SwarmObserver
 from swarm.dht import RecordStore
+from swarm.protocol import InfoReply
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 
@@ -42,8 +43,16 @@ def start_observer_on(
     return observer, stop
 
 
-def start_observer_task(store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing,
-                        period: float = REFRESH_PERIOD) -> tuple[SwarmObserver, asyncio.Task[None]]:  # fmt: skip
-    """The same on the running loop (a peer's): the task is cancelled to stop it."""
-    observer = SwarmObserver(store, remote, model_id, num_blocks, timing)
+def start_observer_task(
+    store: RecordStore,
+    remote: Remote,
+    model_id: str,
+    num_blocks: int,
+    timing: Timing,
+    period: float = REFRESH_PERIOD,
+    own_info: Callable[[], InfoReply] | None = None,
+) -> tuple[SwarmObserver, asyncio.Task[None]]:
+    """The same on the running loop (a peer's, whose own live stats ``own_info`` gives): cancel the task to stop
+    it."""
+    observer = SwarmObserver(store, remote, model_id, num_blocks, timing, own_info=own_info)
     return observer, asyncio.create_task(observer.run(period), name=f"dashboard-{model_id}")

@@ -202,8 +202,11 @@ class SwarmObserver:
     ``snapshot`` may be read and ``note`` called from any thread."""
 
     def __init__(self, store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing,
-                 clock: Callable[[], float] = time.time, max_polled: int = MAX_POLLED) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.time, max_polled: int = MAX_POLLED,
+                 own_info: Callable[[], InfoReply] | None = None) -> None:  # fmt: skip
+        """``own_info``: where the observer runs inside a peer, that peer's live stats (it cannot call itself)."""
         self.store, self.remote, self.model_id, self.num_blocks = store, remote, model_id, num_blocks
+        self.own_info = own_info
         self.timing, self.clock, self.max_polled = timing, clock, max_polled
         self._lock = threading.Lock()
         self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
@@ -229,6 +232,8 @@ class SwarmObserver:
 
     async def _info(self, r: ServerRecord, gate: asyncio.Semaphore) -> InfoReply | None:
         timeout = min(INFO_TIMEOUT, self.timing.open_timeout)
+        if self.own_info is not None and r.peer_id == self.store.peer_id:
+            return self.own_info()
         async with gate:
             try:
                 reply = await asyncio.wait_for(self.remote.info(Hop.of(r), timeout), timeout + 1.0)

@@ -245,3 +245,11 @@ async def test_event_stream_pushes_snapshots():
 async def itertools_islice(stream: Any, n: int) -> Any:
     for _ in itertools.repeat(None, n):
         yield await stream.__anext__()
+
+
+async def test_the_observing_peer_reports_itself_without_calling_itself():
+    store, remote = FakeStore(rec("me", 0, 3), rec("b", 3, 6)), FakeRemote()
+    store.peer_id = "me"  # type: ignore[attr-defined]
+    o, _ = make_observer(store, remote, own_info=lambda: info("me", free=7))
+    s = await o.refresh()
+    assert remote.calls == ["b"] and s.peers[0].cache_free == 7 and s.peers[0].reachable

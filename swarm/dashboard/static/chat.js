@@ -86,6 +86,13 @@ function handleEvent(data, msg, state) {
   return false;
 }
 
+function request() {
+  const body = { model: $("model").value, messages: history, stream: true };
+  const max = parseInt($("max-tokens").value, 10);
+  if (Number.isFinite(max) && max > 0) body.max_tokens = max;
+  return body;
+}
+
 async function send(text) {
   busy = true;
   $("send").disabled = true;
@@ -98,7 +105,7 @@ async function send(text) {
     const r = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: headers(),
-      body: JSON.stringify({ model: $("model").value, messages: history, stream: true }),
+      body: JSON.stringify(request()),
     });
     if (!r.ok || !r.body) {
       let detail = "HTTP " + r.status;

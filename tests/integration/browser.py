@@ -1,0 +1,107 @@
+"""Debian's Chromium driven by Selenium through chromedriver, headless, with explicit paths (so Selenium Manager
+never reaches for the network), and the helpers the dashboard's browser checks share (tests, screenshot script)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def have_browser() -> bool:
+    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
+
+
+def chrome(profile: Path, width: int = 1400, height: int = 1000) -> Any:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={profile}", f"--window-size={width},{height}"):  # fmt: skip
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+
+
+def severe(driver: Any) -> list[dict[str, Any]]:
+    """The browser console's SEVERE entries since the last call (errors, failed loads, CSP violations)."""
+    return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def wait_until(predicate: Any, timeout: float, what: str, period: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(period)
+
+
+def map_peers(driver: Any) -> set[str]:
+    """Peer ids in the dashboard's blocks x peers map."""
+    from selenium.webdriver.common.by import By
+
+    rows = driver.find_elements(By.CSS_SELECTOR, "table.map tbody tr[data-peer-id]")
+    return {r.get_attribute("data-peer-id") for r in rows}
+
+
+def save_screenshot(driver: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(path))
+    extra = os.environ.get("SWARM_SCREENSHOT_DIR")
+    if extra and path.parent != Path(extra):
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(extra) / path.name)
+
+
+class ApiProcess:
+    """``python -m swarm.api`` started by PID (and stopped by it), with the URL it prints when ready."""
+
+    def __init__(self, model: str, initial_peers: list[str], log_path: Path, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "swarm.api", "--model", model, "--initial-peers", *initial_peers,
+               "--port", "0", *extra]  # fmt: skip
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        with open(log_path, "w") as stderr:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("api: "):
+                self.url = line.split(" ", 1)[1].strip().rstrip("/")
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float) -> str:
+        if not self._ready.wait(timeout) or self.url is None:
+            tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
+            raise RuntimeError(f"the API did not start (exit code {self.proc.poll()}):\n{tail}")
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
