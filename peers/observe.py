@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,8 @@ async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, 
     observer, task = start_observer_task(peer.store, remote, model.name, model.num_blocks, timing, own_info=peer.info)
     try:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        app.include_router(dashboard_router({model.name: observer}, chat=False))
+        exiting = threading.Event()
+        app.include_router(dashboard_router({model.name: observer}, chat=False, stopping=exiting.is_set))
         server = await asyncio.to_thread(serve_in_thread, app, cfg.http_host, cfg.dashboard_port, "dashboard")
     except BaseException:
         task.cancel()
@@ -79,6 +81,7 @@ async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, 
 
     def close() -> None:
         task.cancel()
+        exiting.set()  # open event streams end within a tick, so uvicorn need not cut them
         server.close(timing.shutdown_timeout)
 
     observers.add("dashboard", server.url + "/dashboard", close)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException
@@ -30,6 +30,7 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}  # fmt: skip
 PUSH_PERIOD = 1.0  # seconds between pushed snapshots
 STREAM_LIFETIME = 600.0  # a stream ends after this long (the browser's EventSource reconnects by itself)
+TICK = 0.1  # how often an idle stream checks whether the server is stopping
 MAX_STREAMS = 64  # live streams at once, all clients together; more are refused with 503
 
 
@@ -48,14 +49,17 @@ def state(observers: Mapping[str, SwarmObserver], chat: bool) -> dict[str, objec
 
 
 async def event_stream(observers: Mapping[str, SwarmObserver], chat: bool, period: float = PUSH_PERIOD,
-                       lifetime: float = STREAM_LIFETIME) -> AsyncIterator[str]:  # fmt: skip
+                       lifetime: float = STREAM_LIFETIME,
+                       stopping: Callable[[], bool] = lambda: False) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events: the state at once, then whenever a snapshot changed (checked every ``period`` s), and a
-    comment every 15 s so proxies keep the stream open. The server cancels it when the client disconnects."""
+    comment every 15 s so proxies keep the stream open. The server cancels it when the client disconnects; it ends
+    by itself after ``lifetime`` s or as soon as ``stopping()`` (the server is shutting down: an open stream would
+    otherwise hold the shutdown until uvicorn's graceful timeout)."""
     deadline = time.monotonic() + lifetime
     last: tuple[int, ...] = ()
     quiet = 0.0
     yield "retry: 2000\n\n"
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         seen = tuple(id(obs.snapshot) for obs in observers.values())
         if seen != last:
             last, quiet = seen, 0.0
@@ -63,7 +67,9 @@ async def event_stream(observers: Mapping[str, SwarmObserver], chat: bool, perio
         elif quiet >= 15.0:
             quiet = 0.0
             yield ": keep-alive\n\n"
-        await asyncio.sleep(period)
+        wake = time.monotonic() + period
+        while time.monotonic() < wake and not stopping():
+            await asyncio.sleep(min(TICK, period))
         quiet += period
 
 
@@ -71,9 +77,11 @@ def _page(name: str) -> Response:
     return Response((STATIC / name).read_bytes(), media_type=TYPES[".html"], headers=SECURITY_HEADERS)
 
 
-def dashboard_router(observers: Mapping[str, SwarmObserver], *, chat: bool) -> APIRouter:
+def dashboard_router(observers: Mapping[str, SwarmObserver], *, chat: bool,
+                     stopping: Callable[[], bool] = lambda: False) -> APIRouter:  # fmt: skip
     """The dashboard (and, with ``chat``, the chat page, which talks to the API's /v1 routes) over ``observers``:
-    model id -> the observer of that model's swarm."""
+    model id -> the observer of that model's swarm. ``stopping``: true once the server shuts down (uvicorn's
+    ``lambda: server.should_exit``), so live event streams end instead of holding the shutdown."""
     router = APIRouter()
     files = static_files()
     streams = [0]
@@ -104,7 +112,7 @@ def dashboard_router(observers: Mapping[str, SwarmObserver], *, chat: bool) -> A
         async def counted() -> AsyncIterator[str]:
             streams[0] += 1
             try:
-                async for chunk in event_stream(observers, chat):
+                async for chunk in event_stream(observers, chat, stopping=stopping):
                     yield chunk
             finally:
                 streams[0] -= 1

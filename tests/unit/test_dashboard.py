@@ -253,3 +253,33 @@ async def test_the_observing_peer_reports_itself_without_calling_itself():
     o, _ = make_observer(store, remote, own_info=lambda: info("me", free=7))
     s = await o.refresh()
     assert remote.calls == ["b"] and s.peers[0].cache_free == 7 and s.peers[0].reachable
+
+
+async def test_event_stream_ends_when_the_server_stops():
+    o, _ = make_observer(FakeStore(rec("a", 0, 6)), FakeRemote())
+    stopping = [False]
+    stream = event_stream({MODEL: o}, chat=False, period=30.0, lifetime=60.0, stopping=lambda: stopping[0])
+    assert (await stream.__anext__()).startswith("retry:")
+    assert (await stream.__anext__()).startswith("data:")
+    stopping[0] = True
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(stream.__anext__(), 2.0)  # within a tick, not the 30 s period
+
+
+def test_serve_in_thread_on_port_zero():
+    import json
+    import urllib.request
+
+    from swarm.dashboard.server import serve_in_thread
+
+    o, _ = make_observer(FakeStore(rec("a", 0, 6)), FakeRemote())
+    app = FastAPI()
+    app.include_router(dashboard_router({MODEL: o}, chat=False))
+    server = serve_in_thread(app, "127.0.0.1", 0)
+    try:
+        assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(server.url + "/dashboard/state", timeout=5) as r:
+            assert json.load(r)["models"][MODEL]["model_id"] == MODEL
+    finally:
+        server.close()
+    assert not server._thread.is_alive()
