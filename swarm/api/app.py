@@ -1,0 +1,369 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn): ``/v1/models``, ``/v1/chat/completions``,
+``/v1/completions`` with server-sent-event streaming, plus ``/metrics`` (Prometheus) and ``/health``.
+
+Each generation runs on a worker thread (``swarm.api.engine``) and hands its text to the request's coroutine through
+a queue. A caller that goes away cancels its generation: a stream's coroutine is cancelled by Starlette when the
+connection drops, a plain request's by a watcher polling for the disconnect; either way the worker stops before its
+next token and closes the session, which frees the servers' caches."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from swarm.api import errors
+from swarm.api.engine import Cancelled, Outcome, Piece, Sampling, ServedModel, generate
+from swarm.api.errors import ApiError
+from swarm.api.limits import Limits, Slots, caller_of, read_body
+from swarm.api.schema import (
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChatMessageOut,
+    ChatRequest,
+    ChunkChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    RouteHop,
+    TextChoice,
+    TextCompletion,
+    Usage,
+    new_id,
+    now,
+)
+
+
+class MetricsSink(Protocol):
+    """What the API reports to its metrics (``swarm.metrics.ApiMetrics``)."""
+
+    def request(self, endpoint: str, outcome: str, seconds: float) -> None: ...
+
+    def generated(self, tokens: int, first_token_s: float | None) -> None: ...
+
+    def render(self) -> tuple[bytes, str]: ...
+
+
+class NoMetrics:
+    def request(self, endpoint: str, outcome: str, seconds: float) -> None:
+        pass
+
+    def generated(self, tokens: int, first_token_s: float | None) -> None:
+        pass
+
+    def render(self) -> tuple[bytes, str]:
+        return b"", "text/plain"
+
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+@dataclass
+class ApiState:
+    models: dict[str, ServedModel]
+    limits: Limits
+    keys: tuple[str, ...] = ()
+    metrics: MetricsSink = field(default_factory=NoMetrics)
+    slots: Slots = field(init=False)
+    pool: ThreadPoolExecutor = field(init=False)
+    started: int = field(default_factory=now)
+    runs: set[Run] = field(default_factory=set)  # generations running now (cancelled at shutdown)
+
+    def __post_init__(self) -> None:
+        self.slots = Slots(self.limits)
+        self.pool = ThreadPoolExecutor(self.limits.max_concurrent, thread_name_prefix="api-generate")
+
+    def key_of(self, request: Request) -> str | None:
+        """The caller's API key, checked (None when this server needs none)."""
+        if not self.keys:
+            return None
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.keys):
+            raise errors.unauthorized()
+        return token
+
+    def served(self, name: str) -> ServedModel:
+        if name not in self.models:
+            raise errors.unknown_model(name, sorted(self.models))
+        return self.models[name]
+
+
+class Run:
+    """One generation on the worker pool, seen from the request's coroutine as a stream of pieces."""
+
+    def __init__(self, state: ApiState, served: ServedModel, prompt: list[int], sampling: Sampling) -> None:
+        self.cancel = threading.Event()
+        self.progress = Outcome(prompt_tokens=len(prompt))  # the worker fills it in as it goes
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + state.limits.request_timeout
+
+        def emit(piece: Piece) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+
+        self.future = loop.run_in_executor(
+            state.pool, lambda: generate(served, prompt, sampling, emit, self.cancel, deadline, self.progress)
+        )
+        state.runs.add(self)
+
+        def finished(_: object) -> None:
+            self.queue.put_nowait(_DONE)
+            state.runs.discard(self)
+
+        self.future.add_done_callback(finished)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        while (item := await self.queue.get()) is not _DONE:
+            assert isinstance(item, Piece)
+            if item.text or item.finish:
+                yield item
+
+    def outcome(self) -> Outcome:
+        try:
+            return self.future.result()
+        except Cancelled as e:
+            raise errors.ApiError(408, f"the request stopped: {e}", type="server_error", code="timeout",
+                                  outcome="client_closed" if self.cancel.is_set() else "timeout") from None  # fmt: skip
+        except Exception as e:
+            raise errors.from_swarm(e) from None
+
+
+def _parse(body: bytes, cls: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or None
+        raise errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
+    if (bad := req.unsupported()) is not None:
+        raise errors.bad_request(f"{bad} is not supported by this server", param=bad)
+    return req
+
+
+def _sampling(req: ChatRequest | CompletionRequest, prompt: int, served: ServedModel, limits: Limits) -> Sampling:
+    asked = req.requested_tokens()
+    if asked is not None and asked > limits.max_tokens:
+        raise errors.bad_request(f"max_tokens is {asked}; this server allows at most {limits.max_tokens}",
+                                 param="max_tokens")  # fmt: skip
+    room = served.context - prompt
+    wanted = asked if asked is not None else min(limits.max_tokens, room)
+    if wanted > room or room < 1:
+        raise errors.context_too_long(prompt, max(wanted, 1), served.context)
+    return Sampling(wanted, req.temperature, req.top_p, req.stops(), req.seed, req.n)
+
+
+def _route(outcome: Outcome) -> list[RouteHop]:
+    return [RouteHop(peer_id=h.peer_id, start=h.start, end=h.end) for h in outcome.route]
+
+
+def _usage(o: Outcome) -> Usage:
+    return Usage(prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
+                 total_tokens=o.prompt_tokens + o.completion_tokens)  # fmt: skip
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _watch_disconnect(request: Request, run: Run) -> None:
+    while not run.future.done():
+        if await request.is_disconnected():
+            run.cancel.set()
+            return
+        await asyncio.sleep(0.1)
+
+
+def create_app(state: ApiState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+    app = FastAPI(title="swarm: OpenAI-compatible API", version="1", lifespan=lifespan)
+    app.state.api = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found" if e.status_code == 404 else "bad_request"
+        return _error_response(ApiError(e.status_code, str(e.detail), code=kind, outcome=kind))
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "models": {n: not s.missing() for n, s in state.models.items()}}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        state.key_of(request)
+        covered = [n for n, s in state.models.items() if not await asyncio.to_thread(s.missing)]
+        return ModelList(data=[ModelCard(id=n, created=state.started) for n in covered])
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> ModelCard:
+        state.key_of(request)
+        served = state.served(name)
+        if await asyncio.to_thread(served.missing):
+            raise errors.unknown_model(name, [])
+        return ModelCard(id=served.name, created=state.started)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await _complete(state, request, "chat")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await _complete(state, request, "completions")
+
+    return app
+
+
+async def _complete(state: ApiState, request: Request, endpoint: str) -> Response:
+    t0 = time.monotonic()
+    try:
+        key = state.key_of(request)
+        body = await read_body(request, state.limits.max_body_bytes)
+        req = _parse(body, ChatRequest if endpoint == "chat" else CompletionRequest)
+        served = state.served(req.model)
+        if isinstance(req, ChatRequest):
+            prompt = await asyncio.to_thread(served.chat_ids, req.chat())
+        else:
+            try:
+                text = req.text()
+            except ValueError as e:
+                raise errors.bad_request(str(e), param="prompt") from None
+            prompt = await asyncio.to_thread(served.text_ids, text)
+        sampling = _sampling(req, len(prompt), served, state.limits)
+        gaps = await asyncio.to_thread(served.missing)
+        if gaps:
+            shown = ", ".join(f"{a}:{b}" for a, b in gaps)
+            raise errors.unavailable(f"no server holds blocks {shown} of {served.name} now: retry later")
+        caller = caller_of(request, key)
+        state.slots.acquire(caller)
+    except ApiError as e:
+        state.metrics.request(endpoint, e.outcome, time.monotonic() - t0)
+        return _error_response(e)
+    log.info("%s request: %d prompt tokens, up to %d x %d new", endpoint, len(prompt), sampling.n,
+             sampling.max_tokens, extra={"session": caller})  # fmt: skip
+    run = Run(state, served, prompt, sampling)
+    if req.stream:
+        return StreamingResponse(_stream(state, run, req, endpoint, caller, t0), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    watcher = asyncio.create_task(_watch_disconnect(request, run))
+    try:
+        texts = ["" for _ in range(sampling.n)]
+        finishes: list[str] = ["length"] * sampling.n
+        async for piece in run.pieces():
+            texts[piece.index] += piece.text
+            if piece.finish:
+                finishes[piece.index] = piece.finish
+        outcome = run.outcome()
+        _record(state, endpoint, "ok", t0, outcome)
+    except ApiError as e:
+        _record(state, endpoint, e.outcome, t0, None)
+        return _error_response(e)
+    finally:
+        run.cancel.set()
+        watcher.cancel()
+        state.slots.release(caller)
+    rid, created, usage = new_id("chatcmpl" if endpoint == "chat" else "cmpl"), now(), _usage(outcome)
+    if endpoint == "chat":
+        chat_choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
+                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))]  # fmt: skip
+        reply: ChatCompletion | TextCompletion = ChatCompletion(
+            id=rid, created=created, model=served.name, choices=chat_choices, usage=usage, route=_route(outcome)
+        )
+    else:
+        text_choices = [TextChoice(index=i, text=t, finish_reason=f)
+                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))]  # fmt: skip
+        reply = TextCompletion(id=rid, created=created, model=served.name, choices=text_choices, usage=usage,
+                               route=_route(outcome))  # fmt: skip
+    return JSONResponse(reply.model_dump(mode="json"))
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """The chunks of one streamed answer, chat or text, all with the same id, creation time and model."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=now)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", new_id("chatcmpl" if self.chat else "cmpl"))
+
+    def _sse(self, obj: ChatChunk | TextCompletion) -> str:
+        return f"data: {json.dumps(obj.model_dump(mode='json', exclude_none=True))}\n\n"
+
+    def opening(self, index: int) -> str:  # OpenAI opens each chat choice with its role
+        choice = ChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+        return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    def piece(self, piece: Piece, route: list[RouteHop] | None) -> str:
+        if self.chat:
+            delta = Delta(content=piece.text) if piece.text else Delta()
+            choice = ChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish)
+            return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, route=route,
+                                       choices=[choice]))  # fmt: skip
+        text = TextChoice(index=piece.index, text=piece.text, finish_reason=piece.finish)
+        return self._sse(TextCompletion(id=self.id, created=self.created, model=self.model, route=route,
+                                        choices=[text]))  # fmt: skip
+
+    def usage(self, usage: Usage) -> str:
+        if self.chat:
+            return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
+        return self._sse(TextCompletion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
+
+
+async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str, caller: str,
+                  t0: float) -> AsyncIterator[str]:  # fmt: skip
+    chunks = _Chunks(endpoint == "chat", req.model)
+    label = "client_closed"  # unless the stream reaches its end or an error
+    try:
+        if chunks.chat:
+            for i in range(req.n):
+                yield chunks.opening(i)
+        async for piece in run.pieces():
+            yield chunks.piece(piece, _route(run.progress) if piece.finish else None)
+        try:
+            outcome = run.outcome()
+        except ApiError as e:
+            label = e.outcome
+            yield e.event()  # the stream has begun and its status is sent: the error travels as an event
+            return
+        if req.include_usage():
+            yield chunks.usage(_usage(outcome))
+        yield "data: [DONE]\n\n"
+        label = "ok"
+        _record(state, endpoint, "ok", t0, outcome)
+    finally:
+        run.cancel.set()  # a dropped connection lands here (Starlette cancels the coroutine): stop the worker
+        state.slots.release(caller)
+        if label != "ok":
+            state.metrics.request(endpoint, label, time.monotonic() - t0)
+
+
+def _record(state: ApiState, endpoint: str, outcome: str, t0: float, result: Outcome | None) -> None:
+    state.metrics.request(endpoint, outcome, time.monotonic() - t0)
+    if result is not None:
+        state.metrics.generated(result.completion_tokens, result.first_token_s)

@@ -1,0 +1,191 @@
+"""Generation for the API: one inference session per request (its ``n`` choices are the session's batch), decoded
+token by token on a worker thread, text streamed out as it becomes final.
+
+Requests share one swarm client per model (one DHT node, one transport, one view of the swarm) but never a
+session: ``DistributedModelForCausalLM.generate`` keeps one session per model object, so the API drives
+``InferenceSession`` itself, through the model's own plans (embeddings, blocks through the swarm, final norm and
+head), and samples here. Greedy decoding (temperature 0) picks what Hugging Face's greedy ``generate`` picks;
+sampling applies Hugging Face's temperature and top-p warpers, seeded per request."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+from swarm.api import errors
+from swarm.client.executor import Context
+from swarm.client.inference_session import InferenceSession
+from swarm.records import PeerState
+from swarm.rpc.hop import Hop
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from swarm.client.model import DistributedModelForCausalLM
+
+Finish = Literal["stop", "length"]
+
+
+class Cancelled(Exception):
+    """The caller went away (or the request ran out of time): the session is closed and nothing more is sent."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stops: tuple[str, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New final text of choice ``index``; ``finish`` is set on its last piece."""
+
+    index: int
+    text: str
+    finish: Finish | None = None
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    route: list[Hop] = field(default_factory=list)
+    first_token_s: float | None = None
+
+
+class TextStream:
+    """One choice's text as tokens arrive: only text that can no longer change is released, that is none of a
+    possible stop sequence's start and no half of a multi-byte character; a stop sequence ends the text before it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def _text(self) -> str:
+        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """(text released by this token, whether a stop sequence ended the choice)."""
+        self.tokens.append(token)
+        text = self._text()
+        cuts = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
+        if cuts:
+            return self._release(text[: min(cuts)]), True
+        safe = len(text.rstrip("\ufffd")) - self.hold
+        return self._release(text[: max(safe, self.sent)]), False
+
+    def flush(self) -> str:
+        return self._release(self._text())
+
+    def _release(self, text: str) -> str:
+        out = text[self.sent :]
+        self.sent = len(text)
+        return out
+
+
+class ServedModel:
+    """A model the API serves: its swarm client, tokenizer, context length and end-of-text tokens."""
+
+    def __init__(self, name: str, model: DistributedModelForCausalLM, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.context = int(getattr(model.config, "max_position_embeddings", 2048))
+        gen = model.generation_config.eos_token_id
+        ends = set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        if tokenizer.eos_token_id is not None:
+            ends.add(int(tokenizer.eos_token_id))
+        self.eos = frozenset(int(e) for e in ends)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Runs of blocks no online server holds now (the client's own view of the swarm, refreshed as it ages)."""
+        view = self.model.connection.view.snapshot()
+        gaps: list[tuple[int, int]] = []
+        for b in range(self.num_blocks):
+            if not any(r.state == PeerState.ONLINE for r in view.get(b, [])):
+                gaps = gaps[:-1] + [(gaps[-1][0], b + 1)] if gaps and gaps[-1][1] == b else [*gaps, (b, b + 1)]
+        return gaps
+
+    def chat_ids(self, chat: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise errors.bad_request(f"{self.name} has no chat template: use /v1/completions", param="messages")
+        out: Any = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)  # fmt: skip  # Any: a BatchEncoding
+        return [int(i) for i in out["input_ids"]]
+
+    def text_ids(self, text: str) -> list[int]:
+        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=True)["input_ids"]]
+        if not ids:
+            raise errors.bad_request("the prompt is empty", param="prompt")
+        return ids
+
+
+def pick(logits: torch.Tensor, s: Sampling, rng: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row of ``logits`` [n, vocab]."""
+    if s.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    scores = TemperatureLogitsWarper(s.temperature)(torch.empty(0), logits.float())
+    if s.top_p < 1.0:
+        scores = TopPLogitsWarper(s.top_p)(torch.empty(0), scores)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(1)
+
+
+def generate(served: ServedModel, prompt: list[int], s: Sampling, emit: Callable[[Piece], None],
+             cancel: threading.Event, deadline: float, outcome: Outcome | None = None) -> Outcome:  # fmt: skip
+    """Decode ``s.n`` continuations of ``prompt`` in one inference session; ``emit`` gets text as it is final, and
+    ``outcome`` (returned) the route and counts as they change. Runs on a worker thread; raises Cancelled once
+    ``cancel`` is set or ``deadline`` (monotonic) passes."""
+    model = served.model
+    outcome = outcome if outcome is not None else Outcome(prompt_tokens=len(prompt))
+    streams = [TextStream(served.tokenizer, s.stops) for _ in range(s.n)]
+    done: list[Finish | None] = [None] * s.n
+    rng = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
+    start = time.monotonic()
+    session = InferenceSession(model.connection, model.blocks.delivery, len(prompt) + s.max_tokens, s.n,
+                               model.runner.shape, model.runner.plans)  # fmt: skip
+    try:
+        new = torch.tensor([prompt] * s.n, dtype=torch.int64)
+        for produced in range(s.max_tokens):
+            if cancel.is_set() or time.monotonic() > deadline:
+                raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
+            with torch.inference_mode():
+                logits = model.runner.session_step(session, new, Context(None, None), 0)[:, -1, :]
+            outcome.route = session.route
+            if outcome.first_token_s is None:
+                outcome.first_token_s = time.monotonic() - start
+            tokens = pick(logits, s, rng)
+            for i, token in enumerate(tokens.tolist()):
+                if done[i] is not None:
+                    continue
+                outcome.completion_tokens += 1
+                if token in served.eos:
+                    done[i] = "stop"
+                    emit(Piece(i, streams[i].flush(), "stop"))
+                    continue
+                text, stopped = streams[i].add(token)
+                if stopped:
+                    done[i] = "stop"
+                elif produced + 1 == s.max_tokens:
+                    done[i], text = "length", text + streams[i].flush()
+                emit(Piece(i, text, done[i]))
+            if all(d is not None for d in done):
+                break
+            new = tokens[:, None]
+    finally:
+        session.close()  # frees the servers' caches now, whatever happened
+    return outcome

@@ -1,0 +1,94 @@
+"""The API process's parts, wired: a swarm client and tokenizer per served model, the request state (limits, keys,
+metrics), the dashboard's observers, and a watcher that turns the clients' failovers into metrics and dashboard
+events. ``python -m swarm.api`` starts one; tests can too."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from swarm.api.app import ApiState, MetricsSink, NoMetrics, create_app
+from swarm.api.engine import ServedModel
+from swarm.api.limits import Limits
+from swarm.config import Timing
+from swarm.errors import BadInputError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from swarm.api.__main__ import ApiConfig
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    def __init__(self, models: dict[str, ServedModel], state: ApiState) -> None:
+        self.models, self.state = models, state
+        self._failures: dict[str, dict[str, int]] = {name: {} for name in models}
+        self._closers: list[Callable[[], None]] = []
+        self.on_failover: list[Callable[[str, str, int], None]] = []  # (model, peer id, failures of that peer)
+
+    @classmethod
+    def start(cls, cfg: ApiConfig, limits: Limits, keys: tuple[str, ...], test_timings: bool = False,
+              metrics: MetricsSink | None = None) -> Service:  # fmt: skip
+        import torch
+
+        from swarm.client.model import DistributedModelForCausalLM
+        from swarm.tokenizer import load_tokenizer
+
+        torch.set_num_threads(cfg.threads)
+        timing = Timing.for_tests() if test_timings else Timing()
+        models: dict[str, ServedModel] = {}
+        try:
+            for name in cfg.models:
+                try:
+                    tokenizer = load_tokenizer(name)
+                except (OSError, ValueError) as e:
+                    raise BadInputError(f"{name} has no tokenizer, so the API cannot serve it: {e}") from None
+                model = DistributedModelForCausalLM.from_pretrained(
+                    name, initial_peers=cfg.initial_peers, timing=timing, swarm_key=cfg.swarm_key
+                )
+                served = ServedModel(name, model, tokenizer)
+                models[served.name] = served
+                log.info("serving %s (%d blocks, context %d)", name, served.num_blocks, served.context)
+        except BaseException:
+            for served in models.values():
+                served.model.close()
+            raise
+        state = ApiState(models, limits, keys, metrics if metrics is not None else NoMetrics())
+        return cls(models, state)
+
+    def app(self, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+        return create_app(self.state, lifespan)
+
+    def poll_failovers(self) -> None:
+        """Report peers the clients banned since the last poll (their failure counts grew)."""
+        for name, served in self.models.items():
+            now = dict(served.model.connection.retrier.failures)
+            seen = self._failures[name]
+            for peer, n in now.items():
+                if n > seen.get(peer, 0):
+                    log.warning("client failed over from a peer", extra={"peer": peer, "kind": name})
+                    for listener in self.on_failover:
+                        listener(name, peer, n)
+            self._failures[name] = now
+
+    async def watch_failovers(self, period: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(Exception):  # a watcher must never take the API down
+                self.poll_failovers()
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                close()
+        for run in list(self.state.runs):
+            run.cancel.set()  # each worker stops before its next token and closes its session
+        self.state.pool.shutdown(wait=True, cancel_futures=True)
+        for served in self.models.values():
+            with contextlib.suppress(Exception):
+                served.model.close()
