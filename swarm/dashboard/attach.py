@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from swarm.config import Timing
 from swarm.dashboard.observer import SwarmObserver
@@ -14,6 +15,9 @@ from swarm.dht import RecordStore
 from swarm.protocol import InfoReply
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
+
+if TYPE_CHECKING:
+    from swarm.client.connection import SwarmConnection
 
 REFRESH_PERIOD = 1.0  # seconds between snapshots
 
@@ -56,3 +60,23 @@ def start_observer_task(
     it."""
     observer = SwarmObserver(store, remote, model_id, num_blocks, timing, own_info=own_info)
     return observer, asyncio.create_task(observer.run(period), name=f"dashboard-{model_id}")
+
+
+def observe_connections(
+    connections: Mapping[str, tuple[SwarmConnection, int]], period: float = REFRESH_PERIOD
+) -> tuple[dict[str, SwarmObserver], Callable[[], None]]:
+    """An observer per served model, each on its client connection's loop: ``connections`` maps a model's name to
+    (its ``SwarmConnection``, its number of blocks). Returns the observers (what ``dashboard_router`` takes, and
+    what ``note`` failovers on) and one function that stops them all (call it before the connections close)."""
+    observers: dict[str, SwarmObserver] = {}
+    stops: list[Callable[[], None]] = []
+    for name, (conn, num_blocks) in connections.items():
+        observers[name], stop = start_observer_on(conn.loop, conn.store, conn.remote, name, num_blocks, conn.timing,
+                                                  period)  # fmt: skip
+        stops.append(stop)
+
+    def stop_all() -> None:
+        for stop in stops:
+            stop()
+
+    return observers, stop_all

@@ -51,11 +51,16 @@ def wait_until(predicate: Any, timeout: float, what: str, period: float = 0.2) -
 
 
 def map_peers(driver: Any) -> set[str]:
-    """Peer ids in the dashboard's blocks x peers map."""
-    from selenium.webdriver.common.by import By
+    """Peer ids in the dashboard's blocks x peers map (read in one script: the page replaces rows as it updates)."""
+    rows = "table.map tbody tr[data-peer-id]"
+    return set(driver.execute_script(f"return [...document.querySelectorAll('{rows}')].map(r => r.dataset.peerId)"))
 
-    rows = driver.find_elements(By.CSS_SELECTOR, "table.map tbody tr[data-peer-id]")
-    return {r.get_attribute("data-peer-id") for r in rows}
+
+def text_of(driver: Any, selector: str) -> str:
+    """The rendered text of the first element ``selector`` finds, read in one script (no stale references)."""
+    found = driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : ''",
+                                  selector)  # fmt: skip
+    return str(found)
 
 
 def save_screenshot(driver: Any, path: Path) -> None:
@@ -70,8 +75,9 @@ def save_screenshot(driver: Any, path: Path) -> None:
 class ApiProcess:
     """``python -m swarm.api`` started by PID (and stopped by it), with the URL it prints when ready."""
 
-    def __init__(self, model: str, initial_peers: list[str], log_path: Path, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "swarm.api", "--model", model, "--initial-peers", *initial_peers,
+    def __init__(self, model: str, initial_peers: list[str], log_path: Path, *extra: str,
+                 module: str = "swarm.api") -> None:  # fmt: skip
+        cmd = [sys.executable, "-m", module, "--model", model, "--initial-peers", *initial_peers,
                "--port", "0", *extra]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.log_path = log_path
