@@ -12,6 +12,8 @@ from typing import Any
 
 import uvicorn
 
+from swarm.errors import BadInputError
+
 GRACEFUL_SECONDS = 1.0  # open streams (the dashboard's live events) are cut after this at shutdown
 
 
@@ -24,6 +26,9 @@ class ThreadedServer:
             self._sock.bind((host, port))
             self._sock.listen(128)
             self._sock.setblocking(False)
+        except OSError as e:
+            self._sock.close()
+            raise BadInputError(f"the {name} server cannot listen on {host}:{port}: {e.strerror or e}") from None
         except BaseException:
             self._sock.close()
             raise

@@ -283,3 +283,16 @@ def test_serve_in_thread_on_port_zero():
     finally:
         server.close()
     assert not server._thread.is_alive()
+
+
+def test_a_taken_port_is_a_clear_error():
+    import socket
+
+    from swarm.dashboard.server import serve_in_thread
+    from swarm.errors import BadInputError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(BadInputError, match="cannot listen on 127.0.0.1"):
+            serve_in_thread(FastAPI(), "127.0.0.1", taken.getsockname()[1], "dashboard")
