@@ -13,6 +13,8 @@ import importlib.util
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +42,23 @@ def chat(driver: Any, url: str, prompt: str, out: Path) -> None:
     save_screenshot(driver, out / "chat.png")
 
 
+def served(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return bool(r.status == 200)
+    except urllib.error.URLError:
+        return False
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="where the PNGs go (default docs/)")
     p.add_argument("--prompt", default="In two sentences, what is a peer-to-peer network?")
     p.add_argument("--throughput", default="auto", help="the peers' --throughput ('auto' measures; a number skips it)")
+    p.add_argument("--api-module", default="swarm.api", help=argparse.SUPPRESS)  # a stand-in, while it is wired
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-screenshot-"))
-    has_api = importlib.util.find_spec("swarm.api.__main__") is not None
+    has_api = importlib.util.find_spec(args.api_module) is not None
     swarm = LocalSwarm(MODEL, ["0:15"], extra_args=("--throughput", args.throughput), log_dir=work / "logs",
                        startup_timeout=STARTUP)  # fmt: skip
     api: ApiProcess | None = None
@@ -58,12 +69,18 @@ def main() -> int:
         swarm.add_peer("15:30", wait=False)
         for peer in swarm.peers:
             peer.wait_ready(STARTUP)
+        base = watcher.urls["dashboard"].rsplit("/dashboard", 1)[0]
         if has_api:
-            api = ApiProcess(MODEL, swarm.initial_peers, work / "api.log")
-            base = api.wait_ready(STARTUP)
+            api = ApiProcess(MODEL, swarm.initial_peers, work / "api.log", module=args.api_module)
+            url = api.wait_ready(STARTUP)
+            if served(url + "/chat"):
+                base = url
+            else:
+                print("the API does not serve the chat page yet: the dashboard comes from a peer", file=sys.stderr)
+                api.stop()
+                api = None
         else:
             print("swarm.api is not there yet: the dashboard comes from a peer, and no chat page", file=sys.stderr)
-            base = watcher.urls["dashboard"].rsplit("/dashboard", 1)[0]
         driver = chrome(work / "profile", 1400, 760)
         if api is not None:
             chat(driver, base, args.prompt, args.out)  # first, so the dashboard shows requests served
