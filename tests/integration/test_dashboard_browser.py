@@ -5,6 +5,7 @@ an answer whose route the page shows. Screenshots go to the test's tmp path (and
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import urllib.error
@@ -55,6 +56,35 @@ def driver(tmp_path_factory):
         yield d
     finally:
         d.quit()
+
+
+HOSTILE = '<img src=x onerror="document.title=1">'
+
+
+def test_what_peers_say_stays_text(driver, tmp_path):
+    """A device name full of markup (all a peer's strings are its own word) shows as text; no element is made."""
+    from fastapi import FastAPI
+
+    from swarm.dashboard.routes import dashboard_router
+    from swarm.dashboard.server import serve_in_thread
+    from tests.unit.test_dashboard import MODEL as FAKE
+    from tests.unit.test_dashboard import FakeRemote, FakeStore, make_observer, rec
+
+    observer, _ = make_observer(FakeStore(rec("evil", 0, 6, device=HOSTILE), rec("b", 3, 6)), FakeRemote())
+    asyncio.run(observer.refresh())
+    app = FastAPI()
+    app.include_router(dashboard_router({FAKE: observer}, chat=False))
+    server = serve_in_thread(app, "127.0.0.1", 0)
+    try:
+        driver.get(server.url + "/dashboard")
+        wait_until(lambda: map_peers(driver) == {"evil", "b"}, 15, "the fake peers")
+        assert HOSTILE in text_of(driver, "table.peers")
+        assert driver.execute_script("return document.querySelectorAll('section.model img').length") == 0
+        assert driver.title == "swarm dashboard" and severe(driver) == []
+    finally:
+        driver.get("about:blank")  # leave first: a live page would log its stream's end and its reconnect attempts
+        server.close()
+        severe(driver)
 
 
 def test_dashboard_map_follows_the_swarm(swarm, driver, tmp_path):
