@@ -7,7 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from swarm.config import Timing
 from swarm.dashboard.observer import SwarmObserver
@@ -16,10 +16,17 @@ from swarm.protocol import InfoReply
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 
-if TYPE_CHECKING:
-    from swarm.client.connection import SwarmConnection
-
 REFRESH_PERIOD = 1.0  # seconds between snapshots
+
+
+class Connection(Protocol):
+    """What an observer needs of a client's connection (``swarm.client.connection.SwarmConnection`` has it; the
+    dashboard does not import the client)."""
+
+    loop: LoopThread
+    store: RecordStore
+    remote: Remote
+    timing: Timing
 
 
 def start_observer_on(
@@ -63,7 +70,7 @@ def start_observer_task(
 
 
 def observe_connections(
-    connections: Mapping[str, tuple[SwarmConnection, int]], period: float = REFRESH_PERIOD
+    connections: Mapping[str, tuple[Connection, int]], period: float = REFRESH_PERIOD
 ) -> tuple[dict[str, SwarmObserver], Callable[[], None]]:
     """An observer per served model, each on its client connection's loop: ``connections`` maps a model's name to
     (its ``SwarmConnection``, its number of blocks). Returns the observers (what ``dashboard_router`` takes, and

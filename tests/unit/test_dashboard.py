@@ -296,3 +296,27 @@ def test_a_taken_port_is_a_clear_error():
         taken.listen(1)
         with pytest.raises(BadInputError, match="cannot listen on 127.0.0.1"):
             serve_in_thread(FastAPI(), "127.0.0.1", taken.getsockname()[1], "dashboard")
+
+
+def test_observers_run_on_a_connections_loop_and_stop():
+    import time
+    from types import SimpleNamespace
+
+    from swarm.dashboard.attach import observe_connections
+    from swarm.rpc.loop import LoopThread
+
+    loop = LoopThread("test-dashboard")
+    try:
+        conn = SimpleNamespace(loop=loop, store=FakeStore(rec("a", 0, 6)), remote=FakeRemote(), timing=Timing())
+        observers, stop = observe_connections({MODEL: (conn, N)}, period=0.05)  # type: ignore[dict-item]
+        deadline = time.monotonic() + 10
+        while not observers[MODEL].snapshot.peers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert observers[MODEL].snapshot.covered
+        stop()
+        calls = len(conn.remote.calls)
+        time.sleep(0.2)
+        assert len(conn.remote.calls) == calls  # stopped: no more rounds
+        stop()  # idempotent
+    finally:
+        loop.close()
