@@ -44,7 +44,7 @@ async def start_observers(cfg: ObserveConfig, peer: Peer, remote: Remote, timing
     observers = Observers()
     try:
         if cfg.metrics_port is not None:
-            start_metrics(observers, cfg, peer)
+            start_metrics(observers, cfg, peer, remote)
         if cfg.dashboard_port is not None:
             await start_dashboard(observers, cfg, peer, remote, timing)
     except BaseException:
@@ -53,9 +53,23 @@ async def start_observers(cfg: ObserveConfig, peer: Peer, remote: Remote, timing
     return observers
 
 
-def start_metrics(observers: Observers, cfg: ObserveConfig, peer: Peer) -> None:
-    """Prometheus metrics of this peer (``peers.metrics``)."""
-    raise NotImplementedError("--metrics-port: to be written (peers.metrics)")
+def start_metrics(observers: Observers, cfg: ObserveConfig, peer: Peer, remote: Remote | None = None) -> None:
+    """Prometheus metrics of this peer (``peers.metrics``) at ``/metrics``, served by prometheus_client's own
+    threaded HTTP server: a scrape never runs on the RPC loop."""
+    from prometheus_client import start_http_server
+
+    assert cfg.metrics_port is not None
+    registry = peer.compute.metrics.watch(peer, remote, asyncio.get_running_loop())
+    server, thread = start_http_server(cfg.metrics_port, addr=cfg.http_host, registry=registry)
+    port = server.server_address[1]  # the bound port: --metrics-port 0 takes any free one
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+    host = f"[{cfg.http_host}]" if ":" in cfg.http_host else cfg.http_host
+    observers.add("metrics", f"http://{host}:{port}/metrics", close)
 
 
 async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, remote: Remote, timing: Timing) -> None:

@@ -1,10 +1,9 @@
 """Command-line flags derived from frozen config dataclasses, so a default is written once (on the field).
-
 A field declared with ``option(default, help=...)`` becomes ``--field-name`` (or the ``name`` given): a bool
 defaulting to False becomes a switch, one defaulting to True a ``--no-...`` switch, a tuple takes one or more
-values, anything else is parsed by ``parse`` or by its annotated type (int, float, str, Path, or one of them or
-None). A nested config field (a dataclass without a flag) contributes its own flags. ``from_args`` builds the
-config back from the parsed namespace; flags not given keep the field's default.
+values (a repeated flag adds to them), anything else is parsed by ``parse`` or by its annotated type (int, float,
+str, Path, or one of them or None). A nested config field (a dataclass without a flag) contributes its own flags.
+``from_args`` builds the config back from the parsed namespace; flags not given keep the field's default.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[DataclassInstance]) -> 
         if typing.get_origin(hint) is tuple:
             parse = flag.parse or _scalar(typing.get_args(hint)[0])
             parser.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=help_text, metavar=metavar,
-                                nargs="+", type=_explained(parse))  # fmt: skip
+                                nargs="+", action="extend", type=_explained(parse))  # fmt: skip  # repeats add up
         else:
             parser.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=help_text, metavar=metavar,
                                 type=_explained(flag.parse or _scalar(hint)))  # fmt: skip

@@ -153,6 +153,63 @@ class LocalSwarm:
         self.stop()
 
 
+class ApiProcess:
+    """``python -m swarm.api`` over a running swarm, in a child process (stopped by its PID): its ``url`` is read
+    from the ``api: URL`` line it prints once it listens."""
+
+    def __init__(self, initial_peers: Sequence[str], *args: str, test_timings: bool = True,
+                 log_path: Path | None = None, startup_timeout: float = 120.0) -> None:  # fmt: skip
+        cmd = [sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
+        if test_timings:
+            cmd.append("--test-timings")
+        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="swarm-api-")) / "api.log"
+        with open(self.log_path, "w") as stderr:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+        self.url = ""
+        try:
+            self.url = self._wait(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith("api: ") and not found:
+                    found.append(line.split(" ", 1)[1].strip())
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while not found and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not found:
+            raise RuntimeError(f"the API did not start (exit code {self.proc.poll()}):\n"
+                               f"{self.log_path.read_text()[-3000:]}")  # fmt: skip
+        return found[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> ApiProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class _Routed(Protocol):
     @property
     def route(self) -> Sequence[Hop]: ...

@@ -1,11 +1,18 @@
-"""Logging for the entry points: one line per record, with the peer, block span and session fields when present."""
+"""Logging for the entry points: one line per record, with the peer, block span and session fields when present;
+as text for people, or (``--log-format json``) as one JSON object per line for log collectors."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import UTC, datetime
 
 FIELDS = ("peer", "span", "session", "kind")
+FORMATS = ("text", "json")
+# The standard names, whatever a library renamed them to (hivemind shortens WARNING): JSON consumers match on them.
+LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+          logging.CRITICAL: "CRITICAL"}  # fmt: skip
 
 
 class FieldFormatter(logging.Formatter):
@@ -15,11 +22,51 @@ class FieldFormatter(logging.Formatter):
         return f"{line} [{extras}]" if extras else line
 
 
-def configure_logging(level: str = "INFO") -> None:
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "msg"}``, the fields above when the record carries them, and ``exc_info`` (the
+    formatted traceback) when it has one; a field that JSON cannot hold is written as its ``str``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": LEVELS.get(record.levelno, record.levelname),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exc_info"] = record.exc_text
+        if record.stack_info:
+            out["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def formatter(fmt: str = "text") -> logging.Formatter:
+    if fmt == "json":
+        return JsonFormatter()
+    if fmt == "text":
+        return FieldFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    raise ValueError(f"log format is one of {', '.join(FORMATS)}, got {fmt!r}")
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Every record to stderr in ``fmt`` ("text" or "json"), at ``level`` and above."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(FieldFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    if fmt == "json":
+        # hivemind logs through a text handler of its own that stops propagation, and Python's warnings print
+        # straight to stderr: route both through the root handler so every line is JSON
+        from hivemind.utils.logging import use_hivemind_log_handler
+
+        use_hivemind_log_handler("nowhere")
+        logging.captureWarnings(True)
     for noisy in ("hivemind", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel("WARNING")

@@ -1,5 +1,6 @@
 """``python -m swarm.serve``: start a volunteer peer that serves a span of a model's blocks (or a trainable stage
-of a pre-training run). Every flag but ``--test-timings`` and ``--log-level`` is a field of ``peers.config``."""
+of a pre-training run). Every flag but ``--test-timings``, ``--log-level`` and ``--log-format`` is a field of
+``peers.config``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from peers.config import PeerConfig
 from swarm.cli import add_flags, from_args
 from swarm.config import Timing
 from swarm.errors import run_command
-from swarm.logs import configure_logging
+from swarm.logs import FORMATS, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, PeerConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=FORMATS, default="text", help="log lines as text, or one JSON object each")
     return p
 
 
@@ -50,7 +52,7 @@ async def _main(cfg: PeerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     return run_command(lambda: asyncio.run(_main(config_from_args(args))))
 
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from peers.metrics import PeerMetrics
 from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
 from peers.rpc.sessions import Session, Sessions
 from swarm import wire
@@ -68,7 +69,8 @@ def accept_route(session: Session, signed: Signed, caller: str, own_peer_id: str
 class _PushLink:
     """One kept-open push connection to a next hop, fed by a queue and drained by its own task."""
 
-    def __init__(self, remote: Remote, hop: ChainHop) -> None:
+    def __init__(self, remote: Remote, hop: ChainHop, metrics: PeerMetrics) -> None:
+        self.metrics = metrics
         self.queue: asyncio.Queue[list[wire.Frame]] = asyncio.Queue()
         self.queued = 0
         self.dead = False
@@ -88,6 +90,7 @@ class _PushLink:
                 if ended.done():
                     frames.cancel()
                     log.info("push connection closed by the next hop", extra={"peer": hop.peer_id})
+                    self.metrics.push_failures += 1
                     return
                 self.queued -= len(frames.result())
                 await channel.send(frames.result())
@@ -95,6 +98,7 @@ class _PushLink:
             raise
         except Exception as e:  # the next hop is gone or unreachable: its client finds out by the missing reply
             log.info("push connection failed: %s", e, extra={"peer": hop.peer_id})
+            self.metrics.push_failures += 1
         finally:
             self.dead = True
             if closed is not None:
@@ -107,7 +111,9 @@ class _PushLink:
     def send(self, frames: list[wire.Frame]) -> None:
         if self.queued + len(frames) > QUEUE_FRAMES:
             log.warning("push queue full: step dropped")
+            self.metrics.push_dropped += 1
             return
+        self.metrics.sent(frames)
         self.queued += len(frames)
         self.last_used = time.monotonic()
         self.queue.put_nowait(frames)
@@ -145,7 +151,7 @@ class Relay:
         if link is None or link.dead:
             if len(self._links) >= 1024:  # next hops come from clients: keep this bounded
                 self._prune()
-            link = self._links[key] = _PushLink(self.remote, hop)
+            link = self._links[key] = _PushLink(self.remote, hop, self.sessions.compute.metrics)
         return link
 
     def _prune(self) -> None:
@@ -176,7 +182,7 @@ class Relay:
         """Steps pushed by a previous hop, back to back; each goes to the inbox of the session it names. One that
         cannot be placed is dropped and logged (the client, waiting for this hop's reply, repairs the chain)."""
         pusher = caller_of(context)
-        decoder = wire.Decoder(self.max_bytes, self.budget)
+        decoder = self.sessions.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
         guarded = GuardedFrames(frames, decoder, self.timing.stream_idle, self.timing.message_timeout)
         try:
             while (message := await wire.read_message(guarded, decoder)) is not None:

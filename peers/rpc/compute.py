@@ -21,6 +21,7 @@ from peers.activations import ActivationStore, Kept, SavedBytes, storages
 from peers.adapters import Adapter, AdapterCache, Pin, parse_adapter
 from peers.blocks.runtime import SpanRuntime, require
 from peers.config import ComputeConfig
+from peers.metrics import PeerMetrics
 from peers.rpc.checks import Limits, check_aux, check_finite, check_hidden, check_names, check_sub
 from peers.rpc.limits import Quota
 from swarm.config import Timing
@@ -68,6 +69,7 @@ class ComputeService:
         self._weights: tuple[SpanRuntime, set[int]] | None = None  # the backend's weight storages (see _exclude)
         self.stats: Counter[str] = Counter()
         self.active = 0  # requests the servicer is processing now (reported by info)
+        self.metrics = PeerMetrics()  # requests by kind and outcome, latency, bytes (``--metrics-port``)
         self._tasks: set[asyncio.Task[object]] = set()
 
     def set_backend(self, backend: SpanRuntime, learner: Learner | None = None) -> None:

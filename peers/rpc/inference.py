@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import torch
@@ -66,16 +67,20 @@ class InferenceLoop:
         guarded = GuardedFrames(frames, decoder, self.timing.session_idle, self.timing.message_timeout)
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
+        metrics = self.sessions.compute.metrics
+        t0 = time.perf_counter()
         try:
             message = await wire.read_message(guarded, decoder)
             if message is None:
                 return
+            t0 = time.perf_counter()  # from the opening message's arrival, as every other request is timed
             self.admit(caller, message[0])
             check_version(message[0])
             request = InferenceRequest.model_validate(message[0])
             if request.open is None:
                 raise BadInputError("the first message of an inference stream must open the session")
             session = await self.sessions.start(request.open, message[1], caller)
+            metrics.observe("session_open", None, time.perf_counter() - t0)
             log.info("session opened", extra={"session": session.id, "span": str(session.sub), "peer": caller})
             guarded.idle = NO_IDLE
             item: object = _FromClient(message, opening=True)
@@ -100,6 +105,8 @@ class InferenceLoop:
                     return  # nothing was opened: nothing to give back or explain
                 why = "idle for" if isinstance(e, StreamIdle) else "stalled mid-message for"
                 e = SessionExpiredError(f"session {why} {e.seconds:g} s; reopen the session")
+            elif session is None:  # the opening failed (steps count their own outcomes in _step)
+                metrics.observe("session_open", e, time.perf_counter() - t0)
             if session is not None:  # free its room before anything else: the reply may wait on a slow reader
                 await self.sessions.end(session)
             for f in self.error_reply(e, session=session.id if session else None):
@@ -153,12 +160,18 @@ class InferenceLoop:
                     received: torch.Tensor | None, codec: Codec | None) -> list[wire.Frame]:  # fmt: skip
         """Run ``step``; push its output on if it goes further; answer with the output (in ``codec``, the client's
         choice, as the push) and the commitment to what was ``received`` and what receivers decode."""
-        self.sessions.compute.active += 1
+        compute = self.sessions.compute
+        compute.active += 1
+        t0, error = time.perf_counter(), None
         try:
             await self.delay()
             result = await self.sessions.step(session, step.position, tensors)
+        except Exception as e:
+            error = e
+            raise
         finally:
-            self.sessions.compute.active -= 1
+            compute.active -= 1
+            compute.metrics.observe("inference_step", error, time.perf_counter() - t0)
         out = result["hidden"]
         if step.hops:
             if self.relay is None:

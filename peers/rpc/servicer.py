@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -120,7 +121,7 @@ class Servicer:
                                        self._delay, error_reply)  # fmt: skip
 
     def _decoder(self) -> wire.Decoder:
-        return wire.Decoder(self.max_bytes, self.budget)
+        return self.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
 
     def _check_member(self, caller: str, meta: dict[str, object]) -> None:
         if self.admit is None:
@@ -136,6 +137,9 @@ class Servicer:
                               (RPC_BANDWIDTH, self.rpc_bandwidth), (RPC_PUSH, self.rpc_push)):  # fmt: skip
             await p2p.add_protobuf_handler(name, handler, wire.Frame, stream_input=True, stream_output=True)
 
+    def _sent(self, frames: list[wire.Frame]) -> list[wire.Frame]:
+        return self.compute.metrics.sent(frames)
+
     async def _delay(self) -> None:
         if self.added_latency_s:
             await asyncio.sleep(self.added_latency_s)
@@ -144,33 +148,36 @@ class Servicer:
         return GuardedFrames(frames, decoder, idle or self.timing.stream_idle, self.timing.message_timeout)
 
     async def _compute(self, meta: dict[str, object], tensors: Tensors, caller: str) -> list[wire.Frame]:
+        """Every compute request (all transports) passes here once: where it is counted and timed."""
         self.compute.active += 1
+        t0, error = time.perf_counter(), None
         try:
             return await self._dispatch(meta, tensors, caller)
+        except Exception as e:
+            error = e
+            return error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
         finally:
             self.compute.active -= 1
+            self.compute.metrics.observe(meta.get("kind"), error, time.perf_counter() - t0)
 
     async def _dispatch(self, meta: dict[str, object], tensors: Tensors, caller: str) -> list[wire.Frame]:
-        try:
-            self._check_member(caller, meta)
-            check_version(meta)
-            req = COMPUTE_REQUEST.validate_python(meta)
-            await self._delay()
-            if isinstance(req, ForwardRequest):
-                return _reply(Reply(), await self.compute.forward(req, tensors, caller), req.codec)
-            if isinstance(req, BackwardRequest):
-                return _reply(Reply(), await self.compute.backward(req, tensors, caller), req.codec)
-            if isinstance(req, ReleaseRequest):
-                self.compute.release(req, caller)
-                return _reply(Reply())
-            if self.training is None:
-                raise BadInputError(f"{req.kind} request to a peer that holds no trainable stage")
-            if isinstance(req, StateRequest):
-                return _reply(*await self.training.state(req))
-            await self.training.step(req)
+        self._check_member(caller, meta)
+        check_version(meta)
+        req = COMPUTE_REQUEST.validate_python(meta)
+        await self._delay()
+        if isinstance(req, ForwardRequest):
+            return _reply(Reply(), await self.compute.forward(req, tensors, caller), req.codec)
+        if isinstance(req, BackwardRequest):
+            return _reply(Reply(), await self.compute.backward(req, tensors, caller), req.codec)
+        if isinstance(req, ReleaseRequest):
+            self.compute.release(req, caller)
             return _reply(Reply())
-        except Exception as e:
-            return error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
+        if self.training is None:
+            raise BadInputError(f"{req.kind} request to a peer that holds no trainable stage")
+        if isinstance(req, StateRequest):
+            return _reply(*await self.training.state(req))
+        await self.training.step(req)
+        return _reply(Reply())
 
     async def rpc_forward(self, frame: wire.Frame, context: CallerContext | None) -> wire.Frame:
         decoder = self._decoder()
@@ -180,12 +187,12 @@ class Servicer:
                 raise BadInputError("a unary request must be complete in one frame")
             frames = await self._compute(*message, caller_of(context))
         except Exception as e:
-            return error_reply(e)[0]
+            return self._sent(error_reply(e))[0]
         finally:
             decoder.release()
         if len(frames) > 1:  # unary replies must fit one frame; the client then uses the stream variant
-            return error_reply(BadInputError("reply too large for a unary call; use the stream call"))[0]
-        return frames[0]
+            frames = error_reply(BadInputError("reply too large for a unary call; use the stream call"))
+        return self._sent(frames)[0]
 
     @staticmethod
     async def _read(frames: GuardedFrames, empty: str | None = None) -> tuple[wire.Message | None, list[wire.Frame]]:
@@ -208,7 +215,7 @@ class Servicer:
             reply = await self._compute(*message, caller_of(context)) if message is not None else refusal
         finally:
             decoder.release()
-        for f in reply:
+        for f in self._sent(reply):
             yield f
 
     async def rpc_compute_loop(self, frames: Frames, context: CallerContext | None) -> Frames:
@@ -222,19 +229,21 @@ class Servicer:
             while True:
                 message, refusal = await self._read(guarded)
                 if message is None:
-                    for f in refusal:
+                    for f in self._sent(refusal):
                         yield f
                     return
                 reply = await self._compute(*message, caller)
                 decoder.release()
-                for f in reply:
+                for f in self._sent(reply):
                     yield f
         finally:
             decoder.release()
 
     async def rpc_inference(self, frames: Frames, context: CallerContext | None) -> Frames:
         """One inference session per stream (``peers.rpc.inference``)."""
+        metrics = self.compute.metrics
         async for f in self.inference.serve(frames, context):
+            metrics.sent_bytes += f.ByteSize()
             yield f
 
     async def rpc_push(self, frames: Frames, context: CallerContext | None) -> Frames:
@@ -247,6 +256,7 @@ class Servicer:
     async def rpc_bandwidth(self, frames: Frames, context: CallerContext | None) -> Frames:
         """Receive one payload message and report its size: what a joining peer times to estimate its link."""
         decoder = self._decoder()
+        t0, error = time.perf_counter(), None
         try:
             message, reply = await self._read(self._guard(frames, decoder), "empty bandwidth probe")
             if message is not None:
@@ -256,18 +266,24 @@ class Servicer:
                 received = sum(t.numel() * t.element_size() for t in message[1].values())
                 reply = _reply(BandwidthReply(received=received))
         except Exception as e:
-            reply = error_reply(e)
+            error, reply = e, error_reply(e)
         finally:
             decoder.release()
-        for f in reply:
+        self.compute.metrics.observe("bandwidth", error, time.perf_counter() - t0)
+        for f in self._sent(reply):
             yield f
 
     async def rpc_info(self, frame: wire.Frame, context: CallerContext | None) -> wire.Frame:
+        metrics = self.compute.metrics
+        t0, error = time.perf_counter(), None
+        metrics.received_bytes += frame.ByteSize()
         try:
             meta, _ = wire.decode([frame], self.max_bytes)
             self._check_member(caller_of(context), meta)
             check_version(meta)
             InfoRequest.model_validate(meta)
-            return _reply(self.info())[0]
+            reply = _reply(self.info())
         except Exception as e:
-            return error_reply(e)[0]
+            error, reply = e, error_reply(e)
+        metrics.observe("info", error, time.perf_counter() - t0)
+        return metrics.sent(reply)[0]

@@ -131,6 +131,7 @@ class Sessions:
         mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
         if position < session.position:  # redo the last step (sent again after a repair upstream): forget it first
             _rewind(session.cache, position)
+            self.compute.metrics.step_replays += 1
             session.position = position
         out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens,
                                      caller=session.caller)  # fmt: skip

@@ -61,6 +61,8 @@ class ApiConfig:
                                        help="...or keys read from this file, one per line")  # fmt: skip
     swarm_key: Path | None = option(None, metavar="FILE", help="a private swarm's key file")
     threads: int = option(1, help="torch threads for the local embeddings and heads")
+    max_context: int | None = option(None, help="cap on prompt + completion tokens (default: the model's context)")
+    codec: str = option("auto", help="activations' codec: 'auto' (per link) or one to force, e.g. 'none'")
     dashboard: bool = option(True, help="do not serve the web dashboard and chat page")
     limits: ApiLimits = field(default_factory=ApiLimits)
 

@@ -98,9 +98,12 @@ class TextStream:
 class ServedModel:
     """A model the API serves: its swarm client, tokenizer, context length and end-of-text tokens."""
 
-    def __init__(self, name: str, model: DistributedModelForCausalLM, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, name: str, model: DistributedModelForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                 max_context: int | None = None) -> None:  # fmt: skip
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
+        if max_context is not None:
+            self.context = min(self.context, max_context)
         gen = model.generation_config.eos_token_id
         ends = set(gen if isinstance(gen, list) else [gen] if gen is not None else [])
         if tokenizer.eos_token_id is not None:

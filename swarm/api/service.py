@@ -49,9 +49,9 @@ class Service:
                 except (OSError, ValueError) as e:
                     raise BadInputError(f"{name} has no tokenizer, so the API cannot serve it: {e}") from None
                 model = DistributedModelForCausalLM.from_pretrained(
-                    name, initial_peers=cfg.initial_peers, timing=timing, swarm_key=cfg.swarm_key
+                    name, initial_peers=cfg.initial_peers, timing=timing, swarm_key=cfg.swarm_key, codec=cfg.codec
                 )
-                served = ServedModel(name, model, tokenizer)
+                served = ServedModel(name, model, tokenizer, cfg.max_context)
                 models[served.name] = served
                 log.info("serving %s (%d blocks, context %d)", name, served.num_blocks, served.context)
         except BaseException:

@@ -1,0 +1,227 @@
+"""``python -m swarm.api`` over a real loopback swarm serving SmolLM2-135M-Instruct, driven by the official ``openai``
+client: answers equal local Hugging Face's greedy generation, streamed and not; limits, errors and disconnects as
+OpenAI's clients expect them. The tests that kill a server run last, in their own module order."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from swarm.local_swarm import ApiProcess
+from swarm.rpc.hop import Hop
+from tests.conftest import local_reference
+from tests.integration.harness import connect, running_swarm, wait_for
+
+MODEL = "smollm2-135m"
+KEY, OTHER_KEY = "test-key-one", "test-key-two"
+MAX_TOKENS, CONTEXT = 48, 160
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# a greedy answer longer than MAX_TOKENS: streams that must still be running when the test acts on them
+LONG = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}]
+
+
+@pytest.fixture(scope="module")
+def stack(smollm_folder):
+    with running_swarm(MODEL, ["0:15", "15:30"]) as swarm:
+        args = ("--model", MODEL, "--api-key", KEY, "--api-key", OTHER_KEY, "--codec", "none", "--max-concurrent",
+                "3", "--max-client-concurrent", "2", "--max-tokens-limit", str(MAX_TOKENS), "--max-body-kb", "16",
+                "--max-context", str(CONTEXT))  # fmt: skip
+        with ApiProcess(swarm.initial_peers, *args) as api:
+            watcher = connect(MODEL, swarm)  # reads the servers' own cache room
+            try:
+                yield swarm, api, watcher
+            finally:
+                watcher.close()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_folder):
+    from swarm import load_tokenizer
+
+    return local_reference(smollm_folder), load_tokenizer(MODEL)
+
+
+def _client(api: ApiProcess, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _greedy(reference, ids: list[int], n: int) -> tuple[str, int]:
+    model, tokenizer = reference
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+    if tokenizer.eos_token_id in out:
+        out = out[: out.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(out, skip_special_tokens=True), len(out)
+
+
+def _cache_free(watcher) -> dict[str, tuple[int, int]]:
+    conn = watcher.connection
+    out = {}
+    for r in conn.view.servers():
+        info = conn.loop.run(conn.remote.info(Hop.of(r), 5.0))
+        out[r.peer_id] = (info.cache_tokens_free, r.cache_tokens_total)
+    return out
+
+
+def _all_free(watcher) -> bool:
+    return all(free == total for free, total in _cache_free(watcher).values())
+
+
+def test_models_lists_what_the_swarm_covers(stack):
+    _, api, _ = stack
+    client = _client(api)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_equals_local_greedy_generation(stack, reference):
+    _, api, _ = stack
+    ids = reference[1].apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+    expected, generated = _greedy(reference, list(ids["input_ids"]), 12)
+    reply = _client(api).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(ids["input_ids"]) and reply.usage.completion_tokens == generated
+    assert reply.choices[0].finish_reason == ("stop" if generated < 12 else "length")
+    route = reply.model_extra["route"]
+    assert [(h["start"], h["end"]) for h in route] == [(0, 15), (15, 30)]
+
+
+def test_streamed_chat_is_the_same_answer_with_usage_and_route(stack, reference):
+    _, api, _ = stack
+    client = _client(api)
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # it came in pieces
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert [(h["start"], h["end"]) for h in last.model_extra["route"]] == [(0, 15), (15, 30)]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completions_stop_seed_and_n(stack, reference):
+    _, api, _ = stack
+    client = _client(api)
+    prompt = "The capital of France is"
+    ids = reference[1](prompt)["input_ids"]
+    expected, _ = _greedy(reference, list(ids), 8)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == expected
+    assert "." in expected
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=["."])
+    assert stopped.choices[0].text == expected[: expected.index(".")]
+    assert stopped.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9,
+                                         seed=7, n=2) for _ in range(2)]  # fmt: skip
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # seeded: repeatable
+    assert len(sampled[0].choices) == 2 and sampled[0].usage.completion_tokens <= 12
+
+
+def test_requests_at_once_and_the_concurrency_limits(stack):
+    _, api, _ = stack
+    one, two = _client(api), _client(api, OTHER_KEY)
+    alone = one.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    answers: list[str | None] = []
+
+    def ask(client: openai.OpenAI) -> None:
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+        answers.append(reply.choices[0].message.content)
+
+    threads = [threading.Thread(target=ask, args=(c,)) for c in (one, two)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == [alone.choices[0].message.content] * 2
+    # Streams hold their slots until they end: two of one caller, then one of another fill the server's three.
+    held = [one.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
+                                        temperature=0) for _ in range(2)]  # fmt: skip
+    try:
+        with pytest.raises(openai.RateLimitError, match="per caller"):
+            one.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+        held.append(two.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
+                                                temperature=0))  # fmt: skip
+        with pytest.raises(openai.RateLimitError, match="retry later"):
+            two.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    finally:
+        for stream in held:
+            stream.close()
+    wait_for(lambda: _try(two), 10, "a slot freed by the closed streams")
+
+
+def _try(client: openai.OpenAI) -> bool:
+    try:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2)
+        return True
+    except openai.RateLimitError:
+        return False
+
+
+def test_errors_are_openai_shaped(stack):
+    _, api, _ = stack
+    client = _client(api)
+    with pytest.raises(openai.AuthenticationError):
+        _client(api, "wrong-key-123").models.list()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_TOKENS}"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS + 1)
+    long = [{"role": "user", "content": "Paris " * 150}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=8)
+    assert caught.value.code == "context_length_exceeded"
+    huge = [{"role": "user", "content": "x" * 20_000}]
+    with pytest.raises(openai.BadRequestError, match="bytes"):
+        client.chat.completions.create(model=MODEL, messages=huge, max_tokens=8)
+    raw = httpx.post(api.url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # fmt: skip
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_the_servers_caches(stack, stream):
+    _, api, watcher = stack
+    assert wait_for(lambda: _all_free(watcher), 10, "idle servers")
+    body = {"model": MODEL, "messages": LONG, "max_tokens": MAX_TOKENS, "stream": stream, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=httpx.Timeout(60, read=None if stream else 1.5)) as http:
+        if stream:
+            with http.stream("POST", api.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                for line in r.iter_lines():  # until the answer flows (the sessions are open on both servers)
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                        break
+                assert not _all_free(watcher)
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # gives up while the answer is being generated
+                http.post(api.url + "/v1/chat/completions", json=body, headers=headers)
+    gone = time.monotonic()
+    wait_for(lambda: _all_free(watcher), 10, "the caches freed")
+    assert time.monotonic() - gone < 2.0
+
+
+def test_swarm_failures_mid_stream_and_before(stack):
+    swarm, api, _ = stack
+    client = _client(api)
+    stream = client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
+                                            temperature=0)  # fmt: skip
+    with pytest.raises(openai.APIError, match="the swarm could not finish"):
+        for i, _chunk in enumerate(stream):
+            if i == 2:  # the only server of blocks 15:30 dies: nobody can take over
+                swarm.kill(swarm.peers[1])
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
+    assert caught.value.status_code == 503
+    assert wait_for(lambda: not client.models.list().data, 15, "the model leaving /v1/models")

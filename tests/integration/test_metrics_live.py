@@ -1,0 +1,110 @@
+"""Prometheus metrics and JSON logs of real peers: two ``python -m swarm.serve`` processes of the tiny Llama with
+``--metrics-port 0 --log-format json``, a forward and a short generation through them, then each peer's /metrics
+scraped over HTTP and held against what its info RPC reports."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.harness import connect, running_swarm
+
+MODEL = "tiny-llama"
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def requests(got: Samples, kind: str, outcome: str = "ok") -> float:
+    return got.get(("swarm_peer_requests_total", (("kind", kind), ("outcome", outcome))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("metrics-logs")
+    with running_swarm(MODEL, ["0:4", "4:8"], "--metrics-port", "0", "--log-format", "json", log_dir=logs) as s:
+        yield s
+
+
+def test_peer_metrics_follow_the_work(swarm):
+    assert all(set(p.urls) == {"metrics"} for p in swarm.peers)
+    client = connect(MODEL, swarm)
+    try:
+        ids = torch.randint(0, 32000, (2, 9), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            client(ids)
+        out = client.generate(ids[:1], max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 13)
+        conn = client.connection
+        by_id = {p.peer_id: p for p in swarm.peers}
+        assert {h.peer_id for h in client.route} == set(by_id)
+        for hop in client.route:
+            url = by_id[hop.peer_id].urls["metrics"]
+            # the session's end reaches the server a moment after generate returns: poll until the peer is idle and
+            # its scrape agrees with its info reply (both read the same state; nothing else talks to it now)
+            deadline = time.monotonic() + 15
+            while True:
+                info = conn.loop.run(conn.remote.info(hop, 5.0))
+                got = scrape(url)
+                agree = _agree(got, info)
+                if agree is None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert agree is None, agree
+            assert requests(got, "forward") >= 1 and requests(got, "inference_step") >= 4
+            assert requests(got, "session_open") >= 1 and requests(got, "info") >= 1
+            assert requests(got, "forward") == info.stats["forward"]
+            assert requests(got, "inference_step") == info.stats["inference_steps"]
+            for kind in ("forward", "inference_step", "session_open"):
+                assert got[("swarm_peer_request_seconds_count", (("kind", kind),))] > 0
+            assert got[("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))] > 0
+            assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "server")))] > 0
+            assert got[("swarm_peer_span_start", ())] == hop.start and got[("swarm_peer_span_end", ())] == hop.end
+            labels = next(dict(k[1]) for k in got if k[0] == "swarm_peer_info")
+            assert labels["peer_id"] == hop.peer_id and labels["state"] == "online" and labels["model"] == MODEL
+            # the session the generation opened, in the JSON log with its fields
+            records = [json.loads(line) for line in by_id[hop.peer_id].log_path.read_text().splitlines() if line]
+            opened = [r for r in records if r["msg"] == "session opened"]
+            assert opened and opened[0]["session"] and opened[0]["span"] == f"{hop.start}:{hop.end}"
+    finally:
+        client.close()
+
+
+def _agree(got: Samples, info: Any) -> str | None:
+    """None if the scrape shows the info reply's cache, sessions, adapters and kept activations; else what differs."""
+    pairs = {
+        "swarm_peer_cache_tokens_free": info.cache_tokens_free,
+        "swarm_peer_open_sessions": info.open_sessions,
+        "swarm_peer_kept_activations": info.kept_activations,
+        "swarm_peer_adapter_clients": info.adapter_clients,
+        "swarm_peer_adapter_bytes": info.adapter_bytes,
+        "swarm_peer_span_loads_total": info.span_loads,
+    }
+    wrong = {name: (got.get((name, ())), want) for name, want in pairs.items() if got.get((name, ())) != want}
+    total, used = got[("swarm_peer_cache_tokens_total", ())], got[("swarm_peer_cache_tokens_used", ())]
+    if total != used + info.cache_tokens_free:
+        wrong["cache total != used + free"] = (total, used + info.cache_tokens_free)
+    if info.open_sessions:
+        wrong["open sessions"] = (info.open_sessions, 0)
+    return repr(wrong) if wrong else None
+
+
+def test_json_log_lines(swarm):
+    for peer in swarm.peers:
+        lines = [line for line in peer.log_path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in lines]  # every line: hivemind's and Python's warnings too
+        assert records
+        assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+        ready = [r for r in records if r["msg"] == "ready"]
+        assert ready and ready[0]["peer"] == peer.peer_id and ready[0]["span"] == peer.span

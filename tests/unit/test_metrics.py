@@ -1,0 +1,263 @@
+"""Metrics and structured logs: a peer's registry (counted requests, state read at scrape time, served over HTTP on
+a free port), the API's registry, and JSON log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import threading
+import urllib.request
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hivemind.utils.logging import use_hivemind_log_handler
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from peers.broker.planner import Role
+from peers.config import ObserveConfig
+from peers.kv_cache import CacheBudget
+from peers.metrics import KINDS, PeerMetrics, outcome_of
+from peers.observe import Observers, start_metrics
+from peers.rpc.limits import StreamStalled
+from swarm import wire
+from swarm.errors import BadInputError, BusyError, CacheFullError, SwarmError
+from swarm.ids import Span
+from swarm.logs import JsonFormatter, configure_logging, formatter
+from swarm.metrics import ApiMetrics
+from swarm.records import PeerState
+from swarm.serve import build_parser
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, by name and sorted labels."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def text(m: PeerMetrics) -> str:
+    return generate_latest(m.registry).decode()
+
+
+def fake_peer(metrics: PeerMetrics) -> Any:
+    budget = CacheBudget(1000)
+    budget.used = 300
+    compute = SimpleNamespace(
+        metrics=metrics, active=2, kept=[1, 2, 3], adapters=_Sized(5, 4096),
+        stats=Counter(forward=7, adapter_uploads=4, sessions=3, not_kept=1),
+    )  # fmt: skip
+    return SimpleNamespace(
+        peer_id="12D3KooWpeer", model=SimpleNamespace(name="tiny-llama"), compute=compute, span=Span(2, 6),
+        role=Role.SERVE, state=PeerState.ONLINE, span_loads=1,
+        sessions=SimpleNamespace(budget=budget, open={("a", "s1"): 1, ("b", "s2"): 2}),
+    )  # fmt: skip
+
+
+class _Sized:
+    def __init__(self, n: int, nbytes: int) -> None:
+        self.n, self.nbytes = n, nbytes
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_outcomes_are_a_small_fixed_set():
+    class Meta(BaseModel):
+        x: int
+
+    with pytest.raises(Exception) as info:
+        Meta.model_validate({"x": "not a number"})
+    assert outcome_of(None) == "ok"
+    assert outcome_of(BadInputError("x")) == "bad_input" and outcome_of(BusyError("x")) == "busy"
+    assert outcome_of(CacheFullError("x")) == "cache_full" and outcome_of(info.value) == "bad_input"
+    assert outcome_of(StreamStalled(1.0)) == "bad_input"
+    assert outcome_of(RuntimeError("boom")) == "error" and outcome_of(SwarmError("x")) == "error"
+
+
+def test_requests_latency_and_bytes_are_counted():
+    m = PeerMetrics()
+    m.observe("forward", None, 0.003)
+    m.observe("forward", BusyError("full"), 0.001)
+    m.observe("inference_step", None, 0.02)
+    m.observe("made-up kind from a caller", None, 0.5)  # bounded labels: a caller's kind never becomes a series
+    m.observe(None, BadInputError("x"), 0.5)
+    frames = wire.encode({"kind": "forward"}, {"hidden": torch.ones(2, 3)})
+    decoder = m.decoder(1 << 20, None)
+    for f in frames:
+        decoder.feed(f)
+    assert m.received_bytes == wire.encoded_size(frames) > 0
+    assert m.sent(frames) is frames and m.sent_bytes == m.received_bytes
+    got = samples(text(m))
+    assert got[("swarm_peer_requests_total", (("kind", "forward"), ("outcome", "ok")))] == 1
+    assert got[("swarm_peer_requests_total", (("kind", "forward"), ("outcome", "busy")))] == 1
+    assert got[("swarm_peer_requests_total", (("kind", "unknown"), ("outcome", "ok")))] == 1
+    assert got[("swarm_peer_requests_total", (("kind", "unknown"), ("outcome", "bad_input")))] == 1
+    assert got[("swarm_peer_request_seconds_count", (("kind", "forward"),))] == 2
+    assert got[("swarm_peer_request_seconds_bucket", (("kind", "forward"), ("le", "0.001")))] == 1
+    assert got[("swarm_peer_request_seconds_count", (("kind", "inference_step"),))] == 1
+    kinds = {dict(k[1]).get("kind") for k in got if k[0] == "swarm_peer_requests_total"}
+    assert kinds <= KINDS | {"unknown"}
+
+
+def test_peer_state_is_read_at_scrape_time():
+    m = PeerMetrics()
+    peer = fake_peer(m)
+    m.received_bytes, m.sent_bytes, m.push_failures, m.step_replays = 100, 200, 1, 2
+    remote = SimpleNamespace(traffic=Counter(sent_bytes=30, received_bytes=40, activation_bytes=9))
+    m.watch(peer, remote)  # type: ignore[arg-type]
+    m.watch(peer, remote)  # type: ignore[arg-type]  # once only
+    got = samples(text(m))
+    assert got[("swarm_peer_cache_tokens_total", ())] == 1000
+    assert got[("swarm_peer_cache_tokens_used", ())] == 300 and got[("swarm_peer_cache_tokens_free", ())] == 700
+    assert got[("swarm_peer_open_sessions", ())] == 2 and got[("swarm_peer_active_requests", ())] == 2
+    assert got[("swarm_peer_kept_activations", ())] == 3
+    assert got[("swarm_peer_adapter_clients", ())] == 5 and got[("swarm_peer_adapter_bytes", ())] == 4096
+    assert got[("swarm_peer_adapter_uploads_total", ())] == 4 and got[("swarm_peer_sessions_opened_total", ())] == 3
+    assert got[("swarm_peer_not_kept_total", ())] == 1 and got[("swarm_peer_span_loads_total", ())] == 1
+    assert got[("swarm_peer_push_failures_total", ())] == 1 and got[("swarm_peer_step_replays_total", ())] == 2
+    assert got[("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))] == 100
+    assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "server")))] == 200
+    assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "client")))] == 30
+    assert got[("swarm_peer_span_start", ())] == 2 and got[("swarm_peer_span_end", ())] == 6
+    info = {"model": "tiny-llama", "peer_id": "12D3KooWpeer", "role": "serve", "span": "2:6", "state": "online"}
+    assert got[("swarm_peer_info", tuple(sorted(info.items())))] == 1
+    peer.sessions.budget.used = 1000  # changed after the first scrape: the next one sees it
+    assert samples(text(m))[("swarm_peer_cache_tokens_free", ())] == 0
+
+
+def test_metrics_port_serves_over_http_and_closes():
+    """Port 0 binds a free port, printed and registered as the observer's URL; the scrape reads the peer's state on
+    the peer's event loop (here one running in another thread) and closing frees the port."""
+    m = PeerMetrics()
+    peer = fake_peer(m)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    observers = Observers()
+    try:
+
+        async def start() -> None:
+            start_metrics(observers, ObserveConfig(metrics_port=0), peer, None)
+
+        asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+        url = observers.urls["metrics"]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics") and ":0/" not in url
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        assert samples(text)[("swarm_peer_open_sessions", ())] == 2
+    finally:
+        observers.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_two_peers_in_one_process_keep_separate_registries():
+    a, b = PeerMetrics(), PeerMetrics()
+    a.observe("info", None, 0.001)
+    key = ("swarm_peer_requests_total", (("kind", "info"), ("outcome", "ok")))
+    assert samples(text(a))[key] == 1 and samples(text(b))[key] == 0  # common kinds start at 0, for rates
+
+
+def test_api_metrics_count_time_and_render():
+    traffic = Counter(sent_bytes=11, received_bytes=22)
+    api = ApiMetrics(traffic=lambda: traffic)
+    with api.request("chat") as outcome:
+        assert samples(api.render()[0].decode())[("swarm_api_requests_in_flight", ())] == 1
+        api.first_token("chat", 0.2)
+        api.tokens("chat", generated=5, prompt=3)
+        outcome.value = "ok"
+    with api.request("completions") as outcome:
+        outcome.value = "too_many"
+    with pytest.raises(RuntimeError), api.request("completions"):
+        raise RuntimeError("boom")
+    api.observe("models", "not_found", 0.001)
+    api.observe("/v1/embeddings", "teapot", 0.001)  # outside the fixed sets: other / error
+    api.failover(2)
+    body, content_type = api.render()
+    assert content_type.startswith("text/plain")
+    got = samples(body.decode())
+    assert got[("swarm_api_requests_total", (("endpoint", "chat"), ("outcome", "ok")))] == 1
+    assert got[("swarm_api_requests_total", (("endpoint", "completions"), ("outcome", "too_many")))] == 1
+    assert got[("swarm_api_requests_total", (("endpoint", "completions"), ("outcome", "error")))] == 1
+    assert got[("swarm_api_requests_total", (("endpoint", "models"), ("outcome", "not_found")))] == 1
+    assert got[("swarm_api_requests_total", (("endpoint", "other"), ("outcome", "error")))] == 1
+    assert got[("swarm_api_request_seconds_count", (("endpoint", "completions"),))] == 2
+    assert got[("swarm_api_time_to_first_token_seconds_count", (("endpoint", "chat"),))] == 1
+    assert got[("swarm_api_tokens_generated_total", (("endpoint", "chat"),))] == 5
+    assert got[("swarm_api_prompt_tokens_total", (("endpoint", "chat"),))] == 3
+    assert got[("swarm_api_requests_in_flight", ())] == 0 and got[("swarm_api_failovers_total", ())] == 2
+    assert got[("swarm_api_swarm_bytes_total", (("direction", "sent"),))] == 11
+    traffic["received_bytes"] += 8  # read at scrape time
+    assert samples(api.render()[0].decode())[("swarm_api_swarm_bytes_total", (("direction", "received"),))] == 30
+    fresh = samples(ApiMetrics().render()[0].decode())  # its own registry: nothing carried over from the other
+    assert fresh[("swarm_api_requests_total", (("endpoint", "chat"), ("outcome", "ok")))] == 0
+    assert not any(name.startswith("swarm_api_swarm_bytes") for name, _ in fresh)  # no traffic callable given
+
+
+def _record(msg: str, exc: BaseException | None = None, **extra: object) -> logging.LogRecord:
+    logger = logging.getLogger("swarm.test")
+    info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+    return logger.makeRecord("swarm.test", logging.WARNING, __file__, 1, msg, ("x",), info, extra=extra)
+
+
+def test_json_log_lines_carry_the_fields():
+    fmt = JsonFormatter()
+    line = json.loads(fmt.format(_record("loading %s", peer="12D3", span="0:4", session="s1", kind="forward")))
+    assert line["msg"] == "loading x" and line["level"] == "WARNING" and line["logger"] == "swarm.test"
+    assert line["ts"].endswith("+00:00") and "T" in line["ts"]
+    assert (line["peer"], line["span"], line["session"], line["kind"]) == ("12D3", "0:4", "s1", "forward")
+    assert "exc_info" not in json.loads(fmt.format(_record("plain %s")))
+    try:
+        raise ValueError("bad\nthing")
+    except ValueError as e:
+        line = json.loads(fmt.format(_record("failed %s", e, peer=object())))
+    assert "ValueError: bad" in line["exc_info"] and "Traceback" in line["exc_info"]
+    assert line["peer"].startswith("<object")  # not JSON: written as its str, never a failed log line
+    assert "\n" not in fmt.format(_record("multi\nline %s"))  # one record, one line
+
+
+def test_configure_logging_formats(monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", "json")
+        logging.getLogger("peers.node").info("ready", extra={"peer": "p1", "span": "0:2"})
+        line = json.loads(stream.getvalue().strip().splitlines()[-1])
+        assert line["msg"] == "ready" and line["peer"] == "p1" and line["logger"] == "peers.node"
+        logging.getLogger("hivemind.p2p").warning("p2p trouble")  # hivemind's own handler would write text
+        line = json.loads(stream.getvalue().strip().splitlines()[-1])
+        assert line["msg"] == "p2p trouble" and line["level"] == "WARNING"
+        configure_logging("INFO", "text")
+        logging.getLogger("peers.node").info("ready", extra={"peer": "p1"})
+        assert stream.getvalue().strip().splitlines()[-1].endswith("peers.node: ready [peer=p1]")
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
+        use_hivemind_log_handler("in_hivemind")
+    with pytest.raises(ValueError, match="text, json"):
+        formatter("yaml")
+
+
+def test_serve_flags():
+    parser = build_parser()
+    assert parser.parse_args([]).log_format == "text"
+    assert parser.parse_args(["--log-format", "json"]).log_format == "json"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--log-format", "xml"])
+    from swarm.serve import config_from_args
+
+    cfg = config_from_args(parser.parse_args(["--metrics-port", "0", "--http-host", "0.0.0.0"]))
+    assert cfg.observe.metrics_port == 0 and cfg.observe.http_host == "0.0.0.0"
+    assert config_from_args(parser.parse_args([])).observe.metrics_port is None
