@@ -21,8 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.local_swarm import LocalSwarm  # noqa: E402
-from tests.integration.browser import ApiProcess, chrome, map_peers, save_screenshot, wait_until  # noqa: E402
+from swarm.local_swarm import ApiProcess, LocalSwarm  # noqa: E402
+from tests.integration.browser import chrome, map_peers, save_screenshot, wait_until  # noqa: E402
 
 MODEL = "smollm2-135m"
 STARTUP = 300.0
@@ -55,10 +55,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="where the PNGs go (default docs/)")
     p.add_argument("--prompt", default="In two sentences, what is a peer-to-peer network?")
     p.add_argument("--throughput", default="auto", help="the peers' --throughput ('auto' measures; a number skips it)")
-    p.add_argument("--api-module", default="swarm.api", help=argparse.SUPPRESS)  # a stand-in, while it is wired
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-screenshot-"))
-    has_api = importlib.util.find_spec(args.api_module) is not None
+    has_api = importlib.util.find_spec("swarm.api.__main__") is not None
     swarm = LocalSwarm(MODEL, ["0:15"], extra_args=("--throughput", args.throughput), log_dir=work / "logs",
                        startup_timeout=STARTUP)  # fmt: skip
     api: ApiProcess | None = None
@@ -71,8 +70,9 @@ def main() -> int:
             peer.wait_ready(STARTUP)
         base = watcher.urls["dashboard"].rsplit("/dashboard", 1)[0]
         if has_api:
-            api = ApiProcess(MODEL, swarm.initial_peers, work / "api.log", module=args.api_module)
-            url = api.wait_ready(STARTUP)
+            api = ApiProcess(swarm.initial_peers, "--model", MODEL, test_timings=False, log_path=work / "api.log",
+                             startup_timeout=STARTUP)  # fmt: skip
+            url = api.url.rstrip("/")
             if served(url + "/chat"):
                 base = url
             else:

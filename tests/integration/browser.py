@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,44 +67,3 @@ def save_screenshot(driver: Any, path: Path) -> None:
     if extra and path.parent != Path(extra):
         Path(extra).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(extra) / path.name)
-
-
-class ApiProcess:
-    """``python -m swarm.api`` started by PID (and stopped by it), with the URL it prints when ready."""
-
-    def __init__(self, model: str, initial_peers: list[str], log_path: Path, *extra: str,
-                 module: str = "swarm.api") -> None:  # fmt: skip
-        cmd = [sys.executable, "-m", module, "--model", model, "--initial-peers", *initial_peers,
-               "--port", "0", *extra]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.log_path = log_path
-        with open(log_path, "w") as stderr:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("api: "):
-                self.url = line.split(" ", 1)[1].strip().rstrip("/")
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout: float) -> str:
-        if not self._ready.wait(timeout) or self.url is None:
-            tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
-            raise RuntimeError(f"the API did not start (exit code {self.proc.poll()}):\n{tail}")
-        return self.url
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout:
-            self.proc.stdout.close()

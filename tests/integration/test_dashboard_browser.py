@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import urllib.error
 import urllib.request
 
 import pytest
 
-from swarm.local_swarm import LocalSwarm
+from swarm.local_swarm import ApiProcess, LocalSwarm
 from tests.integration.browser import (
-    ApiProcess,
     chrome,
     have_browser,
     map_peers,
@@ -27,7 +25,6 @@ from tests.integration.browser import (
 from tests.integration.harness import TEST_SERVER_ARGS
 
 MODEL = "smollm2-135m"
-API_MODULE = os.environ.get("SWARM_API_MODULE", "swarm.api")  # what serves the API (a shim, while it is wired)
 STARTUP = 180.0
 pytestmark = pytest.mark.skipif(not have_browser(), reason="needs /usr/bin/chromium and /usr/bin/chromedriver")
 
@@ -136,9 +133,9 @@ def test_chat_streams_an_answer_through_the_api(swarm, driver, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    api = ApiProcess(MODEL, swarm.initial_peers, tmp_path / "api.log", "--test-timings", module=API_MODULE)
+    api = ApiProcess(swarm.initial_peers, "--model", MODEL, log_path=tmp_path / "api.log", startup_timeout=STARTUP)
     try:
-        url = api.wait_ready(STARTUP)
+        url = api.url.rstrip("/")
         if not served(url + "/chat"):
             pytest.skip("python -m swarm.api does not serve the dashboard and chat page yet (dashboard_router)")
         driver.get(url + "/dashboard")  # the API serves the dashboard too
