@@ -129,7 +129,7 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)  # TODO log format
+    configure_logging(args.log_level, args.log_format)
     cfg = from_args(ApiConfig, args)
     return run_command(lambda: asyncio.run(serve(cfg, args.test_timings)))
 

@@ -9,15 +9,16 @@ next token and closes the session, which frees the servers' caches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,28 +47,7 @@ from swarm.api.schema import (
     new_id,
     now,
 )
-
-
-class MetricsSink(Protocol):
-    """What the API reports to its metrics (``swarm.metrics.ApiMetrics``)."""
-
-    def request(self, endpoint: str, outcome: str, seconds: float) -> None: ...
-
-    def generated(self, tokens: int, first_token_s: float | None) -> None: ...
-
-    def render(self) -> tuple[bytes, str]: ...
-
-
-class NoMetrics:
-    def request(self, endpoint: str, outcome: str, seconds: float) -> None:
-        pass
-
-    def generated(self, tokens: int, first_token_s: float | None) -> None:
-        pass
-
-    def render(self) -> tuple[bytes, str]:
-        return b"", "text/plain"
-
+from swarm.metrics import ApiMetrics
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -78,7 +58,7 @@ class ApiState:
     models: dict[str, ServedModel]
     limits: Limits
     keys: tuple[str, ...] = ()
-    metrics: MetricsSink = field(default_factory=NoMetrics)
+    metrics: ApiMetrics = field(default_factory=ApiMetrics)
     slots: Slots = field(init=False)
     pool: ThreadPoolExecutor = field(init=False)
     started: int = field(default_factory=now)
@@ -97,6 +77,14 @@ class ApiState:
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.keys):
             raise errors.unauthorized()
         return token
+
+    def enter(self, caller: str) -> None:
+        self.slots.acquire(caller)
+        self.metrics.in_flight.inc()
+
+    def leave(self, caller: str) -> None:
+        self.metrics.in_flight.dec()
+        self.slots.release(caller)
 
     def served(self, name: str) -> ServedModel:
         if name not in self.models:
@@ -214,17 +202,19 @@ def create_app(state: ApiState, lifespan: Callable[[FastAPI], Any] | None = None
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
-        state.key_of(request)
-        covered = [n for n, s in state.models.items() if not await asyncio.to_thread(s.missing)]
-        return ModelList(data=[ModelCard(id=n, created=state.started) for n in covered])
+        with _counted(state, "models"):
+            state.key_of(request)
+            covered = [n for n, s in state.models.items() if not await asyncio.to_thread(s.missing)]
+            return ModelList(data=[ModelCard(id=n, created=state.started) for n in covered])
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request) -> ModelCard:
-        state.key_of(request)
-        served = state.served(name)
-        if await asyncio.to_thread(served.missing):
-            raise errors.unknown_model(name, [])
-        return ModelCard(id=served.name, created=state.started)
+        with _counted(state, "models"):
+            state.key_of(request)
+            served = state.served(name)
+            if await asyncio.to_thread(served.missing):
+                raise errors.unknown_model(name, [])
+            return ModelCard(id=served.name, created=state.started)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Response:
@@ -258,9 +248,9 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
             shown = ", ".join(f"{a}:{b}" for a, b in gaps)
             raise errors.unavailable(f"no server holds blocks {shown} of {served.name} now: retry later")
         caller = caller_of(request, key)
-        state.slots.acquire(caller)
+        state.enter(caller)
     except ApiError as e:
-        state.metrics.request(endpoint, e.outcome, time.monotonic() - t0)
+        state.metrics.observe(endpoint, e.outcome, time.monotonic() - t0)
         return _error_response(e)
     log.info("%s request: %d prompt tokens, up to %d x %d new", endpoint, len(prompt), sampling.n,
              sampling.max_tokens, extra={"session": caller})  # fmt: skip
@@ -284,7 +274,7 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     finally:
         run.cancel.set()
         watcher.cancel()
-        state.slots.release(caller)
+        state.leave(caller)
     rid, created, usage = new_id("chatcmpl" if endpoint == "chat" else "cmpl"), now(), _usage(outcome)
     if endpoint == "chat":
         chat_choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
@@ -358,12 +348,25 @@ async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionReques
         _record(state, endpoint, "ok", t0, outcome)
     finally:
         run.cancel.set()  # a dropped connection lands here (Starlette cancels the coroutine): stop the worker
-        state.slots.release(caller)
+        state.leave(caller)
         if label != "ok":
-            state.metrics.request(endpoint, label, time.monotonic() - t0)
+            state.metrics.observe(endpoint, label, time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def _counted(state: ApiState, endpoint: str) -> Iterator[None]:
+    t0 = time.monotonic()
+    try:
+        yield
+    except ApiError as e:
+        state.metrics.observe(endpoint, e.outcome, time.monotonic() - t0)
+        raise
+    state.metrics.observe(endpoint, "ok", time.monotonic() - t0)
 
 
 def _record(state: ApiState, endpoint: str, outcome: str, t0: float, result: Outcome | None) -> None:
-    state.metrics.request(endpoint, outcome, time.monotonic() - t0)
+    state.metrics.observe(endpoint, outcome, time.monotonic() - t0)
     if result is not None:
-        state.metrics.generated(result.completion_tokens, result.first_token_s)
+        state.metrics.tokens(endpoint, result.completion_tokens, result.prompt_tokens)
+        if result.first_token_s is not None:
+            state.metrics.first_token(endpoint, result.first_token_s)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from swarm.errors import BadInputError, SwarmError
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: the web framework sets an exception's __traceback__
 class ApiError(Exception):
     status: int
     message: str

@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from swarm.api.app import ApiState, MetricsSink, NoMetrics, create_app
+from swarm.api.app import ApiState, create_app
 from swarm.api.engine import ServedModel
 from swarm.api.limits import Limits
 from swarm.config import Timing
 from swarm.errors import BadInputError
+from swarm.metrics import ApiMetrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -22,6 +24,14 @@ if TYPE_CHECKING:
     from swarm.api.__main__ import ApiConfig
 
 log = logging.getLogger(__name__)
+
+
+def _traffic(models: dict[str, ServedModel]) -> dict[str, int]:
+    """Bytes the API's swarm clients sent and received, all models together (read when metrics are scraped)."""
+    total: Counter[str] = Counter()
+    for served in models.values():
+        total.update(served.model.connection.remote.traffic)
+    return dict(total)
 
 
 class Service:
@@ -32,8 +42,7 @@ class Service:
         self.on_failover: list[Callable[[str, str, int], None]] = []  # (model, peer id, failures of that peer)
 
     @classmethod
-    def start(cls, cfg: ApiConfig, limits: Limits, keys: tuple[str, ...], test_timings: bool = False,
-              metrics: MetricsSink | None = None) -> Service:  # fmt: skip
+    def start(cls, cfg: ApiConfig, limits: Limits, keys: tuple[str, ...], test_timings: bool = False) -> Service:
         import torch
 
         from swarm.client.model import DistributedModelForCausalLM
@@ -58,8 +67,10 @@ class Service:
             for served in models.values():
                 served.model.close()
             raise
-        state = ApiState(models, limits, keys, metrics if metrics is not None else NoMetrics())
-        return cls(models, state)
+        metrics = ApiMetrics(traffic=lambda: _traffic(models))
+        service = cls(models, ApiState(models, limits, keys, metrics))
+        service.on_failover.append(lambda model, peer, n: metrics.failover())
+        return service
 
     def app(self, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
         return create_app(self.state, lifespan)
