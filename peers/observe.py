@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -72,5 +73,29 @@ def start_metrics(observers: Observers, cfg: ObserveConfig, peer: Peer, remote: 
 
 
 async def start_dashboard(observers: Observers, cfg: ObserveConfig, peer: Peer, remote: Remote, timing: Timing) -> None:
-    """The swarm's dashboard as this peer sees it (``swarm.dashboard``)."""
-    raise NotImplementedError("--dashboard-port: to be written (swarm.dashboard)")
+    """The swarm's dashboard as this peer sees it (``swarm.dashboard``): an observer refreshing on this peer's loop
+    from its own DHT peer and transport, served (without the chat page) by uvicorn on a background thread."""
+    from fastapi import FastAPI
+
+    from swarm.dashboard.attach import start_observer_task
+    from swarm.dashboard.routes import dashboard_router
+    from swarm.dashboard.server import serve_in_thread
+
+    assert cfg.dashboard_port is not None
+    model = peer.model
+    observer, task = start_observer_task(peer.store, remote, model.name, model.num_blocks, timing, own_info=peer.info)
+    try:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        exiting = threading.Event()
+        app.include_router(dashboard_router({model.name: observer}, chat=False, stopping=exiting.is_set))
+        server = await asyncio.to_thread(serve_in_thread, app, cfg.http_host, cfg.dashboard_port, "dashboard")
+    except BaseException:
+        task.cancel()
+        raise
+
+    def close() -> None:
+        task.cancel()
+        exiting.set()  # open event streams end within a tick, so uvicorn need not cut them
+        server.close(timing.shutdown_timeout)
+
+    observers.add("dashboard", server.url + "/dashboard", close)

@@ -1,0 +1,164 @@
+// The swarm's live dashboard. Everything a peer said (ids, device names...) goes into the page as text
+// (textContent), never as markup. Snapshots arrive as server-sent events from /dashboard/events.
+"use strict";
+
+const STATES = ["online", "standby", "joining", "leaving", "unreachable"];
+const sections = new Map(); // model id -> its section element
+
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  return e;
+}
+
+function short(id) {
+  return id ? ".." + String(id).slice(-6) : "-";
+}
+
+function num(x, digits) {
+  const n = Number(x);
+  if (!Number.isFinite(n)) return "-";
+  return n.toFixed(digits === undefined ? 1 : digits);
+}
+
+function stateClass(state) {
+  return STATES.includes(state) ? state : "unreachable";
+}
+
+function when(t) {
+  const d = new Date(Number(t) * 1000);
+  return Number.isFinite(d.getTime()) ? d.toLocaleTimeString() : "-";
+}
+
+function section(modelId) {
+  let s = sections.get(modelId);
+  if (!s) {
+    const tpl = document.getElementById("model-template");
+    s = tpl.content.firstElementChild.cloneNode(true);
+    s.dataset.model = modelId;
+    document.getElementById("models").appendChild(s);
+    sections.set(modelId, s);
+  }
+  return s;
+}
+
+function renderMap(s, snap) {
+  const table = s.querySelector("table.map");
+  const n = Math.max(0, Math.min(Number(snap.num_blocks) || 0, 4096));
+  const head = el("tr");
+  head.appendChild(el("th", "peer", "peer \\ block"));
+  for (let b = 0; b < n; b++) head.appendChild(el("th", "block", b % 5 === 0 ? b : ""));
+  table.tHead.replaceChildren(head);
+
+  const rows = [];
+  for (const p of snap.peers) {
+    const tr = el("tr", "peer-row");
+    tr.dataset.peerId = p.peer_id;
+    const name = el("td", "peer", short(p.peer_id));
+    name.title = p.peer_id;
+    tr.appendChild(name);
+    const cls = stateClass(p.state);
+    for (let b = 0; b < n; b++) {
+      const inside = b >= p.start && b < p.end;
+      const td = el("td", "cell " + (inside ? cls : "empty"));
+      if (inside) td.title = p.state + " " + p.start + ":" + p.end;
+      tr.appendChild(td);
+    }
+    rows.push(tr);
+  }
+  table.tBodies[0].replaceChildren(...rows);
+
+  const cover = el("tr", "coverage");
+  cover.appendChild(el("td", "peer", "online replicas"));
+  const standby = el("tr", "standbys");
+  standby.appendChild(el("td", "peer", "standbys"));
+  for (let b = 0; b < n; b++) {
+    const k = Number(snap.online[b]) || 0;
+    const td = el("td", k === 0 ? "gap" : "covered", k);
+    td.title = "block " + b + ": " + k + " online";
+    cover.appendChild(td);
+    standby.appendChild(el("td", "", Number(snap.standby[b]) || ""));
+  }
+  table.tFoot.replaceChildren(cover, standby);
+}
+
+function renderPeers(s, snap) {
+  const rows = snap.peers.map((p) => {
+    const tr = el("tr", "peer-row");
+    tr.dataset.peerId = p.peer_id;
+    const id = el("td", "mono", short(p.peer_id));
+    id.title = p.peer_id;
+    const state = el("span", "state cell " + stateClass(p.state), p.state);
+    const stateTd = el("td");
+    stateTd.appendChild(state);
+    const load = p.reachable === null ? "-" : p.active + " active, " + p.open_sessions + " sessions";
+    tr.append(
+      id, stateTd, el("td", "mono", p.start + ":" + p.end), el("td", "", p.device), el("td", "", p.dtype),
+      el("td", "", p.runtime), el("td", "num", num(p.forward_tps)), el("td", "num", num(p.inference_sps)),
+      el("td", "num", load), el("td", "num", p.cache_free + " / " + p.cache_total), el("td", "num", p.served),
+    );
+    return tr;
+  });
+  s.querySelector("table.peers tbody").replaceChildren(...rows);
+}
+
+function renderEvents(s, snap) {
+  const items = snap.events.slice().reverse().map((e) => {
+    const li = el("li");
+    li.append(el("span", "time", when(e.at)), el("span", "kind " + e.kind, e.kind));
+    if (e.peer_id) {
+      const who = el("span", "mono", short(e.peer_id) + " ");
+      who.title = e.peer_id;
+      li.appendChild(who);
+    }
+    li.appendChild(el("span", "detail", e.detail));
+    return li;
+  });
+  if (items.length === 0) items.push(el("li", "muted", "none yet"));
+  s.querySelector(".events").replaceChildren(...items);
+}
+
+function render(state) {
+  if (!state || state.v !== 1 || typeof state.models !== "object") return;
+  document.getElementById("chat-link").hidden = !state.chat;
+  const empty = document.getElementById("empty");
+  if (empty) empty.remove();
+  for (const [modelId, snap] of Object.entries(state.models)) {
+    if (!snap || snap.v !== 1) continue;
+    const s = section(modelId);
+    s.querySelector(".model-id").textContent = snap.model_id + " (" + snap.num_blocks + " blocks)";
+    const badge = s.querySelector(".coverage-badge");
+    badge.textContent = snap.covered ? "fully covered" : "NOT covered";
+    badge.className = "coverage-badge " + (snap.covered ? "ok" : "bad");
+    s.querySelector(".broker").textContent = snap.broker
+      ? short(snap.broker.holder) + " (term " + snap.broker.term + ")" : "none";
+    s.querySelector(".broker").title = snap.broker ? snap.broker.holder : "";
+    s.querySelector(".throughput").textContent =
+      num(snap.forward_tps) + " fwd tok/s, " + num(snap.inference_sps) + " inference steps/s";
+    s.querySelector(".peer-count").textContent = String(snap.peers.length);
+    s.querySelector(".dropped").textContent = String(snap.dropped);
+    s.querySelector(".updated").textContent = when(snap.taken_at);
+    renderMap(s, snap);
+    renderPeers(s, snap);
+    renderEvents(s, snap);
+  }
+}
+
+function connect() {
+  const conn = document.getElementById("conn");
+  const source = new EventSource("/dashboard/events");
+  source.onopen = () => { conn.textContent = "live"; conn.className = "conn live"; };
+  source.onmessage = (msg) => {
+    try { render(JSON.parse(msg.data)); } catch (err) { console.warn("bad snapshot", err); }
+  };
+  source.onerror = () => { conn.textContent = "reconnecting\u2026"; conn.className = "conn down"; };
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  fetch("/dashboard/state", { cache: "no-store" })
+    .then((r) => (r.ok ? r.json() : null))
+    .then(render)
+    .catch(() => {})
+    .finally(connect);
+});
