@@ -116,6 +116,8 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
     connections = cfg.limits.max_concurrent * 4 + 32
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
                                            limit_concurrency=connections))  # fmt: skip
+    if cfg.dashboard:
+        service.attach_dashboard(app, lambda: bool(server.should_exit))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started and not task.done():

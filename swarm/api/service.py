@@ -75,6 +75,19 @@ class Service:
     def app(self, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
         return create_app(self.state, lifespan)
 
+    def attach_dashboard(self, app: FastAPI, stopping: Callable[[], bool]) -> None:
+        """The web dashboard and chat page (``swarm.dashboard``) on ``app``: an observer of each served model's swarm
+        on its client's loop, noting the clients' failovers; ``stopping``: true once the server shuts down."""
+        from swarm.dashboard.attach import observe_connections
+        from swarm.dashboard.routes import dashboard_router
+
+        observers, stop = observe_connections({n: (s.model.connection, s.num_blocks) for n, s in self.models.items()})
+        self._closers.append(stop)
+        self.on_failover.append(
+            lambda model, peer, n: observers[model].note("failover", peer, f"a client failed over from it ({n})")
+        )
+        app.include_router(dashboard_router(observers, chat=True, stopping=stopping))
+
     def poll_failovers(self) -> None:
         """Report peers the clients banned since the last poll (their failure counts grew)."""
         for name, served in self.models.items():
