@@ -21,6 +21,7 @@ def chrome(profile: Path, width: int = 1400, height: int = 1000) -> Any:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    assert have_browser(), f"needs {CHROMIUM} and {CHROMEDRIVER}: Debian chromium, chromium-driver (scripts/setup.sh)"
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",

@@ -19,6 +19,8 @@ from swarm.rpc.hop import Hop
 from tests.conftest import local_reference
 from tests.integration.harness import connect, running_swarm, wait_for
 
+pytestmark = pytest.mark.slow
+
 MODEL = "smollm2-135m"
 KEY, OTHER_KEY = "test-key-one", "test-key-two"
 MAX_TOKENS, CONTEXT = 48, 160
