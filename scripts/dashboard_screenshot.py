@@ -3,18 +3,14 @@
 
     python scripts/dashboard_screenshot.py [--out docs] [--prompt "..."]
 
-Without ``swarm.api`` (not written yet) the dashboard is taken from a peer's ``--dashboard-port`` and the chat page
-is skipped. Every process it starts is stopped by its PID."""
+Every process it starts is stopped by its PID."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +38,6 @@ def chat(driver: Any, url: str, prompt: str, out: Path) -> None:
     save_screenshot(driver, out / "chat.png")
 
 
-def served(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return bool(r.status == 200)
-    except urllib.error.URLError:
-        return False
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="where the PNGs go (default docs/)")
@@ -57,39 +45,27 @@ def main() -> int:
     p.add_argument("--throughput", default="auto", help="the peers' --throughput ('auto' measures; a number skips it)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-screenshot-"))
-    has_api = importlib.util.find_spec("swarm.api.__main__") is not None
     swarm = LocalSwarm(MODEL, ["0:15"], extra_args=("--throughput", args.throughput), log_dir=work / "logs",
                        startup_timeout=STARTUP)  # fmt: skip
     api: ApiProcess | None = None
     driver = None
     try:
         swarm.start()
-        watcher = swarm.add_peer("15:30", "--dashboard-port", "0", wait=False)
+        swarm.add_peer("15:30", wait=False)
         swarm.add_peer("15:30", wait=False)
         for peer in swarm.peers:
             peer.wait_ready(STARTUP)
-        base = watcher.urls["dashboard"].rsplit("/dashboard", 1)[0]
-        if has_api:
-            api = ApiProcess(swarm.initial_peers, "--model", MODEL, test_timings=False, log_path=work / "api.log",
-                             startup_timeout=STARTUP)  # fmt: skip
-            url = api.url.rstrip("/")
-            if served(url + "/chat"):
-                base = url
-            else:
-                print("the API does not serve the chat page yet: the dashboard comes from a peer", file=sys.stderr)
-                api.stop()
-                api = None
-        else:
-            print("swarm.api is not there yet: the dashboard comes from a peer, and no chat page", file=sys.stderr)
+        api = ApiProcess(swarm.initial_peers, "--model", MODEL, test_timings=False, log_path=work / "api.log",
+                         startup_timeout=STARTUP)  # fmt: skip
+        base = api.url.rstrip("/")
         driver = chrome(work / "profile", 1400, 760)
-        if api is not None:
-            chat(driver, base, args.prompt, args.out)  # first, so the dashboard shows requests served
+        chat(driver, base, args.prompt, args.out)  # first, so the dashboard shows requests served
         driver.get(base + "/dashboard")
         everyone = {p.peer_id for p in swarm.peers}
         wait_until(lambda: map_peers(driver) >= everyone, 60, "the map to show every peer")
         time.sleep(2.0)  # one more live update, so the load columns are current
         save_screenshot(driver, args.out / "dashboard.png")
-        print(f"wrote {args.out / 'dashboard.png'}" + (f" and {args.out / 'chat.png'}" if api else ""))
+        print(f"wrote {args.out / 'dashboard.png'} and {args.out / 'chat.png'}")
         return 0
     finally:
         if driver is not None:
