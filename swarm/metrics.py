@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 ENDPOINTS = ("chat", "completions", "models", "other")
 OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_many", "unavailable", "context_too_long", "error",
-            "client_closed")  # fmt: skip
+            "timeout", "client_closed")  # fmt: skip
 # Whole requests: a models listing takes milliseconds, a long generation over a WAN swarm minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
