@@ -335,8 +335,19 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
     return {"pushes": sent}
 
 
-ATTACKS = {"records": attack_records, "outsider": outsider, "broker": seize_broker, "training": attack_training,
-           "averaging": join_averaging, "push": push_into}  # fmt: skip
+MARKUP = '<img src=x onerror="document.title=1">'
+
+
+def markup(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """A record of its own, validly signed, whose free-text fields are markup (and a device name 1,000 characters
+    long): what anyone may announce, and what a dashboard must show as bounded text, never run."""
+    store = stores[0]
+    record = _server_record(store, args, device=MARKUP + "x" * 1000, dtype="<b>float32</b>")
+    return {"announced": store.announce(record, dht_time() + 60), "markup": MARKUP}
+
+
+ATTACKS = {"markup": markup, "records": attack_records, "outsider": outsider, "broker": seize_broker,
+           "training": attack_training, "averaging": join_averaging, "push": push_into}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

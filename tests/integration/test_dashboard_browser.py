@@ -5,7 +5,9 @@ an answer whose route the page shows. Screenshots go to the test's tmp path (and
 
 from __future__ import annotations
 
-import asyncio
+import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -53,33 +55,28 @@ def driver(tmp_path_factory):
         d.quit()
 
 
-HOSTILE = '<img src=x onerror="document.title=1">'
-
-
-def test_what_peers_say_stays_text(driver, tmp_path):
-    """A device name full of markup (all a peer's strings are its own word) shows as text; no element is made."""
-    from fastapi import FastAPI
-
-    from swarm.dashboard.routes import dashboard_router
-    from swarm.dashboard.server import serve_in_thread
-    from tests.unit.test_dashboard import MODEL as FAKE
-    from tests.unit.test_dashboard import FakeRemote, FakeStore, make_observer, rec
-
-    observer, _ = make_observer(FakeStore(rec("evil", 0, 6, device=HOSTILE), rec("b", 3, 6)), FakeRemote())
-    asyncio.run(observer.refresh())
-    app = FastAPI()
-    app.include_router(dashboard_router({FAKE: observer}, chat=False))
-    server = serve_in_thread(app, "127.0.0.1", 0)
+def test_a_malicious_peers_markup_stays_text(swarm, driver, tmp_path):
+    """A real malicious process announces a validly signed record whose device name is markup (all a peer's strings
+    are its own word): the page shows it as bounded text and makes no element of it."""
+    watcher = swarm.peers[1]
+    cmd = [sys.executable, "-m", "tests.integration.attacker", "markup", "--initial-peers", *swarm.initial_peers,
+           "--model-id", MODEL, "--num-blocks", "30"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    attack = json.loads(out.strip().splitlines()[-1])
+    assert attack["announced"]
+    driver.get(watcher.urls["dashboard"])
     try:
-        driver.get(server.url + "/dashboard")
-        wait_until(lambda: map_peers(driver) == {"evil", "b"}, 15, "the fake peers")
-        assert HOSTILE in text_of(driver, "table.peers")
-        assert driver.execute_script("return document.querySelectorAll('section.model img').length") == 0
+        wait_until(lambda: attack["attacker"] in map_peers(driver), 30, "the attacker's record on the map")
+        table = text_of(driver, "table.peers")
+        assert attack["markup"] in table and "<b>float32</b>" in table  # shown as text...
+        assert "x" * 100 not in table  # ...and cut short
+        assert (
+            driver.execute_script("return document.querySelectorAll('section.model img, section.model b').length") == 0
+        )
         assert driver.title == "swarm dashboard" and severe(driver) == []
+        save_screenshot(driver, tmp_path / "markup.png")
     finally:
-        driver.get("about:blank")  # leave first: a live page would log its stream's end and its reconnect attempts
-        server.close()
-        severe(driver)
+        driver.get("about:blank")
 
 
 def test_dashboard_map_follows_the_swarm(swarm, driver, tmp_path):
