@@ -158,22 +158,30 @@ class ChatMessageOut(_Out):
     content: str
 
 
+Finish = Literal["stop", "length"]
+
+
+class _Reply(_Out):
+    """What every completion and chunk carries (the ``object`` and ``choices`` are each kind's own)."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    route: list[RouteHop] | None = None  # this server's own field: the peers and blocks the answer went through
+
+
 class ChatChoice(_Out):
     index: int
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Finish
     logprobs: None = None
 
 
-class ChatCompletion(_Out):
-    id: str
+class ChatCompletion(_Reply):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    route: list[RouteHop]
 
 
 class Delta(_Out):
@@ -184,37 +192,25 @@ class Delta(_Out):
 class ChunkChoice(_Out):
     index: int
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Finish | None = None
     logprobs: None = None
 
 
-class ChatChunk(_Out):
-    id: str
+class ChatChunk(_Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    route: list[RouteHop] | None = None
 
 
 class TextChoice(_Out):
     index: int
     text: str
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Finish | None = None
     logprobs: None = None
 
 
-class TextCompletion(_Out):
-    id: str
+class TextCompletion(_Reply):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[TextChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    route: list[RouteHop] | None = None
 
 
 class ModelCard(_Out):
