@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from swarm.api import errors
 from swarm.api.engine import Cancelled, Outcome, Piece, Sampling, ServedModel, generate
@@ -93,9 +94,11 @@ class ApiState:
 
 
 class Run:
-    """One generation on the worker pool, seen from the request's coroutine as a stream of pieces."""
+    """One generation on the worker pool, seen from the request's coroutine as a stream of pieces. It holds its
+    caller's slot (taken by the caller) until the worker has stopped, however the request ended."""
 
-    def __init__(self, state: ApiState, served: ServedModel, prompt: list[int], sampling: Sampling) -> None:
+    def __init__(self, state: ApiState, served: ServedModel, prompt: list[int], sampling: Sampling,
+                 caller: str) -> None:  # fmt: skip
         self.cancel = threading.Event()
         self.progress = Outcome(prompt_tokens=len(prompt))  # the worker fills it in as it goes
         self.queue: asyncio.Queue[object] = asyncio.Queue()
@@ -113,6 +116,7 @@ class Run:
         def finished(_: object) -> None:
             self.queue.put_nowait(_DONE)
             state.runs.discard(self)
+            state.leave(caller)
 
         self.future.add_done_callback(finished)
 
@@ -254,9 +258,9 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
         return _error_response(e)
     log.info("%s request: %d prompt tokens, up to %d x %d new", endpoint, len(prompt), sampling.n,
              sampling.max_tokens, extra={"session": caller})  # fmt: skip
-    run = Run(state, served, prompt, sampling)
+    run = Run(state, served, prompt, sampling, caller)
     if req.stream:
-        return StreamingResponse(_stream(state, run, req, endpoint, caller, t0), media_type="text/event-stream",
+        return _RunStream(run, _stream(state, run, req, endpoint, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
     watcher = asyncio.create_task(_watch_disconnect(request, run))
     try:
@@ -274,7 +278,6 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     finally:
         run.cancel.set()
         watcher.cancel()
-        state.leave(caller)
     rid, created, usage = new_id("chatcmpl" if endpoint == "chat" else "cmpl"), now(), _usage(outcome)
     if endpoint == "chat":
         chat_choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
@@ -325,7 +328,22 @@ class _Chunks:
         return self._sse(TextCompletion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
 
 
-async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str, caller: str,
+class _RunStream(StreamingResponse):
+    """A stream that stops its generation however the response ends: also when the connection drops before the
+    body's first chunk (the body generator, never started, would run no ``finally``)."""
+
+    def __init__(self, run: Run, content: AsyncIterator[str], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel.set()
+
+
+async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str,
                   t0: float) -> AsyncIterator[str]:  # fmt: skip
     chunks = _Chunks(endpoint == "chat", req.model)
     label = "client_closed"  # unless the stream reaches its end or an error
@@ -348,7 +366,6 @@ async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionReques
         _record(state, endpoint, "ok", t0, outcome)
     finally:
         run.cancel.set()  # a dropped connection lands here (Starlette cancels the coroutine): stop the worker
-        state.leave(caller)
         if label != "ok":
             state.metrics.observe(endpoint, label, time.monotonic() - t0)
 
