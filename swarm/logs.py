@@ -3,6 +3,7 @@ as text for people, or (``--log-format json``) as one JSON object per line for l
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -70,3 +71,10 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
         logging.captureWarnings(True)
     for noisy in ("hivemind", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel("WARNING")
+
+
+def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:
+    """``--log-level`` and ``--log-format`` of an entry point (give both to ``configure_logging``)."""
+    parser.add_argument("--log-level", default=level)
+    parser.add_argument("--log-format", choices=FORMATS, default="text",
+                        help="log lines as text, or one JSON object each")  # fmt: skip

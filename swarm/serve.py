@@ -14,15 +14,14 @@ from peers.config import PeerConfig
 from swarm.cli import add_flags, from_args
 from swarm.config import Timing
 from swarm.errors import run_command
-from swarm.logs import FORMATS, configure_logging
+from swarm.logs import add_log_flags, configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.serve", description=__doc__)
     add_flags(p, PeerConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=FORMATS, default="text", help="log lines as text, or one JSON object each")
+    add_log_flags(p)
     return p
 
 

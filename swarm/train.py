@@ -14,7 +14,7 @@ from pathlib import Path
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, run_command
-from swarm.logs import FORMATS, configure_logging
+from swarm.logs import add_log_flags, configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="identity file (created if missing): a stable peer id, which a closed run lists")  # fmt: skip
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--log-format", choices=FORMATS, default="text", help="log lines as text, or one JSON object each")
+    add_log_flags(p, "WARNING")
     args = p.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from swarm.api.limits import Limits
 from swarm.cli import add_flags, from_args, option
 from swarm.errors import BadInputError, run_command
-from swarm.logs import FORMATS, configure_logging
+from swarm.logs import add_log_flags, configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.api", description=__doc__)
     add_flags(p, ApiConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
-    p.add_argument("--log-level", default="INFO")
-    p.add_argument("--log-format", choices=FORMATS, default="text", help="log lines as text, or one JSON object each")
+    add_log_flags(p)
     return p
 
 
