@@ -1,0 +1,111 @@
+"""The client's local parts, per family: what runs before the first layer (token embeddings with their scaling,
+learned positions, an embedding norm) and after the last (the final norm under its family's name, the LM head, a
+final-logit soft-cap).
+
+They are the family's own causal-LM class with zero layers, built on a real device (not meta): non-persistent
+buffers such as Gemma's ``embed_scale`` are then computed by the class itself, and tying is the class's own."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from transformers import PreTrainedModel
+
+from swarm.errors import BadInputError
+from swarm.families.spec import Family
+
+
+def local_model(
+    family: Family, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """The family's causal LM without decoder layers: embeddings, final norm and head (randomly initialised; fill
+    them with ``load_local``)."""
+    config = copy.deepcopy(family.config)
+    config.num_hidden_layers = 0
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = []
+    with torch.device(device):
+        model = family.lm_class(config)
+    model.to(dtype)
+    model.eval()
+    return model
+
+
+def _base(family: Family, model: torch.nn.Module) -> torch.nn.Module:
+    base = getattr(model, family.base_prefix)
+    assert isinstance(base, torch.nn.Module)
+    return base
+
+
+def embed(family: Family, model: torch.nn.Module, ids: torch.Tensor,
+          position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:  # fmt: skip
+    """What enters the first layer: token embeddings (scaled inside Gemma's module), plus learned positions (GPT-2;
+    ``position_ids`` default to ``past`` onwards, as Hugging Face's), then BLOOM's embedding norm."""
+    base = _base(family, model)
+    embedding = base.get_input_embeddings()
+    assert isinstance(embedding, torch.nn.Module)
+    hidden: torch.Tensor = embedding(ids)
+    spec = family.spec
+    if spec.positions is not None:
+        if position_ids is None:
+            position_ids = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
+        hidden = hidden + getattr(base, spec.positions)(position_ids.to(ids.device))
+    if spec.embed_norm is not None:
+        hidden = getattr(base, spec.embed_norm)(hidden)
+    return hidden
+
+
+def head(family: Family, model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from the last layer's hidden states: final norm, LM head, then the final soft-cap if configured."""
+    norm = getattr(_base(family, model), family.spec.norm)
+    lm_head = model.get_output_embeddings()
+    assert isinstance(lm_head, torch.nn.Module)
+    logits: torch.Tensor = lm_head(norm(hidden))
+    cap = getattr(family.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def local_names(model: torch.nn.Module) -> list[str]:
+    """The local parts' tensors, by module name (persistent state only)."""
+    return list(model.state_dict())
+
+
+def disk_to_local(family: Family, disk_names: Iterable[str], model: torch.nn.Module) -> dict[str, str]:
+    """Which on-disk tensor fills which local tensor: the family's renames (NeoX's ``embed_out``), and checkpoints
+    saved without the base prefix (the original GPT-2 and BLOOM files: ``wte.weight``, ``ln_f.weight``)."""
+    wanted = set(local_names(model))
+    out: dict[str, str] = {}
+    for disk in disk_names:
+        if re.match(rf"^(?:{re.escape(family.base_prefix)}\.)?{family.layers_attr}\.\d+\.", disk):
+            continue  # a layer's tensor: never read by the client
+        name = disk
+        for old, new in family.spec.disk_renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        if name not in wanted and f"{family.base_prefix}.{name}" in wanted:
+            name = f"{family.base_prefix}.{name}"
+        if name in wanted:
+            out[disk] = name
+    return out
+
+
+def load_local(family: Family, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> None:
+    """Fill the local parts from ``state`` (module names); the head takes the embeddings when the config ties them."""
+    tied = bool(getattr(family.config, "tie_word_embeddings", False))
+    head_module = model.get_output_embeddings()
+    head_names = {f"{n}.weight" for n, m in model.named_modules() if m is head_module}
+    missing = [n for n in local_names(model) if n not in state and not (tied and n in head_names)]
+    if missing:
+        raise BadInputError(f"{family.label}: the checkpoint lacks the client's tensors {missing}")
+    model.load_state_dict({k: v for k, v in state.items() if k in set(local_names(model))}, strict=False, assign=True)
+    if tied:
+        assert isinstance(head_module, torch.nn.Module)
+        head_module.weight = model.get_input_embeddings().weight
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise BadInputError(f"{family.label}: local tensors left without values: {left}")

@@ -1,0 +1,212 @@
+"""Exact or refused: before serving, run a shrunk twin of the served config (same class, same family flags: layer
+types, partial rotary, ALiBi, soft-caps, sinks, latent attention, experts) through Hugging Face's own forward and
+through the split path (client embeddings -> layers in two spans, each with its own cache -> client head), and refuse
+with a message naming what diverged.
+
+Three passes: a full forward, a left-padded batch, and a prefill followed by single-token steps on the spans' caches.
+The twin tests the same code paths on the same transformers build in well under a second; weight naming is checked
+separately by the strict per-layer load."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+
+from swarm.errors import BadInputError
+from swarm.families import local, span
+from swarm.families.spec import Family, FamilySpec, family_of
+
+TOLERANCE = 1e-4
+VOCAB, HIDDEN, LAYERS = 320, 64, 4
+_SIZES = {  # attribute -> twin value, set only where the config has the attribute (and it is not None)
+    "hidden_size": HIDDEN, "num_attention_heads": 4, "intermediate_size": 128, "n_inner": 128,
+    "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 8, "n_group": 2,
+    "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "sliding_window": 8, "vocab_size": VOCAB,
+}  # fmt: skip
+
+
+def shrink(config: PretrainedConfig) -> PretrainedConfig:
+    """A small twin of ``config`` with the same family settings: 4 layers repeating its layer types, hidden 64."""
+    twin = copy.deepcopy(config)
+    kinds: list[str] = []
+    layer_types = getattr(config, "layer_types", None)
+    for kind in layer_types or []:
+        if kind not in kinds:
+            kinds.append(kind)
+    for key, value in _SIZES.items():
+        if getattr(config, key, None) is not None:
+            setattr(twin, key, value)
+    heads, kv = int(config.num_attention_heads), getattr(config, "num_key_value_heads", None)
+    if kv is not None:  # keep multi-head, grouped or multi-query as it was
+        twin.num_key_value_heads = 4 if int(kv) == heads else (1 if int(kv) == 1 else 2)
+    if getattr(config, "num_kv_heads", None) is not None:  # Falcon
+        twin.num_kv_heads = 4 if int(config.num_kv_heads) == heads else (1 if int(config.num_kv_heads) == 1 else 2)
+    if getattr(config, "head_dim", None) is not None and not isinstance(
+        type(config).__dict__.get("head_dim"), property
+    ):
+        twin.head_dim = 8 if getattr(config, "kv_lora_rank", None) is not None else 16
+    if getattr(config, "num_experts_per_tok", None) is not None:
+        twin.num_experts_per_tok = min(int(config.num_experts_per_tok), 2)
+    if getattr(config, "n_shared_experts", None):
+        twin.n_shared_experts = 1
+    if getattr(config, "first_k_dense_replace", None):
+        twin.first_k_dense_replace = 1
+    if getattr(config, "mlp_only_layers", None):
+        twin.mlp_only_layers = [0]
+    twin.num_hidden_layers = LAYERS
+    if layer_types:
+        twin.layer_types = [kinds[i % len(kinds)] for i in range(LAYERS)]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(twin, key, 0)
+        elif isinstance(value, list):
+            setattr(twin, key, [v if v < VOCAB else 0 for v in value])
+    twin._attn_implementation = getattr(config, "_attn_implementation_internal", None)
+    return twin
+
+
+@dataclass
+class CheckReport:
+    family: str
+    diffs: dict[str, float] = field(default_factory=dict)  # pass -> max |Δ logit|
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class _Split:
+    """The split path over a reference model's own weights: local parts, and layers rebuilt by the family layer."""
+
+    def __init__(self, family: Family, ref: PreTrainedModel, spans: Sequence[tuple[int, int]]) -> None:
+        self.family, self.spans = family, spans
+        self.local = local.local_model(family)
+        ref_state = ref.state_dict()
+        local.load_local(family, self.local, {k: ref_state[k] for k in local.local_names(self.local) if k in ref_state})
+        ref_layers = getattr(getattr(ref, family.base_prefix), family.layers_attr)
+        self.layers: list[torch.nn.Module] = []
+        for i in range(family.num_layers):
+            with torch.device("meta"):
+                layer = family.build_layer(i)
+            layer.load_state_dict(ref_layers[i].state_dict(), strict=True, assign=True)
+            self.layers.append(layer.eval())
+        self.rotary = family.new_rotary("cpu")
+
+    def caches(self) -> list[DynamicCache]:
+        return [span.new_cache(self.family) for _ in self.spans]
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor | None, caches: list[DynamicCache] | None, past: int,
+            trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        family = self.family
+        hidden = local.embed(family, self.local, ids, past=past)
+        if trace is not None:
+            trace.append(hidden)
+        for k, (start, end) in enumerate(self.spans):
+            cache = caches[k] if caches is not None else None
+            indices = range(start, end)
+            inputs = span.span_inputs(family, self.rotary, hidden, indices, attention_mask=mask, cache=cache, past=past)
+            for i in indices:
+                hidden = span.call_layer(family, self.layers[i], i, hidden, inputs, cache)
+                if trace is not None:
+                    trace.append(hidden)
+        return local.head(family, self.local, hidden)
+
+
+def _reference(family: Family, config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """Hugging Face's model of the twin, with the attention it picks by itself, weights perturbed (norms initialised to
+    0 or 1 and zero routers would hide mistakes)."""
+    ref_config = copy.deepcopy(config)
+    torch.manual_seed(seed)
+    ref = family.lm_class(ref_config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return ref
+
+
+def _stage(split: _Split, ref: PreTrainedModel, ids: torch.Tensor) -> str:
+    """Where the full pass first differs: the client's embeddings, a block, or the client's head."""
+    trace: list[torch.Tensor] = []
+    logits = split.run(ids, None, None, 0, trace)
+    states = ref(ids, output_hidden_states=True).hidden_states
+    n = split.family.num_layers
+    for i in range(n):  # trace[0]: embeddings; trace[i + 1]: after block i (the last state HF returns is normed)
+        want = states[i]
+        if float((trace[i] - want).abs().max()) > TOLERANCE * max(1.0, float(want.abs().max())):
+            where = (
+                "the client's embeddings" if i == 0 else f"block {i - 1} ({split.family.layer_classes[i - 1].__name__})"
+            )
+            return f"first at {where}"
+    del logits
+    return f"after block {n - 2}: in block {n - 1} or the client's head (final norm, LM head, logit soft-cap)"
+
+
+def check_split(config: PretrainedConfig, *, spec: FamilySpec | None = None, attn: str | None = None,
+                twin: bool = True, seed: int = 0,
+                spans: Sequence[tuple[int, int]] = ((0, 2), (2, 4))) -> CheckReport:  # fmt: skip
+    """Compare the split path with Hugging Face's forward on (a shrunk twin of) ``config``. ``spec``/``attn``:
+    override the family layer's choices (tests prove that wrong choices are caught)."""
+    small = shrink(config) if twin else copy.deepcopy(config)
+    try:
+        family = family_of(small, spec, attn)
+    except BadInputError as e:
+        return CheckReport(getattr(config, "model_type", "?"), problems=[str(e)])
+    report = CheckReport(family.label)
+    ref = _reference(family, small, seed)
+    try:
+        split = _Split(family, ref, spans)
+    except Exception as e:  # a layer or local part the family layer builds differently from Hugging Face
+        report.problems.append(f"building the split path failed: {type(e).__name__}: {e}")
+        return report
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(1, VOCAB, (2, 14), generator=gen)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :3] = 0  # row 1 left-padded
+    keep = mask.bool()
+    with torch.no_grad():
+        plain, padded = ref(ids).logits, ref(ids, attention_mask=mask).logits
+        passes = {
+            "full forward": lambda: (split.run(ids, None, None, 0) - plain).abs().max(),
+            "left-padded batch": lambda: (split.run(ids, mask, None, 0) - padded)[keep].abs().max(),
+            "cached decode": lambda: (_decode(split, ids, mask) - padded)[keep].abs().max(),
+        }
+        for name, diff in passes.items():
+            try:
+                d = float(diff())
+            except Exception as e:
+                report.problems.append(f"{name}: {type(e).__name__}: {e}")
+                continue
+            report.diffs[name] = d
+            if not d <= TOLERANCE:
+                where = _stage(split, ref, ids) if name == "full forward" else "in the span inputs or caches"
+                report.problems.append(f"{name}: logits off by {d:.1e} ({where})")
+    return report
+
+
+def _decode(split: _Split, ids: torch.Tensor, mask: torch.Tensor, prefill: int = 10) -> torch.Tensor:
+    caches = split.caches()
+    steps = [split.run(ids[:, :prefill], mask[:, :prefill], caches, 0)]
+    for t in range(prefill, ids.shape[1]):
+        steps.append(split.run(ids[:, t : t + 1], mask[:, : t + 1], caches, t))
+    return torch.cat(steps, dim=1)
+
+
+def require_exact(config: PretrainedConfig) -> Family:
+    """The family of ``config``, once its split path has matched Hugging Face on a shrunk twin; BadInputError (the
+    peer exits non-zero) naming what diverged otherwise."""
+    family = family_of(config)
+    report = check_split(config)
+    if not report.ok:
+        import transformers
+
+        raise BadInputError(f"{family.label}: the split path does not reproduce transformers {transformers.__version__} "
+                            f"exactly, so this model is refused: {'; '.join(report.problems)}")  # fmt: skip
+    return family

@@ -1,0 +1,150 @@
+"""What a server's span feeds its layers on each call, per family: positions, masks by layer type (built from the
+family's config, so their form fits its attention implementation: additive floats for eager), rotary tables
+(none, one, or one per layer type), ALiBi biases (BLOOM, Falcon-ALiBi), and the keyword each layer takes its cache
+under. Everything inside a layer (soft-capping, sinks, parallel attention, latent attention, experts) is the layer's
+own code; this module only reproduces what the Hugging Face model does around its layers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from swarm.families.spec import Family
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class SpanInputs:
+    """Per-call inputs of the layers of one span (``indices``: global layer indices)."""
+
+    position_ids: torch.Tensor
+    masks: dict[str, object]  # layer kind -> mask (a tensor, a BlockMask or None: what the layer's attention takes)
+    rotary: dict[str, Rotary | None]  # layer kind -> (cos, sin)
+    alibi: torch.Tensor | None = None
+
+
+def new_cache(family: Family) -> DynamicCache:
+    return DynamicCache(config=family.config)
+
+
+def span_inputs(
+    family: Family,
+    rotary: torch.nn.Module | None,
+    hidden: torch.Tensor,
+    indices: Sequence[int],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: DynamicCache | None = None,
+    past: int = 0,
+) -> SpanInputs:
+    """``hidden`` [batch, n, hidden] entering layers ``indices`` with ``past`` tokens cached; ``attention_mask``
+    [batch, past + n] of 0/1 (None: no padding)."""
+    batch, n = hidden.shape[:2]
+    device = hidden.device
+    if position_ids is None:
+        position_ids = torch.arange(past, past + n, device=device).unsqueeze(0).expand(batch, -1)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    config, spec = family.config, family.spec
+    kinds: dict[str, int] = {}
+    for i in indices:
+        kinds.setdefault(family.layer_kind(i), i)
+    masks: dict[str, object] = {}
+    for kind, first in kinds.items():
+        make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        masks[kind] = make(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+                           position_ids=position_ids, layer_idx=first,
+                           allow_is_causal_skip=not spec.materialize_mask)  # fmt: skip
+    tables: dict[str, Rotary | None] = {kind: None for kind in kinds}
+    if rotary is not None:
+        if spec.rotary == "per_layer_type":
+            tables = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+        else:
+            shared = rotary(hidden, position_ids)
+            tables = {kind: shared for kind in kinds}
+    alibi = None
+    if spec.call == "bloom":
+        alibi = _bloom_alibi(family, hidden, attention_mask, past)
+    elif spec.call == "falcon" and getattr(config, "alibi", False):
+        alibi, masks = _falcon_alibi(family, hidden, attention_mask, past, masks)
+    return SpanInputs(position_ids, masks, tables, alibi)
+
+
+def _bloom_alibi(family: Family, hidden: torch.Tensor, mask: torch.Tensor | None, past: int) -> torch.Tensor:
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes, build_alibi_tensor
+
+    heads = int(family.config.n_head)
+    batch, n = hidden.shape[:2]
+    if mask is None:  # as BloomModel: slopes x key position, without materialising an all-ones mask
+        slopes = _get_alibi_slopes(heads, hidden.device)
+        alibi = slopes[:, None, None] * torch.arange(past + n, device=hidden.device)
+        return alibi.repeat(batch, 1, 1).to(hidden.dtype)
+    out: torch.Tensor = build_alibi_tensor(mask, heads, hidden.dtype)
+    return out
+
+
+def _falcon_alibi(family: Family, hidden: torch.Tensor, mask: torch.Tensor | None, past: int,
+                  masks: dict[str, object]) -> tuple[torch.Tensor, dict[str, object]]:  # fmt: skip
+    """As FalconModel: ALiBi from the 2D mask, folded into the (materialised) 4D mask of every kind."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    config = family.config
+    heads = int(config.num_attention_heads)
+    batch, n = hidden.shape[:2]
+    if mask is None:
+        mask = torch.ones((batch, past + n), device=hidden.device, dtype=torch.long)
+    alibi: torch.Tensor = build_alibi_tensor(mask, heads, dtype=hidden.dtype)
+    folded: dict[str, object] = {}
+    for kind, cm in masks.items():
+        if isinstance(cm, torch.Tensor) and cm.ndim == 4:
+            low = torch.finfo(hidden.dtype).min
+            if cm.dtype == torch.bool:
+                cm = torch.where(cm, torch.zeros((), device=cm.device, dtype=hidden.dtype), low)
+            bias = alibi.reshape(batch, -1, *alibi.shape[1:]) / math.sqrt(int(config.hidden_size) // heads)
+            cm = torch.masked_fill(bias, cm < -1, low)
+        folded[kind] = cm
+    return alibi, folded
+
+
+def call_layer(family: Family, layer: torch.nn.Module, index: int, hidden: torch.Tensor, inputs: SpanInputs,
+               cache: DynamicCache | None) -> torch.Tensor:  # fmt: skip
+    """Layer ``index`` over ``hidden``, called as the family's model calls it; the new hidden states."""
+    kind = family.layer_kind(index)
+    mask, rotary, pos = inputs.masks[kind], inputs.rotary[kind], inputs.position_ids
+    use = cache is not None
+    style = family.spec.call
+    if style == "decoder":
+        out = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=use,
+                    position_embeddings=rotary)  # fmt: skip
+    elif style == "gpt2":
+        out = layer(hidden, cache=cache, attention_mask=mask, use_cache=use, position_ids=pos)
+    elif style == "neox":
+        out = layer(hidden, attention_mask=mask, position_ids=pos, layer_past=cache, use_cache=use,
+                    position_embeddings=rotary)  # fmt: skip
+    elif style == "falcon":
+        out = layer(hidden, alibi=inputs.alibi, attention_mask=mask, position_ids=pos, layer_past=cache,
+                    use_cache=use, position_embeddings=rotary)  # fmt: skip
+    else:  # bloom
+        out = layer(hidden, alibi=inputs.alibi, attention_mask=mask, layer_past=cache, use_cache=use)
+    result = out[0] if isinstance(out, tuple) else out
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def run_span(family: Family, layers: Sequence[torch.nn.Module], indices: Sequence[int], hidden: torch.Tensor,
+             rotary: torch.nn.Module | None, *, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, cache: DynamicCache | None = None,
+             past: int = 0) -> torch.Tensor:  # fmt: skip
+    """Layers ``indices`` (``layers`` in the same order) over ``hidden``: what a server computes for one call."""
+    inputs = span_inputs(family, rotary, hidden, indices, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, past=past)  # fmt: skip
+    for layer, index in zip(layers, indices, strict=True):
+        hidden = call_layer(family, layer, index, hidden, inputs, cache)
+    return hidden

@@ -1,0 +1,174 @@
+"""The family layer (``swarm.families``) without swarms: for every family, the split path (client embeddings, layers
+in two spans with their own caches, client head) equals Hugging Face's logits on a full forward, a left-padded batch
+and cached decode; wrong choices are refused by the self-check; layers load from saved folders; cache bytes match
+what transformers' caches hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from swarm.errors import BadInputError
+from swarm.families import kv, local, weights
+from swarm.families.selfcheck import TOLERANCE, check_split, require_exact
+from swarm.families.spec import SPECS, family_of
+
+BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=320, tie_word_embeddings=False)
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+FAMILIES: dict[str, dict[str, object]] = {
+    "llama": dict(model_type="llama", intermediate_size=128, num_key_value_heads=2),
+    "mistral": dict(model_type="mistral", intermediate_size=128, num_key_value_heads=2, sliding_window=8),
+    "qwen2": dict(model_type="qwen2", intermediate_size=128, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", intermediate_size=128, num_key_value_heads=2, head_dim=16),
+    "mixtral": dict(model_type="mixtral", intermediate_size=128, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "gemma2": dict(model_type="gemma2", intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                   query_pre_attn_scalar=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                        sliding_window=8, query_pre_attn_scalar=16, layer_types=ALTERNATING,
+                        final_logit_softcapping=20.0),
+    "gpt2": dict(model_type="gpt2", n_inner=128, n_positions=256, bos_token_id=0, eos_token_id=0,
+                 tie_word_embeddings=True),
+    "gpt_neox": dict(model_type="gpt_neox", intermediate_size=128, rotary_pct=0.25, use_parallel_residual=True),
+    "falcon": dict(model_type="falcon", num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True,
+                   alibi=False),
+    "falcon_alibi": dict(model_type="falcon", multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                         alibi=True),
+    "bloom": dict(model_type="bloom"),
+    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2, num_key_value_heads=2, head_dim=16, mlp_only_layers=[0]),
+    "deepseek_v3": dict(model_type="deepseek_v3", intermediate_size=128, moe_intermediate_size=32,
+                        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        n_shared_experts=1, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=ALTERNATING),
+}  # fmt: skip
+
+
+def tiny_config(name: str) -> PretrainedConfig:
+    kwargs = {**BASE, **FAMILIES[name]}
+    return AutoConfig.for_model(str(kwargs.pop("model_type")), **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_split_path_equals_hugging_face(name):
+    report = check_split(tiny_config(name), twin=False)
+    assert report.ok, report.problems
+    assert set(report.diffs) == {"full forward", "left-padded batch", "cached decode"}
+    assert max(report.diffs.values()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "deepseek_v3", "falcon_alibi"])
+def test_self_check_on_a_shrunk_twin_of_a_bigger_config(name):
+    config = tiny_config(name)
+    config.hidden_size, config.num_hidden_layers = 128, 6
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    assert check_split(config).ok
+    assert require_exact(config).label == family_of(config).label
+
+
+def test_the_family_is_found_from_the_architecture_not_the_model_type():
+    config = tiny_config("gemma3_text")
+    assert family_of(config).lm_class.__name__ == "Gemma3ForCausalLM"
+    config.architectures = ["Gemma3ForCausalLM"]
+    assert family_of(config).label == "gemma3_text"
+    config.architectures = ["NoSuchForCausalLM"]
+    with pytest.raises(BadInputError, match="NoSuchForCausalLM"):
+        family_of(config)
+
+
+def test_attention_is_the_one_the_family_supports():
+    assert family_of(tiny_config("gemma2")).config._attn_implementation == "eager"
+    assert family_of(tiny_config("gpt_oss")).config._attn_implementation == "eager"
+    assert family_of(tiny_config("bloom")).config._attn_implementation == "eager"
+    assert family_of(tiny_config("llama")).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "name, broken, what",
+    [
+        ("gpt_oss", dict(attn="sdpa"), "off by"),  # sdpa silently drops the attention sinks
+        ("bloom", dict(attn="sdpa"), "off by"),  # a boolean mask where BLOOM adds a float one
+        ("gpt2", dict(positions=None), "the client's embeddings"),  # learned positions never added
+        ("gpt_neox", dict(call="decoder"), "cached decode"),  # cache= instead of layer_past=: nothing cached
+        ("gemma3_text", dict(rotary="shared"), "off by|TypeError"),  # one rotary where each layer type has its own
+        ("gemma2", dict(norm="missing"), "AttributeError|building"),
+    ],
+)
+def test_the_self_check_refuses_a_broken_family(name, broken, what):
+    config = tiny_config(name)
+    spec = SPECS[family_of(config).lm_class.__name__]
+    attn = broken.pop("attn", None)
+    report = check_split(config, spec=dataclasses.replace(spec, **broken), attn=attn, twin=False)  # type: ignore[arg-type]
+    assert not report.ok
+    assert any(__import__("re").search(what, p) for p in report.problems), report.problems
+
+
+def test_declared_unsupported_settings_are_refused():
+    config = tiny_config("llama")
+    config.quantization_config = {"quant_method": "fp8"}
+    with pytest.raises(BadInputError, match="quantized weights \\(fp8\\)"):
+        require_exact(config)
+    gpt2 = tiny_config("gpt2")
+    gpt2.add_cross_attention = True
+    with pytest.raises(BadInputError, match="cross-attention"):
+        family_of(gpt2)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gpt2", "gpt_neox", "gemma2"])
+def test_layers_and_local_parts_load_from_a_saved_folder(name, tmp_path):
+    """What ``save_pretrained`` writes (per-expert files, NeoX's ``embed_out``, tied heads) loads into the same math."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm.model_files import read_tensors, weight_map
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32).eval()
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    family = family_of(ref.config)
+    ref_layers = getattr(getattr(ref, family.base_prefix), family.layers_attr)
+    sizes = weights.block_bytes(family, tmp_path, torch.float32)
+    for i in range(family.num_layers):
+        layer = weights.load_layer(family, tmp_path, i, torch.float32, "cpu")
+        want = ref_layers[i].state_dict()
+        got = layer.state_dict()
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert sizes[i] == sum(t.numel() * 4 for t in want.values() if t.is_floating_point())
+    model = local.local_model(family)
+    names = local.disk_to_local(family, weight_map(tmp_path), model)
+    state = {names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()}
+    local.load_local(family, model, state)
+    ids = torch.randint(1, 320, (1, 5))
+    with torch.no_grad():
+        hidden = local.embed(family, model, ids)
+        assert torch.allclose(hidden, ref(ids, output_hidden_states=True).hidden_states[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_cache_bytes_match_what_transformers_caches(name):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    config = tiny_config(name)
+    family = family_of(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    cache = DynamicCache(config=model.config)
+    context = 14
+    with torch.no_grad():
+        model(torch.randint(1, 320, (1, context)), cache=cache, use_cache=True)
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+    assert kv.cache_bytes(family, range(family.num_layers), context, 1) == held
