@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from transformers import PretrainedConfig
+
 from swarm.families.spec import Family
 
 
-def _head_dim(config: object) -> int:
+def _head_dim(config: PretrainedConfig) -> int:
     explicit = getattr(config, "head_dim", None)
-    return (
-        int(explicit)
-        if explicit
-        else int(config.hidden_size) // int(config.num_attention_heads)
-    )
+    return int(explicit) if explicit else int(config.hidden_size) // int(config.num_attention_heads)
 
 
 def elements_per_token(family: Family, index: int) -> int:

@@ -25,18 +25,19 @@ def local_model(
     them with ``load_local``)."""
     config = copy.deepcopy(family.config)
     config.num_hidden_layers = 0
+    config._attn_implementation = None  # no attention runs here: the class's own default, never a refused one
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = []
     with torch.device(device):
         model = family.lm_class(config)
-    model.to(dtype)
-    model.eval()
+    torch.nn.Module.to(model, dtype)
+    model.train(False)
     return model
 
 
-def _base(family: Family, model: torch.nn.Module) -> torch.nn.Module:
+def _base(family: Family, model: torch.nn.Module) -> PreTrainedModel:
     base = getattr(model, family.base_prefix)
-    assert isinstance(base, torch.nn.Module)
+    assert isinstance(base, PreTrainedModel)
     return base
 
 
@@ -61,7 +62,7 @@ def embed(family: Family, model: torch.nn.Module, ids: torch.Tensor,
 def head(family: Family, model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's hidden states: final norm, LM head, then the final soft-cap if configured."""
     norm = getattr(_base(family, model), family.spec.norm)
-    lm_head = model.get_output_embeddings()
+    lm_head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
     assert isinstance(lm_head, torch.nn.Module)
     logits: torch.Tensor = lm_head(norm(hidden))
     cap = getattr(family.config, "final_logit_softcapping", None)
@@ -97,7 +98,7 @@ def disk_to_local(family: Family, disk_names: Iterable[str], model: torch.nn.Mod
 def load_local(family: Family, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> None:
     """Fill the local parts from ``state`` (module names); the head takes the embeddings when the config ties them."""
     tied = bool(getattr(family.config, "tie_word_embeddings", False))
-    head_module = model.get_output_embeddings()
+    head_module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
     head_names = {f"{n}.weight" for n, m in model.named_modules() if m is head_module}
     missing = [n for n in local_names(model) if n not in state and not (tied and n in head_names)]
     if missing:

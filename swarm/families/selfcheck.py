@@ -10,7 +10,7 @@ separately by the strict per-layer load."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -62,11 +62,11 @@ def shrink(config: PretrainedConfig) -> PretrainedConfig:
     if layer_types:
         twin.layer_types = [kinds[i % len(kinds)] for i in range(LAYERS)]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value >= VOCAB:
+        token: object = getattr(config, key, None)
+        if isinstance(token, int) and token >= VOCAB:
             setattr(twin, key, 0)
-        elif isinstance(value, list):
-            setattr(twin, key, [v if v < VOCAB else 0 for v in value])
+        elif isinstance(token, list):
+            setattr(twin, key, [v if v < VOCAB else 0 for v in token])
     twin._attn_implementation = getattr(config, "_attn_implementation_internal", None)
     return twin
 
@@ -123,8 +123,11 @@ def _reference(family: Family, config: PretrainedConfig, seed: int) -> PreTraine
     """Hugging Face's model of the twin, with the attention it picks by itself, weights perturbed (norms initialised to
     0 or 1 and zero routers would hide mistakes)."""
     ref_config = copy.deepcopy(config)
+    ref_config._attn_implementation = None  # Hugging Face's own choice for this class, not the family layer's
     torch.manual_seed(seed)
-    ref = family.lm_class(ref_config).to(torch.float32).eval()
+    ref = family.lm_class(ref_config)
+    torch.nn.Module.to(ref, torch.float32)
+    ref.train(False)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in ref.parameters():
@@ -173,7 +176,7 @@ def check_split(config: PretrainedConfig, *, spec: FamilySpec | None = None, att
     keep = mask.bool()
     with torch.no_grad():
         plain, padded = ref(ids).logits, ref(ids, attention_mask=mask).logits
-        passes = {
+        passes: dict[str, Callable[[], torch.Tensor]] = {
             "full forward": lambda: (split.run(ids, None, None, 0) - plain).abs().max(),
             "left-padded batch": lambda: (split.run(ids, mask, None, 0) - padded)[keep].abs().max(),
             "cached decode": lambda: (_decode(split, ids, mask) - padded)[keep].abs().max(),
@@ -207,6 +210,7 @@ def require_exact(config: PretrainedConfig) -> Family:
     if not report.ok:
         import transformers
 
-        raise BadInputError(f"{family.label}: the split path does not reproduce transformers {transformers.__version__} "
-                            f"exactly, so this model is refused: {'; '.join(report.problems)}")  # fmt: skip
+        version = transformers.__version__
+        raise BadInputError(f"{family.label}: the split path does not reproduce transformers {version} exactly, so "
+                            f"this model is refused: {'; '.join(report.problems)}")  # fmt: skip
     return family

@@ -107,16 +107,17 @@ def lm_class_of(config: PretrainedConfig) -> type[PreTrainedModel]:
 
     declared = list(getattr(config, "architectures", None) or [])
     if declared:
-        cls = getattr(transformers, declared[0], None)
-        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        found = getattr(transformers, declared[0], None)
+        if not (isinstance(found, type) and issubclass(found, PreTrainedModel)):
             raise BadInputError(f"architecture {declared[0]!r} is not a class transformers {transformers.__version__} "
                                 f"knows; supported families: {', '.join(supported_labels())}")  # fmt: skip
-        return cls
-    try:
-        mapped: type[PreTrainedModel] = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
+        return found
+    mapped: object = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if isinstance(mapped, tuple):
+        mapped = mapped[0]
+    if not (isinstance(mapped, type) and issubclass(mapped, PreTrainedModel)):
         raise BadInputError(f"{type(config).__name__} has no causal-LM class in transformers; supported "
-                            f"families: {', '.join(supported_labels())}") from None  # fmt: skip
+                            f"families: {', '.join(supported_labels())}")  # fmt: skip
     return mapped
 
 
@@ -132,7 +133,8 @@ def declared_problems(config: PretrainedConfig, spec: FamilySpec) -> list[str]:
     """What the family layer says it cannot serve exactly in this config, as sentences (empty: nothing)."""
     problems = []
     if getattr(config, "quantization_config", None):
-        method = dict(config.quantization_config).get("quant_method", "?")  # type: ignore[call-overload]
+        quant = config.quantization_config
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
         problems.append(f"quantized weights ({method}): dequantize the checkpoint first")
     for attr, why in spec.refuse:
         if getattr(config, attr, False):
@@ -193,10 +195,12 @@ def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: st
     if problems:
         raise BadInputError(f"{spec.label}: cannot serve this model exactly: {'; '.join(problems)}")
     config = copy.deepcopy(config)
-    if spec.needs_eager or attn is not None:
-        config._attn_implementation = attn or "eager"
+    if spec.needs_eager:
+        config._attn_implementation = "eager"
     with torch.device("meta"):
         model = lm_class(config)  # resolves the attention and experts implementations into ``config``
+    if attn is not None:  # after the class's own checks, as a server that forced it on its layers would
+        config._attn_implementation = attn
     base = getattr(model, lm_class.base_model_prefix)
     attr = next((a for a in ("layers", "h") if isinstance(getattr(base, a, None), torch.nn.ModuleList)), None)
     if attr is None:
