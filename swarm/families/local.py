@@ -35,17 +35,24 @@ def local_model(
     return model
 
 
-def _base(family: Family, model: torch.nn.Module) -> PreTrainedModel:
+def base_of(family: Family, model: torch.nn.Module) -> PreTrainedModel:
+    """The base model (embeddings and final norm) of a causal LM of the family."""
     base = getattr(model, family.base_prefix)
     assert isinstance(base, PreTrainedModel)
     return base
 
 
-def embed(family: Family, model: torch.nn.Module, ids: torch.Tensor,
+def head_of(model: PreTrainedModel) -> torch.nn.Module:
+    lm_head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    assert isinstance(lm_head, torch.nn.Module)
+    return lm_head
+
+
+def embed(family: Family, base: PreTrainedModel, ids: torch.Tensor,
           position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:  # fmt: skip
-    """What enters the first layer: token embeddings (scaled inside Gemma's module), plus learned positions (GPT-2;
-    ``position_ids`` default to ``past`` onwards, as Hugging Face's), then BLOOM's embedding norm."""
-    base = _base(family, model)
+    """What enters the first layer, from the base model's modules: token embeddings (scaled inside Gemma's module),
+    plus learned positions (GPT-2; ``position_ids`` default to ``past`` onwards, as Hugging Face's), then BLOOM's
+    embedding norm."""
     embedding = base.get_input_embeddings()
     assert isinstance(embedding, torch.nn.Module)
     hidden: torch.Tensor = embedding(ids)
@@ -59,11 +66,9 @@ def embed(family: Family, model: torch.nn.Module, ids: torch.Tensor,
     return hidden
 
 
-def head(family: Family, model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+def head(family: Family, base: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's hidden states: final norm, LM head, then the final soft-cap if configured."""
-    norm = getattr(_base(family, model), family.spec.norm)
-    lm_head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
-    assert isinstance(lm_head, torch.nn.Module)
+    norm = getattr(base, family.spec.norm)
     logits: torch.Tensor = lm_head(norm(hidden))
     cap = getattr(family.config, "final_logit_softcapping", None)
     if cap is not None:

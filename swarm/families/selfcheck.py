@@ -105,7 +105,7 @@ class _Split:
     def run(self, ids: torch.Tensor, mask: torch.Tensor | None, caches: list[DynamicCache] | None, past: int,
             trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         family = self.family
-        hidden = local.embed(family, self.local, ids, past=past)
+        hidden = local.embed(family, local.base_of(family, self.local), ids, past=past)
         if trace is not None:
             trace.append(hidden)
         for k, (start, end) in enumerate(self.spans):
@@ -116,7 +116,7 @@ class _Split:
                 hidden = span.call_layer(family, self.layers[i], i, hidden, inputs, cache)
                 if trace is not None:
                     trace.append(hidden)
-        return local.head(family, self.local, hidden)
+        return local.head(family, local.base_of(family, self.local), local.head_of(self.local), hidden)
 
 
 def _reference(family: Family, config: PretrainedConfig, seed: int) -> PreTrainedModel:
@@ -157,6 +157,12 @@ def check_split(config: PretrainedConfig, *, spec: FamilySpec | None = None, att
                 spans: Sequence[tuple[int, int]] = ((0, 2), (2, 4))) -> CheckReport:  # fmt: skip
     """Compare the split path with Hugging Face's forward on (a shrunk twin of) ``config``. ``spec``/``attn``:
     override the family layer's choices (tests prove that wrong choices are caught)."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # the check never moves the process's seeds
+        return _check(config, spec, attn, twin, seed, spans)
+
+
+def _check(config: PretrainedConfig, spec: FamilySpec | None, attn: str | None, twin: bool, seed: int,
+           spans: Sequence[tuple[int, int]]) -> CheckReport:  # fmt: skip
     small = shrink(config) if twin else copy.deepcopy(config)
     try:
         family = family_of(small, spec, attn)

@@ -155,7 +155,7 @@ def test_layers_and_local_parts_load_from_a_saved_folder(name, tmp_path):
     local.load_local(family, model, state)
     ids = torch.randint(1, 320, (1, 5))
     with torch.no_grad():
-        hidden = local.embed(family, model, ids)
+        hidden = local.embed(family, local.base_of(family, model), ids)
         assert torch.allclose(hidden, ref(ids, output_hidden_states=True).hidden_states[0], atol=1e-6)
 
 
