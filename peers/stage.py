@@ -124,13 +124,12 @@ class ServingStage:
     def from_config(cls, cfg: PeerConfig) -> ServingStage:
         card = load_model_card(cfg.model)
         folder = model_folder(card, cfg.cache_dir)
-        config = load_config(folder)
-        config._attn_implementation = "sdpa"
+        family = family_for(load_config(folder))  # refuses, naming why, what it cannot serve exactly
+        config = family.config  # with the attention implementation the family runs
         dtype_name = cfg.compute.dtype or card.dtype
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise BadInputError(f"unknown dtype {dtype_name!r}")
-        family = family_for(config)
         # by the dtype's canonical name ("half" is float16): clients compute the fingerprints they accept that way
         fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cfg.cache_dir)
         if cfg.compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
@@ -153,7 +152,7 @@ class ServingStage:
 
     def _layers(self, span: Span) -> torch.nn.ModuleList:
         m = self.model
-        layers = load_span(self.folder, m.config, m.family, span, m.dtype, self.device)
+        layers = load_span(self.folder, m.family, span, m.dtype, self.device)
         if self.perturb:
             _perturb(layers, self.perturb)
         return layers

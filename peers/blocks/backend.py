@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from peers.adapters import Adapter
-from peers.blocks.families import Family
 from swarm.errors import BadInputError
+from swarm.families import span as family_span
+from swarm.families.spec import Family
 from swarm.ids import Span
 from swarm.records import ALL_CAPABILITIES
 from swarm.tuning import linear_modules
@@ -41,8 +41,8 @@ class SpanBackend:
         self.span = span
         self.device = torch.device(device)
         self.dtype = dtype
-        self.rotary = family.rotary_cls(config).to(self.device)  # weightless: built here, not loaded
-        self.sliding = [family.is_sliding(config, i) for i in range(span.start, span.end)]
+        # weightless: built here, not loaded (none for learned positions or ALiBi; per layer type for Gemma 3)
+        self.rotary = family.new_rotary(self.device)
         self.linears = linear_modules(layers[0]) if len(layers) else {}
         # The adapter of the request being computed. A context variable, not an attribute: small inference steps run
         # on the RPC loop's thread while the compute thread may be running another client's request.
@@ -82,10 +82,11 @@ class SpanBackend:
         return hook
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return family_span.new_cache(self.family)
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [*self.layers.parameters(), *self.layers.buffers(), *self.rotary.buffers()]
+        rotary = [*self.rotary.buffers()] if self.rotary is not None else []
+        return [*self.layers.parameters(), *self.layers.buffers(), *rotary]
 
     def run(
         self,
@@ -123,45 +124,23 @@ class SpanBackend:
         adapter: Adapter | None,
     ) -> torch.Tensor:
         hidden = hidden.to(self.device)
-        batch, n = hidden.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=self.device).unsqueeze(0).expand(batch, -1)
-        else:
+        n = hidden.shape[1]
+        if position_ids is not None:
             position_ids = position_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-        position_embeddings = self.rotary(hidden, position_ids)
-        local = range(sub.start - self.span.start, sub.end - self.span.start)
-        masks = {}
-        for kind in {self.sliding[i] for i in local}:
-            first = next(i for i in local if self.sliding[i] == kind)
-            make = create_sliding_window_causal_mask if kind else create_causal_mask
-            masks[kind] = make(
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                cache=cache,
-                position_ids=position_ids,
-                layer_idx=self.span.start + first,
-            )
+        indices = range(sub.start, sub.end)
+        # positions, masks by layer type, rotary tables, ALiBi: what the family's model computes around its layers
+        inputs = family_span.span_inputs(self.family, self.rotary, hidden, indices, attention_mask=attention_mask,
+                                         position_ids=position_ids, cache=cache, past=past)  # fmt: skip
         prompts = adapter.prompt_tokens if adapter is not None else 0
         if prompts and past == 0 and n < prompts:
             raise BadInputError(f"deep prompts of {prompts} tokens need at least that many positions, got {n}")
         if prompts and 0 < past < prompts:
             raise BadInputError(f"a step at position {past} falls inside the deep prompts' {prompts} positions")
         deeps = adapter.deep if adapter is not None and prompts and past == 0 else {}
-        for i in local:
-            deep = deeps.get(self.span.start + i)
+        for index in indices:
+            deep = deeps.get(index)
             if deep is not None:  # the prompt positions of this block's input get the block's own prompt added
                 hidden = torch.cat([hidden[:, :prompts] + deep.to(hidden.dtype), hidden[:, prompts:]], dim=1)
-            out = self.layers[i](
-                hidden,
-                attention_mask=masks[self.sliding[i]],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-                position_embeddings=position_embeddings,
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
-        assert isinstance(hidden, torch.Tensor)
+            layer = self.layers[index - self.span.start]
+            hidden = family_span.call_layer(self.family, layer, index, hidden, inputs, cache)
         return hidden

@@ -19,9 +19,10 @@ import torch
 from transformers import PretrainedConfig
 
 from peers.adapters import Adapter
-from peers.blocks.families import Family
 from peers.blocks.onnx_export import head_dim
 from peers.blocks.runtime import require
+from swarm.errors import BadInputError
+from swarm.families.spec import Family
 from swarm.ids import Span
 from swarm.records import Capability
 
@@ -60,8 +61,11 @@ class OnnxSpan:
         self.span = span
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        self.rotary = family.rotary_cls(config)  # weightless: the same tables as the torch runtime's
-        self.sliding = [family.is_sliding(config, i) for i in span]
+        rotary = family.new_rotary("cpu")  # weightless: the same tables as the torch runtime's
+        if rotary is None:
+            raise BadInputError(f"the ONNX runtime serves rotary families, not {family.label}")
+        self.rotary = rotary
+        self.sliding = [family.layer_kind(i) == "sliding_attention" for i in span]
         window = getattr(config, "sliding_window", None)
         self.window = int(window) if window else None
         self.kv_heads, self.head_dim = int(config.num_key_value_heads), head_dim(config)

@@ -52,8 +52,9 @@ class TrainableStage:
             raise BadInputError(f"run {run.name}: stages end at block {run.stages[-1].end}, the model has "
                                 f"{config.num_hidden_layers}")  # fmt: skip
         family = family_for(config)
+        config = family.config  # with the attention implementation the family runs
         with torch.device("meta"):
-            block = family.layer_cls(config, layer_idx=0)
+            block = family.build_layer(0)
         per_block = sum(p.numel() for p in block.parameters()) * 4 * 4  # weights, gradients, two Adam moments
         # the fingerprint names the run: its weights change as it learns
         model = ModelInfo(run.model_id, config, family, torch.float32, f"trainable:{run.name}", per_block)
@@ -80,10 +81,10 @@ class TrainableStage:
         m, run = self.model, self.run
         folder = run.source_folder()
         if folder is not None:
-            layers = load_span(folder, m.config, m.family, span, torch.float32, self.device)
+            layers = load_span(folder, m.family, span, torch.float32, self.device)
         else:
             with torch.device(self.device):
-                layers = torch.nn.ModuleList(m.family.layer_cls(m.config, layer_idx=i) for i in span)
+                layers = torch.nn.ModuleList(m.family.build_layer(i) for i in span)
             for i, layer in enumerate(layers):
                 init_module(layer, f"model.layers.{span.start + i}.", m.config, run.seed)
         folder = self.checkpoint_dir or run.checkpoint_dir / f"stage-{span.start}-{span.end}"
@@ -141,7 +142,7 @@ class TrainableStage:
         """A freshly initialised block (nothing downloaded): what one block costs on this device."""
         m = self.model
         with torch.device(self.device):
-            layer = m.family.layer_cls(m.config, layer_idx=0)
+            layer = m.family.build_layer(0)
         return SpanBackend(m.config, m.family, torch.nn.ModuleList([layer]), Span(0, 1), self.device, torch.float32)
 
     def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:

@@ -28,12 +28,10 @@ SPAN = Span(0, 4)
 
 
 def runtimes(folder, exports) -> tuple[SpanBackend, OnnxSpan]:
-    config = load_config(folder)
-    config._attn_implementation = "sdpa"
-    family = family_for(config)
-    layers = load_span(folder, config, family, SPAN, torch.float32, "cpu")
-    graphs = export_span(exports, config, SPAN,
-                         lambda s: load_span(folder, config, family, s, torch.float32, "cpu"))  # fmt: skip
+    family = family_for(load_config(folder))
+    config = family.config
+    layers = load_span(folder, family, SPAN, torch.float32, "cpu")
+    graphs = export_span(exports, config, SPAN, lambda s: load_span(folder, family, s, torch.float32, "cpu"))
     return SpanBackend(config, family, layers, SPAN, "cpu", torch.float32), OnnxSpan(config, family, SPAN, graphs, 1)
 
 
@@ -126,7 +124,7 @@ def test_exports_are_written_once_and_reused(tiny_models, tmp_path):
 
     def layers_for(span: Span) -> torch.nn.ModuleList:
         loads.append(span)
-        return load_span(folder, config, family, span, torch.float32, "cpu")
+        return load_span(folder, family, span, torch.float32, "cpu")
 
     export_span(tmp_path, config, Span(1, 3), layers_for)
     assert loads == [Span(1, 3)] and all(block_path(tmp_path, i).exists() for i in (1, 2))

@@ -49,8 +49,8 @@ def test_load_span_reads_only_its_blocks(tmp_path, monkeypatch, model_type, extr
     config = AutoConfig.from_pretrained(folder)
     read = []
     original = model_files.read_tensors
-    monkeypatch.setattr("peers.blocks.loader.read_tensors", lambda f, names: read.extend(names) or original(f, names))
-    layers = load_span(folder, config, family_for(config), Span(1, 3), torch.float32, "cpu")
+    monkeypatch.setattr("swarm.model_files.read_tensors", lambda f, names: read.extend(names) or original(f, names))
+    layers = load_span(folder, family_for(config), Span(1, 3), torch.float32, "cpu")
     assert read and all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in read)
     full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for ours, theirs in zip(layers, full.model.layers[1:3], strict=True):
