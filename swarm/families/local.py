@@ -2,8 +2,10 @@
 learned positions, an embedding norm) and after the last (the final norm under its family's name, the LM head, a
 final-logit soft-cap).
 
-They are the family's own causal-LM class with zero layers, built on a real device (not meta): non-persistent
-buffers such as Gemma's ``embed_scale`` are then computed by the class itself, and tying is the class's own."""
+They are the family's own causal-LM class with zero layers, built on the meta device (no memory: tensors are assigned
+when loaded). Its non-persistent buffers (Gemma's ``embed_scale``; rotary tables the client never uses) are not in
+any checkpoint, so ``restore_buffers`` takes them from the same class built for real with a tiny vocabulary: left on
+meta they would crash, left empty they would silently scale embeddings by garbage."""
 
 from __future__ import annotations
 
@@ -12,27 +14,51 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from swarm.errors import BadInputError
 from swarm.families.spec import Family
 
 
-def local_model(
-    family: Family, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> PreTrainedModel:
-    """The family's causal LM without decoder layers: embeddings, final norm and head (randomly initialised; fill
-    them with ``load_local``)."""
-    config = copy.deepcopy(family.config)
+def _zero_layers(config: PretrainedConfig) -> PretrainedConfig:
+    config = copy.deepcopy(config)
     config.num_hidden_layers = 0
     config._attn_implementation = None  # no attention runs here: the class's own default, never a refused one
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = []
-    with torch.device(device):
-        model = family.lm_class(config)
-    torch.nn.Module.to(model, dtype)
+    return config
+
+
+def local_model(family: Family, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """The family's causal LM without decoder layers: embeddings, final norm and head. On ``meta`` as built; on a
+    real device with its parameters uninitialised (fill them with ``load_local``) and its buffers restored."""
+    with torch.device("meta"):
+        model = family.lm_class(_zero_layers(family.config))
     model.train(False)
+    if torch.device(device).type != "meta":
+        model.to_empty(device=device)
+        restore_buffers(family, base_of(family, model))
     return model
+
+
+def restore_buffers(family: Family, base: torch.nn.Module) -> None:
+    """Give ``base``'s non-persistent buffers their values, computed by the class itself (on a tiny-vocabulary twin:
+    no buffer depends on the vocabulary), on the device of ``base``'s embeddings."""
+    small = _zero_layers(family.config)
+    small.vocab_size = 8
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if hasattr(small, key):
+            setattr(small, key, None)
+    with torch.device("cpu"):
+        twin = base_of(family, family.lm_class(small))
+    persistent = set(base.state_dict())
+    weight = base.get_input_embeddings().weight  # type: ignore[operator]
+    for name, value in twin.named_buffers():
+        if name in persistent:
+            continue
+        path, _, leaf = name.rpartition(".")
+        owner = base.get_submodule(path)
+        owner._buffers[leaf] = value.to(weight.device if not weight.is_meta else "cpu")  # in the class's own dtype
 
 
 def base_of(family: Family, model: torch.nn.Module) -> PreTrainedModel:
@@ -112,6 +138,7 @@ def load_local(family: Family, model: PreTrainedModel, state: Mapping[str, torch
     if tied:
         assert isinstance(head_module, torch.nn.Module)
         head_module.weight = model.get_input_embeddings().weight
+    restore_buffers(family, base_of(family, model))  # on the loaded weights' device and dtype
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise BadInputError(f"{family.label}: local tensors left without values: {left}")
