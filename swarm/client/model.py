@@ -27,7 +27,10 @@ from swarm.client.sequential import RemoteChain
 from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
-from swarm.model_files import load_config, model_folder, new_model, read_tensors, served_fingerprints, weight_map
+from swarm.families import local
+from swarm.families.selfcheck import require_exact
+from swarm.families.spec import Family, family_of
+from swarm.model_files import load_config, model_folder, read_tensors, served_fingerprints, weight_map
 from swarm.plan.compile import ModelShape, float_dtype
 from swarm.plan.ir import Plan, Task
 from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
@@ -37,16 +40,7 @@ from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 log = logging.getLogger(__name__)
 
-LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")
-
-
-class _LocalParts(torch.nn.Module):
-    """Where a Hugging Face causal LM keeps its embeddings and final norm (``model.embed_tokens``, ``model.norm``)."""
-
-    def __init__(self, embed_tokens: torch.nn.Module, norm: torch.nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.norm = norm
+LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")  # the Llama-like families' local tensors
 
 
 # transformers leaves PreTrainedModel.__init_subclass__ unannotated
@@ -57,13 +51,16 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     _supports_sdpa = True
 
     def __init__(self, config: PretrainedConfig) -> None:
+        family = family_of(config)  # before transformers sets its own attention choice on ``config``
         super().__init__(config)
-        # Build the family's full model on the meta device (no memory) and keep only its local parts.
-        with torch.device("meta"):
-            full = new_model(config)
-        self.model: _LocalParts = _LocalParts(full.model.embed_tokens, full.model.norm)
-        self.lm_head: torch.nn.Module = full.lm_head
-        self._block_linears = linear_modules(full.model.layers[0])  # LoRA's possible targets, with their shapes
+        # The family's causal LM without layers, on the meta device (no memory): its base model (embeddings, learned
+        # positions, final norm: ``self.model``, whatever the family calls it) and its head are the local parts.
+        self.family: Family = family
+        lm = local.local_model(self.family, device="meta")
+        self.model: PreTrainedModel = local.base_of(self.family, lm)
+        self.lm_head: torch.nn.Module = local.head_of(lm)
+        with torch.device("meta"):  # LoRA's possible targets, with their shapes
+            self._block_linears = linear_modules(self.family.build_layer(0))
         self.adapters: ClientAdapters | None = None
         self.loaded_tensor_names: tuple[str, ...] = ()
         self._conn: SwarmConnection | None = None
@@ -114,12 +111,11 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
-        config._attn_implementation = "sdpa"
+        require_exact(config)  # the family's local parts and spans reproduce Hugging Face, or this is refused
         model = cls(config)
-        names = [k for k in weight_map(folder) if k.startswith(LOCAL_PREFIXES)]  # never the blocks' tensors
-        state = read_tensors(folder, names)
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied embeddings
-        model._load_local({k: v.to(dtype) for k, v in state.items()})
+        names = model._disk_names(weight_map(folder))  # never the blocks' tensors
+        state = {names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()}
+        model._load_local(state)
         model.name_or_path = card.name
         model.train(False)
         if tuning is not None or adapter is not None:
@@ -140,7 +136,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     def local_tensor_names(cls, config: PretrainedConfig) -> list[str]:
         """The tensors a client holds (embeddings, final norm, LM head), by their Hugging Face names."""
         with torch.device("meta"):
-            return [k for k in cls(config).state_dict() if k.startswith(LOCAL_PREFIXES)]
+            return list(cls(config).state_dict())
 
     @classmethod
     def from_parts(
@@ -170,17 +166,30 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         model._connect(cfg, model_id, frozenset({fingerprint}) if fingerprint else None)
         return model
 
+    def _disk_names(self, disk: dict[str, str]) -> dict[str, str]:
+        """On-disk name -> this model's name, for the local tensors (the family's renames: NeoX's ``embed_out``,
+        prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
+        prefix = self.family.base_prefix + "."
+        lm = local.local_model(self.family, device="meta")
+        return {k: "model." + v[len(prefix) :] if v.startswith(prefix) else v
+                for k, v in local.disk_to_local(self.family, disk, lm).items()}  # fmt: skip
+
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict(state, strict=True, assign=True)
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        missing = [n for n in missing if not (tied and n == "lm_head.weight")]  # tied: the embeddings, below
+        if missing or unexpected:
+            raise BadInputError(f"local tensors missing: {missing}; unexpected: {unexpected}")
+        if tied:
+            self.lm_head.weight = self.model.get_input_embeddings().weight
+        local.restore_buffers(self.family, self.model)  # Gemma's embedding scale: in no checkpoint
         self.loaded_tensor_names = tuple(sorted(state))
 
     def _connect(self, cfg: ClientConfig, model_id: str, fingerprints: frozenset[str] | None) -> None:
         self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprints)
         remote = self.adapters is not None and self.adapters.applies_remotely
         self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
-        dtype = float_dtype(str(self.model.embed_tokens.weight.dtype).removeprefix("torch."))
+        dtype = float_dtype(str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch."))
         shape = ModelShape(
             model_id,
             int(self.config.num_hidden_layers),
@@ -281,7 +290,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         conn.notify([Hop.of(r) for r in conn.view.servers()], notice)
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        return self.model.embed_tokens
+        embeddings: torch.nn.Module = self.model.get_input_embeddings()
+        return embeddings
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head

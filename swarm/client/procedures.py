@@ -16,11 +16,14 @@ from swarm.client.inference_session import InferenceSession
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
 from swarm.errors import BadInputError
+from swarm.families import local
+from swarm.families.spec import Family
 
 
 class Procedures:
     # what the model provides (declared for the type checker; transformers reads these annotations at run time)
     config: PretrainedConfig
+    family: Family
     adapters: ClientAdapters | None
     _session: InferenceSession | None
     _pretraining: tuple[int, int] | None
@@ -110,12 +113,11 @@ class Procedures:
 
     # ---- the client's own modules, for the executor ---------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.model.embed_tokens(ids)
-        return out
+        # TODO(issue 17): learned positions (GPT-2) need the call's positions and past; they default to 0 onwards
+        return local.embed(self.family, self.model, ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.model.norm(hidden))
-        return out
+        return local.head(self.family, self.model, self.lm_head, hidden)  # final norm, head, logit soft-cap
 
     def prompt_vectors(self) -> torch.Tensor | None:
         return self.adapters.prompts if self.adapters is not None and self.prompt_tokens else None

@@ -172,3 +172,33 @@ def test_cache_bytes_match_what_transformers_caches(name):
         model(torch.randint(1, 320, (1, context)), cache=cache, use_cache=True)
     held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
     assert kv.cache_bytes(family, range(family.num_layers), context, 1) == held
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_neox", "bloom", "qwen3_moe"])
+def test_client_local_parts_match_hugging_face(name, tmp_path):
+    """The swarm client's own modules (``DistributedModelForCausalLM``, not connected) read from a saved folder:
+    embeddings (Gemma's scale, BLOOM's norm) and head (final norm under the family's name, soft-cap) as HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm.client.model import DistributedModelForCausalLM
+    from swarm.model_files import load_config, read_tensors, weight_map
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    client = DistributedModelForCausalLM(load_config(tmp_path))
+    names = client._disk_names(weight_map(tmp_path))
+    client._load_local({names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()})
+    norm_input: list[torch.Tensor] = []
+    family = client.family
+    norm = getattr(getattr(ref, family.base_prefix), family.spec.norm)
+    norm.register_forward_hook(lambda m, args, out: norm_input.append(args[0]))
+    ids = torch.randint(1, 320, (2, 7))
+    with torch.no_grad():
+        out = ref(ids, output_hidden_states=True)
+        assert torch.allclose(client.embed(ids), out.hidden_states[0], atol=1e-6)
+        assert torch.allclose(client.head(norm_input[-1]), out.logits, atol=1e-5)
+    assert not any(t.is_meta for t in [*client.parameters(), *client.buffers()])
