@@ -32,7 +32,7 @@ class Parts:
         self.norm = torch.nn.RMSNorm(hidden)
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         out: torch.Tensor = self.embed_tokens(ids)
         return out
 

@@ -42,7 +42,8 @@ class Context:
 class LocalOps(Protocol):
     """The client's own modules, by op."""
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def embed(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """What enters the first block (``ctx``'s positions: for families with learned positions)."""
 
     def prompts(self, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         """Put the trainable prompts in front (and extend ``ctx``'s mask and positions over them)."""
@@ -128,7 +129,7 @@ class Executor:
                     raise BadInputError(f"the {plan.task} plan needs {node.id}")
                 values[node.id] = value
             elif node.op == "embed":
-                values[node.id] = local.embed(values[node.inputs[0]])
+                values[node.id] = local.embed(values[node.inputs[0]], ctx)
             elif isinstance(node, Prompts):
                 values[node.id] = local.prompts(values[node.inputs[0]], ctx)
             elif isinstance(node, Head):

@@ -103,6 +103,10 @@ class Procedures:
             ones = torch.ones(batch, prefix, dtype=torch.int64)
             full_mask = None if full_mask is None else torch.cat([ones, full_mask.to(torch.int64)], dim=1)
             position_ids = None if position_ids is None else position_ids + prefix
+        if position_ids is None and self.family.spec.positions is not None and not prefix:
+            # learned positions are added here, on the client: a step's continue from what the servers hold
+            start = session.position
+            position_ids = torch.arange(start, start + new.shape[1]).unsqueeze(0).expand(batch, -1)
         padded = full_mask is not None and not bool(full_mask.all())
         ctx = Context(full_mask if padded else None, position_ids)
         logits = self.runner.session_step(session, new, ctx, prefix if first else 0)
@@ -112,9 +116,9 @@ class Procedures:
         return logits
 
     # ---- the client's own modules, for the executor ---------------------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        # TODO(issue 17): learned positions (GPT-2) need the call's positions and past; they default to 0 onwards
-        return local.embed(self.family, self.model, ids)
+    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings, plus learned positions (GPT-2: ``position_ids``, by default 0 onwards)."""
+        return local.embed(self.family, self.model, ids, position_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return local.head(self.family, self.model, self.lm_head, hidden)  # final norm, head, logit soft-cap

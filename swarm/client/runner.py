@@ -27,7 +27,7 @@ from swarm.rpc.hop import Hop
 class ModelParts(Protocol):
     """What the runner uses of the model: its local modules and trainable prompts."""
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -58,8 +58,8 @@ class ModelOps:
     def __init__(self, parts: ModelParts) -> None:
         self.parts = parts
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.parts.embed(ids)
+    def embed(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return self.parts.embed(ids, ctx.positions)
 
     def prompts(self, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         vectors = self.parts.prompt_vectors()
