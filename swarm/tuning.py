@@ -47,12 +47,19 @@ class TuningSpec:
 
 
 def linear_modules(block: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """Path -> (in_features, out_features) of every ``nn.Linear`` inside one decoder block (LoRA's possible targets)."""
-    return {
-        name: (m.in_features, m.out_features)
-        for name, m in block.named_modules()
-        if isinstance(m, torch.nn.Linear) and name
-    }
+    """Path -> (in_features, out_features) of every ``nn.Linear`` inside one decoder block (LoRA's possible targets),
+    and of GPT-2's ``Conv1D`` (a linear map whose weight is stored transposed, [in, out]: PEFT's ``fan_in_fan_out``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    out: dict[str, tuple[int, int]] = {}
+    for name, m in block.named_modules():
+        if not name:
+            continue
+        if isinstance(m, torch.nn.Linear):
+            out[name] = (m.in_features, m.out_features)
+        elif isinstance(m, Conv1D):
+            out[name] = (int(m.weight.shape[0]), int(m.nf))
+    return out
 
 
 def resolve_targets(targets: tuple[str, ...], available: dict[str, tuple[int, int]]) -> tuple[str, ...]:
