@@ -202,3 +202,27 @@ def test_client_local_parts_match_hugging_face(name, tmp_path):
         assert torch.allclose(client.embed(ids), out.hidden_states[0], atol=1e-6)
         assert torch.allclose(client.head(norm_input[-1]), out.logits, atol=1e-5)
     assert not any(t.is_meta for t in [*client.parameters(), *client.buffers()])
+
+
+def test_a_server_refuses_at_start_what_it_cannot_serve_exactly(tmp_path):
+    """A quantized checkpoint (FP8 DeepSeek, MXFP4 GPT-OSS) is refused by the serving stage, naming why."""
+    import json
+
+    from peers.config import PeerConfig
+    from peers.stage import ServingStage
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BadInputError, match="quantized weights \\(fp8\\)"):
+        ServingStage.from_config(PeerConfig(model=str(folder), cache_dir=tmp_path))
+
+
+def test_gpt2_conv1d_layers_are_lora_targets():
+    from swarm.tuning import linear_modules
+
+    with torch.device("meta"):
+        block = family_of(tiny_config("gpt2")).build_layer(0)
+    assert linear_modules(block)["attn.c_attn"] == (64, 192)
