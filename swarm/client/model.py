@@ -205,7 +205,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         adapters = ClientAdapters(spec, {p: self._block_linears[p] for p in paths}, int(self.config.num_hidden_layers),
                                   int(self.config.hidden_size))  # fmt: skip
         if folder is not None:
-            peft_format.load_into(adapters, Path(folder))
+            peft_format.load_into(adapters, Path(folder), self.family.layers_path)
         for p in self.parameters():
             p.requires_grad_(False)
         self.adapters = adapters
@@ -214,7 +214,13 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """Write the adapter in the PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         if self.adapters is None:
             raise BadInputError("this model has no adapter: load it with tuning=... to train one")
-        peft_format.save(self.adapters, Path(folder), self.name_or_path or "", int(self.config.num_attention_heads))
+        from transformers.pytorch_utils import Conv1D
+
+        with torch.device("meta"):
+            block = self.family.build_layer(0)
+        conv = any(isinstance(m, Conv1D) for n, m in block.named_modules() if n in self.adapters.targets)
+        peft_format.save(self.adapters, Path(folder), self.name_or_path or "", int(self.config.num_attention_heads),
+                         self.family.layers_path, fan_in_fan_out=conv)  # fmt: skip
 
     @property
     def prompt_tokens(self) -> int:

@@ -18,19 +18,25 @@ from swarm.tuning import TuningSpec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-LORA_PREFIX = "base_model.model.model.layers."
+LORA_PREFIX = "base_model.model.model.layers."  # Llama-like families; others: lora_prefix(their layers' path)
 PEFT_TYPES = {"lora": "LORA", "prompt": "PROMPT_TUNING", "deep_prompt": "SWARM_DEEP_PROMPT"}
 
 
-def peft_tensors(adapters: ClientAdapters) -> dict[str, torch.Tensor]:
+def lora_prefix(layers_path: str) -> str:
+    """PEFT's key prefix of block tensors, from the causal LM's layer path (``model.layers``, ``transformer.h``)."""
+    return f"base_model.model.{layers_path}."
+
+
+def peft_tensors(adapters: ClientAdapters, layers_path: str = "model.layers") -> dict[str, torch.Tensor]:
     """The adapter's parameters under PEFT's file key names."""
     out: dict[str, torch.Tensor] = {}
+    prefix = lora_prefix(layers_path)
     if adapters.spec.mode == "lora":
         for block in range(adapters.num_blocks):
             for path in adapters.targets:
                 pair = adapters.pair(block, path)
-                out[f"{LORA_PREFIX}{block}.{path}.lora_A.weight"] = pair.A
-                out[f"{LORA_PREFIX}{block}.{path}.lora_B.weight"] = pair.B
+                out[f"{prefix}{block}.{path}.lora_A.weight"] = pair.A
+                out[f"{prefix}{block}.{path}.lora_B.weight"] = pair.B
         return out
     out["prompt_embeddings"] = adapters.prompts
     if adapters.spec.mode == "deep_prompt":
@@ -38,7 +44,9 @@ def peft_tensors(adapters: ClientAdapters) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int) -> None:
+def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int, layers_path: str = "model.layers",
+         fan_in_fan_out: bool = False) -> None:  # fmt: skip
+    """``fan_in_fan_out``: the targets store their weights transposed (GPT-2's ``Conv1D``), as PEFT records it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     spec = adapters.spec
@@ -55,7 +63,7 @@ def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int
             lora_dropout=0.0,
             target_modules=list(spec.lora_targets),
             bias="none",
-            fan_in_fan_out=False,
+            fan_in_fan_out=fan_in_fan_out,
             use_rslora=False,
             use_dora=False,
             init_lora_weights=True,
@@ -69,7 +77,7 @@ def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int
             num_layers=adapters.num_blocks,
             prompt_tuning_init="RANDOM",
         )
-    tensors = peft_tensors(adapters)
+    tensors = peft_tensors(adapters, layers_path)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS))
     (folder / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
@@ -88,7 +96,7 @@ def read_spec(folder: Path) -> TuningSpec:
     if kind == "lora":
         unsupported = {
             k: config.get(k)
-            for k in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "lora_bias")
+            for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "lora_bias")
             if config.get(k)
         }
         if config.get("bias", "none") != "none":
@@ -105,10 +113,11 @@ def read_spec(folder: Path) -> TuningSpec:
     return TuningSpec(kind, num_prompt_tokens=int(config["num_virtual_tokens"]))
 
 
-def load_into(adapters: ClientAdapters, folder: Path) -> None:
-    """Copy a saved adapter's tensors into ``adapters`` (built from the same spec); shapes are checked first."""
+def load_into(adapters: ClientAdapters, folder: Path, layers_path: str = "model.layers") -> None:
+    """Copy a saved adapter's tensors into ``adapters`` (built from the same spec); shapes are checked first. (PEFT's
+    ``fan_in_fan_out`` changes nothing here: A is [rank, in] and B [out, rank] either way.)"""
     state = load_file(str(Path(folder) / WEIGHTS))
-    expected = peft_tensors(adapters)
+    expected = peft_tensors(adapters, layers_path)
     unknown = sorted(set(state) - set(expected))
     missing = sorted(set(expected) - set(state))
     if unknown or missing:
