@@ -41,7 +41,7 @@ def local_model(family: Family, device: str | torch.device = "cpu") -> PreTraine
     return model
 
 
-def restore_buffers(family: Family, base: torch.nn.Module) -> None:
+def restore_buffers(family: Family, base: PreTrainedModel) -> None:
     """Give ``base``'s non-persistent buffers their values, computed by the class itself (on a tiny-vocabulary twin:
     no buffer depends on the vocabulary), on the device of ``base``'s embeddings."""
     small = _zero_layers(family.config)
@@ -52,7 +52,7 @@ def restore_buffers(family: Family, base: torch.nn.Module) -> None:
     with torch.device("cpu"):
         twin = base_of(family, family.lm_class(small))
     persistent = set(base.state_dict())
-    weight = base.get_input_embeddings().weight  # type: ignore[operator]
+    weight = _embedding_weight(base)
     for name, value in twin.named_buffers():
         if name in persistent:
             continue
@@ -69,9 +69,14 @@ def base_of(family: Family, model: torch.nn.Module) -> PreTrainedModel:
 
 
 def head_of(model: PreTrainedModel) -> torch.nn.Module:
-    lm_head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
-    assert isinstance(lm_head, torch.nn.Module)
-    return lm_head
+    """The LM head (``lm_head`` in every family served: NeoX's ``embed_out`` is renamed on load)."""
+    return model.get_submodule("lm_head")
+
+
+def _embedding_weight(model: PreTrainedModel) -> torch.Tensor:
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def embed(family: Family, base: PreTrainedModel, ids: torch.Tensor,
@@ -129,14 +134,13 @@ def disk_to_local(family: Family, disk_names: Iterable[str], model: torch.nn.Mod
 def load_local(family: Family, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> None:
     """Fill the local parts from ``state`` (module names); the head takes the embeddings when the config ties them."""
     tied = bool(getattr(family.config, "tie_word_embeddings", False))
-    head_module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    head_module = head_of(model)
     head_names = {f"{n}.weight" for n, m in model.named_modules() if m is head_module}
     missing = [n for n in local_names(model) if n not in state and not (tied and n in head_names)]
     if missing:
         raise BadInputError(f"{family.label}: the checkpoint lacks the client's tensors {missing}")
     model.load_state_dict({k: v for k, v in state.items() if k in set(local_names(model))}, strict=False, assign=True)
     if tied:
-        assert isinstance(head_module, torch.nn.Module)
         head_module.weight = model.get_input_embeddings().weight
     restore_buffers(family, base_of(family, model))  # on the loaded weights' device and dtype
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
