@@ -376,8 +376,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         padded = attention_mask is not None and not bool(attention_mask.all())
         ctx = Context(attention_mask if padded else None, position_ids, train)
         inputs = {"input_ids": input_ids} if input_ids is not None else {}
-        if inputs_embeds is not None:
-            inputs["inputs_embeds"] = inputs_embeds
+        if inputs_embeds is not None:  # what the model adds to them (GPT-2's positions, BLOOM's norm), as HF's does
+            inputs["inputs_embeds"] = local.finish_embedding(self.family, self.model, inputs_embeds, position_ids)
         if labels is not None:
             inputs["labels"] = labels
         keep = torch.is_grad_enabled() and (

@@ -86,12 +86,18 @@ def embed(family: Family, base: PreTrainedModel, ids: torch.Tensor,
     embedding norm."""
     embedding = base.get_input_embeddings()
     assert isinstance(embedding, torch.nn.Module)
-    hidden: torch.Tensor = embedding(ids)
+    return finish_embedding(family, base, embedding(ids), position_ids, past)
+
+
+def finish_embedding(family: Family, base: PreTrainedModel, hidden: torch.Tensor,
+                     position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:  # fmt: skip
+    """What the model adds to token embeddings (or to a caller's ``inputs_embeds``, as Hugging Face's model does):
+    learned positions, then an embedding norm. The identity for most families."""
     spec = family.spec
     if spec.positions is not None:
         if position_ids is None:
-            position_ids = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
-        hidden = hidden + getattr(base, spec.positions)(position_ids.to(ids.device))
+            position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        hidden = hidden + getattr(base, spec.positions)(position_ids.to(hidden.device))
     if spec.embed_norm is not None:
         hidden = getattr(base, spec.embed_norm)(hidden)
     return hidden

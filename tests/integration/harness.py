@@ -102,8 +102,8 @@ def check_backward(client: Any, ref: Any, vocab: int, tol: float = 1e-5) -> None
     ids = torch.randint(0, vocab, (2, 13))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    ours_in = client.model.embed_tokens(ids).detach().requires_grad_()
-    theirs_in = ref.model.embed_tokens(ids).detach().requires_grad_()
+    ours_in = client.get_input_embeddings()(ids).detach().requires_grad_()  # every family's token embeddings
+    theirs_in = ref.get_input_embeddings()(ids).detach().requires_grad_()
     client(inputs_embeds=ours_in, attention_mask=mask, labels=ids).loss.backward()
     ref(inputs_embeds=theirs_in, attention_mask=mask, labels=ids).loss.backward()
     assert ours_in.grad is not None
