@@ -17,7 +17,9 @@ FAMILY_CONFIGS = {
 }
 
 
-def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float = 0.0, **overrides) -> Path:
+    """``perturb``: add N(0, perturb) to every weight (norms initialised to 0 or 1 and zero-initialised MoE routers
+    would otherwise hide mistakes, or tie the routers' choices)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(
@@ -34,6 +36,10 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * perturb)
     model.save_pretrained(folder, max_shard_size="100KB")  # several shards, so selective reads are exercised
     return folder
 

@@ -31,7 +31,8 @@ class Arch:
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
         return cls(
             hidden=hidden,
-            intermediate=int(get("intermediate_size")),
+            # GPT-2's n_inner, Falcon's ffn_hidden_size; BLOOM's MLP is 4 x hidden
+            intermediate=int(get("intermediate_size") or get("n_inner") or get("ffn_hidden_size") or 4 * hidden),
             layers=int(get("num_hidden_layers")),
             heads=heads,
             kv_heads=int(get("num_key_value_heads") or heads),
