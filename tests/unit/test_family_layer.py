@@ -226,3 +226,48 @@ def test_gpt2_conv1d_layers_are_lora_targets():
     with torch.device("meta"):
         block = family_of(tiny_config("gpt2")).build_layer(0)
     assert linear_modules(block)["attn.c_attn"] == (64, 192)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_server_runtime_matches_hugging_face(name, tmp_path):
+    """The server's own path (``load_span`` from a saved folder, ``SpanBackend.run`` in two spans with their caches)
+    between the client's own modules: a padded prefill and single-token steps equal Hugging Face's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from peers.blocks.backend import SpanBackend
+    from peers.blocks.families import family_for
+    from peers.blocks.loader import load_span
+    from swarm.client.model import DistributedModelForCausalLM
+    from swarm.ids import Span
+    from swarm.model_files import load_config, read_tensors, weight_map
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    family = family_for(load_config(tmp_path))
+    spans = [Span(0, 2), Span(2, 4)]
+    backends = [SpanBackend(family.config, family, load_span(tmp_path, family, s, torch.float32, "cpu"), s, "cpu",
+                            torch.float32) for s in spans]  # fmt: skip
+    client = DistributedModelForCausalLM(load_config(tmp_path))
+    names = client._disk_names(weight_map(tmp_path))
+    client._load_local({names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()})
+    ids = torch.randint(1, 320, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    caches = [b.new_cache() for b in backends]
+
+    def step(tokens: torch.Tensor, past: int) -> torch.Tensor:
+        positions = torch.arange(past, past + tokens.shape[1]).unsqueeze(0).expand(2, -1)
+        hidden = client.embed(tokens, positions)
+        for backend, cache in zip(backends, caches, strict=True):
+            hidden = backend.run(hidden, backend.span, attention_mask=mask[:, : past + tokens.shape[1]],
+                                 cache=cache, past=past)  # fmt: skip
+        return client.head(hidden)
+
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = torch.cat([step(ids[:, :9], 0)] + [step(ids[:, t : t + 1], t) for t in range(9, 13)], dim=1)
+    assert (got - want)[mask.bool()].abs().max().item() < TOLERANCE
