@@ -271,3 +271,30 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
         want = ref(ids, attention_mask=mask).logits
         got = torch.cat([step(ids[:, :9], 0)] + [step(ids[:, t : t + 1], t) for t in range(9, 13)], dim=1)
     assert (got - want)[mask.bool()].abs().max().item() < TOLERANCE
+
+
+def test_original_gpt2_files_without_the_base_prefix_load(tmp_path):
+    """The original GPT-2 and BLOOM checkpoints name tensors ``h.0.…``, ``wte.weight`` (no ``transformer.``) and
+    carry legacy ``attn.bias`` buffers: layers and local parts still load, the buffers are dropped."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from swarm.client.model import DistributedModelForCausalLM
+    from swarm.model_files import load_config, read_tensors, weight_map
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config("gpt2"), dtype=torch.float32).eval()
+    ref.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    bare = {k.removeprefix("transformer."): v for k, v in state.items() if k != "lm_head.weight"}
+    bare.update({f"h.{i}.attn.bias": torch.ones(1, 1, 8, 8) for i in range(4)})
+    save_file(bare, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    family = family_of(load_config(tmp_path))
+    layer = weights.load_layer(family, tmp_path, 1, torch.float32, "cpu")
+    want = ref.transformer.h[1].state_dict()
+    assert all(torch.equal(layer.state_dict()[k], want[k]) for k in want)
+    client = DistributedModelForCausalLM(load_config(tmp_path))
+    names = client._disk_names(weight_map(tmp_path))
+    assert sorted(names.values()) == ["model.ln_f.bias", "model.ln_f.weight", "model.wpe.weight", "model.wte.weight"]
+    client._load_local({names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()})
+    assert torch.equal(client.lm_head.weight, ref.lm_head.weight)  # tied
