@@ -85,7 +85,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         adapter: str | Path | None = None,
         lora_rank: int = 8,
         lora_alpha: float = 8.0,
-        lora_targets: Sequence[str] = ("q_proj", "v_proj"),
+        lora_targets: Sequence[str] | None = None,
         num_prompt_tokens: int = 16,
         swarm_key: Path | None = None,
         chain: bool = True,
@@ -98,7 +98,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         ``direct``: use servers' plain-TCP data plane "auto" (only on loopback/private networks), "always" or
         "never" (libp2p only). ``fingerprint`` pins the exact weights; by default the best-covered ones are used.
 
-        ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are),
+        ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are:
+        by default the family's, e.g. ``q_proj, v_proj``; GPT-2 ``c_attn``; NeoX, Falcon, BLOOM ``query_key_value``),
         "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
         ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers). ``chain``: inference steps pass
@@ -124,7 +125,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
                 raise BadInputError(f"tuning={tuning!r}, but the adapter in {adapter} is {spec.mode!r}")
             if spec is None:
                 assert tuning is not None
-                spec = TuningSpec(tuning, lora_rank, lora_alpha, tuple(lora_targets), num_prompt_tokens)
+                targets = tuple(lora_targets) if lora_targets is not None else model.family.spec.lora_defaults
+                spec = TuningSpec(tuning, lora_rank, lora_alpha, targets, num_prompt_tokens)
             model._attach_adapters(spec, adapter)
         # only servers of these very weights are chained (a stranger's other weights never are, however fast)
         model._connect(

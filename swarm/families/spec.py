@@ -53,7 +53,7 @@ SPECS: dict[str, FamilySpec] = {
     "MixtralForCausalLM": FamilySpec("mixtral", experts="mixtral"),
     "Qwen3MoeForCausalLM": FamilySpec("qwen3_moe", experts="per_expert", lora_defaults=("q_proj", "v_proj")),
     "DeepseekV3ForCausalLM": FamilySpec(
-        "deepseek_v3", experts="per_expert", kv="latent", lora_defaults=("q_b_proj", "kv_b_proj")
+        "deepseek_v3", experts="per_expert", kv="latent", lora_defaults=("kv_b_proj", "o_proj")
     ),
     "GptOssForCausalLM": FamilySpec("gpt_oss", experts="fused", needs_eager=True),
     "Gemma2ForCausalLM": FamilySpec("gemma2", needs_eager=True),
