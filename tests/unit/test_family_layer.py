@@ -298,3 +298,41 @@ def test_original_gpt2_files_without_the_base_prefix_load(tmp_path):
     assert sorted(names.values()) == ["model.ln_f.bias", "model.ln_f.weight", "model.wpe.weight", "model.wte.weight"]
     client._load_local({names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()})
     assert torch.equal(client.lm_head.weight, ref.lm_head.weight)  # tied
+
+
+@pytest.mark.parametrize("name, targets", [("gpt2", ("c_attn",)), ("bloom", ("query_key_value",))])
+def test_server_lora_equals_peft(name, targets):
+    """A server's LoRA hooks on the family's default targets (GPT-2's Conv1D with PEFT's fan_in_fan_out, BLOOM's fused
+    query_key_value) give the same block outputs as PEFT's LoRA on Hugging Face's model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peers.adapters import Adapter
+    from peers.blocks.backend import SpanBackend
+    from swarm.ids import Span
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(name), dtype=torch.float32).eval()
+    family = family_of(ref.config)
+    layers = getattr(getattr(ref, family.base_prefix), family.layers_attr)
+    span = Span(0, family.num_layers)
+    backend = SpanBackend(family.config, family, torch.nn.ModuleList(list(layers)), span, "cpu", torch.float32)
+    lora, scaling = {}, 2.0
+    for block in range(family.num_layers):
+        for path, (fan_in, fan_out) in backend.linears.items():
+            if path.rsplit(".", 1)[-1] in targets:
+                lora[(block, path)] = (torch.randn(4, fan_in) * 0.1, torch.randn(fan_out, 4) * 0.1)
+    assert lora
+    hidden = torch.randn(2, 6, 64)
+    with torch.no_grad():
+        ours = backend.run(hidden, span, adapter=Adapter(scaling, lora))
+        assert (ours - backend.run(hidden, span)).abs().max().item() > 1e-3  # the adapter does something
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), fan_in_fan_out=name == "gpt2")
+    peft = get_peft_model(ref, config)
+    for (block, path), (a, b) in lora.items():
+        module = layers[block].get_submodule(path)
+        module.lora_A["default"].weight.data.copy_(a)
+        module.lora_B["default"].weight.data.copy_(b)
+    with torch.no_grad():
+        theirs = backend.run(hidden, span)  # the same layers, now wrapped by PEFT
+    assert peft is not None and (ours - theirs).abs().max().item() < 1e-5
