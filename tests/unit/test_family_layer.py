@@ -336,3 +336,18 @@ def test_server_lora_equals_peft(name, targets):
     with torch.no_grad():
         theirs = backend.run(hidden, span)  # the same layers, now wrapped by PEFT
     assert peft is not None and (ours - theirs).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_moe", "falcon"]
+)
+def test_self_check_passes_on_full_size_default_configs(model_type):
+    """The released shapes (transformers' default configs: DeepSeek-V3's 61 layers and 256 experts, Gemma 3's 5:1
+    sliding pattern) are checked on their shrunk twins in well under a second, and their cache bytes are counted."""
+    config = AutoConfig.for_model(model_type)
+    report = check_split(config)
+    assert report.ok, report.problems
+    family = family_of(config)
+    assert kv.bytes_per_token(family, range(family.num_layers), 2) > 0
+    if model_type == "deepseek_v3":  # the latent and the rotary key per layer, not 128 heads of 192 + 128
+        assert kv.elements_per_token(family, 5) == 512 + 64
