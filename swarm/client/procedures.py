@@ -104,7 +104,7 @@ class Procedures:
             full_mask = None if full_mask is None else torch.cat([ones, full_mask.to(torch.int64)], dim=1)
             position_ids = None if position_ids is None else position_ids + prefix
         if position_ids is None and self.family.spec.positions is not None and not prefix:
-            # learned positions are added here, on the client: a step's continue from what the servers hold
+            # learned positions are added here, on the client: a step's positions continue from the session's
             start = session.position
             position_ids = torch.arange(start, start + new.shape[1]).unsqueeze(0).expand(batch, -1)
         padded = full_mask is not None and not bool(full_mask.all())
