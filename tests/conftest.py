@@ -14,7 +14,30 @@ FAMILY_CONFIGS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-}
+    # issue 17's families: weights perturbed (Gemma's norms initialised to 0 and zero MoE routers hide mistakes or tie)
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0, tie_word_embeddings=True, perturb=0.02),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=20.0,
+                        perturb=0.02),
+    "gpt2": dict(model_type="gpt2", n_inner=128, bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
+                 perturb=0.02),
+    "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, use_parallel_residual=True, perturb=0.02),
+    "falcon": dict(model_type="falcon", num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True,
+                   alibi=False, perturb=0.02),
+    "falcon_alibi": dict(model_type="falcon", multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                         alibi=True, perturb=0.02),
+    "bloom": dict(model_type="bloom", perturb=0.02),
+    "qwen3_moe": dict(model_type="qwen3_moe", moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      head_dim=16, mlp_only_layers=[0], perturb=0.02),
+    "deepseek_v3": dict(model_type="deepseek_v3", moe_intermediate_size=32, n_routed_experts=8, n_group=2,
+                        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=1,
+                        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, perturb=0.02),
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=64, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                    perturb=0.02),
+}  # fmt: skip
 
 
 def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float = 0.0, **overrides) -> Path:
