@@ -21,7 +21,6 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 from swarm.api import errors
 from swarm.client.executor import Context
 from swarm.client.inference_session import InferenceSession
-from swarm.records import PeerState
 from swarm.rpc.hop import Hop
 
 if TYPE_CHECKING:
@@ -115,11 +114,12 @@ class ServedModel:
         return int(self.model.config.num_hidden_layers)
 
     def missing(self) -> list[tuple[int, int]]:
-        """Runs of blocks no online server holds now (the client's own view of the swarm, refreshed as it ages)."""
-        view = self.model.connection.view.snapshot()
+        """Runs of blocks no server this client would route through holds now: online, of the chosen weights, not
+        banned (a stranger's record of other weights, however signed, covers nothing here)."""
+        held = {b for r in self.model.connection.view.servers() for b in range(r.start, r.end)}
         gaps: list[tuple[int, int]] = []
         for b in range(self.num_blocks):
-            if not any(r.state == PeerState.ONLINE for r in view.get(b, [])):
+            if b not in held:
                 gaps = gaps[:-1] + [(gaps[-1][0], b + 1)] if gaps and gaps[-1][1] == b else [*gaps, (b, b + 1)]
         return gaps
 

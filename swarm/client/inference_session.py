@@ -52,6 +52,7 @@ class InferenceSession:
         self._states: dict[str, HopState] = {}
         self._generation = 0
         self.closed = False
+        self._avoid: set[str] = set()  # peers this session moved away from for slowness: not chosen again here
         self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt,
                                   self._observe)  # fmt: skip
 
@@ -107,6 +108,12 @@ class InferenceSession:
     def _new_route(self, start: int, end: int) -> list[Hop]:
         need = self.batch_size * self.max_length
         view = self.conn.view
+        if self._avoid:  # a slow peer's claims may still price it first: try without it, then with it
+            try:
+                return view.route(start, end, mode="inference", min_cache_tokens=need, needs=self._needs,
+                                  exclude=frozenset(self._avoid))  # fmt: skip
+            except MissingBlocksError:
+                pass
         try:
             return view.route(start, end, mode="inference", min_cache_tokens=need, needs=self._needs)
         except MissingBlocksError:
@@ -251,6 +258,7 @@ class InferenceSession:
         estimate = sum(view.estimate(h, "inference", tokens) for h in other)
         if estimate < elapsed / self.conn.cfg.move_gain:
             log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
+            self._avoid.add(hop.peer_id)
             state.broken = True
 
     async def _chain(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
