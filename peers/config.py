@@ -94,7 +94,15 @@ class ComputeConfig:
         show="auto",
         help="'auto' measures the span once and caches it; a number (forward tokens/s of ONE block) skips the probe",
     )
-    cache_tokens: int = option(8192, help="KV-cache budget in tokens (batch x max_length, all sessions together)")
+    cache_tokens: int = option(
+        8192,
+        help="KV-cache budget as tokens of context through this peer's largest span (batch x max_length, all "
+        "sessions together), turned into bytes by the model family's cache layout",
+    )
+    cache_bytes: int | None = option(
+        None, name="--cache-mb", parse=_mib, show="from --cache-tokens", metavar="MB",
+        help="KV-cache budget in MiB instead (a session reserves what its family's caches take for its span)",
+    )  # fmt: skip
     max_batch_tokens: int = option(8192, help="largest batch x sequence one request may carry")
     max_adapter_bytes: int = option(
         512 * MIB, name="--max-adapter-mb", parse=_mib, show="512", metavar="MB",
@@ -121,7 +129,7 @@ class ComputeConfig:
     )  # fmt: skip
     max_sessions: int = option(128, help="open inference sessions, all callers together")
     max_caller_sessions: int = option(16, help="open inference sessions of one caller")
-    caller_cache_share: float = option(0.5, help="share of --cache-tokens one caller's sessions may reserve")
+    caller_cache_share: float = option(0.5, help="share of the KV-cache budget one caller's sessions may reserve")
     max_queued: int = option(256, help="compute requests waiting for or running on the compute thread, all callers")
     max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
     inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")

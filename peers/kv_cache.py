@@ -1,60 +1,91 @@
-"""KV-cache room under a token budget: a session reserves batch x max_length positions when it opens, waits a bounded
-time for room, and is refused with a clear error rather than running the server out of memory. One caller may hold
-only its share of the budget, so a single identity cannot take all of it (and an idle session gives its room back:
-see ``peers.rpc.servicer``)."""
+"""KV-cache room under a budget in bytes: a session reserves what its family's caches take for its span, batch and
+max_length when it opens (``KvCost``: grouped-query heads, hidden-sized caches, sliding windows and DeepSeek's
+compressed latents each cost what they hold), waits a bounded time for room, and is refused with a clear error
+rather than running the server out of memory. One caller may hold only its share of the budget, so a single
+identity cannot take all of it (and an idle session gives its room back: see ``peers.rpc.servicer``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import dataclass
 
 from swarm.errors import BusyError, CacheFullError
+from swarm.families import kv
+from swarm.families.spec import Family
+
+
+@dataclass(frozen=True)
+class KvCost:
+    """What a session's caches cost on this peer, in bytes, and what a budget in bytes holds, in tokens."""
+
+    family: Family
+    dtype_bytes: int
+
+    def session_bytes(self, start: int, end: int, batch: int, max_length: int) -> int:
+        return kv.cache_bytes(self.family, range(start, end), max_length, self.dtype_bytes, batch)
+
+    def tokens_within(self, start: int, end: int, budget: int) -> int:
+        """Tokens of one sequence's context that ``budget`` bytes hold through blocks ``start:end``."""
+        return kv.tokens_within(self.family, range(start, end), self.dtype_bytes, budget)
+
+    def budget_for(self, tokens: int, blocks: int) -> int:
+        """Bytes that hold ``tokens`` of context through the ``blocks`` costliest layers (a peer's budget before it
+        knows its span: ``--cache-tokens`` then means at least that many tokens through any span it may serve)."""
+        layers = range(int(self.family.config.num_hidden_layers))
+        per_token = sorted((kv.elements_per_token(self.family, i) for i in layers), reverse=True)[:blocks]
+        return sum(per_token) * tokens * self.dtype_bytes
 
 
 class CacheBudget:
-    def __init__(self, total_tokens: int, per_caller: int | None = None) -> None:
-        self.total = total_tokens
-        self.per_caller = min(per_caller if per_caller is not None else total_tokens, total_tokens)
+    def __init__(self, total_bytes: int, per_caller: int | None = None) -> None:
+        self.total = total_bytes
+        self.per_caller = min(per_caller if per_caller is not None else total_bytes, total_bytes)
         self.used = 0
-        self.held: Counter[str] = Counter()  # tokens reserved per caller
+        self.held: Counter[str] = Counter()  # bytes reserved per caller
         self._changed = asyncio.Condition()
 
     @property
     def free(self) -> int:
         return self.total - self.used
 
-    async def reserve(self, tokens: int, timeout: float, caller: str = "") -> int:
-        if tokens > self.total:
+    async def reserve(self, nbytes: int, timeout: float, caller: str = "") -> int:
+        if nbytes > self.total:
             raise CacheFullError(
-                f"a session of {tokens} cache tokens (batch x max_length) exceeds this server's whole budget "
-                f"of {self.total} tokens"
+                f"a session whose KV cache takes {_mb(nbytes)} (batch x max_length through this span) exceeds this "
+                f"server's whole budget of {_mb(self.total)}"
             )
-        if self._over_share(caller, tokens):  # refused at once: only the caller's own sessions can free its share
+        if self._over_share(caller, nbytes):  # refused at once: only the caller's own sessions can free its share
             raise BusyError(
-                f"a session of {tokens} cache tokens would take this caller past its share of this server's KV "
-                f"cache: it holds {self.held[caller]} of {self.per_caller} tokens (--caller-cache-share)"
+                f"a session of {_mb(nbytes)} of KV cache would take this caller past its share of this server's "
+                f"cache: it holds {_mb(self.held[caller])} of {_mb(self.per_caller)} (--caller-cache-share)"
             )
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= tokens), timeout)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= nbytes), timeout)
             except TimeoutError:
                 raise CacheFullError(
-                    f"no KV-cache room: {tokens} tokens wanted, {self.free} of {self.total} free after {timeout:.1f} s"
+                    f"no KV-cache room: {_mb(nbytes)} wanted, {_mb(self.free)} of {_mb(self.total)} free after "
+                    f"{timeout:.1f} s"
                 ) from None
-            if self._over_share(caller, tokens):  # the caller's other sessions took it while this waited
-                raise BusyError(f"this caller holds {self.held[caller]} of its {self.per_caller} KV-cache tokens")
-            self.used += tokens
-            self.held[caller] += tokens
-        return tokens
+            if self._over_share(caller, nbytes):  # the caller's other sessions took it while this waited
+                raise BusyError(f"this caller holds {_mb(self.held[caller])} of its {_mb(self.per_caller)} of KV cache")
+            self.used += nbytes
+            self.held[caller] += nbytes
+        return nbytes
 
-    def _over_share(self, caller: str, tokens: int) -> bool:
+    def _over_share(self, caller: str, nbytes: int) -> bool:
         # a share of the whole budget is no share: then the caller waits for room like everyone
-        return self.per_caller < self.total and self.held[caller] + tokens > self.per_caller
+        return self.per_caller < self.total and self.held[caller] + nbytes > self.per_caller
 
-    async def release(self, tokens: int, caller: str = "") -> None:
+    async def release(self, nbytes: int, caller: str = "") -> None:
         async with self._changed:
-            self.used -= tokens
-            self.held[caller] -= tokens
+            self.used -= nbytes
+            self.held[caller] -= nbytes
             if self.held[caller] <= 0:
                 del self.held[caller]
             self._changed.notify_all()
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"

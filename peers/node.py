@@ -16,7 +16,7 @@ from peers.broker.planner import Policy, Role
 from peers.config import PeerConfig
 from peers.follower import run_follower
 from peers.hardware import Hardware, cached_throughput, estimate_link_mbps, probe_hardware, usable_memory
-from peers.kv_cache import CacheBudget
+from peers.kv_cache import CacheBudget, KvCost
 from peers.observe import Observers, start_observers
 from peers.rpc.checks import Limits
 from peers.rpc.compute import ComputeService
@@ -150,8 +150,8 @@ class Peer:
             device_memory=self.hardware.device_memory,
             forward_tps=per_block / len(span),
             inference_sps=per_block_steps / len(span),
-            cache_tokens_free=self.sessions.budget.free,
-            cache_tokens_total=self.sessions.budget.total,
+            cache_tokens_free=self.sessions.tokens(self.sessions.budget.free, span),
+            cache_tokens_total=self.sessions.tokens(self.sessions.budget.total, span),
             software_version=__version__,
             protocol_version=PROTOCOL_VERSION,
             requests_served=sum(self.compute.stats.values()),
@@ -213,7 +213,7 @@ class Peer:
             fingerprint=self.model.fingerprint,
             stats=dict(self.compute.stats),
             open_sessions=len(self.sessions.open),
-            cache_tokens_free=self.sessions.budget.free,
+            cache_tokens_free=self.sessions.tokens(self.sessions.budget.free, self._span),
             kept_activations=len(self.compute.kept),
             adapter_clients=len(self.compute.adapters),
             adapter_bytes=self.compute.adapters.nbytes,
@@ -270,9 +270,11 @@ async def run_peer(
                     int(positions) if isinstance(positions, int) else None)  # fmt: skip
     compute = ComputeService(limits, cfg.compute, cfg.timing)
     c = cfg.compute
-    budget = CacheBudget(c.cache_tokens, per_caller=int(c.cache_tokens * c.caller_cache_share))
+    cost = KvCost(model.family, model.dtype.itemsize)
+    total = c.cache_bytes if c.cache_bytes is not None else cost.budget_for(c.cache_tokens, limit)
+    budget = CacheBudget(total, per_caller=int(total * c.caller_cache_share))
     quota = Quota("open sessions", c.max_caller_sessions, c.max_sessions, ("--max-caller-sessions", "--max-sessions"))
-    sessions = Sessions(compute, budget, cfg.timing.cache_wait, c.inline_tokens, quota)
+    sessions = Sessions(compute, budget, cfg.timing.cache_wait, c.inline_tokens, quota, cost)
     tasks: list[asyncio.Task[None]] = []
     direct: DirectServer | None = None
     remote: Remote | None = None

@@ -11,7 +11,7 @@ import torch
 
 from peers.adapters import Adapter, Pin
 from peers.blocks.runtime import require
-from peers.kv_cache import CacheBudget
+from peers.kv_cache import CacheBudget, KvCost
 from peers.rpc.checks import check_aux, check_finite, check_hidden, check_names
 from peers.rpc.compute import ComputeService, Tensors
 from peers.rpc.limits import Quota
@@ -47,9 +47,10 @@ class Session:
 
 class Sessions:
     def __init__(self, compute: ComputeService, budget: CacheBudget, cache_wait: float, inline_tokens: int,
-                 quota: Quota | None = None) -> None:  # fmt: skip
+                 quota: Quota | None = None, cost: KvCost | None = None) -> None:  # fmt: skip
         self.compute = compute
         self.budget = budget
+        self.cost = cost  # None (servers built by hand in tests): a token of one sequence costs one unit of budget
         self.cache_wait = cache_wait
         self.inline_tokens = inline_tokens  # steps of at most this many tokens run inline on the RPC loop
         # open sessions per caller and in total (default: unbounded, for a server built without a config)
@@ -70,7 +71,7 @@ class Sessions:
         pin: Pin | None = None
         try:
             adapter, pin = self.compute.bind_adapter(caller, msg.adapter, tensors, sub)
-            reserved = await self.budget.reserve(msg.batch_size * msg.max_length, self.cache_wait, caller)
+            reserved = await self.budget.reserve(self.session_cost(msg), self.cache_wait, caller)
         except BaseException:
             self.quota.release(caller)
             if pin is not None:
@@ -84,6 +85,19 @@ class Sessions:
         self.compute.stats["sessions"] += 1
         await self.notify()
         return session
+
+    def session_cost(self, msg: OpenSession) -> int:
+        """What the session's caches take: its family's bytes per token and layer through its blocks."""
+        if self.cost is None:
+            return msg.batch_size * msg.max_length
+        return self.cost.session_bytes(msg.start, msg.end, msg.batch_size, msg.max_length)
+
+    def tokens(self, nbytes: int, span: Span | None) -> int:
+        """Tokens of one sequence's context that ``nbytes`` of cache hold through ``span``: what records announce
+        (clients ask for batch x max_length tokens of room; the server counts bytes)."""
+        if self.cost is None:
+            return nbytes
+        return self.cost.tokens_within(span.start, span.end, nbytes) if span is not None else 0
 
     async def notify(self) -> None:
         async with self.changed:
@@ -130,9 +144,11 @@ class Sessions:
             )
         mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
         if position < session.position:  # redo the last step (sent again after a repair upstream): forget it first
-            _rewind(session.cache, position)
+            _rewind(session.cache, session.position - position)
             self.compute.metrics.step_replays += 1
             session.position = position
+        else:
+            _rewind(session.cache, 0)
         out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens,
                                      caller=session.caller)  # fmt: skip
         session.last_start = position
@@ -149,9 +165,11 @@ class Sessions:
                                past=session.position, adapter=session.adapter)  # fmt: skip
 
 
-def _rewind(cache: object | None, tokens: int) -> None:
-    """Drop what ``cache`` holds past its first ``tokens`` positions. The torch runtime's cache appends, so it is
-    cropped; the ONNX runtime's is read up to the session's position whatever it holds beyond."""
-    crop = getattr(cache, "crop", None)
-    if crop is not None:
-        crop(tokens)
+def _rewind(cache: object | None, drop: int) -> None:
+    """Forget the last ``drop`` positions ``cache`` holds; with 0, sliding-window layers only give back what their
+    window no longer needs (see ``swarm.families.span.new_cache``). Layers of blocks this span does not hold were
+    never filled and are skipped (transformers' sliding layer cannot crop an empty layer). The ONNX runtime's cache
+    is read up to the session's position whatever it holds beyond, so it has nothing to crop."""
+    for layer in getattr(cache, "layers", ()):
+        if layer.is_initialized:
+            layer.crop(-drop)

@@ -203,6 +203,10 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
 
     def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training."""
+        extra, label = self.family.spec.after_embedding, self.family.spec.label
+        if spec.prompt_tokens and extra:
+            raise BadInputError(f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
+                                f"{extra}, the swarm's do not; use LoRA")  # fmt: skip
         paths = resolve_targets(spec.lora_targets, self._block_linears) if spec.mode == "lora" else ()
         adapters = ClientAdapters(spec, {p: self._block_linears[p] for p in paths}, int(self.config.num_hidden_layers),
                                   int(self.config.hidden_size))  # fmt: skip

@@ -64,3 +64,20 @@ def window_bytes(family: Family, indices: Iterable[int], dtype_bytes: int) -> in
     """Bytes the sliding layers of ``indices`` hold at most, per sequence."""
     return sum(elements_per_token(family, i) * (int(family.config.sliding_window) - 1)
                for i in indices if family.layer_kind(i) == "sliding_attention") * dtype_bytes  # fmt: skip
+
+
+def tokens_within(family: Family, indices: Iterable[int], dtype_bytes: int, budget: int, batch: int = 1) -> int:
+    """The longest context whose caches for layers ``indices`` fit in ``budget`` bytes for ``batch`` sequences
+    (caches grow with the context, so a bisection finds it; sliding windows make the growth slower, not smaller)."""
+    layers = list(indices)
+    if not layers or cache_bytes(family, layers, 1, dtype_bytes, batch) == 0:
+        return 0 if not layers else budget
+    low, high = 0, 1
+    while cache_bytes(family, layers, high, dtype_bytes, batch) <= budget:
+        low, high = high, high * 2
+        if high > 1 << 40:  # only sliding layers: every context fits once the windows do
+            return 1 << 40
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if cache_bytes(family, layers, mid, dtype_bytes, batch) <= budget else (low, mid)
+    return low

@@ -43,6 +43,14 @@ class FamilySpec:
     lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
     refuse: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when the attribute is truthy
 
+    @property
+    def after_embedding(self) -> str | None:
+        """What the model applies to the token embeddings before its first layer (None: nothing). PEFT's input
+        prompts pass through it; the swarm prepends prompts after it, so prompt tuning is refused for such families."""
+        if self.positions is not None:
+            return f"learned positions ({self.positions!r})"
+        return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
+
 
 _LLAMA_LIKE = FamilySpec("llama")
 SPECS: dict[str, FamilySpec] = {

@@ -16,6 +16,10 @@ from swarm.config import default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
 
+# Families whose tensors ``swarm.training.init`` names and initialises as Hugging Face does (``model.layers.N``,
+# norms by name, fused experts)
+PRETRAIN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -99,8 +103,9 @@ class RunConfig:
         return model_folder(load_model_card(str(self.model["from"])), self.cache_dir)
 
     def hf_config(self) -> PretrainedConfig:
-        """The model's Hugging Face config (from the run's fields, or from the card it continues from), with SDPA
-        attention as every party runs it."""
+        """The model's Hugging Face config (from the run's fields, or from the card it continues from), with the
+        attention its family runs (``swarm.families``). Pre-training names and initialises tensors the Llama way
+        (``model.layers.N``, norms by name), so other families are refused here, with what they are served as."""
         from transformers import AutoConfig
 
         folder = self.source_folder()
@@ -111,8 +116,15 @@ class RunConfig:
         else:
             fields = dict(self.model)
             config = AutoConfig.for_model(str(fields.pop("model_type")), **fields)
-        config._attn_implementation = "sdpa"
-        return config
+        from swarm.families.spec import family_of
+
+        family = family_of(config)
+        if family.spec.label not in PRETRAIN_FAMILIES:
+            raise BadInputError(
+                f"run {self.name!r}: pre-training supports the {', '.join(PRETRAIN_FAMILIES)} "
+                f"families; {family.spec.label} is served and fine-tuned, not pre-trained"
+            )
+        return family.config
 
     def stage_of(self, span: Span) -> Span:
         if span not in self.stages:

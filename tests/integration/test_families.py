@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from tests.conftest import FAMILY_CONFIGS, local_reference
 from tests.integration.harness import (
@@ -50,6 +53,46 @@ def test_session_prefill_and_steps_match_local(family_swarm):
 def test_backward_matches_local(family_swarm):
     client, ref, _ = family_swarm
     check_backward(client, ref, ref.config.vocab_size)
+
+
+def test_lora_gradients_match_peft(family_swarm, tmp_path):
+    """LoRA on the family's default targets (PEFT's): the adapter is saved in PEFT's format under the family's own
+    layer path, loaded by PEFT onto a local model, and logits, loss and every LoRA gradient equal PEFT's."""
+    from peft import PeftModel
+
+    _, ref, swarm = family_swarm
+    with connect(swarm.model, swarm, tuning="lora", lora_rank=2, lora_alpha=4) as client:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # non-zero everywhere: PEFT starts B at zero, which would hide half the gradients
+            for p in client.adapters.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        client.save_adapter(tmp_path)
+        peft = PeftModel.from_pretrained(local_reference(swarm.model), str(tmp_path), is_trainable=True)
+        torch.manual_seed(5)
+        ids = torch.randint(0, ref.config.vocab_size, (2, 11))
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        ours = client(input_ids=ids, attention_mask=mask, labels=labels)
+        ours.loss.backward()
+        theirs = peft(input_ids=ids, attention_mask=mask, labels=labels)
+        theirs.loss.backward()
+        assert (ours.logits - theirs.logits)[mask.bool()].abs().max().item() < 1e-4
+        assert abs(ours.loss.item() - theirs.loss.item()) < 1e-5
+        named = dict(peft.named_parameters())
+        pairs = 0
+        for block, layer in enumerate(client.adapters.lora):
+            for path in client.adapters.targets:
+                pair = layer[path.replace(".", "__")]
+                for which, mine in (("A", pair.A), ("B", pair.B)):
+                    suffix = re.compile(rf"\.{block}\.{re.escape(path)}\.lora_{which}\.default\.weight$")
+                    (theirs_name,) = [n for n in named if suffix.search(n)]
+                    grad = named[theirs_name].grad
+                    assert mine.grad is not None and grad is not None and mine.grad.abs().sum() > 0
+                    scale = max(1.0, grad.abs().max().item())
+                    assert (mine.grad - grad).abs().max().item() <= 1e-5 * scale, theirs_name
+                    pairs += 1
+        assert pairs == 2 * len(client.adapters.targets) * ref.config.num_hidden_layers > 0
 
 
 def test_scoring_and_hidden_states_match_local(family_swarm):

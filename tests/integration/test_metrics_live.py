@@ -92,9 +92,9 @@ def _agree(got: Samples, info: Any) -> str | None:
         "swarm_peer_span_loads_total": info.span_loads,
     }
     wrong = {name: (got.get((name, ())), want) for name, want in pairs.items() if got.get((name, ())) != want}
-    total, used = got[("swarm_peer_cache_tokens_total", ())], got[("swarm_peer_cache_tokens_used", ())]
-    if total != used + info.cache_tokens_free:
-        wrong["cache total != used + free"] = (total, used + info.cache_tokens_free)
+    total, used, free = (got[(f"swarm_peer_cache_bytes_{k}", ())] for k in ("total", "used", "free"))
+    if total != used + free:
+        wrong["cache total != used + free"] = (total, used + free)
     if info.open_sessions:
         wrong["open sessions"] = (info.open_sessions, 0)
     return repr(wrong) if wrong else None

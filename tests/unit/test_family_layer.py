@@ -174,6 +174,37 @@ def test_cache_bytes_match_what_transformers_caches(name):
     assert kv.cache_bytes(family, range(family.num_layers), context, 1) == held
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_budget_in_bytes_holds_the_tokens_it_announces(name):
+    """A server's KV budget is bytes; what it announces (tokens of context through its span) and what a session
+    reserves (its family's bytes for batch x max_length) agree with ``kv.cache_bytes`` to the token."""
+    from peers.kv_cache import KvCost
+
+    cost = KvCost(family_of(tiny_config(name)), 2)
+    budget = cost.budget_for(100, 2)  # --cache-tokens 100 on a peer that may serve 2 blocks
+    for start, end in ((0, 2), (1, 3), (2, 4)):
+        tokens = cost.tokens_within(start, end, budget)
+        assert tokens >= 100 and cost.session_bytes(start, end, 1, tokens) <= budget
+        if tokens < 1 << 40:  # else the span has only sliding layers: any context fits once their windows do
+            assert cost.session_bytes(start, end, 1, tokens + 1) > budget
+        assert cost.session_bytes(start, end, 3, 50) == kv.cache_bytes(cost.family, range(start, end), 50, 2, 3)
+
+
+def test_latent_and_sliding_caches_cost_less_than_grouped_query_heads():
+    from peers.kv_cache import KvCost
+
+    def per_token(name: str) -> int:  # bytes per token of a long context through all four blocks
+        cost = KvCost(family_of(tiny_config(name)), 2)
+        return cost.session_bytes(0, 4, 1, 1001) - cost.session_bytes(0, 4, 1, 1000)
+
+    # llama: 2 kv heads x 16 x (k, v) per layer; DeepSeek's latent: kv_lora_rank + rope dims; Gemma 3: half the
+    # layers slide (their windows are paid once)
+    assert per_token("llama") == 4 * 2 * 2 * 16 * 2
+    deepseek = FAMILIES["deepseek_v3"]
+    assert per_token("deepseek_v3") == 4 * (int(deepseek["kv_lora_rank"]) + int(deepseek["qk_rope_head_dim"])) * 2
+    assert per_token("gemma3_text") == per_token("gemma2") == 2 * 2 * 2 * 16 * 2
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_neox", "bloom", "qwen3_moe"])
 def test_client_local_parts_match_hugging_face(name, tmp_path):
     """The swarm client's own modules (``DistributedModelForCausalLM``, not connected) read from a saved folder:
@@ -231,12 +262,14 @@ def test_gpt2_conv1d_layers_are_lora_targets():
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_server_runtime_matches_hugging_face(name, tmp_path):
     """The server's own path (``load_span`` from a saved folder, ``SpanBackend.run`` in two spans with their caches)
-    between the client's own modules: a padded prefill and single-token steps equal Hugging Face's logits."""
+    between the client's own modules: a padded prefill, a step redone (as after a repair upstream) and single-token
+    steps equal Hugging Face's logits."""
     from transformers import AutoModelForCausalLM
 
     from peers.blocks.backend import SpanBackend
     from peers.blocks.families import family_for
     from peers.blocks.loader import load_span
+    from peers.rpc.sessions import _rewind
     from swarm.client.model import DistributedModelForCausalLM
     from swarm.ids import Span
     from swarm.model_files import load_config, read_tensors, weight_map
@@ -267,10 +300,24 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
                                  cache=cache, past=past)  # fmt: skip
         return client.head(hidden)
 
+    def settle() -> None:
+        for cache in caches:
+            _rewind(cache, 0)  # as the server does before every new step: sliding layers give back what they kept
+
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
-        got = torch.cat([step(ids[:, :9], 0)] + [step(ids[:, t : t + 1], t) for t in range(9, 13)], dim=1)
-    assert (got - want)[mask.bool()].abs().max().item() < TOLERANCE
+        got = [step(ids[:, :9], 0)]
+        # The next step is sent again after a repair upstream, with other input: the server forgets the first try
+        # (past every sliding window here: 9 tokens, windows of 8) and redoes it.
+        settle()
+        step(torch.randint(1, 320, (2, 2)), 9)
+        for cache in caches:
+            _rewind(cache, 2)
+        got.append(step(ids[:, 9:11], 9))
+        for t in (11, 12):
+            settle()
+            got.append(step(ids[:, t : t + 1], t))
+    assert (torch.cat(got, dim=1) - want)[mask.bool()].abs().max().item() < TOLERANCE
 
 
 def test_original_gpt2_files_without_the_base_prefix_load(tmp_path):
@@ -351,3 +398,17 @@ def test_self_check_passes_on_full_size_default_configs(model_type):
     assert kv.bytes_per_token(family, range(family.num_layers), 2) > 0
     if model_type == "deepseek_v3":  # the latent and the rotary key per layer, not 128 heads of 192 + 128
         assert kv.elements_per_token(family, 5) == 512 + 64
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bloom"])
+def test_prompt_tuning_is_refused_where_it_would_differ_from_peft(name):
+    """GPT-2's learned positions and BLOOM's embedding norm apply to PEFT's prompts too, not to the swarm's."""
+    from swarm.client.model import DistributedModelForCausalLM
+    from swarm.tuning import TuningSpec
+
+    client = DistributedModelForCausalLM(tiny_config(name))
+    for mode in ("prompt", "deep_prompt"):
+        with pytest.raises(BadInputError, match=f"{mode} tuning is not supported for {name}"):
+            client._attach_adapters(TuningSpec(mode, num_prompt_tokens=2), None)
+    client._attach_adapters(TuningSpec("lora", lora_targets=client.family.spec.lora_defaults), None)
+    assert client.adapters is not None

@@ -63,7 +63,7 @@ def test_caller_of_context():
 async def test_cache_budget_share_per_caller():
     budget = CacheBudget(100, per_caller=50)
     await budget.reserve(40, 0.05, "me")
-    with pytest.raises(BusyError, match="holds 40 of 50 tokens"):
+    with pytest.raises(BusyError, match="holds 40 bytes of 50 bytes"):
         await budget.reserve(20, 0.05, "me")
     await budget.reserve(50, 0.05, "other")
     await budget.release(40, "me")

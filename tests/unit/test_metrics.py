@@ -55,7 +55,7 @@ def fake_peer(metrics: PeerMetrics) -> Any:
     return SimpleNamespace(
         peer_id="12D3KooWpeer", model=SimpleNamespace(name="tiny-llama"), compute=compute, span=Span(2, 6),
         role=Role.SERVE, state=PeerState.ONLINE, span_loads=1,
-        sessions=SimpleNamespace(budget=budget, open={("a", "s1"): 1, ("b", "s2"): 2}),
+        sessions=SimpleNamespace(budget=budget, open={("a", "s1"): 1, ("b", "s2"): 2}, tokens=lambda n, span: n // 10),
     )  # fmt: skip
 
 
@@ -113,8 +113,9 @@ def test_peer_state_is_read_at_scrape_time():
     m.watch(peer, remote)  # type: ignore[arg-type]
     m.watch(peer, remote)  # type: ignore[arg-type]  # once only
     got = samples(text(m))
-    assert got[("swarm_peer_cache_tokens_total", ())] == 1000
-    assert got[("swarm_peer_cache_tokens_used", ())] == 300 and got[("swarm_peer_cache_tokens_free", ())] == 700
+    assert got[("swarm_peer_cache_bytes_total", ())] == 1000
+    assert got[("swarm_peer_cache_bytes_used", ())] == 300 and got[("swarm_peer_cache_bytes_free", ())] == 700
+    assert got[("swarm_peer_cache_tokens_free", ())] == 70  # what the free bytes hold through the span
     assert got[("swarm_peer_open_sessions", ())] == 2 and got[("swarm_peer_active_requests", ())] == 2
     assert got[("swarm_peer_kept_activations", ())] == 3
     assert got[("swarm_peer_adapter_clients", ())] == 5 and got[("swarm_peer_adapter_bytes", ())] == 4096
