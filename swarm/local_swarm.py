@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from swarm.fork_server import ForkedPeer, ForkServer
 from swarm.rpc.hop import Hop
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PeerProcess:
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedPeer
     span: str | None
     args: tuple[str, ...]
     log_path: Path
@@ -70,7 +71,9 @@ class LocalSwarm:
         log_dir: Path | None = None,
         startup_timeout: float = 300.0,
         env: dict[str, str] | None = None,
+        spawner: ForkServer | None = None,
     ) -> None:
+        """``spawner``: fork peers from this fork server (the tests') instead of starting each with ``subprocess``."""
         self.model = model
         self.spans = spans
         self.extra_args = extra_args
@@ -78,23 +81,31 @@ class LocalSwarm:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swarm-peers-"))
         self.startup_timeout = startup_timeout
         self.env = dict(os.environ, **(env or {}))
+        self.env_overrides = dict(env or {})  # a fork server's peers get its own environment: none of these
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         self.peers: list[PeerProcess] = []
+        self.spawner = spawner
 
     @property
     def initial_peers(self) -> list[str]:
         return [p.maddr for p in self.peers if p.maddr and p.proc.poll() is None]
 
     def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
-        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, *self.extra_args, *args]  # peer args win
+        argv = ["--model", self.model, *self.extra_args, *args]  # peer args win
         if span:
-            cmd += ["--blocks", span]
+            argv += ["--blocks", span]
         if self.test_timings:
-            cmd.append("--test-timings")
+            argv.append("--test-timings")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"peer-{len(self.peers)}-{(span or 'auto').replace(':', '_')}.log"
-        with open(log_path, "w") as stderr:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=self.env)
+        proc: subprocess.Popen[str] | ForkedPeer
+        if self.spawner is not None and not self.env_overrides:
+            log_path.write_text("")
+            proc = self.spawner.spawn(argv, log_path)
+        else:
+            with open(log_path, "w") as stderr:  # the child keeps its own copy of the descriptor
+                proc = subprocess.Popen([sys.executable, "-m", "swarm.serve", *argv], stdout=subprocess.PIPE,
+                                        stderr=stderr, text=True, env=self.env)  # fmt: skip
         peer = PeerProcess(proc, span, tuple(args), log_path)
         threading.Thread(target=peer._watch_stdout, daemon=True).start()
         self.peers.append(peer)

@@ -75,6 +75,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:
     """``--log-level`` and ``--log-format`` of an entry point (give both to ``configure_logging``)."""
-    parser.add_argument("--log-level", default=level)
+    parser.add_argument("--log-level", default=level, type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))  # fmt: skip
     parser.add_argument("--log-format", choices=FORMATS, default="text",
                         help="log lines as text, or one JSON object each")  # fmt: skip

@@ -14,6 +14,7 @@ import torch
 from swarm.config import Timing
 from swarm.dht import _own_children
 from swarm.errors import SwarmError
+from swarm.fork_server import ForkServer
 from swarm.local_swarm import LocalSwarm
 from swarm.protocol import RPC_FORWARD, Reply, parse_reply
 from swarm.records import PeerState
@@ -23,11 +24,14 @@ T = TypeVar("T")
 
 # Servers in tests: short record TTLs and timeouts, and a fixed throughput so no probe runs.
 TEST_SERVER_ARGS = ("--throughput", "100")
+# The session's fork server, while one runs (tests/integration/conftest.py): peers fork from it, imports paid once
+SPAWNERS: list[ForkServer] = []
 
 
 @contextlib.contextmanager
 def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any = None) -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm(model, spans, extra_args=(*TEST_SERVER_ARGS, *extra), test_timings=True, log_dir=log_dir)
+    swarm = LocalSwarm(model, spans, extra_args=(*TEST_SERVER_ARGS, *extra), test_timings=True, log_dir=log_dir,
+                       spawner=SPAWNERS[0] if SPAWNERS else None)  # fmt: skip
     with swarm:
         yield swarm
 

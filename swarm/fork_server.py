@@ -1,0 +1,244 @@
+"""A fork server for local swarms: one process imports what a peer needs once (torch, transformers and hivemind take
+about 8 s of every peer's start on a 2-core machine), then forks a peer per request. Each child runs
+``python -m swarm.serve``'s ``main`` with its own arguments and environment, writes its stdout to a file the parent
+reads line by line and its stderr to its log, and is stopped by its PID like any other peer; the fork server reaps
+the children and reports each exit code.
+
+The integration tests start about 160 peers, so they spawn through one (``LocalSwarm(spawner=...)``); everything else
+starts peers with ``subprocess``. Before a fork nothing but imports has run: no torch op (its thread pools would not
+survive a fork), no event loop, no thread. Peers get the fork server's environment (libraries may have read it at
+import); ``LocalSwarm`` starts a peer that needs other variables with ``subprocess``.
+
+Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr"}`` on stdin; replies
+``{"ready": true}`` once imported, ``{"pid": N}`` per request, ``{"exit": N, "code": C}`` per reaped child."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+_POLL_S = 0.05  # how often the server reaps and a reader looks for new output
+
+
+class ForkedPeer:
+    """A forked peer, with the part of ``subprocess.Popen``'s interface ``LocalSwarm`` and the tests use."""
+
+    def __init__(self, pid: int, stdout_path: Path) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        self.stdout = _Lines(stdout_path, self._exited)
+
+    def _set_exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"peer {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Lines:
+    """The lines of a file another process writes, until that process has exited and all is read."""
+
+    def __init__(self, path: Path, exited: threading.Event) -> None:
+        self._path, self._exited, self._closed = path, exited, False
+
+    def __iter__(self) -> Iterator[str]:
+        with open(self._path) as f:
+            pending = ""
+            while not self._closed:
+                done = self._exited.is_set()  # read after: what was written before the exit is still read
+                chunk = f.read()
+                pending += chunk
+                while "\n" in pending:
+                    line, pending = pending.split("\n", 1)
+                    yield line + "\n"
+                if done and not chunk:
+                    if pending:
+                        yield pending
+                    return
+                if not chunk:
+                    self._exited.wait(_POLL_S)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class ForkServer:
+    """The parent's handle on a fork server process (stop it with ``close``)."""
+
+    def __init__(self, startup_timeout: float = 120.0) -> None:
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._proc = subprocess.Popen([sys.executable, "-m", "swarm.fork_server"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, env=self.env)  # fmt: skip
+        self._children: dict[int, ForkedPeer] = {}
+        self._exits: dict[int, int] = {}  # reported before the spawner registered the child
+        self._pids: list[int] = []
+        self._lock = threading.Condition()
+        self._ready = False
+        threading.Thread(target=self._read, daemon=True).start()
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._ready or self._proc.poll() is not None, startup_timeout):
+                self.close()
+                raise RuntimeError("the fork server did not start")
+        if not self._ready:
+            raise RuntimeError(f"the fork server exited with {self._proc.poll()}")
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            msg = json.loads(line)
+            with self._lock:
+                if "ready" in msg:
+                    self._ready = True
+                elif "pid" in msg:
+                    self._pids.append(int(msg["pid"]))
+                elif "exit" in msg:
+                    pid, code = int(msg["exit"]), int(msg["code"])
+                    child = self._children.pop(pid, None)
+                    if child is not None:
+                        child._set_exit(code)
+                    else:
+                        self._exits[pid] = code
+                self._lock.notify_all()
+        with self._lock:  # the server is gone: so are the exit reports of children still running
+            self._lock.notify_all()
+
+    def spawn(self, argv: Sequence[str], log_path: Path, timeout: float = 30.0) -> ForkedPeer:
+        """Fork a peer running ``python -m swarm.serve *argv``; its stderr goes to ``log_path``."""
+        stdout_path = log_path.with_suffix(".out")
+        stdout_path.write_text("")
+        request = {"argv": list(argv), "env": self.env, "stdout": str(stdout_path), "stderr": str(log_path)}
+        assert self._proc.stdin is not None
+        with self._lock:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            if not self._lock.wait_for(lambda: self._pids or self._proc.poll() is not None, timeout):
+                raise RuntimeError("the fork server did not answer")
+            if not self._pids:
+                raise RuntimeError(f"the fork server exited with {self._proc.poll()}")
+            pid = self._pids.pop(0)
+            child = ForkedPeer(pid, stdout_path)
+            if pid in self._exits:
+                child._set_exit(self._exits.pop(pid))
+            else:
+                self._children[pid] = child
+        return child
+
+    def close(self) -> None:
+        """Stop the fork server (its children are stopped by their owners, by PID)."""
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()  # end of requests: it exits
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+
+# ---- the fork server process ---------------------------------------------------------------------------------------
+def _child(request: dict[str, Any]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):  # fmt: skip
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["python -m swarm.serve", *request["argv"]]
+    from swarm.serve import main
+
+    return main(list(request["argv"]))
+
+
+def _fork(request: dict[str, Any], out: IO[str]) -> None:
+    out.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            code = _child(request)
+        except SystemExit:  # argparse's errors
+            raise
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        # Out through the fork server's own frames to the interpreter's exit, as ``python -m swarm.serve`` ends:
+        # atexit handlers run and child processes (the DHT's) are joined, so nothing is left running behind it.
+        raise SystemExit(code)
+    out.write(json.dumps({"pid": pid}) + "\n")
+    out.flush()
+
+
+def _reap(out: IO[str]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
+        out.flush()
+
+
+def serve() -> None:
+    import peers.node  # noqa: F401  # the imports every peer pays for, paid once here
+    import peers.stage  # noqa: F401
+    import peers.training.stage  # noqa: F401
+    import swarm.serve  # noqa: F401
+
+    if threading.active_count() > 1:  # a fork copies only this thread: another's locks would stay taken forever
+        raise RuntimeError(f"an import started threads: {threading.enumerate()}")
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    stdin = sys.stdin
+    buffered = ""
+    while True:
+        readable, _, _ = select.select([stdin], [], [], _POLL_S)
+        if readable:
+            data = os.read(stdin.fileno(), 1 << 16).decode()
+            if not data:  # the parent closed it: no more peers
+                break
+            buffered += data
+            while "\n" in buffered:
+                line, buffered = buffered.split("\n", 1)
+                _fork(json.loads(line), out)
+        _reap(out)
+
+
+if __name__ == "__main__":
+    serve()

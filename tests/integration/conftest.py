@@ -1,0 +1,22 @@
+"""One fork server for the session's swarms: every peer ``running_swarm`` starts is forked from a process that has
+already imported torch, transformers and hivemind (``swarm.fork_server``), instead of paying those imports again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from swarm.fork_server import ForkServer
+from tests.integration import harness
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[ForkServer]:
+    server = ForkServer()
+    harness.SPAWNERS.append(server)
+    try:
+        yield server
+    finally:
+        harness.SPAWNERS.remove(server)
+        server.close()
