@@ -57,7 +57,7 @@ class CacheBudget:
             )
         if self._over_share(caller, nbytes):  # refused at once: only the caller's own sessions can free its share
             raise BusyError(
-                f"a session of {_mb(nbytes)} of KV cache would take this caller past its share of this server's "
+                f"a session of {_mb(nbytes)} of KV cache would take this caller past its share of this server's KV "
                 f"cache: it holds {_mb(self.held[caller])} of {_mb(self.per_caller)} (--caller-cache-share)"
             )
         async with self._changed:

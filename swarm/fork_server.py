@@ -215,10 +215,9 @@ def _reap(out: IO[str]) -> None:
 
 
 def serve() -> None:
-    import peers.node  # noqa: F401  # the imports every peer pays for, paid once here
-    import peers.stage  # noqa: F401
-    import peers.training.stage  # noqa: F401
-    import swarm.serve  # noqa: F401
+    from swarm.serve import preload
+
+    preload()  # the imports every peer pays for, paid once here
 
     if threading.active_count() > 1:  # a fork copies only this thread: another's locks would stay taken forever
         raise RuntimeError(f"an import started threads: {threading.enumerate()}")

@@ -30,6 +30,13 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     return dataclasses.replace(cfg, timing=Timing.for_tests()) if args.test_timings else cfg
 
 
+def preload() -> None:
+    """Import what ``_main`` imports on start (a fork server pays it once for all the peers it forks)."""
+    import peers.node  # noqa: F401
+    import peers.stage  # noqa: F401
+    import peers.training.stage  # noqa: F401
+
+
 async def _main(cfg: PeerConfig) -> None:
     # the entry point wires the two sides: the node and the stage it serves
     from peers.node import run_peer

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tests.conftest import FAMILY_CONFIGS, local_reference
+from tests.conftest import FAMILY_CONFIGS, local_reference, make_tiny_model
 from tests.integration.harness import (
     check_backward,
     check_forward,
@@ -100,3 +100,24 @@ def test_scoring_and_hidden_states_match_local(family_swarm):
     client, ref, _ = family_swarm
     check_score(client, ref, ref.config.vocab_size)
     check_hidden_states(client, ref, ref.config.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "model_type, edit, why",
+    [
+        ("phi", {}, "PhiForCausalLM .* is not a family this swarm serves exactly; supported: bloom, deepseek_v3"),
+        ("llama", {"architectures": ["NoSuchForCausalLM"]}, "architecture 'NoSuchForCausalLM' is not a class"),
+        ("llama", {"quantization_config": {"quant_method": "fp8"}}, "quantized weights \\(fp8\\): dequantize"),
+        ("gpt2", {"add_cross_attention": True}, "cross-attention layers"),
+    ],
+)
+def test_a_server_says_why_it_cannot_serve_a_model_and_exits_non_zero(model_type, edit, why, tmp_path):
+    import json
+
+    folder = make_tiny_model(tmp_path / model_type, model_type)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(RuntimeError, match="did not start \\(exit code 2\\)") as failed:
+        with running_swarm(str(folder), ["0:2"]):
+            pass
+    assert re.search(f"error: .*{why}", str(failed.value)), str(failed.value)[-600:]
