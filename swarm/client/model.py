@@ -40,8 +40,6 @@ from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 log = logging.getLogger(__name__)
 
-LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")  # the Llama-like families' local tensors
-
 
 # transformers leaves PreTrainedModel.__init_subclass__ unannotated
 class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]

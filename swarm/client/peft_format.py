@@ -18,7 +18,6 @@ from swarm.tuning import TuningSpec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-LORA_PREFIX = "base_model.model.model.layers."  # Llama-like families; others: lora_prefix(their layers' path)
 PEFT_TYPES = {"lora": "LORA", "prompt": "PROMPT_TUNING", "deep_prompt": "SWARM_DEEP_PROMPT"}
 
 
