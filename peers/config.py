@@ -58,9 +58,11 @@ class NetworkConfig:
     )
     identity: Path | None = option(None, help="identity file: stable peer id and record key; created if missing")
     swarm_key: Path | None = option(
-        None, metavar="FILE", help="a private swarm's key file: only its holders join and read the swarm "
+        None,
+        metavar="FILE",
+        help="a private swarm's key file: only its holders join and read the swarm "
         "(with --new-swarm, created if missing; give the file to every member)",
-    )  # fmt: skip
+    )
     direct_port: int | None = option(
         0, parse=_port_or_off, help="direct (TLS) data plane port (0 = any free port, 'off' = libp2p only)"
     )
@@ -82,10 +84,12 @@ class ComputeConfig:
 
     device: str = option("cpu", help="where to serve: cpu, cuda, cuda:1, ...")
     runtime: str = option(
-        "torch", parse=_runtime, metavar="torch|onnx",
+        "torch",
+        parse=_runtime,
+        metavar="torch|onnx",
         help="what runs the blocks: torch (inference, forward, backward, adapters) or onnx (ONNX Runtime on the "
         "CPU, Llama-family models in float32: inference and forward only; routes that train or carry adapters skip it)",
-    )  # fmt: skip
+    )
     dtype: str | None = option(None, help="serving dtype (default: the model card's)")
     threads: int = option(1, help="compute threads, torch's or ONNX Runtime's (peers often share a machine's cores)")
     throughput: float | None = option(
@@ -100,33 +104,57 @@ class ComputeConfig:
         "sessions together), turned into bytes by the model family's cache layout",
     )
     cache_bytes: int | None = option(
-        None, name="--cache-mb", parse=_mib, show="from --cache-tokens", metavar="MB",
+        None,
+        name="--cache-mb",
+        parse=_mib,
+        show="from --cache-tokens",
+        metavar="MB",
         help="KV-cache budget in MiB instead (a session reserves what its family's caches take for its span)",
-    )  # fmt: skip
+    )
     max_batch_tokens: int = option(8192, help="largest batch x sequence one request may carry")
     max_adapter_bytes: int = option(
-        512 * MIB, name="--max-adapter-mb", parse=_mib, show="512", metavar="MB",
+        512 * MIB,
+        name="--max-adapter-mb",
+        parse=_mib,
+        show="512",
+        metavar="MB",
         help="room for clients' adapters and deep prompts, all clients together",
-    )  # fmt: skip
+    )
     max_message_bytes: int = option(
         256 * MIB, name="--max-message-mb", parse=_mib, show="256", metavar="MB", help="a larger request is refused"
     )
     max_held_bytes: int = option(
-        1024 * MIB, name="--max-held-mb", parse=_mib, show="1024", metavar="MB",
+        1024 * MIB,
+        name="--max-held-mb",
+        parse=_mib,
+        show="1024",
+        metavar="MB",
         help="bytes of requests held at once (arriving, queued or computing), all callers together; more is 'busy'",
-    )  # fmt: skip
+    )
     max_kept_bytes: int = option(
-        2048 * MIB, name="--max-kept-mb", parse=_mib, show="2048", metavar="MB",
+        2048 * MIB,
+        name="--max-kept-mb",
+        parse=_mib,
+        show="2048",
+        metavar="MB",
         help="forward passes kept for a pending backward (what autograd saved), all callers together",
-    )  # fmt: skip
+    )
     max_caller_kept_bytes: int = option(
-        512 * MIB, name="--max-caller-kept-mb", parse=_mib, show="512", metavar="MB",
+        512 * MIB,
+        name="--max-caller-kept-mb",
+        parse=_mib,
+        show="512",
+        metavar="MB",
         help="...and for one caller (its oldest go first; beyond either, the client recomputes)",
-    )  # fmt: skip
+    )
     max_caller_adapter_bytes: int = option(
-        128 * MIB, name="--max-caller-adapter-mb", parse=_mib, show="128", metavar="MB",
+        128 * MIB,
+        name="--max-caller-adapter-mb",
+        parse=_mib,
+        show="128",
+        metavar="MB",
         help="room for one caller's adapters (a larger upload is refused)",
-    )  # fmt: skip
+    )
     max_sessions: int = option(128, help="open inference sessions, all callers together")
     max_caller_sessions: int = option(16, help="open inference sessions of one caller")
     caller_cache_share: float = option(0.5, help="share of the KV-cache budget one caller's sessions may reserve")

@@ -37,8 +37,9 @@ class Holder(Protocol):
     async def hold(self, span: Span, role: Role) -> None: ...
 
 
-def refusal(plan: Assignment, me: str, holder_span: Span | None, holder_role: Role | None, max_blocks: int,
-            view: View) -> str | None:  # fmt: skip
+def refusal(
+    plan: Assignment, me: str, holder_span: Span | None, holder_role: Role | None, max_blocks: int, view: View
+) -> str | None:
     """Why following ``plan`` would harm the swarm (None: it would not)."""
     mine = plan.placements[me]
     if len(mine.span) > max_blocks:
@@ -57,8 +58,11 @@ def refusal(plan: Assignment, me: str, holder_span: Span | None, holder_role: Ro
 
         # Another server must be online there now and stay there under the plan: two peers that each see the other
         # would otherwise both leave a block at once (make before break: a peer moved in must be online first).
-        uncovered = [b for b in left if not any(r.peer_id != me and r.state == PeerState.ONLINE and stays(r.peer_id, b)
-                                                for r in view[b])]  # fmt: skip
+        uncovered = [
+            b
+            for b in left
+            if not any(r.peer_id != me and r.state == PeerState.ONLINE and stays(r.peer_id, b) for r in view[b])
+        ]
         if uncovered:
             return f"blocks {uncovered[0]}-{uncovered[-1]} would have no other server"
     return None
@@ -79,8 +83,9 @@ async def run_follower(store: RecordStore, model_id: str, num_blocks: int, holde
             log.exception("could not apply the broker's assignment", extra={"peer": me})
 
 
-def _follow_once(store: RecordStore, model_id: str, num_blocks: int, holder: Holder, leases: LeaseView,
-                 me: str) -> tuple[Span, Role] | None:  # fmt: skip
+def _follow_once(
+    store: RecordStore, model_id: str, num_blocks: int, holder: Holder, leases: LeaseView, me: str
+) -> tuple[Span, Role] | None:
     """Read the leases and assignments: the move this peer should make, if any."""
     leases.resolve(store.read(broker_key(model_id), Lease), dht_time())
     plans = [a for a in store.read(assignment_key(model_id), Assignment) if leases.obeys(a)]

@@ -32,9 +32,22 @@ KINDS = frozenset(
 )
 # Outcomes: ``ok`` or the code of a ``swarm.errors`` class (a fixed set); anything else is ``error``.
 OUTCOMES = frozenset(
-    {"ok", "bad_input", "version_mismatch", "missing_blocks", "cache_full", "session_length", "peer_unavailable",
-     "activations_gone", "adapter_missing", "stale_step", "busy", "session_expired", "not_member"}
-)  # fmt: skip
+    {
+        "ok",
+        "bad_input",
+        "version_mismatch",
+        "missing_blocks",
+        "cache_full",
+        "session_length",
+        "peer_unavailable",
+        "activations_gone",
+        "adapter_missing",
+        "stale_step",
+        "busy",
+        "session_expired",
+        "not_member",
+    }
+)
 # Seconds: an inline single-token step takes ~1 ms on a CPU, a large forward or a session waiting for cache room
 # seconds; the buckets span both.
 SCRAPE_TIMEOUT = 10.0  # seconds a scrape waits for the RPC loop to read the peer's state
@@ -58,10 +71,16 @@ class PeerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("swarm_peer_requests", "requests answered, by kind and outcome",
-                                ["kind", "outcome"], registry=self.registry)  # fmt: skip
-        self.latency = Histogram("swarm_peer_request_seconds", "seconds from a request's arrival to its answer",
-                                 ["kind"], buckets=BUCKETS, registry=self.registry)  # fmt: skip
+        self.requests = Counter(
+            "swarm_peer_requests", "requests answered, by kind and outcome", ["kind", "outcome"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "swarm_peer_request_seconds",
+            "seconds from a request's arrival to its answer",
+            ["kind"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         for kind in ("forward", "backward", "session_open", "inference_step", "info"):  # a rate needs a series at 0
             self.requests.labels(kind, "ok")
             self.latency.labels(kind)
@@ -117,8 +136,9 @@ class PeerCollector(Collector):
     the RPC loop changes that state (sums over the adapter cache's dict, for one), so the reading itself is handed to
     the loop: one short callback per scrape, and no read ever races a change."""
 
-    def __init__(self, peer: Peer, remote: Remote | None, metrics: PeerMetrics,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, peer: Peer, remote: Remote | None, metrics: PeerMetrics, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.peer, self.remote, self.metrics, self.loop = peer, remote, metrics, loop
 
     def collect(self) -> Iterator[Metric]:
@@ -139,8 +159,16 @@ class PeerCollector(Collector):
         compute, budget = peer.compute, peer.sessions.budget
         span = peer.span
         info = InfoMetricFamily("swarm_peer", "this peer: its id, model, span, role and state")
-        info.add_metric([], {"peer_id": peer.peer_id, "model": peer.model.name, "span": str(span) if span else "",
-                             "role": peer.role.value if peer.role else "", "state": peer.state.value})  # fmt: skip
+        info.add_metric(
+            [],
+            {
+                "peer_id": peer.peer_id,
+                "model": peer.model.name,
+                "span": str(span) if span else "",
+                "role": peer.role.value if peer.role else "",
+                "state": peer.state.value,
+            },
+        )
         yield info
         yield _gauge("swarm_peer_span_start", "first block held (-1: none)", span.start if span else -1)
         yield _gauge("swarm_peer_span_end", "block after the last one held (-1: none)", span.end if span else -1)
@@ -164,11 +192,14 @@ class PeerCollector(Collector):
         yield _counter("swarm_peer_span_loads", "spans loaded from disk", peer.span_loads)
         yield _counter("swarm_peer_push_failures", "push connections to a next hop that failed", m.push_failures)
         yield _counter("swarm_peer_push_dropped", "steps not pushed: the next hop's queue was full", m.push_dropped)
-        yield _counter("swarm_peer_step_replays", "steps sent again after the client repaired its route upstream",
-                       m.step_replays)  # fmt: skip
-        traffic = CounterMetricFamily("swarm_peer_bytes", "bytes on the wire: as a server (requests received, "
-                                      "replies sent) and as a client (this peer's own calls)",
-                                      labels=["role", "direction"])  # fmt: skip
+        yield _counter(
+            "swarm_peer_step_replays", "steps sent again after the client repaired its route upstream", m.step_replays
+        )
+        traffic = CounterMetricFamily(
+            "swarm_peer_bytes",
+            "bytes on the wire: as a server (requests received, replies sent) and as a client (this peer's own calls)",
+            labels=["role", "direction"],
+        )
         traffic.add_metric(["server", "received"], m.received_bytes)
         traffic.add_metric(["server", "sent"], m.sent_bytes)
         own = dict(self.remote.traffic) if self.remote is not None else {}

@@ -57,8 +57,16 @@ def _admit(store: RecordStore) -> Admit | None:
 class Peer:
     """One peer's changing state: the span it holds, what it does with it, and how it tells the swarm."""
 
-    def __init__(self, cfg: PeerConfig, stage: Stage, store: RecordStore, hardware: Hardware, max_blocks: int,
-                 compute: ComputeService, sessions: Sessions) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: PeerConfig,
+        stage: Stage,
+        store: RecordStore,
+        hardware: Hardware,
+        max_blocks: int,
+        compute: ComputeService,
+        sessions: Sessions,
+    ) -> None:
         self.cfg, self.stage, self.model, self.store = cfg, stage, stage.model, store
         self.hardware, self.max_blocks, self.compute, self.sessions = hardware, max_blocks, compute, sessions
         self.peer_id = store.peer_id
@@ -242,8 +250,9 @@ async def _estimate_link(peer: Peer, remote: Remote) -> None:
         view = await asyncio.to_thread(peer.store.view, peer.model.name, peer.model.num_blocks)
         net, timing = peer.cfg.network, peer.cfg.timing
         records = list(servers(view).values())
-        peer.network_mbps = await estimate_link_mbps(remote, records, peer.peer_id, net.probe_bytes,
-                                                     timing.probe_timeout)  # fmt: skip
+        peer.network_mbps = await estimate_link_mbps(
+            remote, records, peer.peer_id, net.probe_bytes, timing.probe_timeout
+        )
         shown = f"{peer.network_mbps:.0f}" if peer.network_mbps else "unknown"
         log.info("link estimate %s Mbit/s", shown, extra={"peer": peer.peer_id})
     except Exception:
@@ -262,12 +271,24 @@ async def run_peer(
     net = cfg.network
     swarm_key = swarm_key_for(net.swarm_key, new_swarm=net.new_swarm)
     # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
-    store = start_dht(initial_peers=net.initial_peers, host=net.host, port=net.port,
-                      announce_maddrs=net.announce_maddrs, identity=net.identity, timeout=cfg.timing.dht_start_timeout,
-                      call_timeout=cfg.timing.dht_timeout, swarm_key=swarm_key)  # fmt: skip
+    store = start_dht(
+        initial_peers=net.initial_peers,
+        host=net.host,
+        port=net.port,
+        announce_maddrs=net.announce_maddrs,
+        identity=net.identity,
+        timeout=cfg.timing.dht_start_timeout,
+        call_timeout=cfg.timing.dht_timeout,
+        swarm_key=swarm_key,
+    )
     positions = getattr(model.config, "max_position_embeddings", None)
-    limits = Limits(int(model.config.hidden_size), model.dtype, model.num_blocks, cfg.compute.max_batch_tokens,
-                    int(positions) if isinstance(positions, int) else None)  # fmt: skip
+    limits = Limits(
+        int(model.config.hidden_size),
+        model.dtype,
+        model.num_blocks,
+        cfg.compute.max_batch_tokens,
+        int(positions) if isinstance(positions, int) else None,
+    )
     compute = ComputeService(limits, cfg.compute, cfg.timing)
     c = cfg.compute
     cost = KvCost(model.family, model.dtype.itemsize)
@@ -286,16 +307,26 @@ async def run_peer(
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
         stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
         peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
-        peer.maddrs = [m if "/p2p/" in m else f"{m}/p2p/{peer.peer_id}"
-                       for m in (net.announce_maddrs or store.visible_maddrs())]  # fmt: skip
-        servicer = Servicer(compute, sessions, peer.info, max_bytes=cfg.compute.max_message_bytes, timing=cfg.timing,
-                            added_latency_s=net.added_latency_ms / 1000, training=stage.training,
-                            admit=_admit(store), budget=wire.ByteBudget(cfg.compute.max_held_bytes),
-                            remote=remote)  # fmt: skip
+        peer.maddrs = [
+            m if "/p2p/" in m else f"{m}/p2p/{peer.peer_id}" for m in (net.announce_maddrs or store.visible_maddrs())
+        ]
+        servicer = Servicer(
+            compute,
+            sessions,
+            peer.info,
+            max_bytes=cfg.compute.max_message_bytes,
+            timing=cfg.timing,
+            added_latency_s=net.added_latency_ms / 1000,
+            training=stage.training,
+            admit=_admit(store),
+            budget=wire.ByteBudget(cfg.compute.max_held_bytes),
+            remote=remote,
+        )
         await servicer.register(p2p)
         if net.direct_port is not None:
-            limits_direct = DirectLimits(net.max_connections, net.max_caller_connections,
-                                         net.handshake_timeout or cfg.timing.handshake_timeout)  # fmt: skip
+            limits_direct = DirectLimits(
+                net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
+            )
             direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store))
             peer.direct_address = _direct_address(cfg, await direct.start(net.host, net.direct_port))
         if peer.network_mbps is None and net.initial_peers:

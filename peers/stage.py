@@ -114,8 +114,16 @@ def _perturb(layers: torch.nn.Module, scale: float) -> None:
 class ServingStage:
     """Frozen weights of a model card or a Hugging Face folder, run by torch or (``--runtime onnx``) ONNX Runtime."""
 
-    def __init__(self, model: ModelInfo, folder: Path, device: str, perturb: float = 0.0, runtime: str = "torch",
-                 cache_dir: Path | None = None, threads: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: ModelInfo,
+        folder: Path,
+        device: str,
+        perturb: float = 0.0,
+        runtime: str = "torch",
+        cache_dir: Path | None = None,
+        threads: int = 1,
+    ) -> None:
         self.model, self.folder, self.device, self.perturb = model, folder, device, perturb
         self.runtime, self.threads = runtime, threads
         self.cache_dir = cache_dir or folder  # where ONNX exports go
@@ -137,8 +145,15 @@ class ServingStage:
 
             check_exportable(config, dtype, cfg.compute.device)
         model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
-        return cls(model, folder, cfg.compute.device, cfg.compute.perturb_weights, cfg.compute.runtime,
-                   cfg.cache_dir, cfg.compute.threads)  # fmt: skip
+        return cls(
+            model,
+            folder,
+            cfg.compute.device,
+            cfg.compute.perturb_weights,
+            cfg.compute.runtime,
+            cfg.cache_dir,
+            cfg.compute.threads,
+        )
 
     def attach(self, env: StageEnv) -> None:
         pass

@@ -57,8 +57,7 @@ def direct(model: DistributedModelForCausalLM, inputs: BatchEncoding, tokens: in
 def over_http(client: openai.OpenAI, model: str, tokens: int) -> tuple[float, float, int]:
     times: list[float] = []
     start = time.perf_counter()
-    stream = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=tokens, temperature=0,
-                                            stream=True)  # fmt: skip
+    stream = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=tokens, temperature=0, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
@@ -95,8 +94,16 @@ def main() -> None:
     inputs = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert isinstance(inputs, BatchEncoding)
     with LocalSwarm(args.model, args.spans, test_timings=True) as swarm:
-        api_args = ("--model", args.model, "--codec", "none", "--max-concurrent", str(max(args.concurrent, 8)),
-                    "--max-client-concurrent", str(max(args.concurrent, 4)))  # fmt: skip
+        api_args = (
+            "--model",
+            args.model,
+            "--codec",
+            "none",
+            "--max-concurrent",
+            str(max(args.concurrent, 8)),
+            "--max-client-concurrent",
+            str(max(args.concurrent, 4)),
+        )
         with (
             ApiProcess(swarm.initial_peers, *api_args) as api,
             DistributedModelForCausalLM.from_pretrained(
@@ -116,8 +123,10 @@ def main() -> None:
             many = concurrent(client, args.model, args.tokens, args.concurrent)
     ref_ttft = statistics.median(r[0] for r in rows["python client"])
     ref_tok = statistics.median(r[1] for r in rows["python client"])
-    print(f"{args.model}, {len(args.spans)} peers on 127.0.0.1, greedy, {args.tokens} tokens, medians of "
-          f"{args.rounds} rounds")  # fmt: skip
+    print(
+        f"{args.model}, {len(args.spans)} peers on 127.0.0.1, greedy, {args.tokens} tokens, medians of "
+        f"{args.rounds} rounds"
+    )
     print(f"{'path':<22} {'first token ms':>15} {'per token ms':>13} {'ratio ttft':>11} {'ratio token':>12}")
     for name, values in rows.items():
         ttft = statistics.median(v[0] for v in values)

@@ -53,9 +53,14 @@ def main() -> None:
 
     with LocalSwarm(args.model, args.spans, extra_args=("--throughput", "100")) as swarm:
         remote = DistributedModelForCausalLM.from_pretrained(
-            args.model, initial_peers=swarm.initial_peers, tuning="lora", lora_rank=args.rank,
-            lora_alpha=2 * args.rank, lora_targets=tuple(args.targets), codec=args.codec,
-        )  # fmt: skip
+            args.model,
+            initial_peers=swarm.initial_peers,
+            tuning="lora",
+            lora_rank=args.rank,
+            lora_alpha=2 * args.rank,
+            lora_targets=tuple(args.targets),
+            codec=args.codec,
+        )
         with remote, tempfile.TemporaryDirectory() as adapter_dir:
             remote.save_adapter(adapter_dir)
             base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -87,12 +92,16 @@ def main() -> None:
             per_step = {k: (traffic[k] - before.get(k, 0)) / args.steps for k in traffic}
 
     t_local, t_swarm = (statistics.median(sides[n][2]) for n in ("local", "swarm"))
-    print(f"\n{args.model}: LoRA r={args.rank} on {', '.join(args.targets)} ({n_params:,} parameters), batch "
-          f"{args.batch} x {args.seq}, {len(args.spans)} peers on 127.0.0.1, 1 torch thread per process")  # fmt: skip
+    print(
+        f"\n{args.model}: LoRA r={args.rank} on {', '.join(args.targets)} ({n_params:,} parameters), batch "
+        f"{args.batch} x {args.seq}, {len(args.spans)} peers on 127.0.0.1, 1 torch thread per process"
+    )
     print(f"| {'metric':<34} | {'local PEFT':>10} | {'swarm':>10} | {'ratio':>6} |")
     print(f"|{'-' * 36}|{'-' * 12}|{'-' * 12}|{'-' * 8}|")
-    print(f"| {'training steps/s (median)':<34} | {1 / t_local:>10.3f} | {1 / t_swarm:>10.3f} | "
-          f"{t_local / t_swarm:>5.2f}x |")  # fmt: skip
+    print(
+        f"| {'training steps/s (median)':<34} | {1 / t_local:>10.3f} | {1 / t_swarm:>10.3f} | "
+        f"{t_local / t_swarm:>5.2f}x |"
+    )
     print(f"| {'seconds per step (median)':<34} | {t_local:>10.2f} | {t_swarm:>10.2f} | {'':>6} |")
     print("\nper swarm step, counted over every message:")
     print(f"  adapter bytes sent:        {per_step.get('adapter_bytes_sent', 0) / 1e6:8.2f} MB")
@@ -100,11 +109,22 @@ def main() -> None:
     print(f"  activations etc. sent:     {activations / 1e6:8.2f} MB")
     print(f"  received (outputs, grads): {per_step.get('received_bytes', 0) / 1e6:8.2f} MB")
     last_local, last_swarm = sides["local"][3][-1], sides["swarm"][3][-1]
-    print(f"\nswarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
-          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
+    print(
+        f"\nswarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
+        f"{abs(last_swarm - last_local) / last_local:.3%}"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "adapter_params": n_params,
-                                         "local_step_s": t_local, "swarm_step_s": t_swarm}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json)},
+                    "adapter_params": n_params,
+                    "local_step_s": t_local,
+                    "swarm_step_s": t_swarm,
+                },
+                indent=1,
+            )
+        )
     print("\nloss per step (local PEFT vs swarm):")
     for i, (a, b) in enumerate(zip(sides["local"][3], sides["swarm"][3], strict=True)):
         print(f"  step {i + 1}: {a:.5f}  {b:.5f}  (diff {abs(a - b):.1e})")

@@ -106,8 +106,11 @@ def main() -> None:
                 ratio = swarm / local
                 print(f"| {name:<38} | {local:>9.3f} | {swarm:>9.3f} | {ratio:>5.2f}x |")
         if args.json:
-            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "spans": SPANS,
-                                             "results": results}, indent=1))  # fmt: skip
+            args.json.write_text(
+                json.dumps(
+                    {"args": vars(args) | {"json": str(args.json)}, "spans": SPANS, "results": results}, indent=1
+                )
+            )
 
 
 if __name__ == "__main__":

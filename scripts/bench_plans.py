@@ -111,8 +111,10 @@ def main() -> None:
                 b.append(timed(step, 1))
             t_direct, t_plan = min(a), min(b)
             overhead = (t_plan - t_direct) * 1e6
-            print(f"{hops:>4}  {t_direct * 1e6:>8.1f}us  {t_plan * 1e6:>8.1f}us  {overhead:>8.1f}us  "
-                  f"{t_plan / t_direct:>5.2f}x")  # fmt: skip
+            print(
+                f"{hops:>4}  {t_direct * 1e6:>8.1f}us  {t_plan * 1e6:>8.1f}us  {overhead:>8.1f}us  "
+                f"{t_plan / t_direct:>5.2f}x"
+            )
     sched = schedule(generate_plan(shape, route(3, shape.num_blocks), max_length=2048))
     print(f"\n(a 3-hop decode step walks {len(sched.steps)} steps; bound: 100 us of overhead per step)")
 

@@ -93,27 +93,40 @@ def main() -> None:
 
     tokens = run.target_batch_size * run.seq_len
     t_local, t_swarm = statistics.median(times["local"]), statistics.median(times["swarm"])
-    print(f"\n{run.name}: {run.hf_config().num_hidden_layers} layers, hidden {run.hf_config().hidden_size}, "
-          f"{len(spans)} stages on 127.0.0.1, batch {run.target_batch_size} x {run.seq_len} tokens "
-          f"(micro-batches of {run.micro_batch_size}), 1 torch thread per process")  # fmt: skip
+    print(
+        f"\n{run.name}: {run.hf_config().num_hidden_layers} layers, hidden {run.hf_config().hidden_size}, "
+        f"{len(spans)} stages on 127.0.0.1, batch {run.target_batch_size} x {run.seq_len} tokens "
+        f"(micro-batches of {run.micro_batch_size}), 1 torch thread per process"
+    )
     print(f"| {'metric':<30} | {'local':>9} | {'swarm':>9} | {'ratio':>6} |")
     print(f"|{'-' * 32}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
-    print(f"| {'training tokens/s (median)':<30} | {tokens / t_local:>9.0f} | {tokens / t_swarm:>9.0f} | "
-          f"{t_local / t_swarm:>5.2f}x |")  # fmt: skip
+    print(
+        f"| {'training tokens/s (median)':<30} | {tokens / t_local:>9.0f} | {tokens / t_swarm:>9.0f} | "
+        f"{t_local / t_swarm:>5.2f}x |"
+    )
     print(f"| {'seconds per step (median)':<30} | {t_local:>9.3f} | {t_swarm:>9.3f} | {'':>6} |")
     if args.json:
-        args.json.write_text(json.dumps({"run": str(args.run), "tokens_per_step": tokens, "local_step_s": t_local,
-                                         "swarm_step_s": t_swarm}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps(
+                {"run": str(args.run), "tokens_per_step": tokens, "local_step_s": t_local, "swarm_step_s": t_swarm},
+                indent=1,
+            )
+        )
     print(f"\nbytes per token, trainer side, every message: {sent / tokens:.0f} sent, {received / tokens:.0f} received")
     diff = max(abs(a - b) for a, b in zip(losses["local"], losses["swarm"], strict=True))
     print(f"\nloss per step, local vs swarm (largest difference {diff:.1e}):")
     for i in range(0, args.steps, max(args.steps // 10, 1)):
         print(f"  step {i + 1:>4}: {losses['local'][i]:.5f}  {losses['swarm'][i]:.5f}")
     last_local, last_swarm = losses["local"][-1], losses["swarm"][-1]
-    print(f"swarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
-          f"{abs(last_swarm - last_local) / last_local:.3%}")  # fmt: skip
-    save_plot(args.plot, {"local (one process)": losses["local"], "swarm (3 stage peers)": losses["swarm"]},
-              f"{run.name}: local vs swarm")  # fmt: skip
+    print(
+        f"swarm codec {args.codec}: final loss {last_swarm:.5f} vs local {last_local:.5f}, relative difference "
+        f"{abs(last_swarm - last_local) / last_local:.3%}"
+    )
+    save_plot(
+        args.plot,
+        {"local (one process)": losses["local"], "swarm (3 stage peers)": losses["swarm"]},
+        f"{run.name}: local vs swarm",
+    )
     print(f"plot of both loss curves: {args.plot}")
 
 

@@ -106,8 +106,11 @@ def main() -> None:
                 }
                 writer.close()
                 server.close()
-            paths = (("direct plane (TLS + identities)", "always", False), ("direct, new connection per call",
-                     "always", True), ("libp2p (p2pd)", "never", False))  # fmt: skip
+            paths = (
+                ("direct plane (TLS + identities)", "always", False),
+                ("direct, new connection per call", "always", True),
+                ("libp2p (p2pd)", "never", False),
+            )
             for name, policy, fresh in paths:
                 remote = Remote(conn.remote.p2p, creds, policy)  # type: ignore[arg-type]
                 notice = ReleaseRequest(client="b" * 64)

@@ -65,11 +65,20 @@ def pretrain_run_toml(model: str, spans: list[str], folder: Path) -> Path:
         model_section = 'from = "smollm2-135m"'
         tokenizer, batch, micro = "smollm2-135m", 4, 2
     else:
-        model_section = "\n".join([
-            'model_type = "llama"', "hidden_size = 256", "intermediate_size = 688", "num_hidden_layers = 8",
-            "num_attention_heads = 8", "num_key_value_heads = 8", "vocab_size = 256",
-            "max_position_embeddings = 2048", "tie_word_embeddings = false", "initializer_range = 0.02",
-        ])  # fmt: skip
+        model_section = "\n".join(
+            [
+                'model_type = "llama"',
+                "hidden_size = 256",
+                "intermediate_size = 688",
+                "num_hidden_layers = 8",
+                "num_attention_heads = 8",
+                "num_key_value_heads = 8",
+                "vocab_size = 256",
+                "max_position_embeddings = 2048",
+                "tie_word_embeddings = false",
+                "initializer_range = 0.02",
+            ]
+        )
         tokenizer, batch, micro = "bytes", 8, 4
     path = folder / f"pretrain-{model}.toml"
     path.write_text(f"""name = "wanbench-{model}"
@@ -169,9 +178,18 @@ class Bench:
 
     def base_spec(self, model: str, peers: list[str]) -> dict[str, Any]:
         a = self.args
-        return dict(model=model, initial_peers=peers, new_tokens=a.new_tokens, repeats=a.repeats,
-                    prompt_len=a.prompt_len, ttft_repeats=1, ft_batch=a.ft_batch, ft_seq=a.ft_seq,
-                    ft_steps=a.ft_steps, pretrain_steps=a.pretrain_steps)  # fmt: skip
+        return dict(
+            model=model,
+            initial_peers=peers,
+            new_tokens=a.new_tokens,
+            repeats=a.repeats,
+            prompt_len=a.prompt_len,
+            ttft_repeats=1,
+            ft_batch=a.ft_batch,
+            ft_seq=a.ft_seq,
+            ft_steps=a.ft_steps,
+            pretrain_steps=a.pretrain_steps,
+        )
 
     def measure_local(self, model: str) -> None:
         spec = dict(self.base_spec(model, []), tasks=["local"])
@@ -203,8 +221,12 @@ class Bench:
             run = pretrain_run_toml(model, SPANS[model], self.tmp)
 
             def train(wan: Any, peers: list[str]) -> None:
-                s = dict(self.base_spec(model, peers), tasks=["pretrain"], modes=self.modes(plane, [True]),
-                         pretrain_run=str(run))  # fmt: skip
+                s = dict(
+                    self.base_spec(model, peers),
+                    tasks=["pretrain"],
+                    modes=self.modes(plane, [True]),
+                    pretrain_run=str(run),
+                )
                 for item in self.run_job(wan, s, f"{model}-{link}-{plane}-pretrain"):
                     self.results.append(dict(item, model=model, link=link, plane=plane, pretrain_run=str(run)))
 
@@ -214,8 +236,9 @@ class Bench:
 
     def local_of(self, r: dict[str, Any]) -> dict[str, Any]:
         """The local run measured by the same client job as row ``r`` (else the model's first one)."""
-        same = [x for x in self.results if x["task"] == "local" and
-                all(x[k] == r[k] for k in ("model", "link", "plane"))]  # fmt: skip
+        same = [
+            x for x in self.results if x["task"] == "local" and all(x[k] == r[k] for k in ("model", "link", "plane"))
+        ]
         return same[0] if same else self.local[r["model"]]
 
     def floors(self, r: dict[str, Any]) -> dict[str, float]:
@@ -228,14 +251,20 @@ class Bench:
         return {"floor": (n + 1) * d + c + wire, "chained": (n + 1) * d + c, "mediated": 2 * n * d + c, "c": c}
 
     def report(self) -> None:
-        print("\n## Inference (median decode step over the generated tokens; TTFT of a "
-              f"{self.args.prompt_len}-token prompt)")  # fmt: skip
+        print(
+            "\n## Inference (median decode step over the generated tokens; TTFT of a "
+            f"{self.args.prompt_len}-token prompt)"
+        )
         for model, local in self.local.items():
-            print(f"{model}: local one process, 1 thread: {local['tokens_per_s']:.1f} tokens/s "
-                  f"(compute per token c = {local['step_s'] * 1000:.1f} ms), TTFT {local['ttft_s']:.2f} s")  # fmt: skip
-        head = (f"| {'model':<12} | {'link':<19} | {'plane':<6} | {'mode':<14} | {'tok/s':>6} | {'step ms':>7} | "
-                f"{'floor ms':>8} | {'c ms':>5} | {'xfloor':>6} | {'x(n+1)d':>7} | {'x2nd':>5} | {'TTFT s':>6} | "
-                f"{'xlocal':>6} |")  # fmt: skip
+            print(
+                f"{model}: local one process, 1 thread: {local['tokens_per_s']:.1f} tokens/s "
+                f"(compute per token c = {local['step_s'] * 1000:.1f} ms), TTFT {local['ttft_s']:.2f} s"
+            )
+        head = (
+            f"| {'model':<12} | {'link':<19} | {'plane':<6} | {'mode':<14} | {'tok/s':>6} | {'step ms':>7} | "
+            f"{'floor ms':>8} | {'c ms':>5} | {'xfloor':>6} | {'x(n+1)d':>7} | {'x2nd':>5} | {'TTFT s':>6} | "
+            f"{'xlocal':>6} |"
+        )
         print(head)
         print(rule(head))
         for r in self.results:
@@ -243,8 +272,14 @@ class Bench:
                 continue
             f = self.floors(r)
             local = self.local_of(r)
-            ttft = next((x["ttft_s"] for x in self.results if x["task"] == "ttft" and
-                         all(x[k] == r[k] for k in ("model", "link", "plane", "mode"))), None)  # fmt: skip
+            ttft = next(
+                (
+                    x["ttft_s"]
+                    for x in self.results
+                    if x["task"] == "ttft" and all(x[k] == r[k] for k in ("model", "link", "plane", "mode"))
+                ),
+                None,
+            )
             t = r["step_s"]
             tt = f"{ttft:>6.2f}" if ttft is not None else f"{'':>6}"
             tl = f"{ttft / local['ttft_s']:>5.2f}x" if ttft is not None else f"{'':>6}"
@@ -270,8 +305,7 @@ class Bench:
                     f"| {r['model']:<12} | {link_name(r['link']):<19} | {r['plane']:<6} | {mode:<14} | "
                     f"{what:<40} | {value:>8.2f} |"
                 )
-        mism = [r for r in self.results if r["task"] == "decode" and
-                r["tokens"] != self.local[r["model"]]["tokens"]]  # fmt: skip
+        mism = [r for r in self.results if r["task"] == "decode" and r["tokens"] != self.local[r["model"]]["tokens"]]
         if mism:
             print(
                 "\nWARNING: greedy tokens differ from the local run in:",

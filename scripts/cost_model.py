@@ -44,16 +44,39 @@ def mbps(bw: float | None) -> str:
 
 def table(title: str, rows: list[Result], args: argparse.Namespace, latency_label: str) -> None:
     print(f"\n## {title}\n")
-    cols = ["side", "devices", "used", "tokens/s", latency_label, "power kW", "cloud $/h", "purchase $",
-            "$/Mtok cloud", "$/Mtok owned", "kWh/Mtok", *SHARES]  # fmt: skip
+    cols = [
+        "side",
+        "devices",
+        "used",
+        "tokens/s",
+        latency_label,
+        "power kW",
+        "cloud $/h",
+        "purchase $",
+        "$/Mtok cloud",
+        "$/Mtok owned",
+        "kWh/Mtok",
+        *SHARES,
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         owned = r.usd_per_mtok_owned(args.electricity, args.hours_per_year, args.amortize_years)
         shares = [f"{getattr(r.cost, k) / r.cost.total:.0%}" for k in SHARES]
-        cells = [r.side, f"{r.count} x {r.device}", str(r.used), f"{r.throughput:,.0f}", f"{r.latency:.3g}",
-                 f"{r.power_w / 1000:.1f}", f"{r.cloud_usd_per_hour:.2f}", f"{r.purchase_usd:,.0f}",
-                 f"{r.usd_per_mtok_cloud:.3f}", f"{owned:.3f}", f"{r.kwh_per_mtok:.2f}", *shares]  # fmt: skip
+        cells = [
+            r.side,
+            f"{r.count} x {r.device}",
+            str(r.used),
+            f"{r.throughput:,.0f}",
+            f"{r.latency:.3g}",
+            f"{r.power_w / 1000:.1f}",
+            f"{r.cloud_usd_per_hour:.2f}",
+            f"{r.purchase_usd:,.0f}",
+            f"{r.usd_per_mtok_cloud:.3f}",
+            f"{owned:.3f}",
+            f"{r.kwh_per_mtok:.2f}",
+            *shares,
+        ]
         print("| " + " | ".join(cells) + " |")
     for r in rows:
         print(f"\n{r.side} detail: " + ", ".join(f"{k}={v:.3g}" for k, v in r.detail.items()))
@@ -75,8 +98,9 @@ def heatmap(cx: Crossover, title: str, path: Path) -> None:
         ax.plot([], [], color="blue", ls="--", label="equal cloud $ per token")
     else:
         ax.plot([], [], " ", label="never cheaper per token (cloud)")
-    ax.set(xscale="log", yscale="log", xlabel="link bandwidth per GPU (Mbit/s)", ylabel="one-way delay (ms)",
-           title=title)  # fmt: skip
+    ax.set(
+        xscale="log", yscale="log", xlabel="link bandwidth per GPU (Mbit/s)", ylabel="one-way delay (ms)", title=title
+    )
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -138,8 +162,11 @@ def main() -> None:
             f"{count if count is not None else 'more than 4096'}"
         )
     tr, sr = t_sw.throughput / t_dc.throughput, s_sw.throughput / s_dc.throughput
-    own = {r.side + label: r.usd_per_mtok_owned(args.electricity, args.hours_per_year, args.amortize_years)
-           for label, rs in (("s", (s_sw, s_dc)), ("t", (t_sw, t_dc))) for r in rs}  # fmt: skip
+    own = {
+        r.side + label: r.usd_per_mtok_owned(args.electricity, args.hours_per_year, args.amortize_years)
+        for label, rs in (("s", (s_sw, s_dc)), ("t", (t_sw, t_dc)))
+        for r in rs
+    }
     reach = lambda cx: "reach" if any(m is not None for m in cx.match) else "never reach"  # noqa: E731
     print("\n## Verdict\n")
     print(

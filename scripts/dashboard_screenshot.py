@@ -45,8 +45,9 @@ def main() -> int:
     p.add_argument("--throughput", default="auto", help="the peers' --throughput ('auto' measures; a number skips it)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swarm-screenshot-"))
-    swarm = LocalSwarm(MODEL, ["0:15"], extra_args=("--throughput", args.throughput), log_dir=work / "logs",
-                       startup_timeout=STARTUP)  # fmt: skip
+    swarm = LocalSwarm(
+        MODEL, ["0:15"], extra_args=("--throughput", args.throughput), log_dir=work / "logs", startup_timeout=STARTUP
+    )
     api: ApiProcess | None = None
     driver = None
     try:
@@ -55,8 +56,14 @@ def main() -> int:
         swarm.add_peer("15:30", wait=False)
         for peer in swarm.peers:
             peer.wait_ready(STARTUP)
-        api = ApiProcess(swarm.initial_peers, "--model", MODEL, test_timings=False, log_path=work / "api.log",
-                         startup_timeout=STARTUP)  # fmt: skip
+        api = ApiProcess(
+            swarm.initial_peers,
+            "--model",
+            MODEL,
+            test_timings=False,
+            log_path=work / "api.log",
+            startup_timeout=STARTUP,
+        )
         base = api.url.rstrip("/")
         driver = chrome(work / "profile", 1400, 760)
         chat(driver, base, args.prompt, args.out)  # first, so the dashboard shows requests served

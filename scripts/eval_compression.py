@@ -122,9 +122,14 @@ def main() -> None:
                     logits.append(model(batch).logits[:, args.context - 1 : -1])
                     if greedy_too:
                         prompt = batch[:, : args.context]
-                        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                             max_new_tokens=args.positions, min_new_tokens=args.positions,
-                                             pad_token_id=0)  # fmt: skip
+                        out = model.generate(
+                            prompt,
+                            attention_mask=torch.ones_like(prompt),
+                            do_sample=False,
+                            max_new_tokens=args.positions,
+                            min_new_tokens=args.positions,
+                            pad_token_id=0,
+                        )
                         greedy.append(out[:, args.context :])
             return torch.cat(logits), torch.cat(greedy) if greedy else None, hooks.bytes
         finally:

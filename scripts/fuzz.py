@@ -73,8 +73,13 @@ def main() -> int:
     ref = local_reference(folder)
     scale = args.examples / 10_200
     n = lambda k: max(1, int(k * scale))  # noqa: E731
-    plan = [("unary", n(3000)), ("compute_loop", n(6000)), ("streams", n(600)), ("direct_sessions", n(300)),
-            ("direct_handshakes", n(300))]  # fmt: skip
+    plan = [
+        ("unary", n(3000)),
+        ("compute_loop", n(6000)),
+        ("streams", n(600)),
+        ("direct_sessions", n(300)),
+        ("direct_handshakes", n(300)),
+    ]
     rounds = 10
     with running_swarm(str(folder), ["0:4"], "--max-batch-tokens", "512", "--cache-tokens", "256") as swarm:
         client = connect(str(folder), swarm)
@@ -95,8 +100,11 @@ def main() -> int:
                         for what, count in plan:
                             conn.loop.run(getattr(fuzzer, what)(max(1, count // rounds)))
                             tokens.append(int(client(torch.tensor([[tokens[-1]]])).logits[0, -1].argmax()))
-                        print(f"round {r + 1}/{rounds}: {fuzzer.total} sent, server peak RSS "
-                              f"{vm_hwm_mib(server.pid):.0f} MiB", flush=True)  # fmt: skip
+                        print(
+                            f"round {r + 1}/{rounds}: {fuzzer.total} sent, server peak RSS "
+                            f"{vm_hwm_mib(server.pid):.0f} MiB",
+                            flush=True,
+                        )
                     while len(tokens) < steps:
                         tokens.append(int(client(torch.tensor([[tokens[-1]]])).logits[0, -1].argmax()))
             alive = server.proc.poll() is None and conn.loop.run(conn.remote.info(client.route[0], 10.0)) is not None
@@ -110,8 +118,13 @@ def main() -> int:
     print(f"  accepted (must be none): {len(fuzzer.ok_replies)} {fuzzer.ok_replies[:5]}")
     print(f"  honest session tokens equal the local run: {tokens == expected}")
     print(f"  server alive and answering: {alive}; peak RSS {baseline:.0f} -> {peak:.0f} MiB")
-    good = (not fuzzer.ok_replies and tokens == expected and alive and "swarm_error" not in fuzzer.codes
-            and peak < baseline + args.rss_bound_mib)  # fmt: skip
+    good = (
+        not fuzzer.ok_replies
+        and tokens == expected
+        and alive
+        and "swarm_error" not in fuzzer.codes
+        and peak < baseline + args.rss_bound_mib
+    )
     print("OK" if good else "FAILED")
     return 0 if good else 1
 

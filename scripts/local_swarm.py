@@ -40,8 +40,16 @@ def main() -> None:
         print(f"peer logs in {swarm.log_dir}; Ctrl-C to stop", flush=True)
         with contextlib.ExitStack() as api:
             if args.api_port is not None:
-                served = api.enter_context(ApiProcess(swarm.initial_peers, "--model", args.model, "--port",
-                                                      str(args.api_port), test_timings=args.test_timings))  # fmt: skip
+                served = api.enter_context(
+                    ApiProcess(
+                        swarm.initial_peers,
+                        "--model",
+                        args.model,
+                        "--port",
+                        str(args.api_port),
+                        test_timings=args.test_timings,
+                    )
+                )
                 print(f"API and dashboard: {served.url} (log: {served.log_path})", flush=True)
             stop.wait()
     print("stopped.")

@@ -125,8 +125,10 @@ def compare(swarms: int) -> None:
     cat = load_catalogue()
     each = {k: block_throughput(device_of(cat[k]), LLAMA2_70B, batch=16, past=1024) for k in MIXES["default"]}
     print("predicted decode tokens/s per block (batch 16): " + ", ".join(f"{k} {v:.0f}" for k, v in each.items()))
-    print(f"{'seed':>4} {'mix':>10} {'peers':>5} {'planner':>9} {'greedy':>9} {'plan/greedy':>11} {'plan/bound':>10}"
-          f" {'time':>6}")  # fmt: skip
+    print(
+        f"{'seed':>4} {'mix':>10} {'peers':>5} {'planner':>9} {'greedy':>9} {'plan/greedy':>11} {'plan/bound':>10}"
+        f" {'time':>6}"
+    )
     ok = True
     for seed in range(swarms):
         rng = random.Random(seed)
@@ -141,8 +143,10 @@ def compare(swarms: int) -> None:
         greedy = bottleneck(greedy_spans(rates, caps, blocks, seed), rates, blocks)
         ratio, share = plan.bottleneck / max(greedy, 1e-12), plan.bottleneck / plan.upper_bound
         ok = ok and plan.bottleneck >= greedy * (1 - 1e-9) and share >= 0.9
-        print(f"{seed:>4} {mix:>10} {n:>5} {plan.bottleneck:>9.1f} {greedy:>9.1f} {ratio:>11.2f} {share:>10.1%}"
-              f" {took:>5.2f}s")  # fmt: skip
+        print(
+            f"{seed:>4} {mix:>10} {n:>5} {plan.bottleneck:>9.1f} {greedy:>9.1f} {ratio:>11.2f} {share:>10.1%}"
+            f" {took:>5.2f}s"
+        )
     verdict = "PASS" if ok else "FAIL"
     print(f"{verdict}: planner >= greedy on every swarm and >= 90% of the upper bound")
 

@@ -32,19 +32,45 @@ from swarm.perf.predict import Swarm, decode_step, forward_time, train_time  # n
 from swarm.perf.validation import Row, _row, table  # noqa: E402
 
 SHAPES = {  # random-init Llama shapes, cut to a few layers (per-layer costs are what is compared)
-    "1B-shape x8": dict(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=16,
-                        num_hidden_layers=8, vocab_size=32000),
-    "8B-shape x4": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                        num_hidden_layers=4, vocab_size=32000),
-}  # fmt: skip
-SMALL = {"small x2": dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_key_value_heads=2,
-                          num_hidden_layers=2, vocab_size=1000)}  # fmt: skip
+    "1B-shape x8": dict(
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_hidden_layers=8,
+        vocab_size=32000,
+    ),
+    "8B-shape x4": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=4,
+        vocab_size=32000,
+    ),
+}
+SMALL = {
+    "small x2": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=1000,
+    )
+}
 
 
 def catalogue_device(spec: DeviceSpec, dtype: str) -> Device:
     b = 2.0 if dtype in ("float16", "bfloat16") else 4.0
-    return Device(spec.name, spec.flops(dtype) * spec.matmul_efficiency, spec.memory_bandwidth * spec.memory_efficiency,
-                  b, spec.launch_overhead * 30, spec.launch_overhead * 60)  # fmt: skip
+    return Device(
+        spec.name,
+        spec.flops(dtype) * spec.matmul_efficiency,
+        spec.memory_bandwidth * spec.memory_efficiency,
+        b,
+        spec.launch_overhead * 30,
+        spec.launch_overhead * 60,
+    )
 
 
 def measure(cfg: dict[str, Any], dev: torch.device, dtype: torch.dtype, small: bool) -> dict[str, float]:
@@ -93,20 +119,37 @@ def measure(cfg: dict[str, Any], dev: torch.device, dtype: torch.dtype, small: b
     return out
 
 
-def rows_for(name: str, cfg: dict[str, Any], measured: dict[str, float], dev: Device, label: str,
-             small: bool) -> list[Row]:  # fmt: skip
+def rows_for(
+    name: str, cfg: dict[str, Any], measured: dict[str, float], dev: Device, label: str, small: bool
+) -> list[Row]:
     arch = Arch.from_config(cfg)
     local = Swarm(arch, dev)
     past, prompt, seq = (64, 128, 64) if small else (512, 2048, 512)
     rows = []
     for batch in (1, 32):
         cost = decode_step(local, past, batch=batch)
-        rows.append(_row("gpu", f"{name} decode batch {batch} [{label}]", "tokens/s",
-                         measured[f"decode batch {batch}"], cost, per=batch))  # fmt: skip
-    rows.append(_row("gpu", f"{name} prefill {prompt} [{label}]", "s", measured["prefill"],
-                     forward_time(local, 1, prompt)))  # fmt: skip
-    rows.append(_row("gpu", f"{name} forward+backward [4, {seq}] [{label}]", "s", measured["forward+backward"],
-                     train_time(local, 4, seq, update=False)))  # fmt: skip
+        rows.append(
+            _row(
+                "gpu",
+                f"{name} decode batch {batch} [{label}]",
+                "tokens/s",
+                measured[f"decode batch {batch}"],
+                cost,
+                per=batch,
+            )
+        )
+    rows.append(
+        _row("gpu", f"{name} prefill {prompt} [{label}]", "s", measured["prefill"], forward_time(local, 1, prompt))
+    )
+    rows.append(
+        _row(
+            "gpu",
+            f"{name} forward+backward [4, {seq}] [{label}]",
+            "s",
+            measured["forward+backward"],
+            train_time(local, 4, seq, update=False),
+        )
+    )
     return rows
 
 
@@ -124,9 +167,17 @@ def main() -> int:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     hw = measure_hardware(7 if args.small else 15, args.device, args.dtype, rounds=1 if args.small else 3)
     b = 2.0 if args.dtype != "float32" else 4.0
-    calibrated = Device(f"{name} (calibrated)", hw.flops, hw.bandwidth, b, hw.block_overhead, hw.backward_overhead,
-                        attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
-                        stream_curve=hw.stream_curve)  # fmt: skip
+    calibrated = Device(
+        f"{name} (calibrated)",
+        hw.flops,
+        hw.bandwidth,
+        b,
+        hw.block_overhead,
+        hw.backward_overhead,
+        attention_flops=hw.attention_flops,
+        elementwise_bandwidth=hw.elementwise_bandwidth,
+        stream_curve=hw.stream_curve,
+    )
     spec = lookup(name, load_catalogue())
     print(f"{name}: {hw}")
     rows: list[Row] = []
@@ -135,12 +186,14 @@ def main() -> int:
         measured = measure(cfg, dev, dtype, args.small)
         rows += rows_for(shape, cfg, measured, calibrated, "calibrated", args.small)
         if spec is not None:
-            rows += rows_for(shape, cfg, measured, catalogue_device(spec, args.dtype), f"catalogue {spec.name}",
-                             args.small)  # fmt: skip
+            rows += rows_for(
+                shape, cfg, measured, catalogue_device(spec, args.dtype), f"catalogue {spec.name}", args.small
+            )
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "hardware": hw.model_dump(),
-                                         "rows": [r.as_dict() for r in rows]}, indent=1))  # fmt: skip
+        args.json.write_text(
+            json.dumps({"device": name, "hardware": hw.model_dump(), "rows": [r.as_dict() for r in rows]}, indent=1)
+        )
     return 0
 
 

@@ -32,9 +32,18 @@ BENCHES = {
     "inference": ["scripts/bench_inference.py", "--repeats", "5"],
     "finetune": ["scripts/bench_finetune.py", "--steps", "5"],
     "pretrain": ["scripts/bench_pretrain.py", "--steps", "20", "--plot", "/dev/null"],
-    "wan": ["scripts/bench_wan.py", "--models", "tiny-llama", "--planes", "direct", "--codec", "block8",
-            "--repeats", "3"],
-}  # fmt: skip
+    "wan": [
+        "scripts/bench_wan.py",
+        "--models",
+        "tiny-llama",
+        "--planes",
+        "direct",
+        "--codec",
+        "block8",
+        "--repeats",
+        "3",
+    ],
+}
 
 
 def run(name: str, out: Path, log: Path) -> None:
@@ -73,10 +82,12 @@ def main() -> int:
     rows: list[Row] = predict_rows(cal, measured)
     print(f"\ncalibration: {cal.machine}")
     h = cal.hardware
-    print(f"  linear {h.flops / 1e9:.0f} GFLOP/s, attention {h.attention_flops / 1e9:.0f} GFLOP/s, streaming "
-          f"{h.bandwidth / 1e9:.1f} GB/s, element-wise {h.elementwise_bandwidth / 1e9:.1f} GB/s, block call "
-          f"{h.block_overhead * 1e3:.2f} ms (backward {h.backward_overhead * 1e3:.2f} ms), transport "
-          f"{cal.transport_bandwidth / 1e6:.0f} MB/s")  # fmt: skip
+    print(
+        f"  linear {h.flops / 1e9:.0f} GFLOP/s, attention {h.attention_flops / 1e9:.0f} GFLOP/s, streaming "
+        f"{h.bandwidth / 1e9:.1f} GB/s, element-wise {h.elementwise_bandwidth / 1e9:.1f} GB/s, block call "
+        f"{h.block_overhead * 1e3:.2f} ms (backward {h.backward_overhead * 1e3:.2f} ms), transport "
+        f"{cal.transport_bandwidth / 1e6:.0f} MB/s"
+    )
     print("  software (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in cal.software.items()))
     print()
     print(table(rows))

@@ -42,8 +42,9 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
 
     # Any: hivemind's GroupInfo and the keyword arguments it passes on, untyped there
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> Any:
-        strangers = [p.to_base58() for p in group_info.peer_ids
-                     if p != self.peer_id and p.to_base58() not in self._allowed]  # fmt: skip
+        strangers = [
+            p.to_base58() for p in group_info.peer_ids if p != self.peer_id and p.to_base58() not in self._allowed
+        ]
         if strangers:
             log.warning("left an averaging group with peers outside the run: %s", ", ".join(strangers))
             raise MatchmakingException(f"peers outside the run in the group: {', '.join(strangers)}")

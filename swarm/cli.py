@@ -36,14 +36,38 @@ class Flag:
 
 
 @overload
-def option(default: T, *, help: str, name: str | None = None, parse: Parse | None = None, show: str | None = None,
-           metavar: str | None = None, hidden: bool = False) -> T: ...  # fmt: skip
+def option(
+    default: T,
+    *,
+    help: str,
+    name: str | None = None,
+    parse: Parse | None = None,
+    show: str | None = None,
+    metavar: str | None = None,
+    hidden: bool = False,
+) -> T: ...
 @overload
-def option(*, factory: Callable[[], T], help: str, name: str | None = None, parse: Parse | None = None,
-           show: str | None = None, metavar: str | None = None, hidden: bool = False) -> T: ...  # fmt: skip
-def option(default: object = dataclasses.MISSING, *, factory: Callable[[], object] | None = None, help: str,
-           name: str | None = None, parse: Parse | None = None, show: str | None = None, metavar: str | None = None,
-           hidden: bool = False) -> object:  # fmt: skip
+def option(
+    *,
+    factory: Callable[[], T],
+    help: str,
+    name: str | None = None,
+    parse: Parse | None = None,
+    show: str | None = None,
+    metavar: str | None = None,
+    hidden: bool = False,
+) -> T: ...
+def option(
+    default: object = dataclasses.MISSING,
+    *,
+    factory: Callable[[], object] | None = None,
+    help: str,
+    name: str | None = None,
+    parse: Parse | None = None,
+    show: str | None = None,
+    metavar: str | None = None,
+    hidden: bool = False,
+) -> object:
     """A dataclass field that is also a command-line flag (see the module docstring)."""
     metadata = {"flag": Flag(help, name, parse, show, metavar, hidden)}
     if factory is not None:
@@ -102,19 +126,37 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[DataclassInstance]) -> 
         dest, help_text = _dest(cls, f.name), argparse.SUPPRESS if flag.hidden else text
         if hint is bool:
             name = flag.name or ("--no-" if default else "--") + f.name.replace("_", "-")
-            parser.add_argument(name, dest=dest, default=argparse.SUPPRESS,
-                                help=argparse.SUPPRESS if flag.hidden else flag.help,
-                                action="store_false" if default else "store_true")  # fmt: skip
+            parser.add_argument(
+                name,
+                dest=dest,
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS if flag.hidden else flag.help,
+                action="store_false" if default else "store_true",
+            )
             continue
         name = flag.name or "--" + f.name.replace("_", "-")
         metavar = flag.metavar or f.name.split("_")[-1].upper()
         if typing.get_origin(hint) is tuple:
             parse = flag.parse or _scalar(typing.get_args(hint)[0])
-            parser.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=help_text, metavar=metavar,
-                                nargs="+", action="extend", type=_explained(parse))  # fmt: skip  # repeats add up
+            parser.add_argument(
+                name,
+                dest=dest,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                metavar=metavar,
+                nargs="+",
+                action="extend",
+                type=_explained(parse),
+            )  # repeats add up
         else:
-            parser.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=help_text, metavar=metavar,
-                                type=_explained(flag.parse or _scalar(hint)))  # fmt: skip
+            parser.add_argument(
+                name,
+                dest=dest,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                metavar=metavar,
+                type=_explained(flag.parse or _scalar(hint)),
+            )
 
 
 def from_args(cls: type[D], args: argparse.Namespace) -> D:

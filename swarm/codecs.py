@@ -173,13 +173,15 @@ def _block8(x: torch.Tensor, block: int = BLOCK) -> bytes:
     # in place, one buffer: the code is round(127 * sqrt(|x| / scale)) with x's sign
     magnitude.div_(scales.clamp_min(torch.finfo(torch.float32).tiny)).sqrt_().mul_(127).round_().copysign_(padded)
     codes = magnitude.to(torch.int8).reshape(-1)[:n]
-    return b"".join((
-        struct.pack("<I", block),
-        scales.numpy().astype("<f4").tobytes(),
-        outliers.numpy().astype("<f4").tobytes(),
-        index.to(torch.uint8).numpy().tobytes(),
-        codes.numpy().tobytes(),
-    ))  # fmt: skip
+    return b"".join(
+        (
+            struct.pack("<I", block),
+            scales.numpy().astype("<f4").tobytes(),
+            outliers.numpy().astype("<f4").tobytes(),
+            index.to(torch.uint8).numpy().tobytes(),
+            codes.numpy().tobytes(),
+        )
+    )
 
 
 # ---- decoding ------------------------------------------------------------------------------------------------------

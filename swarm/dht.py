@@ -149,8 +149,14 @@ class RecordStore:
     record model (values of another schema version, malformed ones and the rest are skipped). Every call has a
     timeout, so a DHT process that died or hangs never hangs its caller."""
 
-    def __init__(self, dht: OwnedDHT, key: RSAPrivateKey, validator: RSASignatureValidator, call_timeout: float,
-                 swarm_key: SwarmKey | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dht: OwnedDHT,
+        key: RSAPrivateKey,
+        validator: RSASignatureValidator,
+        call_timeout: float,
+        swarm_key: SwarmKey | None = None,
+    ) -> None:
         self.dht = dht  # hivemind's, for what needs it directly (the averager, the P2P replica)
         self.key = key  # this peer's identity: signs its DHT values (through ``validator``) and its messages
         self.swarm_key = swarm_key  # a private swarm's key (its DHT already requires it; RPC tokens come from it)
@@ -185,8 +191,9 @@ class RecordStore:
 
     def _store(self, keys: list[str], record: Record, expiration: float) -> bool:
         subkey = self.validator.local_public_key
-        fn = partial(_store_records, keys=keys, values=[record.to_wire()] * len(keys), expiration=expiration,
-                     subkey=subkey)  # fmt: skip
+        fn = partial(
+            _store_records, keys=keys, values=[record.to_wire()] * len(keys), expiration=expiration, subkey=subkey
+        )
         return all(self._call(fn).values())
 
     def sign(self, record: Record) -> Signed:
@@ -220,8 +227,7 @@ class RecordStore:
 
     def announce(self, record: ServerRecord, expiration: float) -> bool:
         """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
-        return self._store([block_key(record.model_id, b) for b in range(record.start, record.end)], record,
-                           expiration)  # fmt: skip
+        return self._store([block_key(record.model_id, b) for b in range(record.start, record.end)], record, expiration)
 
     def view(self, model_id: str, num_blocks: int) -> View:
         """Every valid record for each block of ``model_id``."""
@@ -293,16 +299,19 @@ def start_dht(
     return RecordStore(dht, key, validator, call_timeout, swarm_key)
 
 
-def _explain_failed_join(error: Exception, initial_peers: tuple[str, ...], swarm_key: SwarmKey | None,
-                         authorizer: SwarmKeyAuthorizer | None) -> None:  # fmt: skip
+def _explain_failed_join(
+    error: Exception, initial_peers: tuple[str, ...], swarm_key: SwarmKey | None, authorizer: SwarmKeyAuthorizer | None
+) -> None:
     """Raise what a user can act on in place of hivemind's errors for a failed join (else return). p2pd fails to
     start when it reaches none of the initial peers; once it has, hivemind says only "DHTNode bootstrap failed: none
     of the initial_peers responded to a ping", also when they refused every request (a member refuses one without
     its key; a keyed peer counts an unsigned answer as none): the authorizer's counts tell an open swarm apart."""
     text = str(error)
     if "failed to connect to bootstrap peers" in text:
-        raise SwarmError(f"none of the --initial-peers could be reached ({', '.join(initial_peers)}): are the "
-                         "addresses right and the peers running?") from None  # fmt: skip
+        raise SwarmError(
+            f"none of the --initial-peers could be reached ({', '.join(initial_peers)}): are the "
+            "addresses right and the peers running?"
+        ) from None
     if "bootstrap failed" not in text:
         return
     if authorizer is not None and authorizer.unsigned_answers:
@@ -311,7 +320,11 @@ def _explain_failed_join(error: Exception, initial_peers: tuple[str, ...], swarm
             "--swarm-key to join it, or give the addresses of the private swarm's peers"
         ) from None
     if swarm_key is None:
-        raise NotMemberError("the --initial-peers refused this peer (a private swarm refuses peers without its key): "
-                             "give the swarm's key file with --swarm-key FILE") from None  # fmt: skip
-    raise NotMemberError(f"the --initial-peers refused this peer's key: --swarm-key {swarm_key.path or ''} (key "
-                         f"{swarm_key.fingerprint}) is not this swarm's key") from None  # fmt: skip
+        raise NotMemberError(
+            "the --initial-peers refused this peer (a private swarm refuses peers without its key): "
+            "give the swarm's key file with --swarm-key FILE"
+        ) from None
+    raise NotMemberError(
+        f"the --initial-peers refused this peer's key: --swarm-key {swarm_key.path or ''} (key "
+        f"{swarm_key.fingerprint}) is not this swarm's key"
+    ) from None

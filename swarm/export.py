@@ -36,8 +36,9 @@ def stage_from_checkpoint(run: RunConfig, stage: Span, folder: Path | None = Non
     return checkpoint.step, _params(checkpoint.tensors)
 
 
-def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Timing,
-                      swarm_key: Path | None = None) -> dict[str, tuple[int, Weights]]:  # fmt: skip
+def stages_from_swarm(
+    run: RunConfig, initial_peers: tuple[str, ...], timing: Timing, swarm_key: Path | None = None
+) -> dict[str, tuple[int, Weights]]:
     """Each stage's weights from the live peers serving exactly that stage: the state of the last averaging round
     two replicas vouch for, else the furthest replica's within what the trainers signed (``swarm.rpc.state``)."""
     from swarm.dht import start_dht
@@ -47,8 +48,13 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Ti
     from swarm.rpc.state import stage_sources, stage_state
     from swarm.training.init import stage_state_bytes
 
-    store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
-                      call_timeout=timing.dht_timeout, swarm_key=swarm_key_for(swarm_key))  # fmt: skip
+    store = start_dht(
+        initial_peers=initial_peers,
+        client_mode=True,
+        timeout=timing.dht_start_timeout,
+        call_timeout=timing.dht_timeout,
+        swarm_key=swarm_key_for(swarm_key),
+    )
     loop = LoopThread("swarm-export")
     remote: Remote | None = None
     try:
@@ -70,8 +76,14 @@ def stages_from_swarm(run: RunConfig, initial_peers: tuple[str, ...], timing: Ti
         store.shutdown()
 
 
-def export(run: RunConfig, out: Path, initial_peers: tuple[str, ...] = (), trainer_dir: Path | None = None,
-           timing: Timing | None = None, swarm_key: Path | None = None) -> Path:  # fmt: skip
+def export(
+    run: RunConfig,
+    out: Path,
+    initial_peers: tuple[str, ...] = (),
+    trainer_dir: Path | None = None,
+    timing: Timing | None = None,
+    swarm_key: Path | None = None,
+) -> Path:
     from swarm.model_files import new_model
 
     folder = trainer_dir or run.checkpoint_dir / "trainer"

@@ -97,8 +97,13 @@ class ForkServer:
 
     def __init__(self, startup_timeout: float = 120.0) -> None:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self._proc = subprocess.Popen([sys.executable, "-m", "swarm.fork_server"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True, env=self.env)  # fmt: skip
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm.fork_server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
         self._children: dict[int, ForkedPeer] = {}
         self._exits: dict[int, int] = {}  # reported before the spawner registered the child
         self._pids: list[int] = []
@@ -171,8 +176,11 @@ class ForkServer:
 def _child(request: dict[str, Any]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):  # fmt: skip
+    for fd, path, flags in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
+        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+    ):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)

@@ -80,8 +80,13 @@ class LeaseView:
         if current is not None:
             # a renewal keeps the tenure's start: a holder that restamped it would never reach ``max_tenure``
             same = (current.holder, current.term, current.start)
-            renewed = [lease for lease in leases if (lease.holder, lease.term, lease.start) == same
-                       and lease.expires > now and well_formed(lease, now, self.rules)]  # fmt: skip
+            renewed = [
+                lease
+                for lease in leases
+                if (lease.holder, lease.term, lease.start) == same
+                and lease.expires > now
+                and well_formed(lease, now, self.rules)
+            ]
             if renewed:
                 self.current = max(renewed, key=lambda lease: lease.expires)
                 return self.current
@@ -91,8 +96,12 @@ class LeaseView:
         resting = {h for h, t in self.finished.items() if now - t < self.rules.lease_seconds}
         # A claim counts only if made once the lease it follows had lapsed: one kept waiting through another's tenure
         # (at a higher term) would otherwise take the role the moment that tenure ends.
-        eligible = [lease for lease in leases if (lease.holder not in resting or lease.term == self.term)
-                    and (self.lapsed_at is None or lease.start >= self.lapsed_at - self.rules.skew)]  # fmt: skip
+        eligible = [
+            lease
+            for lease in leases
+            if (lease.holder not in resting or lease.term == self.term)
+            and (self.lapsed_at is None or lease.start >= self.lapsed_at - self.rules.skew)
+        ]
         found = winner(eligible, now, self.rules, self.term)
         self.current = found
         if found is not None:

@@ -104,8 +104,13 @@ class LocalSwarm:
             proc = self.spawner.spawn(argv, log_path)
         else:
             with open(log_path, "w") as stderr:  # the child keeps its own copy of the descriptor
-                proc = subprocess.Popen([sys.executable, "-m", "swarm.serve", *argv], stdout=subprocess.PIPE,
-                                        stderr=stderr, text=True, env=self.env)  # fmt: skip
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "swarm.serve", *argv],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    env=self.env,
+                )
         peer = PeerProcess(proc, span, tuple(args), log_path)
         threading.Thread(target=peer._watch_stdout, daemon=True).start()
         self.peers.append(peer)
@@ -168,15 +173,22 @@ class ApiProcess:
     """``python -m swarm.api`` over a running swarm, in a child process (stopped by its PID): its ``url`` is read
     from the ``api: URL`` line it prints once it listens."""
 
-    def __init__(self, initial_peers: Sequence[str], *args: str, test_timings: bool = True,
-                 log_path: Path | None = None, startup_timeout: float = 120.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        initial_peers: Sequence[str],
+        *args: str,
+        test_timings: bool = True,
+        log_path: Path | None = None,
+        startup_timeout: float = 120.0,
+    ) -> None:
         cmd = [sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
         if test_timings:
             cmd.append("--test-timings")
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="swarm-api-")) / "api.log"
         with open(self.log_path, "w") as stderr:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
+            )
         self.url = ""
         try:
             self.url = self._wait(startup_timeout)
@@ -199,8 +211,9 @@ class ApiProcess:
         while not found and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if not found:
-            raise RuntimeError(f"the API did not start (exit code {self.proc.poll()}):\n"
-                               f"{self.log_path.read_text()[-3000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"the API did not start (exit code {self.proc.poll()}):\n{self.log_path.read_text()[-3000:]}"
+            )
         return found[0]
 
     def stop(self) -> None:

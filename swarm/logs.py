@@ -12,8 +12,13 @@ from datetime import UTC, datetime
 FIELDS = ("peer", "span", "session", "kind")
 FORMATS = ("text", "json")
 # The standard names, whatever a library renamed them to (hivemind shortens WARNING): JSON consumers match on them.
-LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
-          logging.CRITICAL: "CRITICAL"}  # fmt: skip
+LEVELS = {
+    logging.DEBUG: "DEBUG",
+    logging.INFO: "INFO",
+    logging.WARNING: "WARNING",
+    logging.ERROR: "ERROR",
+    logging.CRITICAL: "CRITICAL",
+}
 
 
 class FieldFormatter(logging.Formatter):
@@ -75,7 +80,9 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:
     """``--log-level`` and ``--log-format`` of an entry point (give both to ``configure_logging``)."""
-    parser.add_argument("--log-level", default=level, type=str.upper,
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))  # fmt: skip
-    parser.add_argument("--log-format", choices=FORMATS, default="text",
-                        help="log lines as text, or one JSON object each")  # fmt: skip
+    parser.add_argument(
+        "--log-level", default=level, type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    )
+    parser.add_argument(
+        "--log-format", choices=FORMATS, default="text", help="log lines as text, or one JSON object each"
+    )

@@ -50,8 +50,10 @@ class SwarmKey:
     def from_contents(cls, contents: bytes, path: Path | None = None) -> SwarmKey:
         contents = contents.strip()
         if len(contents) < MIN_KEY_BYTES:
-            raise BadInputError(f"--swarm-key: the key in {path or 'the file'} is {len(contents)} bytes, fewer than "
-                                f"{MIN_KEY_BYTES}: use the file the swarm's first peer created")  # fmt: skip
+            raise BadInputError(
+                f"--swarm-key: the key in {path or 'the file'} is {len(contents)} bytes, fewer than "
+                f"{MIN_KEY_BYTES}: use the file the swarm's first peer created"
+            )
         return cls(hashlib.sha256(contents).digest(), path)
 
     @classmethod
@@ -113,8 +115,11 @@ def swarm_key_for(path: Path | None, *, new_swarm: bool = False) -> SwarmKey | N
     path = Path(path).expanduser()
     if new_swarm and not path.exists():
         key = SwarmKey.create(path)
-        log.warning("created a new swarm key at %s (key %s): give this file to every peer and client of the swarm",
-                    path, key.fingerprint)  # fmt: skip
+        log.warning(
+            "created a new swarm key at %s (key %s): give this file to every peer and client of the swarm",
+            path,
+            key.fingerprint,
+        )
         return key
     return SwarmKey.load(path)
 

@@ -15,8 +15,18 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 ENDPOINTS = ("chat", "completions", "models", "other")
-OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "too_many", "unavailable", "context_too_long", "error",
-            "timeout", "client_closed")  # fmt: skip
+OUTCOMES = (
+    "ok",
+    "bad_request",
+    "unauthorized",
+    "not_found",
+    "too_many",
+    "unavailable",
+    "context_too_long",
+    "error",
+    "timeout",
+    "client_closed",
+)
 # Whole requests: a models listing takes milliseconds, a long generation over a WAN swarm minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -36,12 +46,23 @@ class ApiMetrics:
         """``traffic``: read at scrape time for the bytes the API's swarm client sent and received."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("swarm_api_requests", "API requests answered, by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)  # fmt: skip
-        self.latency = Histogram("swarm_api_request_seconds", "seconds from a request's arrival to its last byte",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.ttft = Histogram("swarm_api_time_to_first_token_seconds", "seconds from a generation request's "
-                              "arrival to its first token", ["endpoint"], buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.requests = Counter(
+            "swarm_api_requests", "API requests answered, by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.latency = Histogram(
+            "swarm_api_request_seconds",
+            "seconds from a request's arrival to its last byte",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "swarm_api_time_to_first_token_seconds",
+            "seconds from a generation request's arrival to its first token",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.generated = Counter("swarm_api_tokens_generated", "tokens generated", ["endpoint"], registry=r)
         self.prompt = Counter("swarm_api_prompt_tokens", "prompt tokens received", ["endpoint"], registry=r)
         self.in_flight = Gauge("swarm_api_requests_in_flight", "API requests being answered now", registry=r)
@@ -107,8 +128,9 @@ class _TrafficCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         counts = dict(self.traffic())  # one copy: the client's loop thread may add to it meanwhile
-        family = CounterMetricFamily("swarm_api_swarm_bytes", "bytes the API's swarm client exchanged with peers",
-                                     labels=["direction"])  # fmt: skip
+        family = CounterMetricFamily(
+            "swarm_api_swarm_bytes", "bytes the API's swarm client exchanged with peers", labels=["direction"]
+        )
         family.add_metric(["sent"], counts.get("sent_bytes", 0))
         family.add_metric(["received"], counts.get("received_bytes", 0))
         yield family

@@ -73,10 +73,16 @@ def current_broker(store: RecordStore, model_id: str, timing: Timing) -> Lease |
     return LeaseView(rules).resolve(store.read(broker_key(model_id), Lease), dht_time())
 
 
-def show(initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing,
-         swarm_key: Path | None = None) -> str:  # fmt: skip
-    store = start_dht(initial_peers=initial_peers, client_mode=True, timeout=timing.dht_start_timeout,
-                      call_timeout=timing.dht_timeout, swarm_key=swarm_key_for(swarm_key))  # fmt: skip
+def show(
+    initial_peers: tuple[str, ...], model_id: str, max_blocks: int, timing: Timing, swarm_key: Path | None = None
+) -> str:
+    store = start_dht(
+        initial_peers=initial_peers,
+        client_mode=True,
+        timeout=timing.dht_start_timeout,
+        call_timeout=timing.dht_timeout,
+        swarm_key=swarm_key_for(swarm_key),
+    )
     loop = LoopThread("swarm-status")
     remote: Remote | None = None
     try:

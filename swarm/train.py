@@ -26,8 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="stop after this many global steps (default: the run's)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="default: the run's checkpoint dir / trainer")
     p.add_argument("--cache-dir", type=Path, default=None, help="converted models (default ~/.cache/swarm)")
-    p.add_argument("--identity", type=Path, default=None,
-                   help="identity file (created if missing): a stable peer id, which a closed run lists")  # fmt: skip
+    p.add_argument(
+        "--identity",
+        type=Path,
+        default=None,
+        help="identity file (created if missing): a stable peer id, which a closed run lists",
+    )
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
     add_log_flags(p, "WARNING")

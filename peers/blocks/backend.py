@@ -69,8 +69,9 @@ class SpanBackend:
                     handle.remove()
                 self._hook_handles = []
 
-    def _lora_hook(self, key: tuple[int, str]) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor],
-                                                            torch.Tensor | None]:  # fmt: skip
+    def _lora_hook(
+        self, key: tuple[int, str]
+    ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor | None]:
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
             adapter = self._active.get()
             pair = adapter.lora.get(key) if adapter is not None else None
@@ -129,8 +130,16 @@ class SpanBackend:
             position_ids = position_ids.to(self.device)
         indices = range(sub.start, sub.end)
         # positions, masks by layer type, rotary tables, ALiBi: what the family's model computes around its layers
-        inputs = family_span.span_inputs(self.family, self.rotary, hidden, indices, attention_mask=attention_mask,
-                                         position_ids=position_ids, cache=cache, past=past)  # fmt: skip
+        inputs = family_span.span_inputs(
+            self.family,
+            self.rotary,
+            hidden,
+            indices,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            past=past,
+        )
         prompts = adapter.prompt_tokens if adapter is not None else 0
         if prompts and past == 0 and n < prompts:
             raise BadInputError(f"deep prompts of {prompts} tokens need at least that many positions, got {n}")

@@ -41,8 +41,15 @@ OPSET = 23  # the first opset with RMSNormalization, RotaryEmbedding and Attenti
 SUPPORTED = ("llama", "mistral", "qwen2")  # the same block: Mistral adds a sliding window, Qwen2 q/k/v biases
 GRAPH_FILE, DATA_FILE = "block.onnx", "block.onnx.data"
 
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _KNOWN = {"input_layernorm.weight", "post_attention_layernorm.weight"} | {
     f"{m}.{p}" for m in _LINEARS for p in ("weight", "bias")
 }
@@ -102,8 +109,11 @@ def block_graph(config: PretrainedConfig, state: Mapping[str, torch.Tensor], ind
         nodes.append(helper.make_node("Split", [x, sizes_name], outs, axis=-1))
 
     def rms_norm(x: str, out: str, key: str) -> str:
-        nodes.append(helper.make_node("RMSNormalization", [x, weight(key, state[key])], [out], epsilon=eps,
-                                      axis=-1, stash_type=1))  # fmt: skip  # float32 statistics, as transformers
+        nodes.append(
+            helper.make_node(
+                "RMSNormalization", [x, weight(key, state[key])], [out], epsilon=eps, axis=-1, stash_type=1
+            )
+        )  # float32 statistics, as transformers
         return out
 
     x1 = rms_norm("hidden", "x1", "input_layernorm.weight")
@@ -176,7 +186,13 @@ def _write(model: onnx.ModelProto, path: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     # small constants (the split sizes) stay inline: ONNX Runtime's shape inference reads them from the graph
-    onnx.save_model(model, str(staging / path.name), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_FILE, size_threshold=1024)  # fmt: skip
+    onnx.save_model(
+        model,
+        str(staging / path.name),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=DATA_FILE,
+        size_threshold=1024,
+    )
     onnx.checker.check_model(str(staging / path.name))  # by path: it reads the external weights, of any size
     os.replace(staging, path.parent)

@@ -125,8 +125,15 @@ class _PushLink:
 class Relay:
     """This server's side of chaining: its push connections to next hops, and the handler for pushes to it."""
 
-    def __init__(self, remote: Remote, sessions: Sessions, timing: Timing, max_bytes: int, admit: Admit,
-                 budget: wire.ByteBudget | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        remote: Remote,
+        sessions: Sessions,
+        timing: Timing,
+        max_bytes: int,
+        admit: Admit,
+        budget: wire.ByteBudget | None = None,
+    ) -> None:
         self.remote = remote
         self.sessions = sessions
         self.timing = timing
@@ -163,16 +170,27 @@ class Relay:
         if session.index + 1 < len(route.hops):
             self._link(route.hops[session.index + 1])  # dial now: the first push then finds it open
 
-    def push(self, session: Session, step: InferenceStep, out: torch.Tensor, tensors: dict[str, torch.Tensor],
-             codec: Codec | None = None) -> None:  # fmt: skip
+    def push(
+        self,
+        session: Session,
+        step: InferenceStep,
+        out: torch.Tensor,
+        tensors: dict[str, torch.Tensor],
+        codec: Codec | None = None,
+    ) -> None:
         """Pass ``out`` (this hop's output of ``step``) to the next hop, with the step's mask and positions, its
         activation in ``codec`` (the client's choice for the step)."""
         route = session.route
         if route is None or session.index + step.hops >= len(route.hops):
             raise BadInputError(f"a step for {step.hops} more hops, but the route has no such hops after this one")
         nxt = route.hops[session.index + 1]
-        push = PushStep(client=session.caller, session_id=nxt.session_id, generation=route.generation,
-                        step=step.model_copy(update={"hops": step.hops - 1}), codec=codec)  # fmt: skip
+        push = PushStep(
+            client=session.caller,
+            session_id=nxt.session_id,
+            generation=route.generation,
+            step=step.model_copy(update={"hops": step.hops - 1}),
+            codec=codec,
+        )
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}
         self._link(nxt).send(wire.encode(self.remote.meta(push), carried, codec))
 

@@ -64,8 +64,9 @@ class ComputeService:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.kept = ActivationStore(cfg.max_kept_bytes, cfg.max_caller_kept_bytes, timing.activation_ttl)
         self.adapters = AdapterCache(cfg.max_adapter_bytes, timing.adapter_ttl, per_caller=cfg.max_caller_adapter_bytes)
-        self.queued = Quota("queued compute requests", cfg.max_caller_queued, cfg.max_queued,
-                            ("--max-caller-queued", "--max-queued"))  # fmt: skip
+        self.queued = Quota(
+            "queued compute requests", cfg.max_caller_queued, cfg.max_queued, ("--max-caller-queued", "--max-queued")
+        )
         self._weights: tuple[SpanRuntime, set[int]] | None = None  # the backend's weight storages (see _exclude)
         self.stats: Counter[str] = Counter()
         self.active = 0  # requests the servicer is processing now (reported by info)
@@ -113,8 +114,9 @@ class ComputeService:
     def sub(self, start: int, end: int) -> Span:
         return check_sub(self.held, start, end, self.limits.num_blocks)
 
-    def bind_adapter(self, caller: str, ref: AdapterRef | None, tensors: Tensors,
-                     sub: Span) -> tuple[Adapter | None, Pin | None]:  # fmt: skip
+    def bind_adapter(
+        self, caller: str, ref: AdapterRef | None, tensors: Tensors, sub: Span
+    ) -> tuple[Adapter | None, Pin | None]:
         """The request's adapter: the tensors it carries (then cached for this caller and client), or the cached
         version; pinned in the cache until the holder (request, session or kept graph) releases the pin."""
         if ref is None:
@@ -187,16 +189,30 @@ class ComputeService:
         self.stats["forward"] += 1
         return {"hidden": kept.outputs.detach()}
 
-    def _forward(self, hidden: torch.Tensor, sub: Span, mask: torch.Tensor | None, pos: torch.Tensor | None,
-                 adapter: Adapter | None, tag: TrainTag | None) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self,
+        hidden: torch.Tensor,
+        sub: Span,
+        mask: torch.Tensor | None,
+        pos: torch.Tensor | None,
+        adapter: Adapter | None,
+        tag: TrainTag | None,
+    ) -> torch.Tensor:
         self._admit(tag)
         backend = self.backend
         assert backend is not None
         with torch.inference_mode():
             return backend.run(hidden, sub, attention_mask=mask, position_ids=pos, adapter=adapter)
 
-    def _forward_kept(self, hidden: torch.Tensor, sub: Span, mask: torch.Tensor | None, pos: torch.Tensor | None,
-                      adapter: Adapter | None, tag: TrainTag | None) -> Kept:  # fmt: skip
+    def _forward_kept(
+        self,
+        hidden: torch.Tensor,
+        sub: Span,
+        mask: torch.Tensor | None,
+        pos: torch.Tensor | None,
+        adapter: Adapter | None,
+        tag: TrainTag | None,
+    ) -> Kept:
         """A forward whose graph is kept, with the bytes it saved for backward measured as it runs."""
         self._admit(tag)
         backend = self.backend
@@ -266,8 +282,9 @@ class ComputeService:
             if isinstance(kept, _Recompute):
                 inputs = kept.hidden.detach().requires_grad_(True)
                 adapter = kept.adapter.trainable() if kept.adapter is not None else None
-                outputs = backend.run(inputs, kept.sub, attention_mask=kept.mask, position_ids=kept.pos,
-                                      adapter=adapter)  # fmt: skip
+                outputs = backend.run(
+                    inputs, kept.sub, attention_mask=kept.mask, position_ids=kept.pos, adapter=adapter
+                )
             else:
                 inputs, outputs, adapter = kept.inputs, kept.outputs, kept.adapter
             named = adapter.named() if adapter is not None else {}
@@ -304,6 +321,12 @@ def _check_samples(tag: TrainTag | None, tensor: torch.Tensor, caller: str) -> N
 class _Recompute:
     """What a backward needs to recompute a forward the server no longer holds."""
 
-    def __init__(self, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, sub: Span,
-                 adapter: Adapter | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        pos: torch.Tensor | None,
+        sub: Span,
+        adapter: Adapter | None,
+    ) -> None:
         self.hidden, self.mask, self.pos, self.sub, self.adapter = hidden, mask, pos, sub, adapter

@@ -129,9 +129,12 @@ class DirectServer:
                     await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _handshake(
-        self, reader: asyncio.StreamReader, frames: AsyncIterator[wire.Frame], writer: asyncio.StreamWriter,
+        self,
+        reader: asyncio.StreamReader,
+        frames: AsyncIterator[wire.Frame],
+        writer: asyncio.StreamWriter,
         deadline: float,
-    ) -> tuple[str, Handler] | None:  # fmt: skip
+    ) -> tuple[str, Handler] | None:
         """Our hello, the caller's call: who calls which handler, or None (with an error reply where the caller
         deserves one) for a connection to close."""
         tls = self.tls
@@ -156,8 +159,9 @@ class DirectServer:
                 raise BadInputError(f"unknown RPC {call.rpc!r}")
             if self.by_caller[caller] >= self.limits.max_caller_connections:
                 self.refused["caller_connections"] += 1
-                raise BusyError(f"too many direct connections from one caller (at most "
-                                f"{self.limits.max_caller_connections})")  # fmt: skip
+                raise BusyError(
+                    f"too many direct connections from one caller (at most {self.limits.max_caller_connections})"
+                )
         except Exception as e:
             for frame in error_reply(e):
                 write_frame(writer, frame)

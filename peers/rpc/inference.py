@@ -48,10 +48,17 @@ def _frames(reply: Message, tensors: dict[str, torch.Tensor] | None = None) -> l
 
 
 class InferenceLoop:
-    def __init__(self, sessions: Sessions, relay: Relay | None, signer: CommitSigner, timing: Timing,
-                 decoder: Callable[[], wire.Decoder], admit: Callable[[str, dict[str, object]], None],
-                 delay: Callable[[], Awaitable[None]],
-                 error_reply: Callable[..., list[wire.Frame]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sessions: Sessions,
+        relay: Relay | None,
+        signer: CommitSigner,
+        timing: Timing,
+        decoder: Callable[[], wire.Decoder],
+        admit: Callable[[str, dict[str, object]], None],
+        delay: Callable[[], Awaitable[None]],
+        error_reply: Callable[..., list[wire.Frame]],
+    ) -> None:
         self.sessions = sessions
         self.relay = relay
         self.signer = signer
@@ -156,8 +163,14 @@ class InferenceLoop:
             return _frames(self.signer.opening)
         return await self._step(session, request.step, tensors, tensors.get("hidden"), request.codec)
 
-    async def _step(self, session: Session, step: InferenceStep, tensors: dict[str, torch.Tensor],
-                    received: torch.Tensor | None, codec: Codec | None) -> list[wire.Frame]:  # fmt: skip
+    async def _step(
+        self,
+        session: Session,
+        step: InferenceStep,
+        tensors: dict[str, torch.Tensor],
+        received: torch.Tensor | None,
+        codec: Codec | None,
+    ) -> list[wire.Frame]:
         """Run ``step``; push its output on if it goes further; answer with the output (in ``codec``, the client's
         choice, as the push) and the commitment to what was ``received`` and what receivers decode."""
         compute = self.sessions.compute

@@ -117,8 +117,9 @@ class Servicer:
         self.budget = budget
         self.relay = None if remote is None else Relay(remote, sessions, timing, max_bytes, self._check_member, budget)
         signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
-        self.inference = InferenceLoop(sessions, self.relay, signer, timing, self._decoder, self._check_member,
-                                       self._delay, error_reply)  # fmt: skip
+        self.inference = InferenceLoop(
+            sessions, self.relay, signer, timing, self._decoder, self._check_member, self._delay, error_reply
+        )
 
     def _decoder(self) -> wire.Decoder:
         return self.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
@@ -133,8 +134,12 @@ class Servicer:
     async def register(self, p2p: P2P) -> None:
         await p2p.add_protobuf_handler(RPC_FORWARD, self.rpc_forward, wire.Frame)
         await p2p.add_protobuf_handler(RPC_INFO, self.rpc_info, wire.Frame)
-        for name, handler in ((RPC_FORWARD_STREAM, self.rpc_forward_stream), (RPC_INFERENCE, self.rpc_inference),
-                              (RPC_BANDWIDTH, self.rpc_bandwidth), (RPC_PUSH, self.rpc_push)):  # fmt: skip
+        for name, handler in (
+            (RPC_FORWARD_STREAM, self.rpc_forward_stream),
+            (RPC_INFERENCE, self.rpc_inference),
+            (RPC_BANDWIDTH, self.rpc_bandwidth),
+            (RPC_PUSH, self.rpc_push),
+        ):
             await p2p.add_protobuf_handler(name, handler, wire.Frame, stream_input=True, stream_output=True)
 
     def _sent(self, frames: list[wire.Frame]) -> list[wire.Frame]:

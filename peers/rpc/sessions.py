@@ -46,8 +46,15 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, compute: ComputeService, budget: CacheBudget, cache_wait: float, inline_tokens: int,
-                 quota: Quota | None = None, cost: KvCost | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        compute: ComputeService,
+        budget: CacheBudget,
+        cache_wait: float,
+        inline_tokens: int,
+        quota: Quota | None = None,
+        cost: KvCost | None = None,
+    ) -> None:
         self.compute = compute
         self.budget = budget
         self.cost = cost  # None (servers built by hand in tests): a token of one sequence costs one unit of budget
@@ -79,8 +86,17 @@ class Sessions:
             raise
         backend = self.compute.backend
         assert backend is not None
-        session = Session(msg.session_id, sub, msg.max_length, msg.batch_size, backend.new_cache(), reserved,
-                          adapter=adapter, pin=pin, caller=caller)  # fmt: skip
+        session = Session(
+            msg.session_id,
+            sub,
+            msg.max_length,
+            msg.batch_size,
+            backend.new_cache(),
+            reserved,
+            adapter=adapter,
+            pin=pin,
+            caller=caller,
+        )
         self.open[(caller, session.id)] = session
         self.compute.stats["sessions"] += 1
         await self.notify()
@@ -149,20 +165,29 @@ class Sessions:
             session.position = position
         else:
             _rewind(session.cache, 0)
-        out = await self.compute.run(self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens,
-                                     caller=session.caller)  # fmt: skip
+        out = await self.compute.run(
+            self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens, caller=session.caller
+        )
         session.last_start = position
         session.position += n
         self.compute.stats["inference_steps"] += 1
         return {"hidden": out}
 
-    def _step(self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None,
-              pos: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def _step(
+        self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
+    ) -> torch.Tensor:
         backend = self.compute.backend
         assert backend is not None
         with torch.inference_mode():
-            return backend.run(hidden, session.sub, attention_mask=mask, position_ids=pos, cache=session.cache,
-                               past=session.position, adapter=session.adapter)  # fmt: skip
+            return backend.run(
+                hidden,
+                session.sub,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=session.cache,
+                past=session.position,
+                adapter=session.adapter,
+            )
 
 
 def _rewind(cache: object | None, drop: int) -> None:

@@ -36,13 +36,17 @@ class SpanTrainer:
     def __init__(self, run: RunConfig, layers: torch.nn.ModuleList, span: Span, checkpoint_dir: Path) -> None:
         self.run, self.layers, self.span, self.checkpoint_dir = run, layers, span, checkpoint_dir
         layers.requires_grad_(True)
-        self.names = [f"model.layers.{span.start + i}.{n}" for i, layer in enumerate(layers)
-                      for n, _ in layer.named_parameters()]  # fmt: skip
+        self.names = [
+            f"model.layers.{span.start + i}.{n}" for i, layer in enumerate(layers) for n, _ in layer.named_parameters()
+        ]
         self.params: list[torch.nn.Parameter] = list(layers.parameters())
         self.opt = make_optimizer(self.params, run)
         for p in self.params:  # Adam's state exists from the start, so the averager can hold it
-            self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                 "exp_avg_sq": torch.zeros_like(p)}  # fmt: skip
+            self.opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
         self.step = 0
         self.samples = 0  # seen for the current step
         self.by_trainer: Counter[str] = Counter()  # the current step's samples, by the trainer that sent them
@@ -83,8 +87,9 @@ class SpanTrainer:
     def check_step(self, step: int) -> None:
         """A stage steps only as far as a trainer of the run signed."""
         if step > max(self.step, self.vouched):
-            raise BadInputError(f"step {step} is ahead of this stage's {self.step}, and no trainer of the run signed "
-                                f"it")  # fmt: skip
+            raise BadInputError(
+                f"step {step} is ahead of this stage's {self.step}, and no trainer of the run signed it"
+            )
 
     def catch_up(self, step: int) -> None:
         """Take the optimizer steps the swarm has taken (none if already there), and finish the last one. At most
@@ -92,8 +97,12 @@ class SpanTrainer:
         further behind skips the rest of the count, as it would have learnt nothing in them anyway."""
         self.check_step(step)
         if step - self.step > self.run.catch_up_limit:
-            log.warning("%d steps behind the swarm: skipping to step %d", step - self.step, step - 1,
-                        extra={"span": str(self.span)})  # fmt: skip
+            log.warning(
+                "%d steps behind the swarm: skipping to step %d",
+                step - self.step,
+                step - 1,
+                extra={"span": str(self.span)},
+            )
             self.finish_step()
             self.skip_to(step - 1)
         while self.step < step:
@@ -120,8 +129,10 @@ class SpanTrainer:
         step, as a loss spike would be clipped anywhere)."""
         sent = self.by_trainer[trainer]
         if sent + samples > self.run.target_batch_size:
-            raise BadInputError(f"{trainer or 'this trainer'} already sent {sent} samples of step {self.step}; a "
-                                f"step has {self.run.target_batch_size}")  # fmt: skip
+            raise BadInputError(
+                f"{trainer or 'this trainer'} already sent {sent} samples of step {self.step}; a "
+                f"step has {self.run.target_batch_size}"
+            )
         present = [g for g in grads if g is not None]
         if not all(bool(torch.isfinite(g).all()) for g in present):
             raise BadInputError("the weight gradient is not finite (NaN or infinite values in the request)")
@@ -130,12 +141,17 @@ class SpanTrainer:
         norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
         bound = self.run.max_grad_norm * max(samples, 1)
         if norm > GARBAGE * bound:  # no gradient of a model that still learns: garbage, and it changes nothing
-            raise BadInputError(f"a gradient of norm {norm:.3g} for {samples} samples; the run bounds it at "
-                                f"{bound:.3g}")  # fmt: skip
+            raise BadInputError(
+                f"a gradient of norm {norm:.3g} for {samples} samples; the run bounds it at {bound:.3g}"
+            )
         if norm > bound:
             self.clipped += 1
-            log.warning("a contribution of norm %.3g scaled down to %.3g", norm, bound,
-                        extra={"span": str(self.span), "session": trainer})  # fmt: skip
+            log.warning(
+                "a contribution of norm %.3g scaled down to %.3g",
+                norm,
+                bound,
+                extra={"span": str(self.span), "session": trainer},
+            )
             grads = [None if g is None else g * (bound / norm) for g in grads]
         self.by_trainer[trainer] = sent + samples
         for p, g in zip(self.params, grads, strict=True):
@@ -232,8 +248,11 @@ class SpanTrainer:
         """Weights and Adam's moments by their model names (copies), for a joining replica or an export."""
         n = len(self.params)
         tensors = self.tensors()
-        return {part + name: t.clone() for k, part in enumerate(STATE_PARTS)
-                for name, t in zip(self.names, tensors[k * n : (k + 1) * n], strict=True)}  # fmt: skip
+        return {
+            part + name: t.clone()
+            for k, part in enumerate(STATE_PARTS)
+            for name, t in zip(self.names, tensors[k * n : (k + 1) * n], strict=True)
+        }
 
     def import_state(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):

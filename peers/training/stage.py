@@ -44,13 +44,16 @@ class TrainableStage:
     @classmethod
     def from_config(cls, cfg: PeerConfig, run_file: Path) -> TrainableStage:
         if cfg.compute.runtime != "torch":
-            raise BadInputError(f"--train serves a stage whose weights learn (backward passes, optimizer steps): "
-                                f"only the torch runtime does that, not --runtime {cfg.compute.runtime}")  # fmt: skip
+            raise BadInputError(
+                f"--train serves a stage whose weights learn (backward passes, optimizer steps): "
+                f"only the torch runtime does that, not --runtime {cfg.compute.runtime}"
+            )
         run = load_run(run_file, cfg.cache_dir)
         config = run.hf_config()
         if run.stages[-1].end != config.num_hidden_layers:
-            raise BadInputError(f"run {run.name}: stages end at block {run.stages[-1].end}, the model has "
-                                f"{config.num_hidden_layers}")  # fmt: skip
+            raise BadInputError(
+                f"run {run.name}: stages end at block {run.stages[-1].end}, the model has {config.num_hidden_layers}"
+            )
         family = family_for(config)
         config = family.config  # with the attention implementation the family runs
         with torch.device("meta"):
@@ -74,8 +77,12 @@ class TrainableStage:
 
     # ---- loading ------------------------------------------------------------------------------------------------
     def _replicas(self, span: Span) -> list[ServerRecord]:
-        return stage_servers(self.env.store.view(self.model.name, self.model.num_blocks), span, self.run.fingerprint,
-                             exclude=self.env.peer_id)  # fmt: skip
+        return stage_servers(
+            self.env.store.view(self.model.name, self.model.num_blocks),
+            span,
+            self.run.fingerprint,
+            exclude=self.env.peer_id,
+        )
 
     def _build(self, span: Span) -> SpanTrainer:
         m, run = self.model, self.run
@@ -127,8 +134,14 @@ class TrainableStage:
         if trainer is None:
             return
         span = trainer.span
-        record = RoundRecord(peer_id=env.peer_id, start=span.start, end=span.end, step=step,
-                             digest=state_digest(state), updated=dht_time())  # fmt: skip
+        record = RoundRecord(
+            peer_id=env.peer_id,
+            start=span.start,
+            end=span.end,
+            step=step,
+            digest=state_digest(state),
+            updated=dht_time(),
+        )
 
         def publish() -> None:
             try:
@@ -166,8 +179,11 @@ class TrainableStage:
                 trainer.set_replicas([r.peer_id for r in await asyncio.to_thread(self._replicas, trainer.span)])
                 progress = await asyncio.to_thread(env.store.read, self.run.trainers_key, TrainerProgress)
                 now, timing = dht_time(), env.timing
-                steps = [p.step for p in fresh(progress, now, timing.trainer_stale, timing.clock_skew)
-                         if self.run.is_trainer(p.trainer)]  # fmt: skip
+                steps = [
+                    p.step
+                    for p in fresh(progress, now, timing.trainer_stale, timing.clock_skew)
+                    if self.run.is_trainer(p.trainer)
+                ]
                 if steps:
                     trainer.vouched = max(trainer.vouched, max(steps))
                 if steps and max(steps) > trainer.step:

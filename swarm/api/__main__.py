@@ -37,8 +37,13 @@ class ApiLimits:
     request_timeout: float = option(Limits.request_timeout, help="seconds one generation may run")
 
     def limits(self) -> Limits:
-        out = Limits(self.max_concurrent, self.max_client_concurrent, self.max_tokens_limit, self.max_body_kb * 1024,
-                     self.request_timeout)  # fmt: skip
+        out = Limits(
+            self.max_concurrent,
+            self.max_client_concurrent,
+            self.max_tokens_limit,
+            self.max_body_kb * 1024,
+            self.request_timeout,
+        )
         try:
             out.check()
         except ValueError as e:
@@ -50,15 +55,18 @@ class ApiLimits:
 class ApiConfig:
     """Everything ``python -m swarm.api`` accepts."""
 
-    models: tuple[str, ...] = option(("smollm2-135m",), name="--model", metavar="NAME",
-                                     help="model card name(s) or Hugging Face folder(s) to serve")  # fmt: skip
+    models: tuple[str, ...] = option(
+        ("smollm2-135m",), name="--model", metavar="NAME", help="model card name(s) or Hugging Face folder(s) to serve"
+    )
     initial_peers: tuple[str, ...] = option((), help="peers of the running swarm", metavar="MADDR")
     host: str = option("127.0.0.1", help="address to listen on (loopback only by default)")
     port: int = option(8000, help="HTTP port (0 = any free port)")
-    api_keys: tuple[str, ...] = option((), name="--api-key", metavar="KEY",
-                                       help="require 'Authorization: Bearer KEY' (one of these keys)")  # fmt: skip
-    api_key_file: Path | None = option(None, parse=_key_file, metavar="FILE",
-                                       help="...or keys read from this file, one per line")  # fmt: skip
+    api_keys: tuple[str, ...] = option(
+        (), name="--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (one of these keys)"
+    )
+    api_key_file: Path | None = option(
+        None, parse=_key_file, metavar="FILE", help="...or keys read from this file, one per line"
+    )
     swarm_key: Path | None = option(None, metavar="FILE", help="a private swarm's key file")
     threads: int = option(1, help="torch threads for the local embeddings and heads")
     max_context: int | None = option(None, help="cap on prompt + completion tokens (default: the model's context)")
@@ -113,8 +121,9 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
     app = service.app(lifespan)
     # open connections beyond the generations' slots (streams, dashboards, metrics) get 503 from uvicorn itself
     connections = cfg.limits.max_concurrent * 4 + 32
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
-                                           limit_concurrency=connections))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, limit_concurrency=connections)
+    )
     if cfg.dashboard:
         service.attach_dashboard(app, lambda: bool(server.should_exit))
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -97,8 +97,9 @@ class Run:
     """One generation on the worker pool, seen from the request's coroutine as a stream of pieces. It holds its
     caller's slot (taken by the caller) until the worker has stopped, however the request ended."""
 
-    def __init__(self, state: ApiState, served: ServedModel, prompt: list[int], sampling: Sampling,
-                 caller: str) -> None:  # fmt: skip
+    def __init__(
+        self, state: ApiState, served: ServedModel, prompt: list[int], sampling: Sampling, caller: str
+    ) -> None:
         self.cancel = threading.Event()
         self.progress = Outcome(prompt_tokens=len(prompt))  # the worker fills it in as it goes
         self.queue: asyncio.Queue[object] = asyncio.Queue()
@@ -130,8 +131,13 @@ class Run:
         try:
             return self.future.result()
         except Cancelled as e:
-            raise errors.ApiError(408, f"the request stopped: {e}", type="server_error", code="timeout",
-                                  outcome="client_closed" if self.cancel.is_set() else "timeout") from None  # fmt: skip
+            raise errors.ApiError(
+                408,
+                f"the request stopped: {e}",
+                type="server_error",
+                code="timeout",
+                outcome="client_closed" if self.cancel.is_set() else "timeout",
+            ) from None
         except Exception as e:
             raise errors.from_swarm(e) from None
 
@@ -151,8 +157,9 @@ def _parse(body: bytes, cls: type[ChatRequest] | type[CompletionRequest]) -> Cha
 def _sampling(req: ChatRequest | CompletionRequest, prompt: int, served: ServedModel, limits: Limits) -> Sampling:
     asked = req.requested_tokens()
     if asked is not None and asked > limits.max_tokens:
-        raise errors.bad_request(f"max_tokens is {asked}; this server allows at most {limits.max_tokens}",
-                                 param="max_tokens")  # fmt: skip
+        raise errors.bad_request(
+            f"max_tokens is {asked}; this server allows at most {limits.max_tokens}", param="max_tokens"
+        )
     room = served.context - prompt
     wanted = asked if asked is not None else min(limits.max_tokens, room)
     if wanted > room or room < 1:
@@ -165,8 +172,11 @@ def _route(outcome: Outcome) -> list[RouteHop]:
 
 
 def _usage(o: Outcome) -> Usage:
-    return Usage(prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
-                 total_tokens=o.prompt_tokens + o.completion_tokens)  # fmt: skip
+    return Usage(
+        prompt_tokens=o.prompt_tokens,
+        completion_tokens=o.completion_tokens,
+        total_tokens=o.prompt_tokens + o.completion_tokens,
+    )
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -256,12 +266,22 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     except ApiError as e:
         state.metrics.observe(endpoint, e.outcome, time.monotonic() - t0)
         return _error_response(e)
-    log.info("%s request: %d prompt tokens, up to %d x %d new", endpoint, len(prompt), sampling.n,
-             sampling.max_tokens, extra={"session": caller})  # fmt: skip
+    log.info(
+        "%s request: %d prompt tokens, up to %d x %d new",
+        endpoint,
+        len(prompt),
+        sampling.n,
+        sampling.max_tokens,
+        extra={"session": caller},
+    )
     run = Run(state, served, prompt, sampling, caller)
     if req.stream:
-        return _RunStream(run, _stream(state, run, req, endpoint, t0), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        return _RunStream(
+            run,
+            _stream(state, run, req, endpoint, t0),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     watcher = asyncio.create_task(_watch_disconnect(request, run))
     try:
         texts = ["" for _ in range(sampling.n)]
@@ -280,16 +300,20 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
         watcher.cancel()
     rid, created, usage = new_id("chatcmpl" if endpoint == "chat" else "cmpl"), now(), _usage(outcome)
     if endpoint == "chat":
-        chat_choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
-                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))]  # fmt: skip
+        chat_choices = [
+            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
+            for i, (t, f) in enumerate(zip(texts, finishes, strict=True))
+        ]
         reply: ChatCompletion | TextCompletion = ChatCompletion(
             id=rid, created=created, model=served.name, choices=chat_choices, usage=usage, route=_route(outcome)
         )
     else:
-        text_choices = [TextChoice(index=i, text=t, finish_reason=f)
-                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))]  # fmt: skip
-        reply = TextCompletion(id=rid, created=created, model=served.name, choices=text_choices, usage=usage,
-                               route=_route(outcome))  # fmt: skip
+        text_choices = [
+            TextChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finishes, strict=True))
+        ]
+        reply = TextCompletion(
+            id=rid, created=created, model=served.name, choices=text_choices, usage=usage, route=_route(outcome)
+        )
     return JSONResponse(reply.model_dump(mode="json"))
 
 
@@ -316,11 +340,13 @@ class _Chunks:
         if self.chat:
             delta = Delta(content=piece.text) if piece.text else Delta()
             choice = ChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish)
-            return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, route=route,
-                                       choices=[choice]))  # fmt: skip
+            return self._sse(
+                ChatChunk(id=self.id, created=self.created, model=self.model, route=route, choices=[choice])
+            )
         text = TextChoice(index=piece.index, text=piece.text, finish_reason=piece.finish)
-        return self._sse(TextCompletion(id=self.id, created=self.created, model=self.model, route=route,
-                                        choices=[text]))  # fmt: skip
+        return self._sse(
+            TextCompletion(id=self.id, created=self.created, model=self.model, route=route, choices=[text])
+        )
 
     def usage(self, usage: Usage) -> str:
         if self.chat:
@@ -343,8 +369,9 @@ class _RunStream(StreamingResponse):
             self.run.cancel.set()
 
 
-async def _stream(state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str,
-                  t0: float) -> AsyncIterator[str]:  # fmt: skip
+async def _stream(
+    state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str, t0: float
+) -> AsyncIterator[str]:
     chunks = _Chunks(endpoint == "chat", req.model)
     label = "client_closed"  # unless the stream reaches its end or an error
     try:

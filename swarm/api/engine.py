@@ -97,8 +97,13 @@ class TextStream:
 class ServedModel:
     """A model the API serves: its swarm client, tokenizer, context length and end-of-text tokens."""
 
-    def __init__(self, name: str, model: DistributedModelForCausalLM, tokenizer: PreTrainedTokenizerBase,
-                 max_context: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        model: DistributedModelForCausalLM,
+        tokenizer: PreTrainedTokenizerBase,
+        max_context: int | None = None,
+    ) -> None:
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         if max_context is not None:
@@ -126,8 +131,9 @@ class ServedModel:
     def chat_ids(self, chat: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request(f"{self.name} has no chat template: use /v1/completions", param="messages")
-        out: Any = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)  # fmt: skip  # Any: a BatchEncoding
+        out: Any = self.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=True
+        )  # Any: a BatchEncoding
         return [int(i) for i in out["input_ids"]]
 
     def text_ids(self, text: str) -> list[int]:
@@ -148,8 +154,15 @@ def pick(logits: torch.Tensor, s: Sampling, rng: torch.Generator | None) -> torc
     return torch.multinomial(probs, 1, generator=rng).squeeze(1)
 
 
-def generate(served: ServedModel, prompt: list[int], s: Sampling, emit: Callable[[Piece], None],
-             cancel: threading.Event, deadline: float, outcome: Outcome | None = None) -> Outcome:  # fmt: skip
+def generate(
+    served: ServedModel,
+    prompt: list[int],
+    s: Sampling,
+    emit: Callable[[Piece], None],
+    cancel: threading.Event,
+    deadline: float,
+    outcome: Outcome | None = None,
+) -> Outcome:
     """Decode ``s.n`` continuations of ``prompt`` in one inference session; ``emit`` gets text as it is final, and
     ``outcome`` (returned) the route and counts as they change. Runs on a worker thread; raises Cancelled once
     ``cancel`` is set or ``deadline`` (monotonic) passes."""
@@ -159,8 +172,9 @@ def generate(served: ServedModel, prompt: list[int], s: Sampling, emit: Callable
     done: list[Finish | None] = [None] * s.n
     rng = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
     start = time.monotonic()
-    session = InferenceSession(model.connection, model.blocks.delivery, len(prompt) + s.max_tokens, s.n,
-                               model.runner.shape, model.runner.plans)  # fmt: skip
+    session = InferenceSession(
+        model.connection, model.blocks.delivery, len(prompt) + s.max_tokens, s.n, model.runner.shape, model.runner.plans
+    )
     try:
         new = torch.tensor([prompt] * s.n, dtype=torch.int64)
         for produced in range(s.max_tokens):

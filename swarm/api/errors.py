@@ -33,20 +33,34 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def unauthorized() -> ApiError:
-    return ApiError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key",
-                    outcome="unauthorized")  # fmt: skip
+    return ApiError(
+        401,
+        "invalid or missing API key: send 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+        outcome="unauthorized",
+    )
 
 
 def unknown_model(name: str, known: list[str]) -> ApiError:
     shown = ", ".join(known) or "none"
-    return ApiError(404, f"the model {name!r} does not exist here (served: {shown})", code="model_not_found",
-                    param="model", outcome="not_found")  # fmt: skip
+    return ApiError(
+        404,
+        f"the model {name!r} does not exist here (served: {shown})",
+        code="model_not_found",
+        param="model",
+        outcome="not_found",
+    )
 
 
 def context_too_long(prompt: int, wanted: int, limit: int) -> ApiError:
-    return ApiError(400, f"this model's context is {limit} tokens; the prompt has {prompt} and {wanted} more were "
-                    "asked for: shorten the prompt or lower max_tokens", code="context_length_exceeded",
-                    param="messages", outcome="context_too_long")  # fmt: skip
+    return ApiError(
+        400,
+        f"this model's context is {limit} tokens; the prompt has {prompt} and {wanted} more were "
+        "asked for: shorten the prompt or lower max_tokens",
+        code="context_length_exceeded",
+        param="messages",
+        outcome="context_too_long",
+    )
 
 
 def too_many(message: str) -> ApiError:
@@ -65,5 +79,6 @@ def from_swarm(e: Exception) -> ApiError:
         return bad_request(str(e))
     if isinstance(e, SwarmError):
         return unavailable(f"the swarm could not finish this request: {e}")
-    return ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error",
-                    outcome="error")  # fmt: skip
+    return ApiError(
+        500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error", outcome="error"
+    )

@@ -80,9 +80,14 @@ def chunks(n: int, size: int) -> list[Chunk]:
 class Chain:
     """Runs steps through a list of hop states, chained; owned by one inference session."""
 
-    def __init__(self, remote: Remote, open_request: Callable[[HopState], tuple[OpenSession, Tensors]],
-                 open_timeout: float, rtt: dict[str, float],
-                 observe: Callable[[HopState, float, int], Awaitable[None]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        remote: Remote,
+        open_request: Callable[[HopState], tuple[OpenSession, Tensors]],
+        open_timeout: float,
+        rtt: dict[str, float],
+        observe: Callable[[HopState, float, int], Awaitable[None]],
+    ) -> None:
         self.remote = remote
         self.open_request = open_request  # the opening of one hop (its adapter part, if any)
         self.open_timeout = open_timeout
@@ -96,11 +101,15 @@ class Chain:
         """The signed route over ``states`` (signed once per generation and route: ~1 ms of RSA)."""
         key = tuple(s.session_id for s in states)
         if self._signed is None or self._signed[:2] != (self.generation, key):
-            route = ChainRoute(client=self.remote.creds.peer_id, generation=self.generation,
-                               hops=tuple(s.chain_hop() for s in states))  # fmt: skip
+            route = ChainRoute(
+                client=self.remote.creds.peer_id, generation=self.generation, hops=tuple(s.chain_hop() for s in states)
+            )
             payload = route.model_dump_json()
-            signed = Signed(public_key=self.remote.creds.public_key, payload=payload,
-                            signature=self.remote.creds.sign(payload.encode()))  # fmt: skip
+            signed = Signed(
+                public_key=self.remote.creds.public_key,
+                payload=payload,
+                signature=self.remote.creds.sign(payload.encode()),
+            )
             self._signed = (self.generation, key, signed)
         return self._signed[2]
 
@@ -137,10 +146,19 @@ class Chain:
         measured round trips per hop the step crosses to reach it (unmeasured hops count nothing)."""
         return base + RTT_SLACK * sum(self.rtt.get(s.hop.peer_id, 0.0) for s in states[: upto + 1])
 
-    async def run(self, states: list[HopState], hidden: torch.Tensor, mask: torch.Tensor | None,
-                  positions: torch.Tensor | None, explicit: torch.Tensor, position: int, chunk: int,
-                  base_timeout: Callable[[int], float], done: list[torch.Tensor],
-                  replay: bool = False) -> None:  # fmt: skip
+    async def run(
+        self,
+        states: list[HopState],
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        explicit: torch.Tensor,
+        position: int,
+        chunk: int,
+        base_timeout: Callable[[int], float],
+        done: list[torch.Tensor],
+        replay: bool = False,
+    ) -> None:
         """Send ``hidden`` (one step of the session, at ``position``) through ``states`` in one trip, in chunks of
         ``chunk`` tokens, appending each hop's output (client dtype) to ``done`` as it arrives, and recording each
         hop's input and commitments. A hop that fails is marked broken (with the hop before it, when the two
@@ -169,8 +187,15 @@ class Chain:
             if replay:
                 state.inputs, state.positions = [inputs], [explicit]
             try:
-                out, digests = await self._collect(state, pieces, position, tag, digests, hidden.shape,
-                                                   self.deadline(states, k, base_timeout(pieces[0].end)))  # fmt: skip
+                out, digests = await self._collect(
+                    state,
+                    pieces,
+                    position,
+                    tag,
+                    digests,
+                    hidden.shape,
+                    self.deadline(states, k, base_timeout(pieces[0].end)),
+                )
             except BaseException as e:
                 state.broken = True
                 state.close()
@@ -184,8 +209,10 @@ class Chain:
                         prior.inputs.pop()
                         prior.positions.pop()
                         done.pop()
-                    raise unavailable(prior.hop.peer_id, f"gave the next hop ({state.hop.peer_id}) another output "
-                                      "than it committed to") from e  # fmt: skip
+                    raise unavailable(
+                        prior.hop.peer_id,
+                        f"gave the next hop ({state.hop.peer_id}) another output than it committed to",
+                    ) from e
                 raise
             if not replay:
                 state.inputs.append(inputs)
@@ -196,16 +223,32 @@ class Chain:
             await self.observe(state, now - before, hidden.shape[1])
             before = now
 
-    async def _collect(self, state: HopState, pieces: list[Chunk], position: int, tag: int, inputs: list[str],
-                       shape: torch.Size, timeout: float) -> tuple[torch.Tensor, list[str]]:  # fmt: skip
+    async def _collect(
+        self,
+        state: HopState,
+        pieces: list[Chunk],
+        position: int,
+        tag: int,
+        inputs: list[str],
+        shape: torch.Size,
+        timeout: float,
+    ) -> tuple[torch.Tensor, list[str]]:
         """One hop's replies to a chained step: its pending acknowledgements, then one reply per chunk."""
         try:
             return await self._replies(state, pieces, position, tag, inputs, shape, timeout)
         except SwarmError as e:
             raise replies.distrust(e, state.hop.peer_id) from None
 
-    async def _replies(self, state: HopState, pieces: list[Chunk], position: int, tag: int, inputs: list[str],
-                       shape: torch.Size, timeout: float) -> tuple[torch.Tensor, list[str]]:  # fmt: skip
+    async def _replies(
+        self,
+        state: HopState,
+        pieces: list[Chunk],
+        position: int,
+        tag: int,
+        inputs: list[str],
+        shape: torch.Size,
+        timeout: float,
+    ) -> tuple[torch.Tensor, list[str]]:
         stream, hop = state.stream, state.hop
         assert stream is not None
         while state.acks:

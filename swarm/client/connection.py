@@ -26,9 +26,14 @@ class SwarmConnection:
         """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely)."""
         self.cfg = cfg
         self.timing = cfg.timing
-        self.store = start_dht(initial_peers=cfg.initial_peers, client_mode=True, identity=cfg.identity,
-                               timeout=cfg.timing.dht_start_timeout, call_timeout=cfg.timing.dht_timeout,
-                               swarm_key=swarm_key_for(cfg.swarm_key))  # fmt: skip
+        self.store = start_dht(
+            initial_peers=cfg.initial_peers,
+            client_mode=True,
+            identity=cfg.identity,
+            timeout=cfg.timing.dht_start_timeout,
+            call_timeout=cfg.timing.dht_timeout,
+            swarm_key=swarm_key_for(cfg.swarm_key),
+        )
         try:
             self.loop = LoopThread("swarm-client")
             p2p = self.loop.run(self.store.replicate_p2p())

@@ -114,8 +114,9 @@ class Executor:
     def __init__(self, local: LocalOps) -> None:
         self.local = local
 
-    def run(self, plan: Plan, sched: Schedule, inputs: Mapping[str, torch.Tensor], ctx: Context,
-            segment: Segment) -> Tensors:  # fmt: skip
+    def run(
+        self, plan: Plan, sched: Schedule, inputs: Mapping[str, torch.Tensor], ctx: Context, segment: Segment
+    ) -> Tensors:
         """The forward phase of ``plan``: its outputs by name."""
         values: Tensors = {}
         outputs: Tensors = {}

@@ -35,8 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class InferenceSession:
-    def __init__(self, conn: SwarmConnection, delivery: AdapterDelivery | None, max_length: int, batch_size: int,
-                 model: ModelShape, plans: PlanCache, prefix: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        conn: SwarmConnection,
+        delivery: AdapterDelivery | None,
+        max_length: int,
+        batch_size: int,
+        model: ModelShape,
+        plans: PlanCache,
+        prefix: int = 0,
+    ) -> None:
         self.conn = conn
         self.delivery = delivery
         self.max_length = max_length
@@ -53,8 +61,7 @@ class InferenceSession:
         self._generation = 0
         self.closed = False
         self._avoid: set[str] = set()  # peers this session moved away from for slowness: not chosen again here
-        self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt,
-                                  self._observe)  # fmt: skip
+        self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt, self._observe)
 
     @property
     def route(self) -> list[Hop]:
@@ -97,8 +104,9 @@ class InferenceSession:
 
     def _compiled(self, route: list[Hop], prompts: int) -> tuple[Plan, Schedule]:
         key = ("generate", tuple(route), self.max_length, prompts, self.batch_size)
-        return self.plans.get(key, lambda: generate_plan(self.model, route, max_length=self.max_length,
-                                                         prompts=prompts))  # fmt: skip
+        return self.plans.get(
+            key, lambda: generate_plan(self.model, route, max_length=self.max_length, prompts=prompts)
+        )
 
     def segment(self, plan: Plan, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The plan's remote part: one step through every ``span_step`` node."""
@@ -110,8 +118,14 @@ class InferenceSession:
         view = self.conn.view
         if self._avoid:  # a slow peer's claims may still price it first: try without it, then with it
             try:
-                return view.route(start, end, mode="inference", min_cache_tokens=need, needs=self._needs,
-                                  exclude=frozenset(self._avoid))  # fmt: skip
+                return view.route(
+                    start,
+                    end,
+                    mode="inference",
+                    min_cache_tokens=need,
+                    needs=self._needs,
+                    exclude=frozenset(self._avoid),
+                )
             except MissingBlocksError:
                 pass
         try:
@@ -136,8 +150,10 @@ class InferenceSession:
         self._generation += 1
         plan, ids = repair(self.plan, node_id, route, self._generation)
         fresh = [HopState(hop) for hop in route]
-        log.info("replacing a hop", extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}",
-                                           "session": self.session_id})  # fmt: skip
+        log.info(
+            "replacing a hop",
+            extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
+        )
         if self.conn.cfg.chain:  # the repair comes first: the route the fresh hops are given must name them
             self.plan, self._schedule = plan, None
             del self._states[node_id]
@@ -148,8 +164,18 @@ class InferenceSession:
                 await self._chain_steps.prepare(fresh, self._all_states)
                 mask = None if self.history.mask is None else self.history.mask[:, : self.position]
                 positions = torch.cat(old.positions, dim=1)
-                await self._chain_steps.run(fresh, torch.cat(old.inputs, dim=1), mask, positions, positions, 0,
-                                            self._chunk, self._base_timeout, [], replay=True)  # fmt: skip
+                await self._chain_steps.run(
+                    fresh,
+                    torch.cat(old.inputs, dim=1),
+                    mask,
+                    positions,
+                    positions,
+                    0,
+                    self._chunk,
+                    self._base_timeout,
+                    [],
+                    replay=True,
+                )
             return
         if old.inputs:
             hidden = torch.cat(old.inputs, dim=1)
@@ -179,12 +205,24 @@ class InferenceSession:
             send = state.send_adapter or self.delivery.needs_sending(hop)
             ref, tensors = self.delivery.part(hop, send)
             self.delivery.delivered(hop)  # optimistic: an adapter_missing reply sends the tensors next time
-        opening = OpenSession(session_id=state.session_id, start=hop.start, end=hop.end, max_length=self.max_length,
-                              batch_size=self.batch_size, adapter=ref)  # fmt: skip
+        opening = OpenSession(
+            session_id=state.session_id,
+            start=hop.start,
+            end=hop.end,
+            max_length=self.max_length,
+            batch_size=self.batch_size,
+            adapter=ref,
+        )
         return opening, dict(tensors)
 
-    def _message(self, state: HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
-                 positions: torch.Tensor | None, position: int) -> tuple[InferenceRequest, Tensors]:  # fmt: skip
+    def _message(
+        self,
+        state: HopState,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        position: int,
+    ) -> tuple[InferenceRequest, Tensors]:
         step = InferenceStep(position=position)
         tensors: Tensors = {"hidden": hidden.to(getattr(torch, state.hop.dtype))}
         request = InferenceRequest(step=step)
@@ -216,8 +254,14 @@ class InferenceSession:
     def _all_states(self) -> list[HopState]:
         return [self._states[i] for i in self._ids]
 
-    async def _exchange(self, state: HopState, hidden: torch.Tensor, mask: torch.Tensor | None,
-                        positions: torch.Tensor | None, position: int) -> torch.Tensor:  # fmt: skip
+    async def _exchange(
+        self,
+        state: HopState,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        position: int,
+    ) -> torch.Tensor:
         opening = state.stream is None
         request, tensors = self._message(state, hidden, mask, positions, position)
         if state.stream is None:
@@ -226,8 +270,9 @@ class InferenceSession:
         try:
             expect = replies.expected(request, tensors)
             codec = self.conn.remote.codec_for(state.hop, tensors)
-            call = state.stream.exchange(request, tensors, self._timeout(hidden, state.hop.peer_id), expect.max_bytes,
-                                         codec)  # fmt: skip
+            call = state.stream.exchange(
+                request, tensors, self._timeout(hidden, state.hop.peer_id), expect.max_bytes, codec
+            )
             out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
         except AdapterMissingError:
             if not opening or state.send_adapter or self.delivery is None:
@@ -251,8 +296,9 @@ class InferenceSession:
             return
         state.slow_steps = 0
         try:
-            other = await asyncio.to_thread(view.route, hop.start, hop.end, mode="inference",
-                                            exclude=frozenset({hop.peer_id}))  # fmt: skip
+            other = await asyncio.to_thread(
+                view.route, hop.start, hop.end, mode="inference", exclude=frozenset({hop.peer_id})
+            )
         except SwarmError:
             return  # nowhere else to go
         estimate = sum(view.estimate(h, "inference", tokens) for h in other)
@@ -261,8 +307,14 @@ class InferenceSession:
             self._avoid.add(hop.peer_id)
             state.broken = True
 
-    async def _chain(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-                     explicit: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    async def _chain(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        explicit: torch.Tensor,
+        done: list[torch.Tensor],
+    ) -> torch.Tensor:
         """The chain from the first hop not ``done`` in this step: route it first if there is none yet, replace a
         broken hop, open a new one. A hop that fails is marked broken and the error goes to the retry helper."""
         h = done[-1] if done else hidden
@@ -286,8 +338,15 @@ class InferenceSession:
             h = out
         return h
 
-    async def _chained(self, index: int, h: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-                       explicit: torch.Tensor, done: list[torch.Tensor]) -> None:  # fmt: skip
+    async def _chained(
+        self,
+        index: int,
+        h: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        explicit: torch.Tensor,
+        done: list[torch.Tensor],
+    ) -> None:
         """The rest of the chain from node ``index`` in one trip: broken hops replaced first, every hop opened or
         told the current route, the step sent to the first of them (``swarm.client.chain``)."""
         i = index
@@ -299,8 +358,9 @@ class InferenceSession:
         rest = [self._states[n] for n in self._ids[index:]]
         try:
             await self._chain_steps.prepare(rest, self._all_states)
-            await self._chain_steps.run(rest, h, mask, positions, explicit, self.position, self._chunk,
-                                        self._base_timeout, done)  # fmt: skip
+            await self._chain_steps.run(
+                rest, h, mask, positions, explicit, self.position, self._chunk, self._base_timeout, done
+            )
         except AdapterMissingError as e:  # a server dropped its copy of the adapter: open it again, tensors included
             state = next((s for s in rest if s.hop.peer_id == e.peer_id), None)
             if state is None or state.send_adapter or self.delivery is None or self.position:
@@ -334,8 +394,11 @@ class InferenceSession:
             self.plan_for(0)
         done: list[torch.Tensor] = []  # outputs of the nodes this step got through, kept across attempts
         conn = self.conn
-        out = conn.retrier.run(lambda: conn.loop.run(self._chain(hidden, mask, position_ids, explicit, done)),
-                               "inference step", confirm=True)  # fmt: skip
+        out = conn.retrier.run(
+            lambda: conn.loop.run(self._chain(hidden, mask, position_ids, explicit, done)),
+            "inference step",
+            confirm=True,
+        )
         self.position += n
         return out
 

@@ -105,8 +105,16 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         piece of a long chained step. ``codec``: activations' codec, "auto" (per link) or one to force."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        cfg = client_config(initial_peers, timing, cache_dir, direct, swarm_key=swarm_key, chain=chain,
-                            prefill_chunk=prefill_chunk, codec=codec)  # fmt: skip
+        cfg = client_config(
+            initial_peers,
+            timing,
+            cache_dir,
+            direct,
+            swarm_key=swarm_key,
+            chain=chain,
+            prefill_chunk=prefill_chunk,
+            codec=codec,
+        )
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -158,8 +166,16 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
         closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
-        cfg = client_config(initial_peers, timing, cache_dir, direct, wiring_seed=wiring_seed, identity=identity,
-                            swarm_key=swarm_key, codec=codec)  # fmt: skip
+        cfg = client_config(
+            initial_peers,
+            timing,
+            cache_dir,
+            direct,
+            wiring_seed=wiring_seed,
+            identity=identity,
+            swarm_key=swarm_key,
+            codec=codec,
+        )
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
@@ -171,8 +187,10 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
         prefix = self.family.base_prefix + "."
         lm = local.local_model(self.family, device="meta")
-        return {k: "model." + v[len(prefix) :] if v.startswith(prefix) else v
-                for k, v in local.disk_to_local(self.family, disk, lm).items()}  # fmt: skip
+        return {
+            k: "model." + v[len(prefix) :] if v.startswith(prefix) else v
+            for k, v in local.disk_to_local(self.family, disk, lm).items()
+        }
 
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -203,11 +221,17 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training."""
         extra, label = self.family.spec.after_embedding, self.family.spec.label
         if spec.prompt_tokens and extra:
-            raise BadInputError(f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
-                                f"{extra}, the swarm's do not; use LoRA")  # fmt: skip
+            raise BadInputError(
+                f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
+                f"{extra}, the swarm's do not; use LoRA"
+            )
         paths = resolve_targets(spec.lora_targets, self._block_linears) if spec.mode == "lora" else ()
-        adapters = ClientAdapters(spec, {p: self._block_linears[p] for p in paths}, int(self.config.num_hidden_layers),
-                                  int(self.config.hidden_size))  # fmt: skip
+        adapters = ClientAdapters(
+            spec,
+            {p: self._block_linears[p] for p in paths},
+            int(self.config.num_hidden_layers),
+            int(self.config.hidden_size),
+        )
         if folder is not None:
             peft_format.load_into(adapters, Path(folder), self.family.layers_path)
         for p in self.parameters():
@@ -223,8 +247,14 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         with torch.device("meta"):
             block = self.family.build_layer(0)
         conv = any(isinstance(m, Conv1D) for n, m in block.named_modules() if n in self.adapters.targets)
-        peft_format.save(self.adapters, Path(folder), self.name_or_path or "", int(self.config.num_attention_heads),
-                         self.family.layers_path, fan_in_fan_out=conv)  # fmt: skip
+        peft_format.save(
+            self.adapters,
+            Path(folder),
+            self.name_or_path or "",
+            int(self.config.num_attention_heads),
+            self.family.layers_path,
+            fan_in_fan_out=conv,
+        )
 
     @property
     def prompt_tokens(self) -> int:
@@ -312,8 +342,15 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session."""
         if self._session is not None:
             raise BadInputError("an inference session is already open on this model")
-        session = InferenceSession(self.connection, self.blocks.delivery, max_length + self.prompt_tokens, batch_size,
-                                   self.runner.shape, self.runner.plans, prefix=self.prompt_tokens)  # fmt: skip
+        session = InferenceSession(
+            self.connection,
+            self.blocks.delivery,
+            max_length + self.prompt_tokens,
+            batch_size,
+            self.runner.shape,
+            self.runner.plans,
+            prefix=self.prompt_tokens,
+        )
         self._session = session
         try:
             yield session
@@ -394,6 +431,14 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
             task = "pretrain"
         elif keep and labels is not None:
             task = "finetune"
-        out = self.runner.forward(inputs, ctx, keep=keep, prompts=self.prompt_tokens, task=task, target_batch=target,
-                                  average_every=every, params="adapter" if self.adapters else "client")  # fmt: skip
+        out = self.runner.forward(
+            inputs,
+            ctx,
+            keep=keep,
+            prompts=self.prompt_tokens,
+            task=task,
+            target_batch=target,
+            average_every=every,
+            params="adapter" if self.adapters else "client",
+        )
         return CausalLMOutputWithPast(loss=out.get("loss"), logits=out["logits"])

@@ -43,8 +43,14 @@ def peft_tensors(adapters: ClientAdapters, layers_path: str = "model.layers") ->
     return out
 
 
-def save(adapters: ClientAdapters, folder: Path, base_model: str, num_heads: int, layers_path: str = "model.layers",
-         fan_in_fan_out: bool = False) -> None:  # fmt: skip
+def save(
+    adapters: ClientAdapters,
+    folder: Path,
+    base_model: str,
+    num_heads: int,
+    layers_path: str = "model.layers",
+    fan_in_fan_out: bool = False,
+) -> None:
     """``fan_in_fan_out``: the targets store their weights transposed (GPT-2's ``Conv1D``), as PEFT records it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,8 +113,9 @@ def read_spec(folder: Path) -> TuningSpec:
         targets = config.get("target_modules")
         if isinstance(targets, str) or not targets:
             raise BadInputError(f"{folder / CONFIG}: target_modules must be a list of module names, got {targets!r}")
-        return TuningSpec("lora", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]),
-                          lora_targets=tuple(targets))  # fmt: skip
+        return TuningSpec(
+            "lora", lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]), lora_targets=tuple(targets)
+        )
     return TuningSpec(kind, num_prompt_tokens=int(config["num_virtual_tokens"]))
 
 

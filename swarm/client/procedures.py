@@ -56,8 +56,9 @@ class Procedures:
             logp = logp * attention_mask[:, 1:].to(logp.dtype)
         return logp
 
-    def hidden_states(self, input_ids: torch.Tensor, block: int,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def hidden_states(
+        self, input_ids: torch.Tensor, block: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The output of block ``block`` (0-based: Hugging Face's ``hidden_states[block + 1]``) for every token,
         [batch, n, hidden]: only blocks ``0..block`` are computed."""
         if self._session is not None:
@@ -94,10 +95,14 @@ class Procedures:
         """Mark this model as a pre-training trainer's: its training plans carry the global step's update."""
         self._pretraining = (target_batch, average_every)
 
-    def _session_step(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        new, full_mask, position_ids = session.history.unseen(input_ids, attention_mask, position_ids,
-                                                              session.position)  # fmt: skip
+    def _session_step(
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        new, full_mask, position_ids = session.history.unseen(input_ids, attention_mask, position_ids, session.position)
         first, prefix, batch = session.position == 0, session.history.prefix, new.shape[0]
         if prefix and not first:  # the prompts went in front of the first step (its plan's prompts node)
             ones = torch.ones(batch, prefix, dtype=torch.int64)

@@ -88,8 +88,9 @@ class Retrier:
                     suspect = e
                     assert e.peer_id is not None
                     self.view.ban(e.peer_id, self.timing.ban_base)  # routes avoid it while another server judges
-                    log.warning("%s refused as bad input, asking another server: %s", what, e,
-                                extra={"peer": e.peer_id})  # fmt: skip
+                    log.warning(
+                        "%s refused as bad input, asking another server: %s", what, e, extra={"peer": e.peer_id}
+                    )
                     continue
                 if not e.retriable or self.clock() > deadline:
                     if suspect is not None:  # a second bad_input confirms the first; any other end clears it too

@@ -39,8 +39,9 @@ class ModelParts(Protocol):
 Aux = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def with_prompts(prompts: torch.Tensor, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None) -> Aux:  # fmt: skip
+def with_prompts(
+    prompts: torch.Tensor, embeds: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> Aux:
     """Prepend the trainable prompts as PEFT's prompt tuning does: attended by every token."""
     n, batch = prompts.shape[0], embeds.shape[0]
     embeds = torch.cat([prompts.to(embeds.dtype).unsqueeze(0).expand(batch, -1, -1), embeds], dim=1)
@@ -78,8 +79,7 @@ class ModelOps:
         return self.parts.causal_loss(logits, labels)
 
 
-def bind(plan: Plan, route: list[Hop], aux: Tensors, train: TrainTag | None,
-         needs: frozenset[Capability]) -> ChainRun:  # fmt: skip
+def bind(plan: Plan, route: list[Hop], aux: Tensors, train: TrainTag | None, needs: frozenset[Capability]) -> ChainRun:
     """A forward plan's remote nodes bound to ``route``: its forward nodes in chain order, each backward node to the
     server of its forward."""
     forwards = [n.id for n in plan.order() if isinstance(n, SpanForward)]
@@ -113,8 +113,15 @@ class PlanRunner:
         )
         return route
 
-    def _run(self, plan: Plan, sched: Schedule, route: list[Hop], inputs: Mapping[str, torch.Tensor], ctx: Context,
-             needs: frozenset[Capability]) -> Tensors:  # fmt: skip
+    def _run(
+        self,
+        plan: Plan,
+        sched: Schedule,
+        route: list[Hop],
+        inputs: Mapping[str, torch.Tensor],
+        ctx: Context,
+        needs: frozenset[Capability],
+    ) -> Tensors:
         def segment(plan: Plan, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
             run = bind(plan, route, aux_tensors(ctx.mask, ctx.positions), ctx.train, needs)
             return self.chain.run(run, hidden)
@@ -123,9 +130,18 @@ class PlanRunner:
         return self.executor.run(plan, sched, inputs, ctx, segment)
 
     # ---- procedures ---------------------------------------------------------------------------------------------
-    def forward(self, inputs: Mapping[str, torch.Tensor], ctx: Context, *, keep: bool, prompts: int,
-                task: Task = "forward", target_batch: int = 1, average_every: int = 0,
-                params: Literal["adapter", "client"] = "adapter") -> Tensors:  # fmt: skip
+    def forward(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        ctx: Context,
+        *,
+        keep: bool,
+        prompts: int,
+        task: Task = "forward",
+        target_batch: int = 1,
+        average_every: int = 0,
+        params: Literal["adapter", "client"] = "adapter",
+    ) -> Tensors:
         """Logits (and loss, given ``labels``); ``keep``: graphs kept for a backward (a training step: ``task``
         finetune or pretrain adds its update phase)."""
         needs = self.needs(keep)
@@ -174,8 +190,9 @@ class PlanRunner:
         plan, sched = self.plans.get(("hidden", tuple(route)), lambda: hidden_plan(self.shape, route))
         return self._run(plan, sched, route, {"input_ids": input_ids}, ctx, needs)["hidden"]
 
-    def session_step(self, session: InferenceSession, input_ids: torch.Tensor, ctx: Context,
-                     prompts: int) -> torch.Tensor:  # fmt: skip
+    def session_step(
+        self, session: InferenceSession, input_ids: torch.Tensor, ctx: Context, prompts: int
+    ) -> torch.Tensor:
         plan, sched = session.plan_for(prompts)
         return self.executor.run(plan, sched, {"input_ids": input_ids}, ctx, session.segment)["logits"]
 

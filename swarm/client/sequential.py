@@ -123,8 +123,9 @@ class RemoteChain:
         delivery.delivered(hop)
         return out
 
-    def _exchange(self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors,
-                  send: bool = False) -> Tensors:  # fmt: skip
+    def _exchange(
+        self, hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors, send: bool = False
+    ) -> Tensors:
         adapter: Tensors = {}  # the adapter tensors the server applies, sent or not: a backward returns their grads
         if self.delivery is not None:
             ref, payload = self.delivery.part(hop, send)
@@ -135,8 +136,9 @@ class RemoteChain:
         conn = self.conn
         expect = expected(request, tensors, adapter)
         t0 = time.perf_counter()
-        call = conn.remote.compute(hop, request, tensors, conn.timeout(conn.timing.request_timeout, hop.peer_id),
-                                   expect.max_bytes)  # fmt: skip
+        call = conn.remote.compute(
+            hop, request, tensors, conn.timeout(conn.timing.request_timeout, hop.peer_id), expect.max_bytes
+        )
         out = conn.loop.run(checked(hop.peer_id, expect, call))
         first = tensors.get("hidden", tensors.get("grad_output"))
         assert first is not None
@@ -155,8 +157,9 @@ class RemoteChain:
         """Rebind forward node ``node_id`` (and its backward) to a new route over its blocks, around banned peers."""
         node = run.plan.node(node_id)
         assert isinstance(node, SpanForward)
-        route = self.conn.view.route(node.start, node.end, mode="forward", stochastic=run.train is not None,
-                                     needs=run.needs)  # fmt: skip
+        route = self.conn.view.route(
+            node.start, node.end, mode="forward", stochastic=run.train is not None, needs=run.needs
+        )
         run.generation += 1
         run.plan, fresh = repair(run.plan, node_id, route, run.generation)
         for new_id, hop in zip(fresh, route, strict=True):
@@ -205,16 +208,18 @@ class RemoteChain:
         node = run.plan.node(node_id)
         assert isinstance(node, SpanForward)
         server_id = uuid.uuid4().hex if node.keep else None
-        request = ForwardRequest(start=node.start, end=node.end, keep_for_backward=node.keep, forward_id=server_id,
-                                 train=run.train)  # fmt: skip
+        request = ForwardRequest(
+            start=node.start, end=node.end, keep_for_backward=node.keep, forward_id=server_id, train=run.train
+        )
         wire = self._codec(run, node.inputs[0])
         out = self._call(run.hops[node_id], request, dict(run.aux, hidden=x.to(wire)))["hidden"]
         run.server_ids[node_id] = server_id
         return out.to(x.dtype)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
-    def backward(self, run: ChainRun, grad: torch.Tensor,
-                 input_grad: bool = True) -> tuple[torch.Tensor | None, list[Tensors]]:  # fmt: skip
+    def backward(
+        self, run: ChainRun, grad: torch.Tensor, input_grad: bool = True
+    ) -> tuple[torch.Tensor | None, list[Tensors]]:
         """The gradient of the chain's input (None if ``input_grad`` is False), and every backward node's reply
         (which holds the adapter's gradients)."""
         replies: list[Tensors] = []
@@ -222,16 +227,18 @@ class RemoteChain:
         self.last_route, self.last_plan = run.route(), run.plan
         return g, replies
 
-    def _backward_nodes(self, run: ChainRun, ids: list[str], grad: torch.Tensor, input_grad: bool,
-                        replies: list[Tensors]) -> torch.Tensor | None:  # fmt: skip
+    def _backward_nodes(
+        self, run: ChainRun, ids: list[str], grad: torch.Tensor, input_grad: bool, replies: list[Tensors]
+    ) -> torch.Tensor | None:
         g: torch.Tensor | None = grad
         for k, node_id in enumerate(ids):
             assert g is not None
             g = self._backward_node(run, node_id, g, input_grad or k < len(ids) - 1, replies)
         return g
 
-    def _backward_node(self, run: ChainRun, node_id: str, grad: torch.Tensor, input_grad: bool,
-                       replies: list[Tensors]) -> torch.Tensor | None:  # fmt: skip
+    def _backward_node(
+        self, run: ChainRun, node_id: str, grad: torch.Tensor, input_grad: bool, replies: list[Tensors]
+    ) -> torch.Tensor | None:
         """Backpropagate through one backward node. If its server fails, the retry helper bans it and the next
         attempt repairs its forward node: recomputed elsewhere (keeping graphs), backpropagated there."""
         forward_id = run.plan.node(node_id).inputs[1]
@@ -254,14 +261,20 @@ class RemoteChain:
         replies.extend(more)
         return g
 
-    def _span_backward(self, run: ChainRun, node_id: str, grad: torch.Tensor,
-                       input_grad: bool) -> tuple[torch.Tensor | None, list[Tensors]]:  # fmt: skip
+    def _span_backward(
+        self, run: ChainRun, node_id: str, grad: torch.Tensor, input_grad: bool
+    ) -> tuple[torch.Tensor | None, list[Tensors]]:
         node = run.plan.node(node_id)
         assert isinstance(node, SpanBackward)
         forward_id = node.inputs[1]
         hop, wire = run.hops[node_id], self._codec(run, node.inputs[0])
-        request = BackwardRequest(start=node.start, end=node.end, forward_id=run.server_ids.get(forward_id),
-                                  input_grad=input_grad, train=run.train)  # fmt: skip
+        request = BackwardRequest(
+            start=node.start,
+            end=node.end,
+            forward_id=run.server_ids.get(forward_id),
+            input_grad=input_grad,
+            train=run.train,
+        )
         try:
             out = self._call(hop, request, {"grad_output": grad.to(wire)})
         except ActivationsGoneError:  # the server dropped the graph: same server, recompute from our inputs
@@ -273,8 +286,9 @@ class RemoteChain:
 class _RemoteFn(torch.autograd.Function):
     # ``ctx: Any``: torch's autograd context takes arbitrary attributes and declares none
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, chain: RemoteChain, run: ChainRun,
-                *adapter_params: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, hidden: torch.Tensor, chain: RemoteChain, run: ChainRun, *adapter_params: torch.Tensor
+    ) -> torch.Tensor:
         out = chain.forward(run, hidden)
         ctx.chain, ctx.run, ctx.num_params = chain, run, len(adapter_params)
         return out

@@ -95,12 +95,21 @@ class SwarmView:
             return per * tokens * len(hop.span)
         return self.hop_latency + (hop.step_seconds if mode == "inference" else hop.token_seconds) * tokens
 
-    def servers(self, min_cache_tokens: int = 0, exclude: frozenset[str] = frozenset(),
-                needs: frozenset[Capability] = frozenset()) -> list[ServerRecord]:  # fmt: skip
+    def servers(
+        self,
+        min_cache_tokens: int = 0,
+        exclude: frozenset[str] = frozenset(),
+        needs: frozenset[Capability] = frozenset(),
+    ) -> list[ServerRecord]:
         """The servers a route may use now (``needs``: capabilities their runtime must have)."""
         view = self.snapshot()
-        return eligible(view, fingerprint=self.current_fingerprint(view), banned=self.banned() | exclude,
-                        min_cache_tokens=min_cache_tokens, needs=needs)  # fmt: skip
+        return eligible(
+            view,
+            fingerprint=self.current_fingerprint(view),
+            banned=self.banned() | exclude,
+            min_cache_tokens=min_cache_tokens,
+            needs=needs,
+        )
 
     def route(
         self,
@@ -118,5 +127,14 @@ class SwarmView:
         their speed). Raises ``MissingBlocksError``."""
         records = self.servers(min_cache_tokens, exclude, needs)
         noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
-        return choose_route(records, start, end, mode=mode, measured=self.measured(mode), rtt=dict(self.rtt),
-                            default_latency=self.hop_latency, model_id=self.model_id, noise=noise)  # fmt: skip
+        return choose_route(
+            records,
+            start,
+            end,
+            mode=mode,
+            measured=self.measured(mode),
+            rtt=dict(self.rtt),
+            default_latency=self.hop_latency,
+            model_id=self.model_id,
+            noise=noise,
+        )

@@ -78,8 +78,9 @@ def observe_connections(
     observers: dict[str, SwarmObserver] = {}
     stops: list[Callable[[], None]] = []
     for name, (conn, num_blocks) in connections.items():
-        observers[name], stop = start_observer_on(conn.loop, conn.store, conn.remote, name, num_blocks, conn.timing,
-                                                  period)  # fmt: skip
+        observers[name], stop = start_observer_on(
+            conn.loop, conn.store, conn.remote, name, num_blocks, conn.timing, period
+        )
         stops.append(stop)
 
     def stop_all() -> None:

@@ -106,15 +106,22 @@ def peer_view(r: ServerRecord, info: InfoReply | None, polled: bool) -> PeerView
     """What the page shows of one peer: its record, with its live stats where it answered."""
     state = r.state.value if info is not None or not polled else "unreachable"
     return PeerView(
-        peer_id=clip(r.peer_id, MAX_ID_TEXT), state=state, start=r.start, end=r.end, device=clip(r.device),
-        dtype=clip(r.dtype), runtime=clip(r.runtime), forward_tps=r.forward_tps, inference_sps=r.inference_sps,
+        peer_id=clip(r.peer_id, MAX_ID_TEXT),
+        state=state,
+        start=r.start,
+        end=r.end,
+        device=clip(r.device),
+        dtype=clip(r.dtype),
+        runtime=clip(r.runtime),
+        forward_tps=r.forward_tps,
+        inference_sps=r.inference_sps,
         cache_free=_count(info.cache_tokens_free if info is not None else r.cache_tokens_free),
         cache_total=_count(r.cache_tokens_total),
         open_sessions=_count(info.open_sessions) if info is not None else 0,
         active=_count(info.active) if info is not None else 0,
         served=_count(sum(info.stats.values()) if info is not None else r.requests_served),
         reachable=(info is not None) if polled else None,
-    )  # fmt: skip
+    )
 
 
 def block_counts(peers: Sequence[PeerView], num_blocks: int, state: str) -> tuple[int, ...]:
@@ -140,8 +147,15 @@ def throughput(peers: Sequence[PeerView], num_blocks: int) -> tuple[float, float
     return min(fwd), min(inf)
 
 
-def build_snapshot(model_id: str, num_blocks: int, view: View, live: Mapping[str, InfoReply | None],
-                   broker: BrokerView | None, dropped: int, now: float) -> Snapshot:  # fmt: skip
+def build_snapshot(
+    model_id: str,
+    num_blocks: int,
+    view: View,
+    live: Mapping[str, InfoReply | None],
+    broker: BrokerView | None,
+    dropped: int,
+    now: float,
+) -> Snapshot:
     """A snapshot without events. ``live``: peer id -> its info reply, or None where it did not answer; a peer
     absent from ``live`` was not polled this round."""
     records = sorted(servers(view).values(), key=lambda r: (r.start, r.end, r.peer_id))[:MAX_PEERS]
@@ -149,11 +163,18 @@ def build_snapshot(model_id: str, num_blocks: int, view: View, live: Mapping[str
     online = block_counts(peers, num_blocks, PeerState.ONLINE.value)
     fwd, inf = throughput(peers, num_blocks)
     return Snapshot(
-        model_id=clip(model_id, MAX_ID_TEXT), num_blocks=num_blocks, taken_at=now,
-        covered=num_blocks > 0 and all(online), peers=peers, online=online,
-        standby=block_counts(peers, num_blocks, PeerState.STANDBY.value), broker=broker, forward_tps=fwd,
-        inference_sps=inf, dropped=_count(dropped),
-    )  # fmt: skip
+        model_id=clip(model_id, MAX_ID_TEXT),
+        num_blocks=num_blocks,
+        taken_at=now,
+        covered=num_blocks > 0 and all(online),
+        peers=peers,
+        online=online,
+        standby=block_counts(peers, num_blocks, PeerState.STANDBY.value),
+        broker=broker,
+        forward_tps=fwd,
+        inference_sps=inf,
+        dropped=_count(dropped),
+    )
 
 
 def _short(peer_id: str) -> str:
@@ -176,10 +197,19 @@ def diff(old: Snapshot | None, new: Snapshot, now: float) -> list[Event]:
         elif q.state == "unreachable" and p.state != "unreachable":
             events.append(Event(at=now, kind="reachable", peer_id=pid, detail=f"{p.state}"))
         elif (p.state, p.start, p.end) != (q.state, q.start, q.end):
-            events.append(Event(at=now, kind="state", peer_id=pid,
-                                detail=f"{q.state} {q.start}:{q.end} -> {p.state} {p.start}:{p.end}"))  # fmt: skip
-    events += [Event(at=now, kind="left", peer_id=pid, detail=f"blocks {q.start}:{q.end}")
-               for pid, q in before.items() if pid not in after]  # fmt: skip
+            events.append(
+                Event(
+                    at=now,
+                    kind="state",
+                    peer_id=pid,
+                    detail=f"{q.state} {q.start}:{q.end} -> {p.state} {p.start}:{p.end}",
+                )
+            )
+    events += [
+        Event(at=now, kind="left", peer_id=pid, detail=f"blocks {q.start}:{q.end}")
+        for pid, q in before.items()
+        if pid not in after
+    ]
     if old.broker != new.broker:
         if new.broker is None:
             events.append(Event(at=now, kind="broker", detail="no broker"))
@@ -201,9 +231,17 @@ class SwarmObserver:
     """Keeps the latest ``snapshot`` of one model's swarm. ``refresh`` runs on the event loop ``remote`` belongs to;
     ``snapshot`` may be read and ``note`` called from any thread."""
 
-    def __init__(self, store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing,
-                 clock: Callable[[], float] = time.time, max_polled: int = MAX_POLLED,
-                 own_info: Callable[[], InfoReply] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: RecordStore,
+        remote: Remote,
+        model_id: str,
+        num_blocks: int,
+        timing: Timing,
+        clock: Callable[[], float] = time.time,
+        max_polled: int = MAX_POLLED,
+        own_info: Callable[[], InfoReply] | None = None,
+    ) -> None:
         """``own_info``: where the observer runs inside a peer, that peer's live stats (it cannot call itself)."""
         self.store, self.remote, self.model_id, self.num_blocks = store, remote, model_id, num_blocks
         self.own_info = own_info
@@ -211,14 +249,24 @@ class SwarmObserver:
         self._lock = threading.Lock()
         self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
         self._offset = 0  # rotates which peers are polled when there are more than max_polled
-        self.snapshot = Snapshot(model_id=clip(model_id, MAX_ID_TEXT), num_blocks=num_blocks, taken_at=clock(),
-                                 covered=False, online=(0,) * num_blocks, standby=(0,) * num_blocks)  # fmt: skip
+        self.snapshot = Snapshot(
+            model_id=clip(model_id, MAX_ID_TEXT),
+            num_blocks=num_blocks,
+            taken_at=clock(),
+            covered=False,
+            online=(0,) * num_blocks,
+            standby=(0,) * num_blocks,
+        )
         self._first = True
 
     def note(self, kind: EventKind, peer_id: str | None, detail: str = "") -> None:
         """Record an event seen elsewhere (the API notes a client's failover); thread-safe."""
-        event = Event(at=self.clock(), kind=kind, peer_id=None if peer_id is None else clip(peer_id, MAX_ID_TEXT),
-                      detail=clip(detail, MAX_DETAIL))  # fmt: skip
+        event = Event(
+            at=self.clock(),
+            kind=kind,
+            peer_id=None if peer_id is None else clip(peer_id, MAX_ID_TEXT),
+            detail=clip(detail, MAX_DETAIL),
+        )
         with self._lock:
             self._events.append(event)
             self.snapshot = self.snapshot.model_copy(update={"events": tuple(self._events)})

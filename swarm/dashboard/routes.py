@@ -26,8 +26,12 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-         ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}  # fmt: skip
+TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
 PUSH_PERIOD = 1.0  # seconds between pushed snapshots
 STREAM_LIFETIME = 600.0  # a stream ends after this long (the browser's EventSource reconnects by itself)
 TICK = 0.1  # how often an idle stream checks whether the server is stopping
@@ -48,9 +52,13 @@ def state(observers: Mapping[str, SwarmObserver], chat: bool) -> dict[str, objec
     }
 
 
-async def event_stream(observers: Mapping[str, SwarmObserver], chat: bool, period: float = PUSH_PERIOD,
-                       lifetime: float = STREAM_LIFETIME,
-                       stopping: Callable[[], bool] = lambda: False) -> AsyncIterator[str]:  # fmt: skip
+async def event_stream(
+    observers: Mapping[str, SwarmObserver],
+    chat: bool,
+    period: float = PUSH_PERIOD,
+    lifetime: float = STREAM_LIFETIME,
+    stopping: Callable[[], bool] = lambda: False,
+) -> AsyncIterator[str]:
     """Server-sent events: the state at once, then whenever a snapshot changed (checked every ``period`` s), and a
     comment every 15 s so proxies keep the stream open. The server cancels it when the client disconnects; it ends
     by itself after ``lifetime`` s or as soon as ``stopping()`` (the server is shutting down: an open stream would
@@ -77,8 +85,9 @@ def _page(name: str) -> Response:
     return Response((STATIC / name).read_bytes(), media_type=TYPES[".html"], headers=SECURITY_HEADERS)
 
 
-def dashboard_router(observers: Mapping[str, SwarmObserver], *, chat: bool,
-                     stopping: Callable[[], bool] = lambda: False) -> APIRouter:  # fmt: skip
+def dashboard_router(
+    observers: Mapping[str, SwarmObserver], *, chat: bool, stopping: Callable[[], bool] = lambda: False
+) -> APIRouter:
     """The dashboard (and, with ``chat``, the chat page, which talks to the API's /v1 routes) over ``observers``:
     model id -> the observer of that model's swarm. ``stopping``: true once the server shuts down (uvicorn's
     ``lambda: server.should_exit``), so live event streams end instead of holding the shutdown."""

@@ -33,8 +33,14 @@ class ThreadedServer:
             self._sock.close()
             raise
         self.host, self.port = host, int(self._sock.getsockname()[1])
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=int(GRACEFUL_SECONDS) or 1)  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=int(GRACEFUL_SECONDS) or 1,
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=f"{name}-server", daemon=True)
         self._thread.start()

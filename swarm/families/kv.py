@@ -62,8 +62,14 @@ def bytes_per_token(family: Family, indices: Iterable[int], dtype_bytes: int) ->
 
 def window_bytes(family: Family, indices: Iterable[int], dtype_bytes: int) -> int:
     """Bytes the sliding layers of ``indices`` hold at most, per sequence."""
-    return sum(elements_per_token(family, i) * (int(family.config.sliding_window) - 1)
-               for i in indices if family.layer_kind(i) == "sliding_attention") * dtype_bytes  # fmt: skip
+    return (
+        sum(
+            elements_per_token(family, i) * (int(family.config.sliding_window) - 1)
+            for i in indices
+            if family.layer_kind(i) == "sliding_attention"
+        )
+        * dtype_bytes
+    )
 
 
 def tokens_within(family: Family, indices: Iterable[int], dtype_bytes: int, budget: int, batch: int = 1) -> int:

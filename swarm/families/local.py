@@ -79,8 +79,9 @@ def _embedding_weight(model: PreTrainedModel) -> torch.Tensor:
     return weight
 
 
-def embed(family: Family, base: PreTrainedModel, ids: torch.Tensor,
-          position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:  # fmt: skip
+def embed(
+    family: Family, base: PreTrainedModel, ids: torch.Tensor, position_ids: torch.Tensor | None = None, past: int = 0
+) -> torch.Tensor:
     """What enters the first layer, from the base model's modules: token embeddings (scaled inside Gemma's module),
     plus learned positions (GPT-2; ``position_ids`` default to ``past`` onwards, as Hugging Face's), then BLOOM's
     embedding norm."""
@@ -89,8 +90,9 @@ def embed(family: Family, base: PreTrainedModel, ids: torch.Tensor,
     return finish_embedding(family, base, embedding(ids), position_ids, past)
 
 
-def finish_embedding(family: Family, base: PreTrainedModel, hidden: torch.Tensor,
-                     position_ids: torch.Tensor | None = None, past: int = 0) -> torch.Tensor:  # fmt: skip
+def finish_embedding(
+    family: Family, base: PreTrainedModel, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, past: int = 0
+) -> torch.Tensor:
     """What the model adds to token embeddings (or to a caller's ``inputs_embeds``, as Hugging Face's model does):
     learned positions, then an embedding norm. The identity for most families."""
     spec = family.spec

@@ -23,11 +23,24 @@ from swarm.families.spec import Family, FamilySpec, family_of
 TOLERANCE = 1e-4
 VOCAB, HIDDEN, LAYERS = 320, 64, 4
 _SIZES = {  # attribute -> twin value, set only where the config has the attribute (and it is not None)
-    "hidden_size": HIDDEN, "num_attention_heads": 4, "intermediate_size": 128, "n_inner": 128,
-    "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 8, "n_group": 2,
-    "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-    "v_head_dim": 16, "sliding_window": 8, "vocab_size": VOCAB,
-}  # fmt: skip
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "sliding_window": 8,
+    "vocab_size": VOCAB,
+}
 
 
 def shrink(config: PretrainedConfig) -> PretrainedConfig:
@@ -102,8 +115,14 @@ class _Split:
     def caches(self) -> list[DynamicCache]:
         return [span.new_cache(self.family) for _ in self.spans]
 
-    def run(self, ids: torch.Tensor, mask: torch.Tensor | None, caches: list[DynamicCache] | None, past: int,
-            trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        caches: list[DynamicCache] | None,
+        past: int,
+        trace: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         family = self.family
         hidden = local.embed(family, local.base_of(family, self.local), ids, past=past)
         if trace is not None:
@@ -152,17 +171,29 @@ def _stage(split: _Split, ref: PreTrainedModel, ids: torch.Tensor) -> str:
     return f"after block {n - 2}: in block {n - 1} or the client's head (final norm, LM head, logit soft-cap)"
 
 
-def check_split(config: PretrainedConfig, *, spec: FamilySpec | None = None, attn: str | None = None,
-                twin: bool = True, seed: int = 0,
-                spans: Sequence[tuple[int, int]] = ((0, 2), (2, 4))) -> CheckReport:  # fmt: skip
+def check_split(
+    config: PretrainedConfig,
+    *,
+    spec: FamilySpec | None = None,
+    attn: str | None = None,
+    twin: bool = True,
+    seed: int = 0,
+    spans: Sequence[tuple[int, int]] = ((0, 2), (2, 4)),
+) -> CheckReport:
     """Compare the split path with Hugging Face's forward on (a shrunk twin of) ``config``. ``spec``/``attn``:
     override the family layer's choices (tests prove that wrong choices are caught)."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # the check never moves the process's seeds
         return _check(config, spec, attn, twin, seed, spans)
 
 
-def _check(config: PretrainedConfig, spec: FamilySpec | None, attn: str | None, twin: bool, seed: int,
-           spans: Sequence[tuple[int, int]]) -> CheckReport:  # fmt: skip
+def _check(
+    config: PretrainedConfig,
+    spec: FamilySpec | None,
+    attn: str | None,
+    twin: bool,
+    seed: int,
+    spans: Sequence[tuple[int, int]],
+) -> CheckReport:
     small = shrink(config) if twin else copy.deepcopy(config)
     try:
         family = family_of(small, spec, attn)
@@ -217,6 +248,8 @@ def require_exact(config: PretrainedConfig) -> Family:
         import transformers
 
         version = transformers.__version__
-        raise BadInputError(f"{family.label}: the split path does not reproduce transformers {version} exactly, so "
-                            f"this model is refused: {'; '.join(report.problems)}")  # fmt: skip
+        raise BadInputError(
+            f"{family.label}: the split path does not reproduce transformers {version} exactly, so "
+            f"this model is refused: {'; '.join(report.problems)}"
+        )
     return family

@@ -64,9 +64,15 @@ def span_inputs(
     masks: dict[str, object] = {}
     for kind, first in kinds.items():
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-        masks[kind] = make(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
-                           position_ids=position_ids, layer_idx=first,
-                           allow_is_causal_skip=not spec.materialize_mask)  # fmt: skip
+        masks[kind] = make(
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            layer_idx=first,
+            allow_is_causal_skip=not spec.materialize_mask,
+        )
     tables: dict[str, Rotary | None] = {kind: None for kind in kinds}
     if rotary is not None:
         if spec.rotary == "per_layer_type":
@@ -95,8 +101,9 @@ def _bloom_alibi(family: Family, hidden: torch.Tensor, mask: torch.Tensor | None
     return out
 
 
-def _falcon_alibi(family: Family, hidden: torch.Tensor, mask: torch.Tensor | None, past: int,
-                  masks: dict[str, object]) -> tuple[torch.Tensor, dict[str, object]]:  # fmt: skip
+def _falcon_alibi(
+    family: Family, hidden: torch.Tensor, mask: torch.Tensor | None, past: int, masks: dict[str, object]
+) -> tuple[torch.Tensor, dict[str, object]]:
     """As FalconModel: ALiBi from the 2D mask, folded into the (materialised) 4D mask of every kind."""
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
@@ -118,24 +125,39 @@ def _falcon_alibi(family: Family, hidden: torch.Tensor, mask: torch.Tensor | Non
     return alibi, folded
 
 
-def call_layer(family: Family, layer: torch.nn.Module, index: int, hidden: torch.Tensor, inputs: SpanInputs,
-               cache: DynamicCache | None) -> torch.Tensor:  # fmt: skip
+def call_layer(
+    family: Family,
+    layer: torch.nn.Module,
+    index: int,
+    hidden: torch.Tensor,
+    inputs: SpanInputs,
+    cache: DynamicCache | None,
+) -> torch.Tensor:
     """Layer ``index`` over ``hidden``, called as the family's model calls it; the new hidden states."""
     kind = family.layer_kind(index)
     mask, rotary, pos = inputs.masks[kind], inputs.rotary[kind], inputs.position_ids
     use = cache is not None
     style = family.spec.call
     if style == "decoder":
-        out = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=use,
-                    position_embeddings=rotary)  # fmt: skip
+        out = layer(
+            hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=use, position_embeddings=rotary
+        )
     elif style == "gpt2":
         out = layer(hidden, cache=cache, attention_mask=mask, use_cache=use, position_ids=pos)
     elif style == "neox":
-        out = layer(hidden, attention_mask=mask, position_ids=pos, layer_past=cache, use_cache=use,
-                    position_embeddings=rotary)  # fmt: skip
+        out = layer(
+            hidden, attention_mask=mask, position_ids=pos, layer_past=cache, use_cache=use, position_embeddings=rotary
+        )
     elif style == "falcon":
-        out = layer(hidden, alibi=inputs.alibi, attention_mask=mask, position_ids=pos, layer_past=cache,
-                    use_cache=use, position_embeddings=rotary)  # fmt: skip
+        out = layer(
+            hidden,
+            alibi=inputs.alibi,
+            attention_mask=mask,
+            position_ids=pos,
+            layer_past=cache,
+            use_cache=use,
+            position_embeddings=rotary,
+        )
     else:  # bloom
         out = layer(hidden, alibi=inputs.alibi, attention_mask=mask, layer_past=cache, use_cache=use)
     result = out[0] if isinstance(out, tuple) else out
@@ -143,13 +165,29 @@ def call_layer(family: Family, layer: torch.nn.Module, index: int, hidden: torch
     return result
 
 
-def run_span(family: Family, layers: Sequence[torch.nn.Module], indices: Sequence[int], hidden: torch.Tensor,
-             rotary: torch.nn.Module | None, *, attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None, cache: DynamicCache | None = None,
-             past: int = 0) -> torch.Tensor:  # fmt: skip
+def run_span(
+    family: Family,
+    layers: Sequence[torch.nn.Module],
+    indices: Sequence[int],
+    hidden: torch.Tensor,
+    rotary: torch.nn.Module | None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: DynamicCache | None = None,
+    past: int = 0,
+) -> torch.Tensor:
     """Layers ``indices`` (``layers`` in the same order) over ``hidden``: what a server computes for one call."""
-    inputs = span_inputs(family, rotary, hidden, indices, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, past=past)  # fmt: skip
+    inputs = span_inputs(
+        family,
+        rotary,
+        hidden,
+        indices,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        past=past,
+    )
     for layer, index in zip(layers, indices, strict=True):
         hidden = call_layer(family, layer, index, hidden, inputs, cache)
     return hidden

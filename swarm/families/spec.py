@@ -117,23 +117,29 @@ def lm_class_of(config: PretrainedConfig) -> type[PreTrainedModel]:
     if declared:
         found = getattr(transformers, declared[0], None)
         if not (isinstance(found, type) and issubclass(found, PreTrainedModel)):
-            raise BadInputError(f"architecture {declared[0]!r} is not a class transformers {transformers.__version__} "
-                                f"knows; supported families: {', '.join(supported_labels())}")  # fmt: skip
+            raise BadInputError(
+                f"architecture {declared[0]!r} is not a class transformers {transformers.__version__} "
+                f"knows; supported families: {', '.join(supported_labels())}"
+            )
         return found
     mapped: object = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if isinstance(mapped, tuple):
         mapped = mapped[0]
     if not (isinstance(mapped, type) and issubclass(mapped, PreTrainedModel)):
-        raise BadInputError(f"{type(config).__name__} has no causal-LM class in transformers; supported "
-                            f"families: {', '.join(supported_labels())}")  # fmt: skip
+        raise BadInputError(
+            f"{type(config).__name__} has no causal-LM class in transformers; supported "
+            f"families: {', '.join(supported_labels())}"
+        )
     return mapped
 
 
 def spec_of(lm_class: type[PreTrainedModel]) -> FamilySpec:
     spec = SPECS.get(lm_class.__name__)
     if spec is None:
-        raise BadInputError(f"{lm_class.__name__} (in {lm_class.__module__}) is not a family this swarm serves "
-                            f"exactly; supported: {', '.join(supported_labels())}")  # fmt: skip
+        raise BadInputError(
+            f"{lm_class.__name__} (in {lm_class.__module__}) is not a family this swarm serves "
+            f"exactly; supported: {', '.join(supported_labels())}"
+        )
     return spec
 
 

@@ -73,8 +73,9 @@ def layer_tensor_names(family: Family, index: int, disk_names: Iterable[str]) ->
     return prefix, [n for n in names if n.startswith(prefix)]
 
 
-def load_layer(family: Family, folder: Path, index: int, dtype: torch.dtype,
-               device: str | torch.device) -> torch.nn.Module:  # fmt: skip
+def load_layer(
+    family: Family, folder: Path, index: int, dtype: torch.dtype, device: str | torch.device
+) -> torch.nn.Module:
     """Layer ``index`` built on meta and filled (strictly) from the folder's tensors: no double allocation."""
     from swarm.errors import BadInputError
     from swarm.model_files import read_tensors, weight_map
@@ -84,8 +85,11 @@ def load_layer(family: Family, folder: Path, index: int, dtype: torch.dtype,
     with torch.device("meta"):
         layer = family.build_layer(index)
     expected = set(layer.state_dict())
-    state = {k: v.to(dtype=dtype, device=device) for k, v in file_to_module(family, state).items()
-             if not _ignored(family, k, expected)}  # fmt: skip
+    state = {
+        k: v.to(dtype=dtype, device=device)
+        for k, v in file_to_module(family, state).items()
+        if not _ignored(family, k, expected)
+    }
     layer.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:

@@ -37,9 +37,15 @@ def calibrated(threads: int = 1, force: bool = False) -> Calibration:
 
     hardware = measure_hardware()
     software, bandwidth = measure_software(hardware)
-    cal = Calibration(machine=machine_key(threads), threads=threads, hardware=hardware,
-                      transport_bandwidth=bandwidth, software=software, codecs=measure_codecs(),
-                      measured_at=time.time())  # fmt: skip
+    cal = Calibration(
+        machine=machine_key(threads),
+        threads=threads,
+        hardware=hardware,
+        transport_bandwidth=bandwidth,
+        software=software,
+        codecs=measure_codecs(),
+        measured_at=time.time(),
+    )
     save(cal, path)
     return cal
 

@@ -36,9 +36,16 @@ from swarm.perf.model import Device, Link, Software
 
 CALIBRATION_VERSION: Literal[1] = 1
 CODEC_BYTES = {"none": 4.0, "float16": 2.0, "bfloat16": 2.0, "block8": 1.0 + 9 / 128}  # wire bytes per value
-MICRO = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
-         "tie_word_embeddings": False}  # fmt: skip
+MICRO = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 
 
 class Hardware(BaseModel):
@@ -67,18 +74,28 @@ class Calibration(BaseModel):
 
     def device(self, name: str = "this machine (calibrated)") -> Device:
         h = self.hardware
-        return Device(name, h.flops, h.bandwidth, 4.0, h.block_overhead, h.backward_overhead,
-                      weights_backward_overhead=h.weights_backward_overhead, optimizer_overhead=h.optimizer_overhead,
-                      attention_flops=h.attention_flops, elementwise_bandwidth=h.elementwise_bandwidth,
-                      stream_curve=h.stream_curve)  # fmt: skip
+        return Device(
+            name,
+            h.flops,
+            h.bandwidth,
+            4.0,
+            h.block_overhead,
+            h.backward_overhead,
+            weights_backward_overhead=h.weights_backward_overhead,
+            optimizer_overhead=h.optimizer_overhead,
+            attention_flops=h.attention_flops,
+            elementwise_bandwidth=h.elementwise_bandwidth,
+            stream_curve=h.stream_curve,
+        )
 
     def link(self, delay: float = 0.0, wire: float = math.inf, codec: str = "none") -> Link:
         """A link of one-way ``delay`` and ``wire`` bytes/s (none: loopback) as this machine's transport drives it:
         the slower of the wire and the transport's own rate per byte, with ``codec``'s bytes and CPU time."""
         fixed, per_byte = self.codecs.get(codec, (0.0, 0.0))
         bandwidth = 1.0 / (1.0 / wire + 1.0 / self.transport_bandwidth)
-        return Link(delay, bandwidth, ratio=CODEC_BYTES.get(codec, 4.0) / 4.0, codec_fixed=fixed,
-                    codec_per_byte=per_byte)  # fmt: skip
+        return Link(
+            delay, bandwidth, ratio=CODEC_BYTES.get(codec, 4.0) / 4.0, codec_fixed=fixed, codec_per_byte=per_byte
+        )
 
     def costs(self) -> Software:
         return Software(**{k: max(v, 0.0) for k, v in self.software.items()})
@@ -164,8 +181,14 @@ def _measure_hardware(repeats: int, device: str, dtype: str) -> Hardware:
         flops = 2 * t * k * n / _median_time(lambda: F.linear(a, b), repeats, sync=sync)
         heads, seq, hd = (32, 4096, 128) if gpu else (8, 512, 64)
         q = rand(1, heads, seq, hd)
-        attention = 2 * seq * seq * hd * heads / _median_time(
-            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 2, sync)  # fmt: skip
+        attention = (
+            2
+            * seq
+            * seq
+            * hd
+            * heads
+            / _median_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), repeats, 2, sync)
+        )
         rows = 16384 if gpu else 4096
         m, v = rand(rows, rows * 2 if gpu else rows), rand(rows * 2 if gpu else rows)
         bandwidth = m.numel() * size / _median_time(lambda: torch.mv(m, v), repeats, 2, sync)
@@ -189,8 +212,14 @@ def _measure_hardware(repeats: int, device: str, dtype: str) -> Hardware:
             total = sum(m.numel() for m in mats) * size
             seconds = _median_time(_through(one, mats), 5, sync=sync)
             curve.append((mib * 2**20, total / seconds))
-    return Hardware(flops=flops, attention_flops=attention, bandwidth=bandwidth, elementwise_bandwidth=elementwise,
-                    stream_curve=tuple(curve), **_block_overheads(repeats, dev, dt, sync))  # fmt: skip
+    return Hardware(
+        flops=flops,
+        attention_flops=attention,
+        bandwidth=bandwidth,
+        elementwise_bandwidth=elementwise,
+        stream_curve=tuple(curve),
+        **_block_overheads(repeats, dev, dt, sync),
+    )
 
 
 def measure_codecs(repeats: int = 15) -> dict[str, tuple[float, float]]:
@@ -273,8 +302,12 @@ def _block_overheads(repeats: int, device: Any, dtype: Any, sync: Callable[[], N
     forward = max((step_time(8) - step_time(1)) / 7, 0.0)
     backward = max((train_time(8) - train_time(1)) / 7, 0.0)
     weights = max((train_time(8, True) - train_time(1, True)) / 7, 0.0)
-    return {"block_overhead": forward, "backward_overhead": backward, "weights_backward_overhead": weights,
-            "optimizer_overhead": _optimizer_overhead(repeats, device, dtype, sync)}  # fmt: skip
+    return {
+        "block_overhead": forward,
+        "backward_overhead": backward,
+        "weights_backward_overhead": weights,
+        "optimizer_overhead": _optimizer_overhead(repeats, device, dtype, sync),
+    }
 
 
 def _optimizer_overhead(repeats: int, device: Any, dtype: Any, sync: Callable[[], None]) -> float:

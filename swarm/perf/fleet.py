@@ -35,10 +35,15 @@ def why(text: str) -> dict[str, str]:
 def device_of(spec: DeviceSpec, dtype: str = "bfloat16", kernels_per_block: int = 30) -> Device:
     """A catalogue entry as the model's Device: attainable rates are peak times the measured-in-practice factors."""
     overhead = spec.launch_overhead * kernels_per_block
-    return Device(spec.name, flops=spec.flops(dtype) * spec.matmul_efficiency,
-                  bandwidth=spec.memory_bandwidth * spec.memory_efficiency, memory=spec.memory_bytes,
-                  dtype_bytes=2.0 if dtype in ("bfloat16", "float16") else 4.0, block_overhead=overhead,
-                  backward_overhead=2 * overhead)  # fmt: skip
+    return Device(
+        spec.name,
+        flops=spec.flops(dtype) * spec.matmul_efficiency,
+        bandwidth=spec.memory_bandwidth * spec.memory_efficiency,
+        memory=spec.memory_bytes,
+        dtype_bytes=2.0 if dtype in ("bfloat16", "float16") else 4.0,
+        block_overhead=overhead,
+        backward_overhead=2 * overhead,
+    )
 
 
 def stage_time(work: Cost, overhead: float) -> Cost:
@@ -53,8 +58,9 @@ def decode_block(dev: Device, arch: Arch, seqs: int, context: float, shard: int 
     sequence reads its own KV cache. Launch overhead excluded (see stage_time)."""
     b = dev.dtype_bytes
     linear = dev.roofline(2.0 * seqs * arch.block_linear_params / shard, arch.block_params * b / shard)
-    attention = dev.roofline(arch.attention_flops(seqs, context) / shard,
-                             seqs * context * arch.kv_bytes_per_token(b) / shard)  # fmt: skip
+    attention = dev.roofline(
+        arch.attention_flops(seqs, context) / shard, seqs * context * arch.kv_bytes_per_token(b) / shard
+    )
     acts = (seqs * 40 * arch.hidden + seqs * 5 * arch.intermediate / shard) * b / dev.bandwidth
     return linear + attention + Cost(memory=acts)
 
@@ -146,12 +152,24 @@ def _spec_assumptions(spec: DeviceSpec) -> tuple[Assumption, ...]:
     return tuple(rows)
 
 
-def _result(side: str, spec: DeviceSpec, count: int, used: int, per_token: Cost, latency: float, w: Workload,
-            **detail: float) -> Result:  # fmt: skip
+def _result(
+    side: str, spec: DeviceSpec, count: int, used: int, per_token: Cost, latency: float, w: Workload, **detail: float
+) -> Result:
     usd, watts = (w.swarm_host_usd, w.swarm_host_w) if side == "swarm" else (w.dc_host_usd, w.dc_host_w)
-    return Result(side, spec.name, count, used, 1 / per_token.total, latency, per_token,
-                  count * (spec.power_w + watts), count * spec.cloud_usd_per_hour, count * (spec.price_usd + usd),
-                  MODEL + tuple(w.assumptions()) + _spec_assumptions(spec), detail)  # fmt: skip
+    return Result(
+        side,
+        spec.name,
+        count,
+        used,
+        1 / per_token.total,
+        latency,
+        per_token,
+        count * (spec.power_w + watts),
+        count * spec.cloud_usd_per_hour,
+        count * (spec.price_usd + usd),
+        MODEL + tuple(w.assumptions()) + _spec_assumptions(spec),
+        detail,
+    )
 
 
 def serve_swarm(devices: DeviceSpec, count: int, link: Link, workload: Serving) -> Result:
@@ -183,9 +201,24 @@ def serve_swarm(devices: DeviceSpec, count: int, link: Link, workload: Serving) 
             tokens = m * seqs * replicas
             tput = tokens / cycle.total
             if best is None or tput > best[0]:
-                best = (tput, _result("swarm", devices, count, stages * replicas, cycle.scaled(1 / tokens),
-                        trip.total, w, blocks_per_gpu=b, stages=stages, replicas=replicas, inflight_per_pipeline=
-                        inflight, micro_batches=m, seqs_per_micro_batch=seqs))  # fmt: skip
+                best = (
+                    tput,
+                    _result(
+                        "swarm",
+                        devices,
+                        count,
+                        stages * replicas,
+                        cycle.scaled(1 / tokens),
+                        trip.total,
+                        w,
+                        blocks_per_gpu=b,
+                        stages=stages,
+                        replicas=replicas,
+                        inflight_per_pipeline=inflight,
+                        micro_batches=m,
+                        seqs_per_micro_batch=seqs,
+                    ),
+                )
     if best is None:
         raise ValueError(f"{count} x {devices.name} cannot hold {a.layers} blocks with KV room")
     return best[1]
@@ -205,8 +238,17 @@ def serve_datacenter(devices: DeviceSpec, count: int, workload: Serving, interco
     work = decode_block(dev, a, seqs, w.mean_context, shard=count)
     comm = 2 * ring_allreduce(seqs * a.hidden * dev.dtype_bytes, count, interconnect_gbps * 1e9, w.allreduce_latency)
     step = (stage_time(work, dev.block_overhead) + Cost(comm=comm)).scaled(a.layers)
-    return _result("datacenter", devices, count, count, step.scaled(1 / seqs), step.total, w, batch=seqs,
-                   interconnect_gbps=interconnect_gbps)  # fmt: skip
+    return _result(
+        "datacenter",
+        devices,
+        count,
+        count,
+        step.scaled(1 / seqs),
+        step.total,
+        w,
+        batch=seqs,
+        interconnect_gbps=interconnect_gbps,
+    )
 
 
 def _train_block(dev: Device, a: Arch, tokens: int, checkpoint: bool) -> Cost:
@@ -248,9 +290,21 @@ def train_swarm(devices: DeviceSpec, count: int, link: Link, workload: Pretraini
         step = slot.scaled(m) + fill + Cost(comm=avg) + opt
         done = m * tokens * replicas
         if best is None or done / step.total > best.throughput:
-            best = _result("swarm", devices, count, stages * replicas, step.scaled(1 / done), step.total, w,
-                           blocks_per_gpu=b, stages=stages, replicas=replicas, micro_batches=m, averaging_s=avg,
-                           slot_s=slot.total)  # fmt: skip
+            best = _result(
+                "swarm",
+                devices,
+                count,
+                stages * replicas,
+                step.scaled(1 / done),
+                step.total,
+                w,
+                blocks_per_gpu=b,
+                stages=stages,
+                replicas=replicas,
+                micro_batches=m,
+                averaging_s=avg,
+                slot_s=slot.total,
+            )
     if best is None:
         raise ValueError(f"{count} x {devices.name} cannot hold {a.layers} blocks with their optimizer state")
     return best
@@ -277,8 +331,18 @@ def train_datacenter(devices: DeviceSpec, count: int, workload: Pretraining, int
     done = m * tokens * count
     model_flops = 6.0 * params + 3.0 * a.attention_flops(1, (w.sequence + 1) / 2) * a.layers  # per token
     mfu = model_flops * done / step.total / (count * devices.flops(w.dtype))
-    return _result("datacenter", devices, count, count, step.scaled(1 / done), step.total, w, mfu=mfu,
-                   micro_batches_per_gpu=m, interconnect_gbps=interconnect_gbps)  # fmt: skip
+    return _result(
+        "datacenter",
+        devices,
+        count,
+        count,
+        step.scaled(1 / done),
+        step.total,
+        w,
+        mfu=mfu,
+        micro_batches_per_gpu=m,
+        interconnect_gbps=interconnect_gbps,
+    )
 
 
 @dataclass(frozen=True)
@@ -315,17 +379,30 @@ def _first(grid: tuple[float, ...], row: tuple[float, ...], at_least: bool) -> f
     return next((g for g, v in zip(grid, row, strict=True) if (v >= 1.0 if at_least else v <= 1.0)), None)
 
 
-def crossover(swarm: DeviceSpec, swarm_count: int, dc: DeviceSpec, dc_count: int, workload: Serving | Pretraining,
-              interconnect_gbps: float = 450.0, bandwidths: tuple[float, ...] = log_grid(10e6 / 8, 10e9 / 8, 25),
-              delays: tuple[float, ...] = log_grid(1e-3, 0.2, 12)) -> Crossover:  # fmt: skip
+def crossover(
+    swarm: DeviceSpec,
+    swarm_count: int,
+    dc: DeviceSpec,
+    dc_count: int,
+    workload: Serving | Pretraining,
+    interconnect_gbps: float = 450.0,
+    bandwidths: tuple[float, ...] = log_grid(10e6 / 8, 10e9 / 8, 25),
+    delays: tuple[float, ...] = log_grid(1e-3, 0.2, 12),
+) -> Crossover:
     ref = datacenter_result(dc, dc_count, workload, interconnect_gbps)
     ratio, cost = [], []
     for d in delays:
         row = [swarm_result(swarm, swarm_count, Link(delay=d, bandwidth=bw), workload) for bw in bandwidths]
         ratio.append(tuple(r.throughput / ref.throughput for r in row))
         cost.append(tuple(r.usd_per_mtok_cloud / ref.usd_per_mtok_cloud for r in row))
-    return Crossover(bandwidths, delays, tuple(ratio), tuple(cost), tuple(_first(bandwidths, r, True) for r in ratio),
-                     tuple(_first(bandwidths, r, False) for r in cost))  # fmt: skip
+    return Crossover(
+        bandwidths,
+        delays,
+        tuple(ratio),
+        tuple(cost),
+        tuple(_first(bandwidths, r, True) for r in ratio),
+        tuple(_first(bandwidths, r, False) for r in cost),
+    )
 
 
 def needed(swarm: DeviceSpec, dc: Result, link: Link, workload: Serving | Pretraining, limit: int = 4096) -> int | None:

@@ -57,8 +57,11 @@ def decode_step(sw: Swarm, past: int, chained: bool = True, batch: int = 1) -> C
     """One generated token's step after ``past`` positions."""
     plan = generate_plan(sw.shape(), sw.hops(), Call(batch, 1), max_length=past + 1)
     cost = price(plan, sw.setting(batch=batch, tokens=1, past=past, chained=chained)).cost
-    fixed = sw.software.local_step if sw.local else (
-        sw.software.client_step_chained if chained else sw.software.client_step)  # fmt: skip
+    fixed = (
+        sw.software.local_step
+        if sw.local
+        else (sw.software.client_step_chained if chained else sw.software.client_step)
+    )
     return cost + Cost(software=fixed)
 
 
@@ -94,8 +97,11 @@ def prefill(sw: Swarm, tokens: int, chained: bool = True, chunk: int = 128) -> C
     first piece's trip through every hop, then the slowest hop's time per further piece (or the pieces' work over
     the cores the parties share, if that is more); the whole prompt's bytes grow each link's TCP window once.
     Client-mediated, the prompt goes hop after hop whole."""
-    fixed = Cost(software=sw.software.local_step if sw.local else (
-        sw.software.client_step_chained if chained else sw.software.client_step))  # fmt: skip
+    fixed = Cost(
+        software=sw.software.local_step
+        if sw.local
+        else (sw.software.client_step_chained if chained else sw.software.client_step)
+    )
     pieces = max(1, math.ceil(tokens / chunk)) if chained and not sw.local else 1
     if pieces == 1:
         plan = generate_plan(sw.shape(), sw.hops(), Call(1, tokens), max_length=tokens)
@@ -103,8 +109,11 @@ def prefill(sw: Swarm, tokens: int, chained: bool = True, chunk: int = 128) -> C
     plan = generate_plan(sw.shape(), sw.hops(), Call(1, chunk), max_length=tokens)
     s = sw.setting(tokens=chunk, past=(tokens - chunk) // 2, chained=True)
     first = price(plan, s).cost
-    hops = [s.devices[h.peer_id].block(sw.arch, chunk, (tokens + 1) / 2).scaled(h.end - h.start)
-            + Cost(software=sw.software.step_hop_chained) for h in sw.hops()]  # fmt: skip
+    hops = [
+        s.devices[h.peer_id].block(sw.arch, chunk, (tokens + 1) / 2).scaled(h.end - h.start)
+        + Cost(software=sw.software.step_hop_chained)
+        for h in sw.hops()
+    ]
     rest = max(hops, key=lambda c: c.total).scaled(pieces - 1)
     work = sum(hops, Cost()).total * pieces
     if work / sw.cores > first.total + rest.total:
@@ -120,8 +129,9 @@ def forward_time(sw: Swarm, batch: int, tokens: int) -> Cost:
     return price(plan, sw.setting(batch=batch, tokens=tokens)).cost + Cost(software=fixed)
 
 
-def train_time(sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, client_params: int = 0,
-               update: bool = True) -> Cost:  # fmt: skip
+def train_time(
+    sw: Swarm, batch: int, tokens: int, *, adapter_params: int = 0, client_params: int = 0, update: bool = True
+) -> Cost:
     """Forward, loss and backward through every block (weights frozen on the servers: gradients of the inputs, and
     of ``adapter_params`` LoRA weights or the client's ``client_params``), then (``update``) the optimizer step. The
     adapter travels with the forward and its gradients with the backward."""
@@ -153,10 +163,13 @@ def pretrain_step(sw: Swarm, batch: int, tokens: int, micro_batch: int, depth: i
         opt = client.roofline(12.0 * a.params, 32.0 * a.params) + Cost(overhead=tensors * client.optimizer_overhead)
         return per_batch + opt + Cost(software=sw.software.local_call + sw.software.local_backward)
     link = replace(sw.link, warm=True).time(n * a.hidden * 4).scaled(2)  # to the stage and back
-    fwd = [d.block(a, n, tokens / 2).scaled(e - s) + link + Cost(software=sw.software.stage_call)
-           for s, e, d in sw.servers]  # fmt: skip
-    bwd = [d.block_backward(a, n, tokens / 2, True).scaled(e - s) + link + Cost(software=sw.software.stage_call)
-           for s, e, d in sw.servers]  # fmt: skip
+    fwd = [
+        d.block(a, n, tokens / 2).scaled(e - s) + link + Cost(software=sw.software.stage_call) for s, e, d in sw.servers
+    ]
+    bwd = [
+        d.block_backward(a, n, tokens / 2, True).scaled(e - s) + link + Cost(software=sw.software.stage_call)
+        for s, e, d in sw.servers
+    ]
     stages = [*fwd, head, *reversed(bwd)]
     waves = pipeline(stages, max(1, batch // micro_batch), depth, sw.cores)
     opt = client.roofline(12.0 * client_params, 32.0 * client_params)
@@ -164,6 +177,13 @@ def pretrain_step(sw: Swarm, batch: int, tokens: int, micro_batch: int, depth: i
     return waves + opt + Cost(software=sw.software.train_step, comm=sw.link.rtt)
 
 
-def uniform(arch: Arch, spans: Sequence[tuple[int, int]], server: Device, client: Device, link: Link,
-            software: Software, cores: float = math.inf) -> Swarm:  # fmt: skip
+def uniform(
+    arch: Arch,
+    spans: Sequence[tuple[int, int]],
+    server: Device,
+    client: Device,
+    link: Link,
+    software: Software,
+    cores: float = math.inf,
+) -> Swarm:
     return Swarm(arch, client, tuple((a, b, server) for a, b in spans), link, software, cores)

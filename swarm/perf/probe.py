@@ -86,9 +86,17 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
 
     config = dict(MICRO, num_hidden_layers=LAYERS)
     arch = Arch.from_config(config)
-    dev = Device("calibrated", hw.flops, hw.bandwidth, 4.0, hw.block_overhead, hw.backward_overhead,
-                 attention_flops=hw.attention_flops, elementwise_bandwidth=hw.elementwise_bandwidth,
-                 stream_curve=hw.stream_curve)  # fmt: skip
+    dev = Device(
+        "calibrated",
+        hw.flops,
+        hw.bandwidth,
+        4.0,
+        hw.block_overhead,
+        hw.backward_overhead,
+        attention_flops=hw.attention_flops,
+        elementwise_bandwidth=hw.elementwise_bandwidth,
+        stream_curve=hw.stream_curve,
+    )
     new, seq = 24, 64  # the middle of the 8- and 40-token generations
 
     def blocks(n: int, tokens: int, past: int) -> float:
@@ -147,8 +155,10 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
     out["client_backward"] = train[1] - out["backward_hop"] - backward
     # pre-training, one micro-batch per step: each further stage adds a forward and a backward call
     out["stage_call"] = (train_steps[LAYERS] - train_steps[1]) / (2 * k)
-    compute = LAYERS * (dev.block(arch, 2 * 16, context_of(0, 16)).total
-                        + dev.block_backward(arch, 2 * 16, context_of(0, 16), True).total)  # fmt: skip
+    compute = LAYERS * (
+        dev.block(arch, 2 * 16, context_of(0, 16)).total
+        + dev.block_backward(arch, 2 * 16, context_of(0, 16), True).total
+    )
     out["train_step"] = train_steps[1] - 2 * out["stage_call"] - compute
     return out, bandwidth
 

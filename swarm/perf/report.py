@@ -42,16 +42,23 @@ def predict_report(args: argparse.Namespace, cal: Calibration | None) -> str:
     link = Link(delay=args.delay_ms / 1e3, bandwidth=bandwidth)
     sw = uniform(arch, spans, server, client, link, software)
     local = Swarm(arch, server, software=software)
-    out = [f"{args.model} ({arch.params / 1e6:.0f}M parameters) on {len(spans)} x {server.name}, client on "
-           f"{client.name}; links: {args.delay_ms:g} ms one way, "
-           f"{f'{args.mbps:g} Mbit/s' if args.mbps else 'unlimited'}"]  # fmt: skip
+    out = [
+        f"{args.model} ({arch.params / 1e6:.0f}M parameters) on {len(spans)} x {server.name}, client on "
+        f"{client.name}; links: {args.delay_ms:g} ms one way, "
+        f"{f'{args.mbps:g} Mbit/s' if args.mbps else 'unlimited'}"
+    ]
     if cal is None:
         out.append("  (no calibration cached: the swarm's software costs are left out)")
     for chained in (True, False):
         step = decode_step(sw, args.prompt, chained)
         out.append(_line(f"decode, {'chained' if chained else 'client-mediated'}", f"{1 / step.total:.1f} tok/s", step))
-    out.append(_line("decode, the model in one process", f"{1 / decode_step(local, args.prompt).total:.1f} tok/s",
-                     decode_step(local, args.prompt)))  # fmt: skip
+    out.append(
+        _line(
+            "decode, the model in one process",
+            f"{1 / decode_step(local, args.prompt).total:.1f} tok/s",
+            decode_step(local, args.prompt),
+        )
+    )
     first = ttft(sw, args.prompt)
     out.append(_line(f"time to first token ({args.prompt} tokens)", f"{first.total:.3f} s", first))
     fwd = forward_time(sw, 1, args.prompt)

@@ -43,8 +43,15 @@ class Row:
         return self.predicted / self.measured - 1.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bench": self.bench, "case": self.case, "unit": self.unit, "measured": self.measured,
-                "predicted": self.predicted, "error": self.error, "breakdown": self.cost.as_dict()}  # fmt: skip
+        return {
+            "bench": self.bench,
+            "case": self.case,
+            "unit": self.unit,
+            "measured": self.measured,
+            "predicted": self.predicted,
+            "error": self.error,
+            "breakdown": self.cost.as_dict(),
+        }
 
 
 def _row(bench: str, case: str, unit: str, measured: float, cost: Cost, per: float = 0.0) -> Row:
@@ -66,8 +73,12 @@ def spans_of(spans: list[str]) -> list[tuple[int, int]]:
 
 def lora_params(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
     q = arch.heads * arch.head_dim
-    size = {"q_proj": (arch.hidden, q), "k_proj": (arch.hidden, arch.kv_dim), "v_proj": (arch.hidden, arch.kv_dim),
-            "o_proj": (q, arch.hidden)}  # fmt: skip
+    size = {
+        "q_proj": (arch.hidden, q),
+        "k_proj": (arch.hidden, arch.kv_dim),
+        "v_proj": (arch.hidden, arch.kv_dim),
+        "o_proj": (q, arch.hidden),
+    }
     return arch.layers * sum(rank * (size[t][0] + size[t][1]) for t in targets)
 
 
@@ -119,8 +130,9 @@ def pretrain_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
     return _pretrain(cal, run, "bench_pretrain", data["local_step_s"], data["swarm_step_s"], None)
 
 
-def _pretrain(cal: Calibration, run: Any, bench: str, m_local: float | None, m_swarm: float,
-              link: Link | None) -> list[Row]:  # fmt: skip
+def _pretrain(
+    cal: Calibration, run: Any, bench: str, m_local: float | None, m_swarm: float, link: Link | None
+) -> list[Row]:
     arch = Arch.from_config(run.hf_config())
     local, remote = swarms(cal, arch, [str(s) for s in run.stages], link)
     tokens = run.target_batch_size * run.seq_len
@@ -149,8 +161,9 @@ def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]
         arch = arch_of(model)
         local, _ = swarms(cal, arch, spans[model])
         rows.append(_row("bench_wan", f"{model} local decode step", "s", local_item["step_s"], decode_step(local, 24)))
-        rows.append(_row("bench_wan", f"{model} local time to first token", "s", local_item["ttft_s"],
-                         ttft(local, 512)))  # fmt: skip
+        rows.append(
+            _row("bench_wan", f"{model} local time to first token", "s", local_item["ttft_s"], ttft(local, 512))
+        )
     for r in data["results"]:
         if r.get("plane") != "direct" or r["task"] == "local":
             continue
@@ -195,14 +208,19 @@ def predict_rows(cal: Calibration, measured: dict[str, Any]) -> list[Row]:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| benchmark | case | unit | measured | predicted | error | compute | memory | overhead | comm | software "
-            "| bubble |")  # fmt: skip
+    head = (
+        "| benchmark | case | unit | measured | predicted | error | compute | memory | overhead | comm | software "
+        "| bubble |"
+    )
     out = [head, "|" + " --- |" * 12]
     for r in rows:
         total = r.cost.total or math.inf
-        shares = " | ".join(f"{getattr(r.cost, k) / total:.0%}" for k in
-                            ("compute", "memory", "overhead", "comm", "software", "bubble"))  # fmt: skip
+        shares = " | ".join(
+            f"{getattr(r.cost, k) / total:.0%}" for k in ("compute", "memory", "overhead", "comm", "software", "bubble")
+        )
         mark = "" if abs(r.error) <= TOLERANCE else " **miss**"
-        out.append(f"| {r.bench} | {r.case} | {r.unit} | {r.measured:.4g} | {r.predicted:.4g} | {r.error:+.0%}{mark} "
-                   f"| {shares} |")  # fmt: skip
+        out.append(
+            f"| {r.bench} | {r.case} | {r.unit} | {r.measured:.4g} | {r.predicted:.4g} | {r.error:+.0%}{mark} "
+            f"| {shares} |"
+        )
     return "\n".join(out)

@@ -99,8 +99,9 @@ def _compile(model: ModelShape, route: Sequence[Hop], proc: Procedure) -> Plan:
     return forward_plan(model, route, call, prompts=proc.prompts)
 
 
-def find_route(cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None,
-               proc: Procedure) -> list[Hop]:  # fmt: skip
+def find_route(
+    cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None, proc: Procedure
+) -> list[Hop]:
     """The route a client would take now: waits up to ``missing_blocks_wait`` for blocks nobody serves yet."""
     from swarm.client.retry import Retrier
     from swarm.client.routing import Mode
@@ -110,8 +111,13 @@ def find_route(cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: 
 
     start, end = proc.span(num_blocks)  # bad shapes are refused before the DHT starts
     need = proc.batch * proc.session_length if proc.task == "generate" else 0
-    store = start_dht(initial_peers=cfg.initial_peers, client_mode=True, timeout=cfg.timing.dht_start_timeout,
-                      call_timeout=cfg.timing.dht_timeout, swarm_key=swarm_key_for(cfg.swarm_key))  # fmt: skip
+    store = start_dht(
+        initial_peers=cfg.initial_peers,
+        client_mode=True,
+        timeout=cfg.timing.dht_start_timeout,
+        call_timeout=cfg.timing.dht_timeout,
+        swarm_key=swarm_key_for(cfg.swarm_key),
+    )
     try:
         view = SwarmView(store, model_id, num_blocks, cfg, fingerprints)
         mode: Mode = "inference" if proc.task == "generate" else "forward"
@@ -123,15 +129,21 @@ def find_route(cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: 
         try:
             return view.route(start, end, mode="inference", min_cache_tokens=need)
         except MissingBlocksError:
-            raise CacheFullError(f"no server of blocks {start}:{end} has KV-cache room for a session of {need} "
-                                 "tokens (--batch x --max-length); try a shorter --max-length") from None  # fmt: skip
+            raise CacheFullError(
+                f"no server of blocks {start}:{end} has KV-cache room for a session of {need} "
+                "tokens (--batch x --max-length); try a shorter --max-length"
+            ) from None
     finally:
         store.shutdown()  # the DHT child and its p2pd go with it
 
 
 def _shape(model_id: str, config: PretrainedConfig) -> ModelShape:
-    return ModelShape(model_id=model_id, num_blocks=int(config.num_hidden_layers),
-                      hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size))  # fmt: skip
+    return ModelShape(
+        model_id=model_id,
+        num_blocks=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+    )
 
 
 def plan_from_swarm(args: argparse.Namespace, cfg: ClientConfig) -> Plan:
@@ -157,8 +169,16 @@ def plan_from_swarm(args: argparse.Namespace, cfg: ClientConfig) -> Plan:
         tokens = args.tokens if args.tokens is not None else 128
         target, every = args.target_batch, args.average_every
     prompts = args.num_prompt_tokens if args.tuning in ("prompt", "deep_prompt") else 0
-    proc = Procedure(task=args.task, batch=batch, tokens=tokens, prompts=prompts, block=args.block,
-                     max_length=args.max_length, target_batch=target, average_every=every)  # fmt: skip
+    proc = Procedure(
+        task=args.task,
+        batch=batch,
+        tokens=tokens,
+        prompts=prompts,
+        block=args.block,
+        max_length=args.max_length,
+        target_batch=target,
+        average_every=every,
+    )
     route = find_route(cfg, model.model_id, model.num_blocks, fingerprints, proc)
     return compile_plan(model, route, proc)
 
@@ -239,12 +259,18 @@ def _picture(suffix: str) -> Callable[[str], Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m swarm.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m swarm.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="any live peers (required unless --check)")
     p.add_argument("--model", default="smollm2-135m", help="model card name or Hugging Face folder (smollm2-135m)")
-    p.add_argument("--run", type=Path, default=None, metavar="RUN.toml",
-                   help="pretrain: a run's file (its model, stages, micro-batch, batch and averaging)")  # fmt: skip
+    p.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        metavar="RUN.toml",
+        help="pretrain: a run's file (its model, stages, micro-batch, batch and averaging)",
+    )
     p.add_argument("--task", choices=TASKS, default="forward", help="the procedure (default forward)")
     p.add_argument("--batch", type=_positive, default=None, help="sequences per call (1; a run's micro-batch)")
     p.add_argument("--tokens", type=_positive, default=None, help="tokens per sequence (128; a run's seq_len)")
@@ -262,8 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dot", type=Path, default=None, metavar="FILE", help="write the plan as Graphviz DOT")
     for suffix in FORMATS:
         if suffix != ".pdf":
-            p.add_argument(f"--{suffix[1:]}", type=_picture(suffix), default=None, metavar="FILE",
-                           help=f"draw the plan as {suffix[1:].upper()} (Debian's graphviz)")  # fmt: skip
+            p.add_argument(
+                f"--{suffix[1:]}",
+                type=_picture(suffix),
+                default=None,
+                metavar="FILE",
+                help=f"draw the plan as {suffix[1:].upper()} (Debian's graphviz)",
+            )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -286,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.check is not None:
             plan = read_plan(args.check)
         else:
-            cfg = ClientConfig(initial_peers=tuple(args.initial_peers), timing=Timing(),
-                               cache_dir=args.cache_dir or default_cache_dir(), swarm_key=args.swarm_key)  # fmt: skip
+            cfg = ClientConfig(
+                initial_peers=tuple(args.initial_peers),
+                timing=Timing(),
+                cache_dir=args.cache_dir or default_cache_dir(),
+                swarm_key=args.swarm_key,
+            )
             plan = plan_from_swarm(args, cfg)
         print(table(plan))
         for path in write_outputs(plan, args, _title(args, plan)):

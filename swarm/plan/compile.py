@@ -68,26 +68,45 @@ def float_dtype(name: str) -> DType:
 
 
 def _hidden(model: ModelShape, call: Call, tokens: Dim | None = None, dtype: DType | None = None) -> TensorType:
-    return TensorType(shape=(call.batch, call.tokens if tokens is None else tokens, model.hidden_size),
-                      dtype=dtype or model.dtype)  # fmt: skip
+    return TensorType(
+        shape=(call.batch, call.tokens if tokens is None else tokens, model.hidden_size), dtype=dtype or model.dtype
+    )
 
 
-def transfer(node_id: str, source: str, src: str, dst: str, t: TensorType, codec: DType,
-             phase: Phase = "forward") -> Transfer:  # fmt: skip
+def transfer(
+    node_id: str, source: str, src: str, dst: str, t: TensorType, codec: DType, phase: Phase = "forward"
+) -> Transfer:
     nbytes = TensorType(shape=t.shape, dtype=codec).nbytes()
     return Transfer(id=node_id, inputs=(source,), src=src, dst=dst, codec=codec, nbytes=nbytes, phase=phase)
 
 
-def chain(model: ModelShape, hops: Sequence[Hop], source: str, t: TensorType, *, prefix: str, op: str,
-          keep: bool = False, max_length: int = 0, out_id: str | None = None) -> list[Node]:  # fmt: skip
+def chain(
+    model: ModelShape,
+    hops: Sequence[Hop],
+    source: str,
+    t: TensorType,
+    *,
+    prefix: str,
+    op: str,
+    keep: bool = False,
+    max_length: int = 0,
+    out_id: str | None = None,
+) -> list[Node]:
     """A chain of remote nodes ``op`` over ``hops``, reading ``source`` (of type ``t``, on the client), each hop
     reached and left through a transfer: the client relays between servers. The last transfer is ``out_id``."""
     nodes: list[Node] = []
     for j, hop in enumerate(hops):
         name, wire = f"{prefix}{j}", float_dtype(hop.dtype)
         nodes.append(transfer(f"{name}.in", source, CLIENT, hop.peer_id, t, wire))
-        common = dict(id=name, inputs=(f"{name}.in",), peer=hop.peer_id, start=hop.start, end=hop.end,
-                      runtime=hop.runtime, dtype=wire)  # fmt: skip
+        common = dict(
+            id=name,
+            inputs=(f"{name}.in",),
+            peer=hop.peer_id,
+            start=hop.start,
+            end=hop.end,
+            runtime=hop.runtime,
+            dtype=wire,
+        )
         if op == "span_step":
             nodes.append(SpanStep(**common, max_length=max_length))
         else:
@@ -97,15 +116,25 @@ def chain(model: ModelShape, hops: Sequence[Hop], source: str, t: TensorType, *,
     return nodes
 
 
-def backward_chain(forwards: Sequence[SpanForward], grad: str, t: TensorType, *, prefix: str = "b",
-                   out_id: str | None = None) -> list[Node]:  # fmt: skip
+def backward_chain(
+    forwards: Sequence[SpanForward], grad: str, t: TensorType, *, prefix: str = "b", out_id: str | None = None
+) -> list[Node]:
     """The backward of kept forward nodes (in forward order), walked in reverse from the gradient ``grad``."""
     nodes: list[Node] = []
     for k, fwd in enumerate(reversed(forwards)):
         name = f"{prefix}{len(forwards) - 1 - k}"  # b{j} is the backward of the chain's hop j
         nodes.append(transfer(f"{name}.in", grad, CLIENT, fwd.peer, t, fwd.dtype, "backward"))
-        nodes.append(SpanBackward(id=name, inputs=(f"{name}.in", fwd.id), peer=fwd.peer, start=fwd.start, end=fwd.end,
-                                  runtime=fwd.runtime, dtype=fwd.dtype))  # fmt: skip
+        nodes.append(
+            SpanBackward(
+                id=name,
+                inputs=(f"{name}.in", fwd.id),
+                peer=fwd.peer,
+                start=fwd.start,
+                end=fwd.end,
+                runtime=fwd.runtime,
+                dtype=fwd.dtype,
+            )
+        )
         grad = out_id if out_id is not None and k == len(forwards) - 1 else f"{name}.out"
         wire = TensorType(shape=t.shape, dtype=fwd.dtype)
         nodes.append(transfer(grad, name, fwd.peer, CLIENT, wire, t.dtype, "backward"))
@@ -113,8 +142,15 @@ def backward_chain(forwards: Sequence[SpanForward], grad: str, t: TensorType, *,
 
 
 def _plan(model: ModelShape, task: Task, nodes: list[Node]) -> Plan:
-    return Plan(task=task, model_id=model.model_id, num_blocks=model.num_blocks, hidden_size=model.hidden_size,
-                vocab_size=model.vocab_size, dtype=model.dtype, nodes=tuple(nodes))  # fmt: skip
+    return Plan(
+        task=task,
+        model_id=model.model_id,
+        num_blocks=model.num_blocks,
+        hidden_size=model.hidden_size,
+        vocab_size=model.vocab_size,
+        dtype=model.dtype,
+        nodes=tuple(nodes),
+    )
 
 
 def _front(model: ModelShape, call: Call, prompts: int, embeds: bool = False) -> tuple[list[Node], str, Dim]:
@@ -124,8 +160,10 @@ def _front(model: ModelShape, call: Call, prompts: int, embeds: bool = False) ->
     if embeds:
         nodes, last = [Input(id="inputs_embeds", out=_hidden(model, call))], "inputs_embeds"
     else:
-        nodes = [Input(id="input_ids", out=TensorType(shape=(call.batch, call.tokens), dtype="int64")),
-                 Embed(id="embed", inputs=("input_ids",))]  # fmt: skip
+        nodes = [
+            Input(id="input_ids", out=TensorType(shape=(call.batch, call.tokens), dtype="int64")),
+            Embed(id="embed", inputs=("input_ids",)),
+        ]
         last = "embed"
     if not prompts:
         return nodes, last, call.tokens
@@ -133,9 +171,17 @@ def _front(model: ModelShape, call: Call, prompts: int, embeds: bool = False) ->
     return nodes, "prompts", shift(call.tokens, prompts)
 
 
-def forward_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, prompts: int = 0,
-                 labels: bool = False, keep: bool = False, embeds: bool = False,
-                 task: Task = "forward") -> Plan:  # fmt: skip
+def forward_plan(
+    model: ModelShape,
+    route: Sequence[Hop],
+    call: Call = Call(),
+    *,
+    prompts: int = 0,
+    labels: bool = False,
+    keep: bool = False,
+    embeds: bool = False,
+    task: Task = "forward",
+) -> Plan:
     """A model forward: logits (and the loss against ``labels``); ``keep``: for a backward, whose nodes follow;
     ``embeds``: the caller gives ``inputs_embeds`` instead of token ids."""
     nodes, last, length = _front(model, call, prompts, embeds)
@@ -144,9 +190,11 @@ def forward_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *
     nodes += remote
     nodes += [Head(id="head", inputs=("hidden",)), Output(id="logits", name="logits", inputs=("head",), skip=prompts)]
     if labels:
-        nodes += [Input(id="labels", out=TensorType(shape=(call.batch, call.tokens), dtype="int64")),
-                  Loss(id="loss", inputs=("head", "labels"), prompts=prompts),
-                  Output(id="loss_out", name="loss", inputs=("loss",))]  # fmt: skip
+        nodes += [
+            Input(id="labels", out=TensorType(shape=(call.batch, call.tokens), dtype="int64")),
+            Loss(id="loss", inputs=("head", "labels"), prompts=prompts),
+            Output(id="loss_out", name="loss", inputs=("loss",)),
+        ]
     if keep:
         forwards = [n for n in remote if isinstance(n, SpanForward)]
         nodes.append(LocalBackward(id="grad_hidden", inputs=("loss" if labels else "head", "hidden"), to="hidden"))
@@ -155,8 +203,14 @@ def forward_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *
     return _plan(model, task, nodes)
 
 
-def finetune_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, prompts: int = 0,
-                  params: Literal["adapter", "client"] = "adapter") -> Plan:  # fmt: skip
+def finetune_plan(
+    model: ModelShape,
+    route: Sequence[Hop],
+    call: Call = Call(),
+    *,
+    prompts: int = 0,
+    params: Literal["adapter", "client"] = "adapter",
+) -> Plan:
     """One fine-tuning step: forward keeping graphs, loss, backward through every hop, the update of ``params``
     (the client's adapter, or its own tensors when it has none)."""
     plan = forward_plan(model, route, call, prompts=prompts, labels=True, keep=True, task="finetune")
@@ -164,27 +218,38 @@ def finetune_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), 
     return _plan(model, "finetune", [*plan.nodes, step])
 
 
-def pretrain_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, target_batch: int,
-                  average_every: int = 0) -> Plan:  # fmt: skip
+def pretrain_plan(
+    model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, target_batch: int, average_every: int = 0
+) -> Plan:
     """One pre-training micro-batch and the global step it belongs to: the trainer's own tensors step once the
     swarm has processed ``target_batch`` samples (the stages step on their own share), then average every
     ``average_every`` steps with the other trainers."""
     plan = forward_plan(model, route, call, labels=True, keep=True, task="pretrain")
-    nodes: list[Node] = [*plan.nodes,
-                         OptimizerStep(id="optimizer", inputs=("grad_params",), params="client",
-                                       target_batch=target_batch)]  # fmt: skip
+    nodes: list[Node] = [
+        *plan.nodes,
+        OptimizerStep(id="optimizer", inputs=("grad_params",), params="client", target_batch=target_batch),
+    ]
     if average_every:
         nodes.append(Average(id="average", inputs=("optimizer",), every=average_every, group="trainers"))
     return _plan(model, "pretrain", nodes)
 
 
-def generate_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, max_length: int,
-                  prompts: int = 0) -> Plan:  # fmt: skip
+def generate_plan(
+    model: ModelShape, route: Sequence[Hop], call: Call = Call(), *, max_length: int, prompts: int = 0
+) -> Plan:
     """One step of an inference session (``generate`` runs one per token): new token ids through the servers'
     KV caches to the next logits. ``prompts``: the first step, which puts trainable prompts in front."""
     nodes, last, length = _front(model, call, prompts)
-    nodes += chain(model, route, last, _hidden(model, call, length), prefix="s", op="span_step",
-                   max_length=max_length, out_id="hidden")  # fmt: skip
+    nodes += chain(
+        model,
+        route,
+        last,
+        _hidden(model, call, length),
+        prefix="s",
+        op="span_step",
+        max_length=max_length,
+        out_id="hidden",
+    )
     nodes += [Head(id="head", inputs=("hidden",)), Output(id="logits", name="logits", inputs=("head",), skip=prompts)]
     return _plan(model, "generate", nodes)
 
@@ -193,8 +258,11 @@ def score_plan(model: ModelShape, route: Sequence[Hop], call: Call = Call()) -> 
     """Per-token log-probabilities of a batch of texts (evaluation, reward models): [batch, tokens - 1]."""
     nodes, last, length = _front(model, call, 0)
     nodes += chain(model, route, last, _hidden(model, call, length), prefix="f", op="span_forward", out_id="hidden")
-    nodes += [Head(id="head", inputs=("hidden",)), LogProbs(id="logprobs", inputs=("head", "input_ids")),
-              Output(id="out", name="logprobs", inputs=("logprobs",))]  # fmt: skip
+    nodes += [
+        Head(id="head", inputs=("hidden",)),
+        LogProbs(id="logprobs", inputs=("head", "input_ids")),
+        Output(id="out", name="logprobs", inputs=("logprobs",)),
+    ]
     return _plan(model, "score", nodes)
 
 
@@ -224,11 +292,27 @@ def repair(plan: Plan, node_id: str, route: Sequence[Hop], generation: int) -> t
     model = ModelShape(plan.model_id, plan.num_blocks, plan.hidden_size, plan.vocab_size, plan.dtype)
     prefix = f"{_base(node_id)}.r{generation}."  # not the old id's: ids stay short however often a hop fails
     if isinstance(old, SpanStep):
-        fresh = chain(model, route, into.inputs[0], t, prefix=prefix, op="span_step", max_length=old.max_length,
-                      out_id=_out_of(plan, node_id))  # fmt: skip
+        fresh = chain(
+            model,
+            route,
+            into.inputs[0],
+            t,
+            prefix=prefix,
+            op="span_step",
+            max_length=old.max_length,
+            out_id=_out_of(plan, node_id),
+        )
     else:
-        fresh = chain(model, route, into.inputs[0], t, prefix=prefix, op="span_forward", keep=old.keep,
-                      out_id=_out_of(plan, node_id))  # fmt: skip
+        fresh = chain(
+            model,
+            route,
+            into.inputs[0],
+            t,
+            prefix=prefix,
+            op="span_forward",
+            keep=old.keep,
+            out_id=_out_of(plan, node_id),
+        )
     replaced = {into.id, node_id, _out_of(plan, node_id)}
     backward = [n for n in plan.nodes if isinstance(n, SpanBackward) and n.inputs[1] == node_id]
     extra: list[Node] = []

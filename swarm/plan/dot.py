@@ -184,8 +184,10 @@ def to_dot(plan: Plan, title: str | None = None) -> str:
             tooltip = f"{node.id}: {node.src} -> {node.dst}"
         else:
             tooltip = f"{node.id} on {node.party}"
-        return (f"{indent}{ident[node.id]} [label={quote(*_node_lines(node, types[node.id]))}, "
-                f"tooltip={quote(tooltip)}, {PHASE_STYLE[phases[node.id]]}{shape}];")  # fmt: skip
+        return (
+            f"{indent}{ident[node.id]} [label={quote(*_node_lines(node, types[node.id]))}, "
+            f"tooltip={quote(tooltip)}, {PHASE_STYLE[phases[node.id]]}{shape}];"
+        )
 
     for k, (party, spans) in enumerate(_parties(plan).items()):
         members = [n for n in plan.nodes if n.party == party and not isinstance(n, Transfer)]
@@ -195,8 +197,11 @@ def to_dot(plan: Plan, title: str | None = None) -> str:
         else:
             label = quote(f"server {short_peer(party)}", "blocks " + ", ".join(spans))
             color = '"#7a5c00"'
-        out += [f"  subgraph cluster_{k} {{", f"    label={label}; tooltip={quote(party)}; style=rounded;",
-                f"    color={color}; fontcolor={color};"]  # fmt: skip
+        out += [
+            f"  subgraph cluster_{k} {{",
+            f"    label={label}; tooltip={quote(party)}; style=rounded;",
+            f"    color={color}; fontcolor={color};",
+        ]
         out += [node_line(n, "    ") for n in members]
         out.append("  }")
     # transfers belong to no party: they are the network between two
@@ -236,8 +241,13 @@ def render(dot_text: str, path: Path, timeout: float = RENDER_TIMEOUT) -> Path:
         raise RenderError("Graphviz's dot is not installed: install Debian's graphviz: apt-get install graphviz")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([exe, f"-T{fmt}", "-o", str(tmp)], input=dot_text.encode(), capture_output=True,
-                              timeout=timeout, check=False)  # fmt: skip
+        done = subprocess.run(
+            [exe, f"-T{fmt}", "-o", str(tmp)],
+            input=dot_text.encode(),
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
         if done.returncode != 0:
             problem = done.stderr.decode(errors="replace").strip()[-2000:]
             raise RenderError(f"dot could not draw {path.name} (exit code {done.returncode}): {problem}")

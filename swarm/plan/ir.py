@@ -163,8 +163,9 @@ class Plan(_Frozen):
                     if node.src != where:
                         raise PlanError(f"transfer {node.id} sends from {node.src}, but {name} is on {where}")
                 elif where != node.party:
-                    raise PlanError(f"node {node.id} runs on {node.party} but reads {name} on {where} without a "
-                                    "transfer")  # fmt: skip
+                    raise PlanError(
+                        f"node {node.id} runs on {node.party} but reads {name} on {where} without a transfer"
+                    )
         types: dict[str, TensorType | None] = {}
         for node in self.order():
             inferred = node.infer([types[i] for i in node.inputs], self)

@@ -42,12 +42,14 @@ class CommitSigner:
     def __init__(self, creds: Credentials) -> None:
         self._key = Ed25519PrivateKey.generate()
         raw = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
-        self.opening = OpenReply(commit_key=raw, public_key=creds.public_key,
-                                 commit_cert=creds.sign(cert_message(raw, creds.peer_id)))  # fmt: skip
+        self.opening = OpenReply(
+            commit_key=raw, public_key=creds.public_key, commit_cert=creds.sign(cert_message(raw, creds.peer_id))
+        )
 
     def reply(self, position: int, tag: int, hidden_in: torch.Tensor, out: torch.Tensor) -> StepReply:
-        unsigned = StepReply(position=position, tag=tag, input_digest=digest(hidden_in), digest=digest(out),
-                             signature="")  # fmt: skip
+        unsigned = StepReply(
+            position=position, tag=tag, input_digest=digest(hidden_in), digest=digest(out), signature=""
+        )
         return unsigned.model_copy(update={"signature": self._key.sign(commit_message(unsigned)).hex()})
 
 
@@ -59,8 +61,9 @@ class CommitKey:
         try:
             public = opening.public_key.encode()
             owner = peer_id_of_key(public)
-            valid = RSAPublicKey.from_bytes(public).verify(cert_message(opening.commit_key, peer_id),
-                                                           opening.commit_cert.encode())  # fmt: skip
+            valid = RSAPublicKey.from_bytes(public).verify(
+                cert_message(opening.commit_key, peer_id), opening.commit_cert.encode()
+            )
             self._key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(opening.commit_key))
         except ValueError as e:
             raise BadInputError(f"peer {peer_id}: unreadable commitment key ({e})") from None

@@ -83,9 +83,15 @@ class TcpChannel:
 
     @classmethod
     async def open(
-        cls, address: str, server: str, rpc: str, max_bytes: int, creds: Credentials, tls: ssl.SSLContext,
+        cls,
+        address: str,
+        server: str,
+        rpc: str,
+        max_bytes: int,
+        creds: Credentials,
+        tls: ssl.SSLContext,
         timeout: float,
-    ) -> TcpChannel:  # fmt: skip
+    ) -> TcpChannel:
         """A connection to peer ``server`` at ``address`` for ``rpc``, once the server proved it is ``server``
         (``DirectDialError`` otherwise; nothing of the call is sent before that)."""
         try:
@@ -111,8 +117,9 @@ class TcpChannel:
         if not der:
             raise BadInputError("the server presented no certificate")
         fp = fingerprint(der)
-        call = DirectCall(rpc=rpc, public_key=creds.public_key, signature=creds.client_proof(fp, server),
-                          member=creds.member)  # fmt: skip
+        call = DirectCall(
+            rpc=rpc, public_key=creds.public_key, signature=creds.client_proof(fp, server), member=creds.member
+        )
         for frame in wire.encode(call.model_dump(mode="json")):
             write_frame(self.writer, frame)
         message = await wire.read_message(self._frames, wire.Decoder(8192))

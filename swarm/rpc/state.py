@@ -39,8 +39,9 @@ class StageSources:
     period: int = 0  # the run's averaging period: a round of another step is not a round (0: any step)
 
 
-def stage_sources(store: RecordStore, run: RunConfig, stage: Span, timing: Timing,
-                  exclude: str | None = None) -> StageSources:  # fmt: skip
+def stage_sources(
+    store: RecordStore, run: RunConfig, stage: Span, timing: Timing, exclude: str | None = None
+) -> StageSources:
     """What the DHT holds about ``stage`` (blocking: a few DHT reads). A stage may be one step ahead of the progress
     its trainer last published (the stage steps when the batch is complete, the trainer's record follows)."""
     view = store.view(run.model_id, run.stages[-1].end)
@@ -68,8 +69,9 @@ def agree(a: Tensors, b: Tensors) -> bool:
     return True
 
 
-async def _fetch(remote: Remote, record: ServerRecord, stage: Span, timeout: float, max_bytes: int,
-                 round_state: bool) -> tuple[int, Tensors] | None:  # fmt: skip
+async def _fetch(
+    remote: Remote, record: ServerRecord, stage: Span, timeout: float, max_bytes: int, round_state: bool
+) -> tuple[int, Tensors] | None:
     try:
         reply, tensors = await remote.state(Hop.of(record, stage.start, stage.end), timeout, max_bytes, round_state)
     except SwarmError as e:
@@ -93,8 +95,14 @@ def _signed_rounds(sources: StageSources, stage: Span) -> dict[int, dict[str, Ro
     return {step: signed for step, signed in by_step.items() if len(signed) >= 2}
 
 
-async def _from_rounds(remote: Remote, sources: StageSources, rounds: dict[int, dict[str, RoundRecord]],
-                       stage: Span, timeout: float, max_bytes: int) -> tuple[int, Tensors] | None:  # fmt: skip
+async def _from_rounds(
+    remote: Remote,
+    sources: StageSources,
+    rounds: dict[int, dict[str, RoundRecord]],
+    stage: Span,
+    timeout: float,
+    max_bytes: int,
+) -> tuple[int, Tensors] | None:
     holders = {r.peer_id: r for r in sources.replicas}
     for step in sorted(rounds, reverse=True):
         signed = rounds[step]
@@ -127,8 +135,12 @@ async def stage_state(
         if got is None:
             continue
         if sources.max_step is not None and got[0] > sources.max_step:
-            log.warning("claims step %d, beyond any trainer's %d", got[0], sources.max_step,
-                        extra={"peer": r.peer_id, "span": str(stage)})  # fmt: skip
+            log.warning(
+                "claims step %d, beyond any trainer's %d",
+                got[0],
+                sources.max_step,
+                extra={"peer": r.peer_id, "span": str(stage)},
+            )
             continue
         if best is None or got[0] > best[0]:
             best = got

@@ -96,9 +96,12 @@ def connect(spec: dict[str, Any], mode: dict[str, Any], **kwargs: Any) -> Any:
     from swarm import DistributedModelForCausalLM
 
     return DistributedModelForCausalLM.from_pretrained(
-        spec["model"], initial_peers=spec["initial_peers"], timing=timing(spec),
-        direct=mode.get("direct", "auto"), **kwargs,
-    )  # fmt: skip
+        spec["model"],
+        initial_peers=spec["initial_peers"],
+        timing=timing(spec),
+        direct=mode.get("direct", "auto"),
+        **kwargs,
+    )
 
 
 def decode_run(model: Any, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, Stamps, float]:
@@ -119,8 +122,13 @@ def measure_decode(model: Any, prompt: torch.Tensor, new_tokens: int, repeats: i
         steps += stamps.steps()
     step, ordered = statistics.median(steps), sorted(steps)
     tokens = out[0].tolist() if out is not None else []
-    return {"step_s": step, "tokens_per_s": 1.0 / step, "steps_p10": ordered[len(steps) // 10],
-            "steps_p90": ordered[9 * len(steps) // 10], "tokens": tokens}  # fmt: skip
+    return {
+        "step_s": step,
+        "tokens_per_s": 1.0 / step,
+        "steps_p10": ordered[len(steps) // 10],
+        "steps_p90": ordered[9 * len(steps) // 10],
+        "tokens": tokens,
+    }
 
 
 def measure_ttft(model: Any, long: torch.Tensor, repeats: int) -> float:
@@ -151,8 +159,15 @@ def task_local(spec: dict[str, Any]) -> None:
     with torch.no_grad():
         dec = measure_decode(model, short, int(spec.get("new_tokens", 32)), int(spec.get("repeats", 2)))
         ttft = measure_ttft(model, long, int(spec.get("ttft_repeats", 1)))
-    emit(task="local", step_s=dec["step_s"], tokens_per_s=dec["tokens_per_s"], ttft_s=ttft,
-         hidden=model.config.hidden_size, blocks=model.config.num_hidden_layers, tokens=dec["tokens"])  # fmt: skip
+    emit(
+        task="local",
+        step_s=dec["step_s"],
+        tokens_per_s=dec["tokens_per_s"],
+        ttft_s=ttft,
+        hidden=model.config.hidden_size,
+        blocks=model.config.num_hidden_layers,
+        tokens=dec["tokens"],
+    )
 
 
 def task_decode_ttft(spec: dict[str, Any], mode: dict[str, Any], do_decode: bool, do_ttft: bool) -> None:
@@ -168,8 +183,15 @@ def task_decode_ttft(spec: dict[str, Any], mode: dict[str, Any], do_decode: bool
             dec = measure_decode(client, short, new_tokens, int(spec.get("repeats", 2)))
             tokens = (int(spec.get("repeats", 2)) * new_tokens) + min(new_tokens, 4)
             moved = sum(traffic[k] - before.get(k, 0) for k in ("sent_bytes", "received_bytes"))
-            emit(task="decode", mode=mode["name"], applied=applied, hops=len(client.route),
-                 client_bytes_per_token=moved / tokens, failovers=client.failovers, **dec)  # fmt: skip
+            emit(
+                task="decode",
+                mode=mode["name"],
+                applied=applied,
+                hops=len(client.route),
+                client_bytes_per_token=moved / tokens,
+                failovers=client.failovers,
+                **dec,
+            )
         if do_ttft:
             ttft = measure_ttft(client, long, int(spec.get("ttft_repeats", 1)))
             emit(task="ttft", mode=mode["name"], applied=applied, ttft_s=ttft)
@@ -197,8 +219,16 @@ def task_finetune(spec: dict[str, Any], mode: dict[str, Any]) -> None:
                 times.append(time.perf_counter() - t0)
             losses.append(loss.item())
     step = statistics.median(times)
-    emit(task="finetune", mode=mode["name"], applied=applied, step_s=step, steps_per_s=1 / step,
-         batch=batch, seq=seq, losses=losses)  # fmt: skip
+    emit(
+        task="finetune",
+        mode=mode["name"],
+        applied=applied,
+        step_s=step,
+        steps_per_s=1 / step,
+        batch=batch,
+        seq=seq,
+        losses=losses,
+    )
 
 
 def task_pretrain(spec: dict[str, Any], mode: dict[str, Any]) -> None:
@@ -210,8 +240,14 @@ def task_pretrain(spec: dict[str, Any], mode: dict[str, Any]) -> None:
     data = Samples(tokenize(corpus_files(None), run.tokenizer, run.hf_config().vocab_size), run.seq_len, run.seed)
     steps, warmup = int(spec.get("pretrain_steps", 4)), 1
     with overrides(mode) as applied:
-        with Trainer(run, data, tuple(spec["initial_peers"]), timing=timing(spec), direct=mode.get("direct", "auto"),
-                     average_trainers=False) as trainer:  # fmt: skip
+        with Trainer(
+            run,
+            data,
+            tuple(spec["initial_peers"]),
+            timing=timing(spec),
+            direct=mode.get("direct", "auto"),
+            average_trainers=False,
+        ) as trainer:
             times, losses = [], []
             for i in range(steps + warmup):
                 t0 = time.perf_counter()
@@ -220,8 +256,15 @@ def task_pretrain(spec: dict[str, Any], mode: dict[str, Any]) -> None:
                     times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     tokens = run.target_batch_size * run.seq_len
-    emit(task="pretrain", mode=mode["name"], applied=applied, step_s=step, tokens_per_s=tokens / step,
-         tokens_per_step=tokens, losses=losses)  # fmt: skip
+    emit(
+        task="pretrain",
+        mode=mode["name"],
+        applied=applied,
+        step_s=step,
+        tokens_per_s=tokens / step,
+        tokens_per_step=tokens,
+        losses=losses,
+    )
 
 
 def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
@@ -238,14 +281,22 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
         stamps = Stamps(spec.get("pause_after"), pause)
         if spec.get("warmup", True):
             client.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
-        out = client.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                              streamer=stamps)  # fmt: skip
+        out = client.generate(
+            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=stamps
+        )
         steps = stamps.steps()
         if spec.get("pause_after") is not None:  # the paused interval and the failover are not a decode step
             steps = steps[: int(spec["pause_after"]) - 1]
-        emit(task="generate", mode=mode["name"], applied=applied, tokens=out[0].tolist(),
-             step_s=statistics.median(steps) if steps else None, steps=steps, failovers=client.failovers,
-             route=[h.peer_id for h in client.route])  # fmt: skip
+        emit(
+            task="generate",
+            mode=mode["name"],
+            applied=applied,
+            tokens=out[0].tolist(),
+            step_s=statistics.median(steps) if steps else None,
+            steps=steps,
+            failovers=client.failovers,
+            route=[h.peer_id for h in client.route],
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -47,8 +47,19 @@ class WanSwarm(LocalSwarm):
     def _spawn_in(self, node: str, span: str | None, args: tuple[str, ...]) -> PeerProcess:
         import threading
 
-        cmd = [sys.executable, "-m", "swarm.serve", "--model", self.model, "--threads", "1",
-               "--host", self.wan.address(node), *self.extra_args, *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarm.serve",
+            "--model",
+            self.model,
+            "--threads",
+            "1",
+            "--host",
+            self.wan.address(node),
+            *self.extra_args,
+            *args,
+        ]
         if span:
             cmd += ["--blocks", span]
         if self.test_timings:

@@ -59,11 +59,23 @@ TIMING = Timing.for_tests()
 
 def _server_record(store: RecordStore, args: argparse.Namespace, **fields: Any) -> ServerRecord:
     base: dict[str, Any] = dict(
-        peer_id=store.peer_id, maddrs=tuple(store.visible_maddrs()), state=PeerState.ONLINE, start=0,
-        end=args.num_blocks, model_id=args.model_id, num_blocks=args.num_blocks, fingerprint="0" * 16,
-        dtype="float32", device="cuda", forward_tps=1e12, inference_sps=1e9, cache_tokens_free=1 << 30,
-        cache_tokens_total=1 << 30, software_version="9", protocol_version=PROTOCOL_VERSION,
-    )  # fmt: skip
+        peer_id=store.peer_id,
+        maddrs=tuple(store.visible_maddrs()),
+        state=PeerState.ONLINE,
+        start=0,
+        end=args.num_blocks,
+        model_id=args.model_id,
+        num_blocks=args.num_blocks,
+        fingerprint="0" * 16,
+        dtype="float32",
+        device="cuda",
+        forward_tps=1e12,
+        inference_sps=1e9,
+        cache_tokens_free=1 << 30,
+        cache_tokens_total=1 << 30,
+        software_version="9",
+        protocol_version=PROTOCOL_VERSION,
+    )
     base.update(fields)
     return ServerRecord(**base)
 
@@ -117,15 +129,22 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
     if holder_key is not None and leases:
         confusing = holder_key[:-1] + b"\n" + store.validator.local_public_key
         lease = max((lease for lease in leases if lease.holder == owner), key=lambda lease: lease.term)
-        plan = Assignment(term=lease.term, broker=owner, issued_at=now + 5, placements={victim.peer_id: standby[
-            victim.peer_id]})  # fmt: skip
+        plan = Assignment(
+            term=lease.term, broker=owner, issued_at=now + 5, placements={victim.peer_id: standby[victim.peer_id]}
+        )
         done["owner_confusion"] = _raw_store(store, [assignment_key(args.model_id)], plan.to_wire(), confusing)
     # 6. a malformed lease, signed: a term that is not a number
     bad = {"schema_version": 2, "term": "infinity", "holder": second.peer_id, "start": now, "expires": now + 1e9}
     done["malformed_lease"] = _raw_store(second, [broker_key(args.model_id)], bad, second.validator.local_public_key)
     # 7. a heartbeat dated far in the future, claiming a huge throughput (would never expire, would be placed first)
-    beat = PeerRecord(peer_id=third.peer_id, state=PeerState.JOINING, block_throughput=1e12, memory=1 << 40,
-                      max_blocks=1000, updated_at=now + 10**6)  # fmt: skip
+    beat = PeerRecord(
+        peer_id=third.peer_id,
+        state=PeerState.JOINING,
+        block_throughput=1e12,
+        memory=1 << 40,
+        max_blocks=1000,
+        updated_at=now + 10**6,
+    )
     done["future_heartbeat"] = third.publish(peers_key(args.model_id), beat, now + 60)
     return done
 
@@ -164,8 +183,9 @@ def seize_broker(stores: list[RecordStore], args: argparse.Namespace) -> dict[st
     return {"term": lease.term if lease is not None else None, "plans": published}
 
 
-def _errors(loop: LoopThread, remote: Remote, hop: Hop, calls: list[tuple[str, Any, dict[str, torch.Tensor]]]
-            ) -> dict[str, str]:  # fmt: skip
+def _errors(
+    loop: LoopThread, remote: Remote, hop: Hop, calls: list[tuple[str, Any, dict[str, torch.Tensor]]]
+) -> dict[str, str]:
     """Each call's outcome: "ok", or the error class the server answered with (and its message)."""
     out: dict[str, str] = {}
     for name, request, tensors in calls:
@@ -196,8 +216,11 @@ def attack_training(stores: list[RecordStore], args: argparse.Namespace) -> dict
     grad = torch.randn(8, args.seq_len, args.hidden_size)
 
     def fwd(fid: str, tag: TrainTag) -> tuple[str, Any, dict[str, torch.Tensor]]:
-        return fid, ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=True, forward_id=fid,
-                                   train=tag), {"hidden": hidden}  # fmt: skip
+        return (
+            fid,
+            ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=True, forward_id=fid, train=tag),
+            {"hidden": hidden},
+        )
 
     def bwd(fid: str, tag: TrainTag, g: torch.Tensor) -> tuple[str, Any, dict[str, torch.Tensor]]:
         request = BackwardRequest(start=hop.start, end=hop.end, forward_id=fid, input_grad=True, train=tag)
@@ -206,14 +229,17 @@ def attack_training(stores: list[RecordStore], args: argparse.Namespace) -> dict
     as_honest = TrainTag(step=args.step, samples=8, trainer=honest)
     calls = [
         fwd("stranger", TrainTag(step=args.step, samples=8, trainer=me)),
-        fwd("nan", as_honest), bwd("nan", as_honest, torch.full_like(grad, float("nan"))),
-        fwd("overflow", as_honest), bwd("overflow", as_honest, grad * 1e37),
-        fwd("miscount", as_honest), bwd("miscount", as_honest.model_copy(update={"samples": 16}), grad),
+        fwd("nan", as_honest),
+        bwd("nan", as_honest, torch.full_like(grad, float("nan"))),
+        fwd("overflow", as_honest),
+        bwd("overflow", as_honest, grad * 1e37),
+        fwd("miscount", as_honest),
+        bwd("miscount", as_honest.model_copy(update={"samples": 16}), grad),
         fwd("far ahead", TrainTag(step=10**12, samples=8, trainer=honest, proof=store.sign(mine))),
         fwd("forged proof", TrainTag(step=args.step + 1, samples=8, trainer=honest, proof=store.sign(forged))),
         ("notice", StepNotice(step=10**12, proof=store.sign(mine)), {}),
         ("notice forged", StepNotice(step=10**12, proof=store.sign(forged)), {}),
-    ]  # fmt: skip
+    ]
     try:
         return {"target": target.peer_id, "answers": _errors(loop, remote, hop, calls)}
     finally:
@@ -244,9 +270,18 @@ def join_averaging(stores: list[RecordStore], args: argparse.Namespace) -> dict[
     Outsider.__name__ = Outsider.__qualname__ = "OwnedAverager"
     shapes = json.loads(Path(args.shapes).read_text())
     tensors = [torch.full(shape, 1000.0) for shape in shapes]
-    averager = Outsider(tensors, stores[0].dht, start=True, prefix=args.prefix, target_group_size=8, min_group_size=2,
-                        min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=5.0,
-                        client_mode=False)  # fmt: skip
+    averager = Outsider(
+        tensors,
+        stores[0].dht,
+        start=True,
+        prefix=args.prefix,
+        target_group_size=8,
+        min_group_size=2,
+        min_matchmaking_time=1.0,
+        request_timeout=0.5,
+        allreduce_timeout=5.0,
+        client_mode=False,
+    )
     rounds, deadline = 0, time.monotonic() + args.seconds
     try:
         while time.monotonic() < deadline and met.value < args.groups:
@@ -266,8 +301,14 @@ def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, A
     key = SwarmKey.load(Path(args.swarm_key)) if args.swarm_key else None
     done: dict[str, Any] = {}
     try:
-        stores.append(start_dht(initial_peers=tuple(args.initial_peers), timeout=TIMING.dht_start_timeout,
-                                call_timeout=TIMING.dht_timeout, swarm_key=key))  # fmt: skip
+        stores.append(
+            start_dht(
+                initial_peers=tuple(args.initial_peers),
+                timeout=TIMING.dht_start_timeout,
+                call_timeout=TIMING.dht_timeout,
+                swarm_key=key,
+            )
+        )
         done["join"] = "ok"
     except SwarmError as e:
         done["join"] = f"{type(e).__name__}: {e}"
@@ -282,8 +323,9 @@ def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, A
         p2p = loop.run(store.replicate_p2p())
         hidden = {"hidden": torch.zeros(1, 2, args.hidden_size)}
         forward = ForwardRequest(start=hop.start, end=hop.end)
-        opening = InferenceRequest(open=OpenSession(session_id="outsider", start=hop.start, end=hop.end,
-                                                    max_length=8, batch_size=1))  # fmt: skip
+        opening = InferenceRequest(
+            open=OpenSession(session_id="outsider", start=hop.start, end=hop.end, max_length=8, batch_size=1)
+        )
         for plane in ("never", "always"):
             remote = Remote(p2p, store.credentials(), plane)  # type: ignore[arg-type]
             done[f"forward_{plane}"] = _errors(loop, remote, hop, [("forward", forward, hidden)])["forward"]
@@ -323,8 +365,12 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
             remote = Remote(p2p, stores[0].credentials(), plane)  # type: ignore[arg-type]
             channel = loop.run(remote.open_channel(hop, RPC_PUSH))
             for generation in range(4):
-                push = PushStep(client=target["client"], session_id=target["session"], generation=generation,
-                                step=InferenceStep(position=target["position"], hops=0))  # fmt: skip
+                push = PushStep(
+                    client=target["client"],
+                    session_id=target["session"],
+                    generation=generation,
+                    step=InferenceStep(position=target["position"], hops=0),
+                )
                 loop.run(channel.send(wire.encode(remote.meta(push), hidden)))
                 sent += 1
             time.sleep(0.5)  # let the server read them before the stream closes
@@ -346,8 +392,15 @@ def markup(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any
     return {"announced": store.announce(record, dht_time() + 60), "markup": MARKUP}
 
 
-ATTACKS = {"markup": markup, "records": attack_records, "outsider": outsider, "broker": seize_broker,
-           "training": attack_training, "averaging": join_averaging, "push": push_into}  # fmt: skip
+ATTACKS = {
+    "markup": markup,
+    "records": attack_records,
+    "outsider": outsider,
+    "broker": seize_broker,
+    "training": attack_training,
+    "averaging": join_averaging,
+    "push": push_into,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -371,8 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     stores: list[RecordStore] = []
     try:
         for _ in range({"records": 3, "outsider": 0}.get(args.attack, 1)):
-            stores.append(start_dht(initial_peers=tuple(args.initial_peers), timeout=TIMING.dht_start_timeout,
-                                    call_timeout=TIMING.dht_timeout))  # fmt: skip
+            stores.append(
+                start_dht(
+                    initial_peers=tuple(args.initial_peers),
+                    timeout=TIMING.dht_start_timeout,
+                    call_timeout=TIMING.dht_timeout,
+                )
+            )
         result = ATTACKS[args.attack](stores, args)
         print(json.dumps({"attacker": stores[0].peer_id, **result}), flush=True)
     finally:

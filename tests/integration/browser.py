@@ -24,9 +24,19 @@ def chrome(profile: Path, width: int = 1400, height: int = 1000) -> Any:
     assert have_browser(), f"needs {CHROMIUM} and {CHROMEDRIVER}: Debian chromium, chromium-driver (scripts/setup.sh)"
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                f"--user-data-dir={profile}", f"--window-size={width},{height}"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        f"--window-size={width},{height}",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -56,8 +66,9 @@ def map_peers(driver: Any) -> set[str]:
 
 def text_of(driver: Any, selector: str) -> str:
     """The rendered text of the first element ``selector`` finds, read in one script (no stale references)."""
-    found = driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : ''",
-                                  selector)  # fmt: skip
+    found = driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : ''", selector
+    )
     return str(found)
 
 

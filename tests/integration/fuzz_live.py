@@ -79,8 +79,9 @@ class LiveFuzzer:
             async with gate:
                 self.sent["p2p_unary"] += 1
                 try:
-                    reply = await self._bounded(f"unary {case}", self.p2p.call_protobuf_handler(
-                        self.peer, RPC_FORWARD, frame, wire.Frame))  # fmt: skip
+                    reply = await self._bounded(
+                        f"unary {case}", self.p2p.call_protobuf_handler(self.peer, RPC_FORWARD, frame, wire.Frame)
+                    )
                 except P2PHandlerError:
                     self.outcomes["p2p_unary:handler_error"] += 1
                     return
@@ -130,8 +131,13 @@ class LiveFuzzer:
                 marker = self.rng.choice([b"\x07", P2P.MESSAGE_MARKER])
                 work.append(raw(marker + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body))
             elif kind < 4:
-                work.append(one(self.rng.choice([RPC_FORWARD_STREAM, RPC_BANDWIDTH]), "wire_junk",
-                                fuzz_cases.wire_junk(self.rng)))  # fmt: skip
+                work.append(
+                    one(
+                        self.rng.choice([RPC_FORWARD_STREAM, RPC_BANDWIDTH]),
+                        "wire_junk",
+                        fuzz_cases.wire_junk(self.rng),
+                    )
+                )
             elif kind < 7:
                 name, meta, tensors = fuzz_cases.request_junk(self.rng)
                 work.append(one(RPC_FORWARD_STREAM, name, wire.encode(meta, tensors)))
@@ -144,8 +150,9 @@ class LiveFuzzer:
 
     async def _channel(self, rpc: str) -> TcpChannel:
         assert self.hop.direct is not None
-        return await TcpChannel.open(self.hop.direct, self.hop.peer_id, rpc, 1 << 22, self.remote.creds,
-                                     self.remote.tls, TIMEOUT)  # fmt: skip
+        return await TcpChannel.open(
+            self.hop.direct, self.hop.peer_id, rpc, 1 << 22, self.remote.creds, self.remote.tls, TIMEOUT
+        )
 
     async def _until_closed(self, plane: str, channel: TcpChannel, case: str) -> None:
         """Replies until the server closes the connection: each must be an error reply."""

@@ -30,8 +30,14 @@ SPAWNERS: list[ForkServer] = []
 
 @contextlib.contextmanager
 def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any = None) -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm(model, spans, extra_args=(*TEST_SERVER_ARGS, *extra), test_timings=True, log_dir=log_dir,
-                       spawner=SPAWNERS[0] if SPAWNERS else None)  # fmt: skip
+    swarm = LocalSwarm(
+        model,
+        spans,
+        extra_args=(*TEST_SERVER_ARGS, *extra),
+        test_timings=True,
+        log_dir=log_dir,
+        spawner=SPAWNERS[0] if SPAWNERS else None,
+    )
     with swarm:
         yield swarm
 
@@ -47,8 +53,9 @@ def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:
     )
 
 
-def raw_call(client: Any, hop: Hop, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-             rpc: str = RPC_FORWARD) -> dict[str, torch.Tensor]:  # fmt: skip
+def raw_call(
+    client: Any, hop: Hop, meta: dict[str, Any], tensors: dict[str, torch.Tensor], rpc: str = RPC_FORWARD
+) -> dict[str, torch.Tensor]:
     """Hand-written request metadata sent over the client's transport, as a buggy or hostile peer would; an error
     reply raises the error class the server named."""
     conn = client.connection

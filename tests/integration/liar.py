@@ -80,8 +80,21 @@ def install_fork() -> None:
 
 def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:
     """A liar serving ``span`` in ``swarm``, started as ``LocalSwarm`` starts its peers (and stopped with them)."""
-    cmd = [sys.executable, "-m", "tests.integration.liar", mode, "--model", swarm.model, *swarm.extra_args,
-           "--throughput", "1000", "--initial-peers", *swarm.initial_peers, "--blocks", span]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.liar",
+        mode,
+        "--model",
+        swarm.model,
+        *swarm.extra_args,
+        "--throughput",
+        "1000",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--blocks",
+        span,
+    ]
     if swarm.test_timings:
         cmd.append("--test-timings")
     swarm.log_dir.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,26 @@ LONG = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}
 @pytest.fixture(scope="module")
 def stack(smollm_folder):
     with running_swarm(MODEL, ["0:15", "15:30"]) as swarm:
-        args = ("--model", MODEL, "--api-key", KEY, "--api-key", OTHER_KEY, "--codec", "none", "--max-concurrent",
-                "3", "--max-client-concurrent", "2", "--max-tokens-limit", str(MAX_TOKENS), "--max-body-kb", "16",
-                "--max-context", str(CONTEXT))  # fmt: skip
+        args = (
+            "--model",
+            MODEL,
+            "--api-key",
+            KEY,
+            "--api-key",
+            OTHER_KEY,
+            "--codec",
+            "none",
+            "--max-concurrent",
+            "3",
+            "--max-client-concurrent",
+            "2",
+            "--max-tokens-limit",
+            str(MAX_TOKENS),
+            "--max-body-kb",
+            "16",
+            "--max-context",
+            str(CONTEXT),
+        )
         with ApiProcess(swarm.initial_peers, *args) as api:
             watcher = connect(MODEL, swarm)  # reads the servers' own cache room
             try:
@@ -105,8 +122,16 @@ def test_streamed_chat_is_the_same_answer_with_usage_and_route(stack, reference)
     _, api, _ = stack
     client = _client(api)
     plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # it came in pieces
@@ -127,8 +152,10 @@ def test_completions_stop_seed_and_n(stack, reference):
     stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=["."])
     assert stopped.choices[0].text == expected[: expected.index(".")]
     assert stopped.choices[0].finish_reason == "stop"
-    sampled = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9,
-                                         seed=7, n=2) for _ in range(2)]  # fmt: skip
+    sampled = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, top_p=0.9, seed=7, n=2)
+        for _ in range(2)
+    ]
     assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]  # seeded: repeatable
     assert len(sampled[0].choices) == 2 and sampled[0].usage.completion_tokens <= 12
 
@@ -150,13 +177,16 @@ def test_requests_at_once_and_the_concurrency_limits(stack):
         t.join(120)
     assert answers == [alone.choices[0].message.content] * 2
     # Streams hold their slots until they end: two of one caller, then one of another fill the server's three.
-    held = [one.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
-                                        temperature=0) for _ in range(2)]  # fmt: skip
+    held = [
+        one.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True, temperature=0)
+        for _ in range(2)
+    ]
     try:
         with pytest.raises(openai.RateLimitError, match="per caller"):
             one.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
-        held.append(two.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
-                                                temperature=0))  # fmt: skip
+        held.append(
+            two.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True, temperature=0)
+        )
         with pytest.raises(openai.RateLimitError, match="retry later"):
             two.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     finally:
@@ -193,8 +223,12 @@ def test_errors_are_openai_shaped(stack):
     huge = [{"role": "user", "content": "x" * 20_000}]
     with pytest.raises(openai.BadRequestError, match="bytes"):
         client.chat.completions.create(model=MODEL, messages=huge, max_tokens=8)
-    raw = httpx.post(api.url + "/v1/chat/completions", content=b"{not json", timeout=30,
-                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # fmt: skip
+    raw = httpx.post(
+        api.url + "/v1/chat/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -233,8 +267,9 @@ def test_a_client_that_goes_away_frees_the_servers_caches(stack, stream):
 def test_swarm_failures_mid_stream_and_before(stack):
     swarm, api, _ = stack
     client = _client(api)
-    stream = client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True,
-                                            temperature=0)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True, temperature=0
+    )
     with pytest.raises(openai.APIError, match="the swarm could not finish"):
         for i, _chunk in enumerate(stream):
             if i == 2:  # the only server of blocks 15:30 dies: nobody can take over

@@ -33,14 +33,26 @@ ROOT = Path(__file__).parents[2]
 
 
 def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tests.integration.attacker", kind, "--initial-peers", *swarm.initial_peers,
-            "--model-id", model_id, "--num-blocks", str(num_blocks), *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tests.integration.attacker",
+        kind,
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--model-id",
+        model_id,
+        "--num-blocks",
+        str(num_blocks),
+        *extra,
+    ]
 
 
 def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, timeout: float = 120) -> dict:
     """Run one attack to its end; its JSON report."""
-    done = subprocess.run(_command(kind, swarm, model_id, num_blocks, *extra), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        _command(kind, swarm, model_id, num_blocks, *extra), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -58,8 +70,9 @@ class Attacker:
 @contextlib.contextmanager
 def attacking(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> Iterator[Attacker]:
     """An attack running in the background while the test drives the swarm; killed if the test ends first."""
-    process = subprocess.Popen(_command(kind, swarm, model_id, num_blocks, *extra), stdout=subprocess.PIPE,
-                               text=True, cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        _command(kind, swarm, model_id, num_blocks, *extra), stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         yield Attacker(process)
     finally:
@@ -100,8 +113,17 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             # 1. forged, foreign-key and shadowing records, fake leases and assignments, a malformed lease, a
             #    heartbeat dated in the future
             done = attack("records", swarm, model, 4)
-            stored = ("unsigned", "own_weights", "shadow", "huge_lease", "next_term_lease", "foreign_assignment",
-                      "owner_confusion", "malformed_lease", "future_heartbeat")  # fmt: skip
+            stored = (
+                "unsigned",
+                "own_weights",
+                "shadow",
+                "huge_lease",
+                "next_term_lease",
+                "foreign_assignment",
+                "owner_confusion",
+                "malformed_lease",
+                "future_heartbeat",
+            )
             assert all(done[k] for k in stored), done
             second, third = done["sybils"]
             time.sleep(8 * TIMING.broker_period)  # rounds of the broker and every follower
@@ -113,8 +135,9 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             obeyed = [a for a in store.read(assignment_key(model), Assignment) if a.broker == honest[0]]
             assert obeyed and all(third not in a.placements for a in obeyed)  # its future heartbeat was refused
             assert store.dropped["unsigned"] and store.dropped["foreign"] and store.dropped["malformed"]
-            with DistributedModelForCausalLM.from_pretrained(folder, initial_peers=swarm.initial_peers,
-                                                             timing=TIMING) as client:  # fmt: skip
+            with DistributedModelForCausalLM.from_pretrained(
+                folder, initial_peers=swarm.initial_peers, timing=TIMING
+            ) as client:
                 assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
                 assert client.failovers == 0  # no forged record was ever on its route
                 assert {h.peer_id for h in client.route} <= set(honest)
@@ -126,16 +149,20 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
                 stdout = attacker.process.stdout
                 assert stdout is not None and stdout.readline().strip() == "ready"
                 swarm.kill(swarm.peer_by_id(honest[0]))
-                seized = wait_for(lambda: (b := current_broker(store, model, TIMING)) and b.holder != honest[0] and b,
-                                  30, "the attacker to hold the lease")  # fmt: skip
+                seized = wait_for(
+                    lambda: (b := current_broker(store, model, TIMING)) and b.holder != honest[0] and b,
+                    30,
+                    "the attacker to hold the lease",
+                )
                 result = attacker.report()
             assert seized.holder == result["attacker"] and result["plans"] >= 5
             survivors = {p: v for p, v in before.items() if p != honest[0]}
             assert {p: v for p, v in roles(store, model, 4).items() if p in survivors} == survivors
             assert replicated(store, model, 4, 1)
             assert all(swarm.peer_by_id(p).proc.poll() is None for p in honest[1:])
-            with DistributedModelForCausalLM.from_pretrained(folder, initial_peers=swarm.initial_peers,
-                                                             timing=TIMING) as client:  # fmt: skip
+            with DistributedModelForCausalLM.from_pretrained(
+                folder, initial_peers=swarm.initial_peers, timing=TIMING
+            ) as client:
                 assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
         finally:
             store.shutdown()
@@ -168,8 +195,18 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     with running_swarm("tiny-llama", [str(s) for s in run.stages], "--train", str(run_file)) as swarm:
         with Trainer(run, data, tuple(swarm.initial_peers), timing=TIMING, identity=identity) as trainer:
             losses = [trainer.train_step() for _ in range(4)]
-            done = attack("training", swarm, run.model_id, 6, "--honest", trainer.trainer_id, "--trainers-key",
-                          run.trainers_key, "--step", str(trainer.step))  # fmt: skip
+            done = attack(
+                "training",
+                swarm,
+                run.model_id,
+                6,
+                "--honest",
+                trainer.trainer_id,
+                "--trainers-key",
+                run.trainers_key,
+                "--step",
+                str(trainer.step),
+            )
             losses += [trainer.train_step() for _ in range(4)]
             answers = done["answers"]
             assert answers["stranger"].startswith("BadInputError") and "not a trainer" in answers["stranger"]
@@ -197,8 +234,12 @@ def test_an_outsider_cannot_join_the_replicas_averaging(tmp_path):
     from swarm.training.run import load_run
     from tests.integration.test_pretrain import stage_state, write_run
 
-    run_file = write_run(tmp_path, stages={"spans": ["0:3", "3:6"]}, checkpoint={"every_steps": 0},
-                         averaging={"every_steps": 1, "matchmaking_seconds": 1.0})  # fmt: skip
+    run_file = write_run(
+        tmp_path,
+        stages={"spans": ["0:3", "3:6"]},
+        checkpoint={"every_steps": 0},
+        averaging={"every_steps": 1, "matchmaking_seconds": 1.0},
+    )
     run = load_run(run_file)
     stage = run.stages[0]
     layers = torch.nn.ModuleList(new_model(run.hf_config(), torch.float32).model.layers[stage.start : stage.end])

@@ -80,17 +80,43 @@ def test_bad_requests_get_clear_errors_and_harm_no_session(guarded):
         reply = conn.loop.run(raw(wire.Frame(metadata=msgpack.packb({"_tensors": ["hidden"], "kind": "forward"}))))
         assert reply["ok"] is False  # names a tensor it does not carry
         with pytest.raises(VersionMismatchError, match=f"speaks protocol {PROTOCOL_VERSION + 1}"):
-            raw_call(client, hop, {"protocol_version": PROTOCOL_VERSION + 1, **_forward_meta(hop)},
-                     {"hidden": torch.zeros(1, 2, HIDDEN)})  # fmt: skip
-        old = {"protocol_version": 1, "kind": "forward", "start": hop.start, "end": hop.end, "keep_for_backward": False,
-               "forward_id": None, "adapter": None, "input_grad": True, "train": None, "extras": {}}  # fmt: skip
+            raw_call(
+                client,
+                hop,
+                {"protocol_version": PROTOCOL_VERSION + 1, **_forward_meta(hop)},
+                {"hidden": torch.zeros(1, 2, HIDDEN)},
+            )
+        old = {
+            "protocol_version": 1,
+            "kind": "forward",
+            "start": hop.start,
+            "end": hop.end,
+            "keep_for_backward": False,
+            "forward_id": None,
+            "adapter": None,
+            "input_grad": True,
+            "train": None,
+            "extras": {},
+        }
         with pytest.raises(VersionMismatchError, match=f"speaks protocol 1, this server speaks {PROTOCOL_VERSION}"):
             raw_call(client, hop, old, {"hidden": torch.zeros(1, 2, HIDDEN)})
-        old_open = {"session_id": "s" * 32, "start": hop.start, "end": hop.end, "max_length": 8, "batch_size": 1,
-                    "adapter": None, "extras": {}}  # fmt: skip
+        old_open = {
+            "session_id": "s" * 32,
+            "start": hop.start,
+            "end": hop.end,
+            "max_length": 8,
+            "batch_size": 1,
+            "adapter": None,
+            "extras": {},
+        }
         with pytest.raises(VersionMismatchError, match="speaks protocol 1"):
-            raw_call(client, hop, {"protocol_version": 1, "open": old_open, "step": {"position": 0}},
-                     {"hidden": torch.zeros(1, 2, HIDDEN)}, rpc=RPC_INFERENCE)  # fmt: skip
+            raw_call(
+                client,
+                hop,
+                {"protocol_version": 1, "open": old_open, "step": {"position": 0}},
+                {"hidden": torch.zeros(1, 2, HIDDEN)},
+                rpc=RPC_INFERENCE,
+            )
 
         # the open session is unharmed
         with torch.no_grad():
@@ -198,8 +224,11 @@ def test_bad_adapters_get_clear_errors_and_stay_private(guarded):
 def test_degenerate_tensors_are_refused(guarded):
     client, _ = guarded
     hop = _hop(client)
-    for hidden, message in ((torch.zeros(0, 3, HIDDEN), "empty batch"), (torch.zeros(1, 0, HIDDEN), "no tokens"),
-                            (torch.full((1, 2, HIDDEN), float("nan")), "NaN or infinite")):  # fmt: skip
+    for hidden, message in (
+        (torch.zeros(0, 3, HIDDEN), "empty batch"),
+        (torch.zeros(1, 0, HIDDEN), "no tokens"),
+        (torch.full((1, 2, HIDDEN), float("nan")), "NaN or infinite"),
+    ):
         with pytest.raises(BadInputError, match=message):
             _call(client, hop, _forward_meta(hop), {"hidden": hidden})
     grad = torch.zeros(1, 2, HIDDEN)
@@ -209,8 +238,12 @@ def test_degenerate_tensors_are_refused(guarded):
     with pytest.raises(BadInputError, match="does not take: \\['zzz'\\]"):
         _call(client, hop, _forward_meta(hop), {"hidden": torch.zeros(1, 2, HIDDEN), "zzz": torch.zeros(3)})
     with pytest.raises(BadInputError, match="position_ids must lie in"):
-        _call(client, hop, _forward_meta(hop),
-              {"hidden": torch.zeros(1, 2, HIDDEN), "position_ids": torch.tensor([[-5, 0]])})  # fmt: skip
+        _call(
+            client,
+            hop,
+            _forward_meta(hop),
+            {"hidden": torch.zeros(1, 2, HIDDEN), "position_ids": torch.tensor([[-5, 0]])},
+        )
 
 
 def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
@@ -234,8 +267,11 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
 
     async def opened(remote: Remote, max_length: int):
         stream = await remote.open_session(hop, timing.open_timeout)
-        request = InferenceRequest(open=OpenSession(session_id=f"idle-{next(counter)}", start=hop.start, end=hop.end,
-                                                    max_length=max_length, batch_size=1))  # fmt: skip
+        request = InferenceRequest(
+            open=OpenSession(
+                session_id=f"idle-{next(counter)}", start=hop.start, end=hop.end, max_length=max_length, batch_size=1
+            )
+        )
         try:
             await stream.exchange(request, {}, timing.request_timeout)
         except Exception:

@@ -89,8 +89,20 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
     ids = prompt(9)
     more = torch.tensor([[17]])  # the user's next token, after a first answer
     with running_swarm(folder, ["0:2", "2:4"]) as swarm, connect(folder, swarm) as client:
-        cmd = [sys.executable, "-m", "tests.integration.attacker", "push", "--initial-peers", *swarm.initial_peers,
-               "--model-id", Path(folder).name, "--num-blocks", "4", "--hidden-size", "64"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.integration.attacker",
+            "push",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--model-id",
+            Path(folder).name,
+            "--num-blocks",
+            "4",
+            "--hidden-size",
+            "64",
+        ]
         attacker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         try:
             assert attacker.stdout is not None and attacker.stdin is not None
@@ -99,10 +111,12 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
                 head = client.generate(ids, max_new_tokens=6, do_sample=False)
                 target = session.hop_states[1]  # the second hop: it takes pushes, from the first one only
                 h = target.hop
-                leak = {"hop": dict(peer_id=h.peer_id, start=h.start, end=h.end, maddrs=list(h.maddrs),
-                                    direct=h.direct),
-                        "client": client.connection.peer_id, "session": target.session_id,
-                        "position": session.position}  # fmt: skip
+                leak = {
+                    "hop": dict(peer_id=h.peer_id, start=h.start, end=h.end, maddrs=list(h.maddrs), direct=h.direct),
+                    "client": client.connection.peer_id,
+                    "session": target.session_id,
+                    "position": session.position,
+                }
                 attacker.stdin.write(json.dumps(leak) + "\n")
                 attacker.stdin.flush()
                 report = json.loads(attacker.stdout.readline())
@@ -117,8 +131,11 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
         assert torch.equal(out, expected)  # not one pushed step reached the session
         assert client.failovers == 0
         # each push refused, at once or once its wait for a newer route ended (the servers' open_timeout)
-        wait_for(lambda: sum(p.log_path.read_text().count("push refused") for p in swarm.peers) == 8, 30,
-                 "every push to be refused")  # fmt: skip
+        wait_for(
+            lambda: sum(p.log_path.read_text().count("push refused") for p in swarm.peers) == 8,
+            30,
+            "every push to be refused",
+        )
 
 
 def test_a_hop_that_forks_what_it_passes_on_is_caught(folder, ref):

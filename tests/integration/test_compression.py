@@ -96,8 +96,9 @@ def test_malformed_compressed_tensor_is_bad_input_and_server_serves_on(swarm_and
     conn = client.connection
 
     async def send(frame: wire.Frame) -> dict:
-        reply = await conn.remote.p2p.call_protobuf_handler(PeerID.from_base58(hop.peer_id), RPC_FORWARD, frame,
-                                                            wire.Frame)  # fmt: skip
+        reply = await conn.remote.p2p.call_protobuf_handler(
+            PeerID.from_base58(hop.peer_id), RPC_FORWARD, frame, wire.Frame
+        )
         return wire.decode([reply])[0]
 
     for corrupt in ("nan scale", "short", "block size"):

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.slow  # scripts/setup.sh installs the browser: without 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     logs = tmp_path_factory.mktemp("peer-logs")
-    s = LocalSwarm(MODEL, ["0:15"], extra_args=TEST_SERVER_ARGS, test_timings=True, log_dir=logs,
-                   startup_timeout=STARTUP)  # fmt: skip
+    s = LocalSwarm(
+        MODEL, ["0:15"], extra_args=TEST_SERVER_ARGS, test_timings=True, log_dir=logs, startup_timeout=STARTUP
+    )
     s.start()
     try:
         watcher = s.add_peer("15:30", "--dashboard-port", "0", wait=False)
@@ -59,8 +60,18 @@ def test_a_malicious_peers_markup_stays_text(swarm, driver, tmp_path):
     """A real malicious process announces a validly signed record whose device name is markup (all a peer's strings
     are its own word): the page shows it as bounded text and makes no element of it."""
     watcher = swarm.peers[1]
-    cmd = [sys.executable, "-m", "tests.integration.attacker", "markup", "--initial-peers", *swarm.initial_peers,
-           "--model-id", MODEL, "--num-blocks", "30"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.attacker",
+        "markup",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--model-id",
+        MODEL,
+        "--num-blocks",
+        "30",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     attack = json.loads(out.strip().splitlines()[-1])
     assert attack["announced"]

@@ -28,9 +28,18 @@ RSS_BOUND_MIB = 300  # over the server's peak before the fuzzing
 def _batches(scale: float) -> list[tuple[str, int]]:
     """(what, count) per batch; the honest session takes a step between batches."""
     n = lambda k: max(1, int(k * scale))  # noqa: E731
-    return [("unary", n(1500)), ("compute_loop", n(3000)), ("streams", n(300)), ("direct_sessions", n(150)),
-            ("direct_handshakes", n(150)), ("unary", n(1500)), ("compute_loop", n(3000)), ("streams", n(300)),
-            ("direct_sessions", n(150)), ("direct_handshakes", n(150))]  # fmt: skip
+    return [
+        ("unary", n(1500)),
+        ("compute_loop", n(3000)),
+        ("streams", n(300)),
+        ("direct_sessions", n(150)),
+        ("direct_handshakes", n(150)),
+        ("unary", n(1500)),
+        ("compute_loop", n(3000)),
+        ("streams", n(300)),
+        ("direct_sessions", n(150)),
+        ("direct_handshakes", n(150)),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +83,11 @@ def test_fuzzing_both_planes_beside_an_honest_session(fuzzed):
         elapsed = time.perf_counter() - t0
 
     peak = vm_hwm_mib(server.pid)
-    report = (f"fuzzed {fuzzer.total} messages in {elapsed:.1f} s: sent {dict(fuzzer.sent)}; outcomes "
-              f"{dict(fuzzer.outcomes)}; error codes {dict(fuzzer.codes)}; server peak RSS {baseline:.0f} -> "
-              f"{peak:.0f} MiB")  # fmt: skip
+    report = (
+        f"fuzzed {fuzzer.total} messages in {elapsed:.1f} s: sent {dict(fuzzer.sent)}; outcomes "
+        f"{dict(fuzzer.outcomes)}; error codes {dict(fuzzer.codes)}; server peak RSS {baseline:.0f} -> "
+        f"{peak:.0f} MiB"
+    )
     log.warning(report)
     print(report)
     assert fuzzer.ok_replies == [], fuzzer.ok_replies[:10]

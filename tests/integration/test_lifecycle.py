@@ -107,8 +107,9 @@ def test_perturbed_server_breaks_equality(tiny_models):
 def test_a_server_whose_dht_dies_leaves_instead_of_hanging(tiny_models):
     with running_swarm(str(tiny_models["llama"]), ["0:4", "0:4"]) as swarm:
         victim = swarm.peers[1]
-        dht_child = [c for c in _own_children(victim.pid)
-                     if b"torch_shm_manager" not in open(f"/proc/{c}/cmdline", "rb").read()]  # fmt: skip
+        dht_child = [
+            c for c in _own_children(victim.pid) if b"torch_shm_manager" not in open(f"/proc/{c}/cmdline", "rb").read()
+        ]
         assert len(dht_child) == 1  # the forked DHT process (hivemind may also run a torch_shm_manager child)
         os.kill(dht_child[0], signal.SIGKILL)  # its p2pd follows it
         # the serve process notices, leaves and exits on its own, with the error of a lost DHT (exit code 2)
@@ -124,8 +125,10 @@ def test_status_and_a_client_script_exit_cleanly(tiny_models):
         model_id = Path(folder).resolve().name
         status = subprocess.run(
             [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[0], "--model", model_id],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         script = textwrap.dedent(f"""
             import torch
             from swarm import DistributedModelForCausalLM

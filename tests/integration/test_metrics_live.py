@@ -22,8 +22,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def scrape(url: str) -> Samples:
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def requests(got: Samples, kind: str, outcome: str = "ok") -> float:

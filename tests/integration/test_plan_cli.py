@@ -44,9 +44,22 @@ def test_plan_of_a_finetuning_step_over_a_live_swarm(tiny_models, tmp_path):
     with running_swarm(folder, ["0:2", "2:4"]) as swarm:
         servers = [p.peer_id for p in swarm.peers]
         code, out, err, family = run_plan(
-            "--initial-peers", *swarm.initial_peers, "--model", folder, "--task", "finetune", "--tokens", "16",
-            "--png", str(png), "--svg", str(svg), "--json", str(plan_json), tmp_path=tmp_path,
-        )  # fmt: skip
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--model",
+            folder,
+            "--task",
+            "finetune",
+            "--tokens",
+            "16",
+            "--png",
+            str(png),
+            "--svg",
+            str(svg),
+            "--json",
+            str(plan_json),
+            tmp_path=tmp_path,
+        )
     assert code == 0, err
     assert len(family) >= 2  # it did start a DHT child and its p2pd ...
     deadline = time.monotonic() + 10
@@ -62,13 +75,19 @@ def test_plan_of_a_finetuning_step_over_a_live_swarm(tiny_models, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and svg.read_text().rstrip().endswith("</svg>")
     plan = Plan.parse(plan_json.read_bytes())
     assert plan.task == "finetune" and [(n.peer, n.start, n.end) for n in plan.remote() if n.op == "span_forward"] == [
-        (servers[0], 0, 2), (servers[1], 2, 4)
-    ]  # fmt: skip
+        (servers[0], 0, 2),
+        (servers[1], 2, 4),
+    ]
     assert str(plan.types()["f0.in"]) == "float32[1, 16, 64]"
 
     # the file read back prints the same table
-    check = subprocess.run([sys.executable, "-m", "swarm.plan", "--check", str(plan_json)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "swarm.plan", "--check", str(plan_json)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert check.returncode == 0 and out.startswith(check.stdout.rstrip()), check.stderr
 
     # a tampered file: a transfer that claims to carry less than it does
@@ -76,8 +95,13 @@ def test_plan_of_a_finetuning_step_over_a_live_swarm(tiny_models, tmp_path):
     next(n for n in d["nodes"] if n["id"] == "f1.in")["nbytes"] = 64
     tampered = tmp_path / "tampered.json"
     tampered.write_text(json.dumps(d))
-    check = subprocess.run([sys.executable, "-m", "swarm.plan", "--check", str(tampered)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "swarm.plan", "--check", str(tampered)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert check.returncode == 2 and check.stdout == ""
     assert check.stderr.strip() == (
         f"error: {tampered} is not a valid plan: node f1.in: 64 bytes declared for float32[1, 16, 64] (4096 bytes)"
@@ -85,11 +109,17 @@ def test_plan_of_a_finetuning_step_over_a_live_swarm(tiny_models, tmp_path):
 
 
 def test_usage_errors_name_the_problem():
-    none = subprocess.run([sys.executable, "-m", "swarm.plan", "--task", "forward"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    none = subprocess.run(
+        [sys.executable, "-m", "swarm.plan", "--task", "forward"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert none.returncode == 2 and "give --initial-peers MADDR ... (or --check FILE)" in none.stderr
-    wrong = subprocess.run([sys.executable, "-m", "swarm.plan", "--check", "x.json", "--png", "x.svg"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    wrong = subprocess.run(
+        [sys.executable, "-m", "swarm.plan", "--check", "x.json", "--png", "x.svg"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert wrong.returncode == 2 and "the file name must end in .png" in wrong.stderr
 
 
@@ -97,6 +127,7 @@ def test_usage_errors_name_the_problem():
 def test_check_refuses_what_is_not_a_plan(tmp_path, payload):
     bad = tmp_path / "bad.plan"
     bad.write_bytes(payload)
-    check = subprocess.run([sys.executable, "-m", "swarm.plan", "--check", str(bad)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "swarm.plan", "--check", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 2 and check.stderr.startswith(f"error: {bad} is not a valid plan: "), check.stderr

@@ -61,8 +61,9 @@ def close_all(ours: list[float], theirs: list[float], tol: float = 1e-5) -> bool
 def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, torch.Tensor]]:
     """A stage's step and weights as one peer holds them, over the ``state`` RPC."""
     conn = trainer.model.connection
-    record = next(r for rs in conn.store.view(trainer.run.model_id, stage.end).values() for r in rs
-                  if r.peer_id == peer_id)  # fmt: skip
+    record = next(
+        r for rs in conn.store.view(trainer.run.model_id, stage.end).values() for r in rs if r.peer_id == peer_id
+    )
     limit = stage_state_bytes(trainer.run, stage)
     reply, tensors = conn.loop.run(conn.remote.state(Hop.of(record, stage.start, stage.end), 30.0, limit))
     assert (reply.start, reply.end) == (stage.start, stage.end)
@@ -151,8 +152,12 @@ def test_a_killed_replica_is_carried_by_the_other_and_rejoins_from_its_weights(t
     record expires is up to the stochastic wiring, but the step notice that ends the next step goes to every stage
     server, the dead one included: that failure bans it for certain, and from then on the other replica carries
     the stage."""
-    run_file = write_run(tmp_path, stages={"spans": ["0:3", "3:6"]}, checkpoint={"every_steps": 0},
-                         averaging={"every_steps": 5, "matchmaking_seconds": 1.0})  # fmt: skip
+    run_file = write_run(
+        tmp_path,
+        stages={"spans": ["0:3", "3:6"]},
+        checkpoint={"every_steps": 0},
+        averaging={"every_steps": 5, "matchmaking_seconds": 1.0},
+    )
     run = load_run(run_file)
     data = Samples(corpus_ids, run.seq_len, run.seed)
     stage = run.stages[0]
@@ -236,7 +241,7 @@ def test_two_trainers_feed_one_run(tmp_path, corpus_ids):
                 Samples(corpus_ids, run.seq_len, run.seed, (k, 2)),
                 tuple(swarm.initial_peers),
                 timing=Timing.for_tests(),
-            )  # fmt: skip
+            )
             for k in range(2)
         ]
         losses: dict[int, list[float]] = {0: [], 1: []}

@@ -98,11 +98,16 @@ def test_an_outsider_connected_to_a_member_sees_and_plants_nothing(key: SwarmKey
         started.append(first)
         member = start_dht(initial_peers=address(first), swarm_key=key)
         started.append(member)
-        assert first.publish(KEY, TrainerProgress(trainer=first.peer_id, step=1, samples=1, updated=dht_time()),
-                             dht_time() + 60)  # fmt: skip
+        assert first.publish(
+            KEY, TrainerProgress(trainer=first.peer_id, step=1, samples=1, updated=dht_time()), dht_time() + 60
+        )
         # the same code, without the key, told to go on although nobody answers its pings: its p2pd is connected
-        outsider = OwnedDHT(initial_peers=list(address(first)), start=True, ensure_bootstrap_success=False,
-                            host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # fmt: skip
+        outsider = OwnedDHT(
+            initial_peers=list(address(first)),
+            start=True,
+            ensure_bootstrap_success=False,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        )
         started.append(outsider)
 
         # the same raw calls: a member's are answered (so the outsider's failing is the key, not the call)
@@ -148,14 +153,26 @@ def test_an_outsider_of_a_private_swarm_runs_nothing_on_either_plane(tiny_models
             hop: Hop = client.route[0]
             conn = client.connection
             before = conn.loop.run(conn.remote.info(hop, 10.0)).stats
-            leaked = json.dumps(dict(peer_id=hop.peer_id, start=hop.start, end=hop.end, maddrs=list(hop.maddrs),
-                                     direct=hop.direct))  # fmt: skip
+            leaked = json.dumps(
+                dict(peer_id=hop.peer_id, start=hop.start, end=hop.end, maddrs=list(hop.maddrs), direct=hop.direct)
+            )
             for own_key in ([], ["--swarm-key", str(stranger_key)]):
-                cmd = [sys.executable, "-m", "tests.integration.attacker", "outsider", "--initial-peers",
-                       *swarm.initial_peers, "--model-id", Path(folder).name, "--num-blocks", "4", "--hop", leaked,
-                       *own_key]  # fmt: skip
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                                      cwd=Path(__file__).parents[2])  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "tests.integration.attacker",
+                    "outsider",
+                    "--initial-peers",
+                    *swarm.initial_peers,
+                    "--model-id",
+                    Path(folder).name,
+                    "--num-blocks",
+                    "4",
+                    "--hop",
+                    leaked,
+                    *own_key,
+                ]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2])
                 assert done.returncode == 0, done.stderr[-3000:]
                 report = json.loads(done.stdout.strip().splitlines()[-1])
                 assert report["join"].startswith("NotMemberError"), report

@@ -51,8 +51,9 @@ def test_a_chain_of_torch_and_onnx_equals_hugging_face(mixed):
     check_forward(client, ref, vocab)  # logits of a 2 x 37 batch within 1e-4
     records = _records(client)
     assert [(h.start, h.end, h.peer_id) for h in client.route] == [
-        (0, 2, records[(0, 2)].peer_id), (2, 4, records[(2, 4)].peer_id),
-    ]  # fmt: skip
+        (0, 2, records[(0, 2)].peer_id),
+        (2, 4, records[(2, 4)].peer_id),
+    ]
     check_greedy(client, ref, vocab)  # 32 tokens, identical
     check_session_steps(client, ref, vocab)  # a prefill and 8 single-token steps in one session
 
@@ -170,8 +171,9 @@ def test_smollm_with_an_onnx_server_in_the_middle_equals_hugging_face(smollm_fol
             check_session_steps(client, ref, ref.config.vocab_size, tol=SMOLLM_TOLERANCE)
             tokenizer = load_tokenizer(model)
             tokenizer.padding_side = "left"
-            batch = tokenizer(["Hello, my name is", "The three primary colors are red, yellow and"],
-                              return_tensors="pt", padding=True)  # fmt: skip
+            batch = tokenizer(
+                ["Hello, my name is", "The three primary colors are red, yellow and"], return_tensors="pt", padding=True
+            )
             ours = client.generate(**batch, max_new_tokens=16, do_sample=False)
             theirs = ref.generate(**batch, max_new_tokens=16, do_sample=False)
             assert torch.equal(ours, theirs)

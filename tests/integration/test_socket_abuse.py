@@ -29,8 +29,9 @@ BOUND = 30.0  # seconds: far beyond the handshake timeout, so only a server that
 @pytest.fixture(scope="module")
 def guarded(tiny_models):
     folder = str(tiny_models["llama"])
-    with running_swarm(folder, ["0:4"], "--max-connections", str(MAX_CONNECTIONS),
-                       "--handshake-timeout", str(HANDSHAKE_S)) as swarm:  # fmt: skip
+    with running_swarm(
+        folder, ["0:4"], "--max-connections", str(MAX_CONNECTIONS), "--handshake-timeout", str(HANDSHAKE_S)
+    ) as swarm:
         client = connect(folder, swarm)
         try:
             with torch.no_grad():
@@ -104,8 +105,9 @@ def _honest_direct_call(client, hop) -> None:
     conn = client.connection
 
     async def call():
-        channel = await TcpChannel.open(hop.direct, hop.peer_id, RPC_COMPUTE_LOOP, 1 << 24, conn.remote.creds,
-                                        conn.remote.tls, BOUND)  # fmt: skip
+        channel = await TcpChannel.open(
+            hop.direct, hop.peer_id, RPC_COMPUTE_LOOP, 1 << 24, conn.remote.creds, conn.remote.tls, BOUND
+        )
         try:
             request = ForwardRequest(start=hop.start, end=hop.end)
             await channel.send(wire.encode(conn.remote.meta(request), {"hidden": torch.zeros(1, 2, 64)}))

@@ -47,8 +47,7 @@ def wan_swarm(folder, tmp_path_factory):
     cfg = WanConfig(nodes=("c", *SPANS), delay_ms=DELAY_MS, mbit=MBIT)
     started: list[int] = []
     with Wan(cfg) as wan:
-        with WanSwarm(wan, folder, SPANS, extra_args=("--throughput", "100"), test_timings=True,
-                      log_dir=logs) as swarm:  # fmt: skip
+        with WanSwarm(wan, folder, SPANS, extra_args=("--throughput", "100"), test_timings=True, log_dir=logs) as swarm:
             swarm.logs = logs  # type: ignore[attr-defined]
             for peer in swarm.peers:  # the servers, their DHT children and p2pd daemons
                 started += [peer.pid, *descendants(peer.pid)]
@@ -73,8 +72,16 @@ def expected(ref, ids: list[int], n: int) -> list[int]:
 
 
 def job_spec(folder: str, swarm: WanSwarm, modes: list[dict], **extra) -> dict:
-    return dict(model=folder, initial_peers=swarm.initial_peers, test_timings=True, tasks=["generate"],
-                modes=modes, prompt=prompt(), max_new_tokens=NEW_TOKENS, **extra)  # fmt: skip
+    return dict(
+        model=folder,
+        initial_peers=swarm.initial_peers,
+        test_timings=True,
+        tasks=["generate"],
+        modes=modes,
+        prompt=prompt(),
+        max_new_tokens=NEW_TOKENS,
+        **extra,
+    )
 
 
 def test_chained_generation_is_exact_and_costs_one_trip(wan_swarm, folder, ref):

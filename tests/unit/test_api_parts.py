@@ -68,8 +68,9 @@ def test_requests_are_bounded_and_unsupported_fields_named():
         ChatRequest(model="m", messages=[{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError):
         ChatRequest(model="m", messages=[], n=1)
-    req = ChatRequest(model="m", messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}],
-                      presence_penalty=0.5)  # fmt: skip
+    req = ChatRequest(
+        model="m", messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}], presence_penalty=0.5
+    )
     assert req.chat() == [{"role": "system", "content": "hi"}]
     assert req.unsupported() == "presence_penalty"
     assert CompletionRequest(model="m", prompt="x").requested_tokens() == 16  # OpenAI's default for completions
@@ -111,8 +112,9 @@ def test_keys_body_limit_and_unknown_models(http):
     big = {"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}
     r = http.post("/v1/chat/completions", json=big, headers=AUTH)
     assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
-    r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
-                  headers=AUTH)  # fmt: skip
+    r = http.post(
+        "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]}, headers=AUTH
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert http.get("/v1/nothing", headers=AUTH).json()["error"]["code"] == "not_found"
     assert "swarm_api_requests_total" in http.get("/metrics").text
@@ -123,11 +125,23 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
-fields = st.fixed_dictionaries({}, optional={
-    "model": json_values | st.just("m"), "messages": json_values, "prompt": json_values, "max_tokens": json_values,
-    "temperature": json_values, "top_p": json_values, "stop": json_values, "n": json_values, "seed": json_values,
-    "stream": json_values, "logprobs": json_values, "stream_options": json_values,
-})  # fmt: skip
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": json_values | st.just("m"),
+        "messages": json_values,
+        "prompt": json_values,
+        "max_tokens": json_values,
+        "temperature": json_values,
+        "top_p": json_values,
+        "stop": json_values,
+        "n": json_values,
+        "seed": json_values,
+        "stream": json_values,
+        "logprobs": json_values,
+        "stream_options": json_values,
+    },
+)
 
 
 @settings(max_examples=150, deadline=None)

@@ -143,8 +143,10 @@ def test_malformed_leases_are_refused_and_tenure_is_bounded():
         current = LeaseView(RULES).resolve(store.read(), now[0])
         holders.append(current.holder if current else None)
     assert holders[0] == "a" and "b" in holders  # a's tenure ran out and b took a turn
-    assert max(store.leases["a"].expires - store.leases["a"].start, store.leases["b"].expires -
-               store.leases["b"].start) <= RULES.max_tenure  # fmt: skip
+    assert (
+        max(store.leases["a"].expires - store.leases["a"].start, store.leases["b"].expires - store.leases["b"].start)
+        <= RULES.max_tenure
+    )
 
 
 def test_a_restamped_renewal_and_a_claim_kept_waiting_win_nothing():
@@ -248,17 +250,23 @@ def test_followers_refuse_harmful_plans():
     from tests.unit.test_routing import view_of
 
     def plan(**placements):
-        return Assignment(term=1, broker="b", issued_at=0.0, placements={
-            p: Placement(start=s, end=e, role=r) for p, (s, e, r) in placements.items()})  # fmt: skip
+        return Assignment(
+            term=1,
+            broker="b",
+            issued_at=0.0,
+            placements={p: Placement(start=s, end=e, role=r) for p, (s, e, r) in placements.items()},
+        )
 
-    view = view_of(*(record(peer_id=f"p{i}", start=0, end=8) for i in range(4)), record(peer_id="solo", start=4,
-                   end=8), record(peer_id="only", start=0, end=4))  # fmt: skip
+    view = view_of(
+        *(record(peer_id=f"p{i}", start=0, end=8) for i in range(4)),
+        record(peer_id="solo", start=4, end=8),
+        record(peer_id="only", start=0, end=4),
+    )
     serve = Role.SERVE
     assert refusal(plan(only=(4, 8, "serve")), "only", Span(0, 4), serve, 4, view) is None  # p0..p3 cover 0:4
     lonely = view_of(record(peer_id="only", start=0, end=4), record(peer_id="q", start=4, end=8))
     assert "would have no other server" in refusal(plan(only=(4, 8, "serve")), "only", Span(0, 4), serve, 4, lonely)
-    assert "would have no other server" in refusal(plan(only=(0, 4, "standby")), "only", Span(0, 4), serve, 4,
-                                                   lonely)  # fmt: skip
+    assert "would have no other server" in refusal(plan(only=(0, 4, "standby")), "only", Span(0, 4), serve, 4, lonely)
     assert "more than this peer's 2" in refusal(plan(only=(0, 4, "serve")), "only", None, None, 2, lonely)
     many = plan(**{f"p{i}": (0, 8, "standby") for i in range(3)}, only=(0, 4, "serve"))
     assert "demotes 3 of 6" in refusal(many, "only", Span(0, 4), serve, 4, view)
@@ -266,10 +274,12 @@ def test_followers_refuse_harmful_plans():
     assert refusal(plan(j=(0, 8, "standby")), "j", None, None, 8, joining) is None
     # two peers that each see the other on 4:8: a plan moving both away is refused by both (each asks whether the
     # other stays there under the plan, not only whether it is there now)
-    pair = view_of(record(peer_id="a", start=0, end=4), record(peer_id="x", start=4, end=8),
-                   record(peer_id="y", start=4, end=8))  # fmt: skip
+    pair = view_of(
+        record(peer_id="a", start=0, end=4), record(peer_id="x", start=4, end=8), record(peer_id="y", start=4, end=8)
+    )
     away = plan(a=(0, 4, "serve"), x=(0, 4, "serve"), y=(0, 4, "serve"))
     assert "would have no other server" in refusal(away, "x", Span(4, 8), serve, 4, pair)
     assert "would have no other server" in refusal(away, "y", Span(4, 8), serve, 4, pair)
-    assert refusal(plan(a=(0, 4, "serve"), x=(0, 4, "serve"), y=(4, 8, "serve")), "x", Span(4, 8), serve, 4,
-                   pair) is None  # fmt: skip
+    assert (
+        refusal(plan(a=(0, 4, "serve"), x=(0, 4, "serve"), y=(4, 8, "serve")), "x", Span(4, 8), serve, 4, pair) is None
+    )

@@ -42,8 +42,9 @@ def test_a_route_binds_only_when_its_owner_signed_it_and_it_names_this_session(k
     accept_route(s, signed(client, route), client.peer_id, server.peer_id)
     assert s.index == 1 and s.previous == other.peer_id
     with pytest.raises(BadInputError, match="another client"):  # a valid signature, of someone else's route
-        accept_route(session(), signed(other, route.model_copy(update={"client": other.peer_id})), client.peer_id,
-                     server.peer_id)  # fmt: skip
+        accept_route(
+            session(), signed(other, route.model_copy(update={"client": other.peer_id})), client.peer_id, server.peer_id
+        )
     with pytest.raises(BadInputError, match="signed by"):  # the owner's name, another's key
         accept_route(session(), signed(other, route), client.peer_id, server.peer_id)
     with pytest.raises(BadInputError, match="exactly once"):
@@ -53,8 +54,9 @@ def test_a_route_binds_only_when_its_owner_signed_it_and_it_names_this_session(k
         accept_route(session(), signed(client, twice), client.peer_id, server.peer_id)
     with pytest.raises(BadInputError, match="older"):  # a route never goes back to an older generation
         accept_route(s, signed(client, route.model_copy(update={"generation": 2})), client.peer_id, server.peer_id)
-    forged = signed(client, route).model_copy(update={"payload": route.model_copy(update={"generation": 9})
-                                                      .model_dump_json()})  # fmt: skip
+    forged = signed(client, route).model_copy(
+        update={"payload": route.model_copy(update={"generation": 9}).model_dump_json()}
+    )
     with pytest.raises(BadInputError, match="signature"):
         accept_route(session(), forged, client.peer_id, server.peer_id)
 
@@ -74,8 +76,9 @@ def test_commitments_are_believed_only_under_a_certified_key(keys):
     stolen = CommitSigner(other).opening.model_copy(update={"public_key": server.public_key})
     with pytest.raises(BadInputError, match="not certified"):  # a key certified by someone else, in its name
         CommitKey(stolen, server.peer_id)
-    assert not key.verify(StepReply(position=5, tag=2, input_digest=reply.input_digest, digest=reply.digest,
-                                    signature="zz"))  # fmt: skip
+    assert not key.verify(
+        StepReply(position=5, tag=2, input_digest=reply.input_digest, digest=reply.digest, signature="zz")
+    )
 
 
 def test_digests_see_every_byte_and_the_dtype():

@@ -25,9 +25,29 @@ def test_no_flags_give_the_dataclass_defaults():
 
 
 def test_every_flag_reaches_its_field():
-    cfg = parse("--model", "tiny-llama", "--blocks", "2:6", "--no-broker", "--initial-peers", "a", "b",
-                "--max-adapter-mb", "1.5", "--direct-port", "off", "--throughput", "250", "--cache-tokens", "64",
-                "--announce-maddr", "/ip4/1.2.3.4/tcp/5", "--standby-fraction", "0.25", "--test-timings")  # fmt: skip
+    cfg = parse(
+        "--model",
+        "tiny-llama",
+        "--blocks",
+        "2:6",
+        "--no-broker",
+        "--initial-peers",
+        "a",
+        "b",
+        "--max-adapter-mb",
+        "1.5",
+        "--direct-port",
+        "off",
+        "--throughput",
+        "250",
+        "--cache-tokens",
+        "64",
+        "--announce-maddr",
+        "/ip4/1.2.3.4/tcp/5",
+        "--standby-fraction",
+        "0.25",
+        "--test-timings",
+    )
     assert cfg.model == "tiny-llama" and cfg.placement.blocks == Span(2, 6) and cfg.placement.broker is False
     assert cfg.network.initial_peers == ("a", "b") and cfg.network.direct_port is None
     assert cfg.network.announce_maddrs == ("/ip4/1.2.3.4/tcp/5",)
@@ -46,10 +66,12 @@ def test_help_shows_the_fields_defaults():
 
 
 def test_bad_values_and_combinations_are_clear_errors(capsys):
-    for argv, message in ((("--direct-port", "sometimes"), "a port flag takes a port number or 'off'"),
-                          (("--blocks", "3"), "a span looks like START:END"),
-                          (("--runtime", "tensorrt"), "--runtime takes 'torch' or 'onnx'"),
-                          (("--cache-tokens", "many"), "invalid literal for int()")):  # fmt: skip
+    for argv, message in (
+        (("--direct-port", "sometimes"), "a port flag takes a port number or 'off'"),
+        (("--blocks", "3"), "a span looks like START:END"),
+        (("--runtime", "tensorrt"), "--runtime takes 'torch' or 'onnx'"),
+        (("--cache-tokens", "many"), "invalid literal for int()"),
+    ):
         with pytest.raises(SystemExit) as info:
             parse(*argv)
         assert info.value.code == 2 and message in capsys.readouterr().err

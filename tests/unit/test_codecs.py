@@ -115,14 +115,20 @@ def _part(compression: int, buffer: bytes, size: list[int], dtype: str = "float3
 
 
 def _block8(block: int, scales: list[float], outliers: list[float], index: list[int], codes: bytes) -> bytes:
-    return b"".join((
-        struct.pack("<I", block), np.asarray(scales, "<f4").tobytes(), np.asarray(outliers, "<f4").tobytes(),
-        bytes(index), codes,
-    ))  # fmt: skip
+    return b"".join(
+        (
+            struct.pack("<I", block),
+            np.asarray(scales, "<f4").tobytes(),
+            np.asarray(outliers, "<f4").tobytes(),
+            bytes(index),
+            codes,
+        )
+    )
 
 
-B8, Q8, U8, F16, BF16 = (codecs.WIRE_IDS[c] for c in (Codec.block8, Codec.quantile8, Codec.uint8, Codec.float16,
-                                                    Codec.bfloat16))  # fmt: skip
+B8, Q8, U8, F16, BF16 = (
+    codecs.WIRE_IDS[c] for c in (Codec.block8, Codec.quantile8, Codec.uint8, Codec.float16, Codec.bfloat16)
+)
 CODEBOOK = np.int64(256).tobytes() + np.zeros(256, "<f4").tobytes()
 MALFORMED = {
     "float16 short": (F16, b"\0" * 7, [2, 2]),

@@ -25,12 +25,34 @@ MODEL = "m"
 N = 6
 
 
-def rec(pid: str, start: int, end: int, state: PeerState = PeerState.ONLINE, fwd: float = 10.0, inf: float = 2.0,
-        device: str = "cpu", num_blocks: int = N) -> ServerRecord:  # fmt: skip
-    return ServerRecord(peer_id=pid, state=state, start=start, end=end, model_id=MODEL, num_blocks=num_blocks,
-                        fingerprint="f", dtype="float32", device=device, forward_tps=fwd, inference_sps=inf,
-                        software_version="1", protocol_version=5, cache_tokens_free=100,
-                        cache_tokens_total=200, requests_served=3)  # fmt: skip
+def rec(
+    pid: str,
+    start: int,
+    end: int,
+    state: PeerState = PeerState.ONLINE,
+    fwd: float = 10.0,
+    inf: float = 2.0,
+    device: str = "cpu",
+    num_blocks: int = N,
+) -> ServerRecord:
+    return ServerRecord(
+        peer_id=pid,
+        state=state,
+        start=start,
+        end=end,
+        model_id=MODEL,
+        num_blocks=num_blocks,
+        fingerprint="f",
+        dtype="float32",
+        device=device,
+        forward_tps=fwd,
+        inference_sps=inf,
+        software_version="1",
+        protocol_version=5,
+        cache_tokens_free=100,
+        cache_tokens_total=200,
+        requests_served=3,
+    )
 
 
 def view_of(*records: ServerRecord, num_blocks: int = N) -> dict[int, list[ServerRecord]]:
@@ -38,8 +60,15 @@ def view_of(*records: ServerRecord, num_blocks: int = N) -> dict[int, list[Serve
 
 
 def info(pid: str, free: int = 50, active: int = 1) -> InfoReply:
-    return InfoReply(peer_id=pid, model_id=MODEL, fingerprint="f", stats={"forward": 4, "inference": 5},
-                     active=active, open_sessions=2, cache_tokens_free=free)  # fmt: skip
+    return InfoReply(
+        peer_id=pid,
+        model_id=MODEL,
+        fingerprint="f",
+        stats={"forward": 4, "inference": 5},
+        active=active,
+        open_sessions=2,
+        cache_tokens_free=free,
+    )
 
 
 class FakeStore:
@@ -72,8 +101,12 @@ def make_observer(store: FakeStore, remote: FakeRemote, **kw: Any) -> tuple[Swar
     return o, now
 
 
-def snap(*records: ServerRecord, live: dict[str, InfoReply | None] | None = None, broker: BrokerView | None = None,
-         now: float = 0.0) -> Snapshot:  # fmt: skip
+def snap(
+    *records: ServerRecord,
+    live: dict[str, InfoReply | None] | None = None,
+    broker: BrokerView | None = None,
+    now: float = 0.0,
+) -> Snapshot:
     return build_snapshot(MODEL, N, view_of(*records), live or {}, broker, 0, now)
 
 
@@ -124,7 +157,10 @@ def test_diff_events():
     assert [e.kind for e in back] == ["reachable", "coverage"]
     left = diff(snap(a, b), snap(a), 6.0)
     assert [(e.kind, e.peer_id) for e in left] + [(e.kind, e.detail) for e in left[1:]] == [
-        ("left", "b"), ("coverage", None), ("coverage", "blocks missing: 3, 4, 5")]  # fmt: skip
+        ("left", "b"),
+        ("coverage", None),
+        ("coverage", "blocks missing: 3, 4, 5"),
+    ]
     brokered = diff(snap(a, b), snap(a, b, broker=BrokerView(holder="a", term=3)), 7.0)
     assert [(e.kind, e.peer_id, e.detail) for e in brokered] == [("broker", "a", "term 3")]
 
@@ -137,8 +173,10 @@ async def test_observer_refresh_events_clock_and_bounds():
     now[0] = 1001.0
     remote.down.add("b")
     second = await o.refresh()
-    assert [(e.kind, e.peer_id, e.at) for e in second.events] == [("unreachable", "b", 1001.0),
-                                                                  ("coverage", None, 1001.0)]  # fmt: skip
+    assert [(e.kind, e.peer_id, e.at) for e in second.events] == [
+        ("unreachable", "b", 1001.0),
+        ("coverage", None, 1001.0),
+    ]
     store.records.pop()
     now[0] = 1002.0
     third = await o.refresh()
@@ -227,8 +265,15 @@ def test_static_files_and_traversal(client):
         r = client.get(f"/static/{name}")
         assert r.status_code == 200 and kind in r.headers["content-type"]
         assert "innerHTML" not in r.text and "http://" not in r.text and "https://" not in r.text
-    for bad in ("../observer.py", "..%2Fobserver.py", "%2e%2e/routes.py", "observer.py", "__init__.py",
-                "..%2F..%2Fsetup.cfg", "/etc/passwd"):  # fmt: skip
+    for bad in (
+        "../observer.py",
+        "..%2Fobserver.py",
+        "%2e%2e/routes.py",
+        "observer.py",
+        "__init__.py",
+        "..%2F..%2Fsetup.cfg",
+        "/etc/passwd",
+    ):
         assert client.get(f"/static/{bad}").status_code == 404, bad
 
 

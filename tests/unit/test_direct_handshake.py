@@ -34,8 +34,9 @@ class _Echo:
 
 
 async def _call(port: int, server: Credentials, client: Credentials) -> dict[str, object]:
-    channel = await TcpChannel.open(f"127.0.0.1:{port}", server.peer_id, RPC_BANDWIDTH, 1 << 20, client,
-                                    client_context(), 10.0)  # fmt: skip
+    channel = await TcpChannel.open(
+        f"127.0.0.1:{port}", server.peer_id, RPC_BANDWIDTH, 1 << 20, client, client_context(), 10.0
+    )
     try:
         await channel.send(wire.encode({"x": 1}))
         message = await asyncio.wait_for(channel.receive(), 10.0)
@@ -50,16 +51,21 @@ def test_same_loop_handshake_names_the_caller_and_enforces_membership_and_caps()
 
     async def scenario() -> None:
         members = {alice.peer_id}
-        direct = DirectServer(_Echo(), server_creds, DirectLimits(max_caller_connections=1),  # type: ignore[arg-type]
-                              lambda caller, token: caller in members)  # fmt: skip
+        direct = DirectServer(
+            _Echo(),
+            server_creds,
+            DirectLimits(max_caller_connections=1),  # type: ignore[arg-type]
+            lambda caller, token: caller in members,
+        )
         port = await direct.start("127.0.0.1", 0)
         try:
             for _ in range(3):  # again and again: the ClientHello always races the server's accept
                 assert (await _call(port, server_creds, alice))["caller"] == alice.peer_id
             with pytest.raises(NotMemberError, match="private swarm"):
                 parse_reply(await _call(port, server_creds, bob), Reply, "server")
-            held = await TcpChannel.open(f"127.0.0.1:{port}", server_creds.peer_id, RPC_BANDWIDTH, 1 << 20, alice,
-                                         client_context(), 10.0)  # fmt: skip
+            held = await TcpChannel.open(
+                f"127.0.0.1:{port}", server_creds.peer_id, RPC_BANDWIDTH, 1 << 20, alice, client_context(), 10.0
+            )
             try:
                 await held.send(wire.encode({"x": 1}))
                 assert await held.receive() is not None  # answered: the server has counted this connection

@@ -79,8 +79,9 @@ def test_prompts_extend_the_context_and_are_dropped_from_the_logits():
     full = parts.head(torch.tanh(embeds) * 2)
     assert torch.equal(out["logits"], full[:, 3:])
     labels = torch.cat([torch.full((2, 3), -100), ids], dim=1)  # the last prompt position predicts the first token
-    assert torch.equal(out["loss"], torch.nn.functional.cross_entropy(full[:, :-1].flatten(0, 1),
-                                                                      labels[:, 1:].flatten()))  # fmt: skip
+    assert torch.equal(
+        out["loss"], torch.nn.functional.cross_entropy(full[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    )
 
 
 def test_score_is_each_tokens_log_probability():
@@ -100,8 +101,9 @@ def test_a_plan_missing_an_input_or_a_handler_is_a_clear_error():
     parts = Parts()
     plan = forward_plan(SHAPE, ROUTE, labels=True)
     with pytest.raises(BadInputError, match="needs labels"):
-        Executor(ModelOps(parts)).run(plan, schedule(plan), {"input_ids": torch.ones(1, 2, dtype=torch.long)},
-                                      Context(), remote)  # fmt: skip
+        Executor(ModelOps(parts)).run(
+            plan, schedule(plan), {"input_ids": torch.ones(1, 2, dtype=torch.long)}, Context(), remote
+        )
     sched = schedule(finetune_plan(SHAPE, ROUTE))
     with pytest.raises(BadInputError, match="nobody here runs optimizer_step"):
         Executor(ModelOps(parts)).update(sched, {})

@@ -99,8 +99,12 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
     ref = saved_reference(name, tmp_path)
     family = family_for(load_config(tmp_path))
     spans = [Span(0, 2), Span(2, 4)]
-    backends = [SpanBackend(family.config, family, load_span(tmp_path, family, s, torch.float32, "cpu"), s, "cpu",
-                            torch.float32) for s in spans]  # fmt: skip
+    backends = [
+        SpanBackend(
+            family.config, family, load_span(tmp_path, family, s, torch.float32, "cpu"), s, "cpu", torch.float32
+        )
+        for s in spans
+    ]
     client = loaded_client(tmp_path)
     ids = torch.randint(1, 320, (2, 13))
     mask = torch.ones_like(ids)
@@ -111,8 +115,9 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
         positions = torch.arange(past, past + tokens.shape[1]).unsqueeze(0).expand(2, -1)
         hidden = client.embed(tokens, positions)
         for backend, cache in zip(backends, caches, strict=True):
-            hidden = backend.run(hidden, backend.span, attention_mask=mask[:, : past + tokens.shape[1]],
-                                 cache=cache, past=past)  # fmt: skip
+            hidden = backend.run(
+                hidden, backend.span, attention_mask=mask[:, : past + tokens.shape[1]], cache=cache, past=past
+            )
         return client.head(hidden)
 
     def settle() -> None:

@@ -104,8 +104,9 @@ def test_every_assumption_has_a_reason(cat: dict[str, DeviceSpec]) -> None:
 
 
 def test_crossover_grid(cat: dict[str, DeviceSpec]) -> None:
-    cx = crossover(cat["rtx3080"], 50, cat["h100"], 4, Pretraining(), bandwidths=log_grid(1.25e6, 1.25e9, 4),
-                   delays=(0.001, 0.1))  # fmt: skip
+    cx = crossover(
+        cat["rtx3080"], 50, cat["h100"], 4, Pretraining(), bandwidths=log_grid(1.25e6, 1.25e9, 4), delays=(0.001, 0.1)
+    )
     assert len(cx.ratio) == 2 and len(cx.ratio[0]) == 4
     assert cx.ratio[0][-1] > cx.ratio[0][0]
     assert all(m is None or m in cx.bandwidths for m in cx.match + cx.cheaper)
@@ -113,8 +114,15 @@ def test_crossover_grid(cat: dict[str, DeviceSpec]) -> None:
 
 def test_script_writes_plots(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model.py"), "--plots", str(tmp_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cost_model.py"), "--plots", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "Verdict" in out.stdout and "Assumptions" in out.stdout
     for name in ("serving-crossover.png", "training-crossover.png", "throughput-vs-bandwidth.png"):
         assert (tmp_path / name).stat().st_size > 1000

@@ -13,8 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # swarm/wan/client_job.py: the client process of a WAN node (benchmarks and the WAN test); swarm/perf/probe.py: the
 # calibration's swarm with a client (run by ``python -m swarm.perf calibrate``)
-ENTRY_POINTS = {"swarm/serve.py", "swarm/status.py", "swarm/demo.py", "swarm/train.py", "swarm/export.py",
-                "swarm/plan/__main__.py", "swarm/wan/client_job.py", "swarm/perf/probe.py"}  # fmt: skip
+ENTRY_POINTS = {
+    "swarm/serve.py",
+    "swarm/status.py",
+    "swarm/demo.py",
+    "swarm/train.py",
+    "swarm/export.py",
+    "swarm/plan/__main__.py",
+    "swarm/wan/client_job.py",
+    "swarm/perf/probe.py",
+}
 PUBLIC_API = "swarm/__init__.py"  # re-exports the client lazily
 # the client itself, and the HTTP API (``python -m swarm.api``): an application of the client, as the demo is
 CLIENT_SIDE = ("swarm/client/", "swarm/api/")
@@ -36,8 +44,11 @@ def offenders(folder: str, forbidden: str, allowed: set[str]) -> list[str]:
         rel = path.relative_to(ROOT).as_posix()
         if rel in allowed or rel.startswith(CLIENT_SIDE):
             continue
-        found += [f"{rel}:{line} imports {name}" for line, name in imports(path)
-                  if name == forbidden or name.startswith(forbidden + ".")]  # fmt: skip
+        found += [
+            f"{rel}:{line} imports {name}"
+            for line, name in imports(path)
+            if name == forbidden or name.startswith(forbidden + ".")
+        ]
     return found
 
 

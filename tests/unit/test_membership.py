@@ -87,10 +87,13 @@ def test_tokens_admit_only_their_peer_under_the_same_key(key: SwarmKey, tmp_path
 
 def test_members_requests_and_answers_pass(key: SwarmKey):
     client, server = SwarmKeyAuthorizer(key), SwarmKeyAuthorizer(key)
-    for request in (dht_pb2.PingRequest(peer=dht_pb2.NodeInfo(node_id=b"n" * 20), validate=True),
-                    dht_pb2.StoreRequest(keys=[b"k" * 20], values=[b"v"], expiration_time=[time.time() + 9],
-                                         subkeys=[b"s"], in_cache=[False]),
-                    dht_pb2.FindRequest(keys=[b"k" * 20])):  # fmt: skip
+    for request in (
+        dht_pb2.PingRequest(peer=dht_pb2.NodeInfo(node_id=b"n" * 20), validate=True),
+        dht_pb2.StoreRequest(
+            keys=[b"k" * 20], values=[b"v"], expiration_time=[time.time() + 9], subkeys=[b"s"], in_cache=[False]
+        ),
+        dht_pb2.FindRequest(keys=[b"k" * 20]),
+    ):
         sent = copy(signed(client, request))
         assert run(server.validate_request(sent))
         response = dht_pb2.FindResponse(results=[dht_pb2.FindResult(type=dht_pb2.FOUND_REGULAR, value=b"v")])

@@ -37,8 +37,11 @@ from swarm.serve import build_parser
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of an exposition, by name and sorted labels."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def text(m: PeerMetrics) -> str:
@@ -49,14 +52,22 @@ def fake_peer(metrics: PeerMetrics) -> Any:
     budget = CacheBudget(1000)
     budget.used = 300
     compute = SimpleNamespace(
-        metrics=metrics, active=2, kept=[1, 2, 3], adapters=_Sized(5, 4096),
+        metrics=metrics,
+        active=2,
+        kept=[1, 2, 3],
+        adapters=_Sized(5, 4096),
         stats=Counter(forward=7, adapter_uploads=4, sessions=3, not_kept=1),
-    )  # fmt: skip
+    )
     return SimpleNamespace(
-        peer_id="12D3KooWpeer", model=SimpleNamespace(name="tiny-llama"), compute=compute, span=Span(2, 6),
-        role=Role.SERVE, state=PeerState.ONLINE, span_loads=1,
+        peer_id="12D3KooWpeer",
+        model=SimpleNamespace(name="tiny-llama"),
+        compute=compute,
+        span=Span(2, 6),
+        role=Role.SERVE,
+        state=PeerState.ONLINE,
+        span_loads=1,
         sessions=SimpleNamespace(budget=budget, open={("a", "s1"): 1, ("b", "s2"): 2}, tokens=lambda n, span: n // 10),
-    )  # fmt: skip
+    )
 
 
 class _Sized:

@@ -141,5 +141,6 @@ def test_serving_stage_builds_the_runtime_it_is_told(tiny_models, tmp_path):
     runtime = stage.probe()
     assert isinstance(runtime, OnnxSpan) and runtime.span == Span(0, 1)
     assert (tmp_path / "onnx").is_dir()  # exported into the peer's cache directory
-    assert isinstance(ServingStage.from_config(PeerConfig(model=str(tiny_models["llama"]), cache_dir=tmp_path)).probe(),
-                      SpanBackend)  # fmt: skip
+    assert isinstance(
+        ServingStage.from_config(PeerConfig(model=str(tiny_models["llama"]), cache_dir=tmp_path)).probe(), SpanBackend
+    )

@@ -16,8 +16,16 @@ from swarm.perf.validation import Row, finetune_rows, table, wan_link
 from swarm.plan.compile import Call, ModelShape, generate_plan, repair
 from swarm.rpc.hop import Hop
 
-SMALL = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)  # fmt: skip
+SMALL = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    tie_word_embeddings=False,
+)
 FAST = Device("ideal", flops=1e18, bandwidth=1e18)  # work costs nothing: only links and software remain
 
 
@@ -105,10 +113,22 @@ def test_pretraining_more_stages_cost_more_calls():
 
 
 def test_calibration_record_and_clamping(tmp_path):
-    hw = Hardware(flops=1e11, attention_flops=4e10, bandwidth=1e10, elementwise_bandwidth=1e10,
-                  block_overhead=3e-4, backward_overhead=9e-4)  # fmt: skip
-    cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8,
-                      software={"step_hop": 0.002, "client_step": -0.001}, measured_at=0.0)  # fmt: skip
+    hw = Hardware(
+        flops=1e11,
+        attention_flops=4e10,
+        bandwidth=1e10,
+        elementwise_bandwidth=1e10,
+        block_overhead=3e-4,
+        backward_overhead=9e-4,
+    )
+    cal = Calibration(
+        machine="m",
+        threads=1,
+        hardware=hw,
+        transport_bandwidth=1e8,
+        software={"step_hop": 0.002, "client_step": -0.001},
+        measured_at=0.0,
+    )
     again = Calibration.model_validate_json(cal.model_dump_json())
     assert again == cal
     assert again.costs().client_step == 0.0  # a negative difference of noisy timings is no cost
@@ -118,12 +138,22 @@ def test_calibration_record_and_clamping(tmp_path):
 
 
 def test_validation_rows_and_table(monkeypatch):
-    hw = Hardware(flops=1e11, attention_flops=4e10, bandwidth=1e10, elementwise_bandwidth=1e10,
-                  block_overhead=3e-4, backward_overhead=9e-4)  # fmt: skip
+    hw = Hardware(
+        flops=1e11,
+        attention_flops=4e10,
+        bandwidth=1e10,
+        elementwise_bandwidth=1e10,
+        block_overhead=3e-4,
+        backward_overhead=9e-4,
+    )
     cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8, software={}, measured_at=0.0)
     monkeypatch.setattr("swarm.perf.validation.arch_of", lambda model: Arch.from_config(SMALL))
-    data = {"args": {"model": "small", "spans": ["0:1", "1:3"], "batch": 2, "seq": 32, "rank": 8},
-            "adapter_params": 1000, "local_step_s": 0.5, "swarm_step_s": 0.6}  # fmt: skip
+    data = {
+        "args": {"model": "small", "spans": ["0:1", "1:3"], "batch": 2, "seq": 32, "rank": 8},
+        "adapter_params": 1000,
+        "local_step_s": 0.5,
+        "swarm_step_s": 0.6,
+    }
     rows = finetune_rows(cal, data)
     assert [r.case.endswith("(swarm)") for r in rows] == [False, True]
     assert all(r.rate and r.predicted > 0 for r in rows)
@@ -157,8 +187,16 @@ def test_predict_report_and_gpu_script(tmp_path, monkeypatch):
     from swarm.perf.report import predict_report
 
     monkeypatch.setattr("swarm.perf.report.arch_of", lambda model: Arch.from_config(SMALL))
-    args = argparse.Namespace(model="small", spans=["0:1", "1:3"], device="rtx3080", client_device="cpu",
-                              dtype="bfloat16", delay_ms=20.0, mbps=100.0, prompt=64)  # fmt: skip
+    args = argparse.Namespace(
+        model="small",
+        spans=["0:1", "1:3"],
+        device="rtx3080",
+        client_device="cpu",
+        dtype="bfloat16",
+        delay_ms=20.0,
+        mbps=100.0,
+        prompt=64,
+    )
     text = predict_report(args, None)
     assert "2 x NVIDIA GeForce RTX 3080" in text and "software costs are left out" in text
     assert "decode, chained" in text and "LoRA" in text
@@ -167,7 +205,22 @@ def test_predict_report_and_gpu_script(tmp_path, monkeypatch):
     # the GPU rows' script runs the same code path on a CPU with tiny shapes
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "rows.json"
-    subprocess.run([sys.executable, "scripts/validate_gpu.py", "--device", "cpu", "--dtype", "float32", "--small",
-                    "--json", str(out)], cwd=root, check=True, capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "scripts/validate_gpu.py",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--small",
+            "--json",
+            str(out),
+        ],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) >= 4 and all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)

@@ -140,8 +140,13 @@ def test_render_errors_are_clear(tmp_path, monkeypatch):
 
 def test_human_bytes():
     assert [human_bytes(n) for n in (0, 1023, 1024, 147456, 3 << 20, 5 << 30)] == [
-        "0 B", "1023 B", "1.0 KiB", "144 KiB", "3.0 MiB", "5.0 GiB"
-    ]  # fmt: skip
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "144 KiB",
+        "3.0 MiB",
+        "5.0 GiB",
+    ]
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(1 << 60) == "1048576 TiB"
 
 

@@ -20,13 +20,39 @@ from tests.unit.test_plan_ir import PLANS, as_dict
 
 # ---- fuzzing -------------------------------------------------------------------------------------------------------
 EXAMPLES = int(os.environ.get("SWARM_FUZZ_EXAMPLES", "300"))
-FUZZ = settings(derandomize=True, max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    derandomize=True, max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 SEEDS = st.integers(min_value=0, max_value=2**64 - 1)
 BASES = [PLANS[k] for k in ("finetune/concrete", "generate-prompts/symbolic", "pretrain-averaging/concrete")]
-JUNK: list[object] = [None, True, 0, -1, 1, 2**31, 2**63, -(2**63), 1.5, "", "client", "f1", "head", "tokens+1",
-                      "float16", "span_backward", "backward", "update", "hidden", "labels", "\x00", "\ud800", [],
-                      [1, "batch"], {}, {"shape": [], "dtype": "int64"}]  # fmt: skip
+JUNK: list[object] = [
+    None,
+    True,
+    0,
+    -1,
+    1,
+    2**31,
+    2**63,
+    -(2**63),
+    1.5,
+    "",
+    "client",
+    "f1",
+    "head",
+    "tokens+1",
+    "float16",
+    "span_backward",
+    "backward",
+    "update",
+    "hidden",
+    "labels",
+    "\x00",
+    "\ud800",
+    [],
+    [1, "batch"],
+    {},
+    {"shape": [], "dtype": "int64"},
+]
 
 
 def _junk(rng: random.Random) -> Any:

@@ -104,8 +104,10 @@ def test_compiled_plans_say_what_they_compute():
     transfer = plan.node("f1.in")
     assert isinstance(transfer, Transfer) and transfer.nbytes == 2 * 5 * 8 * 2 and transfer.dst == PEER_B
     assert [(n.peer, n.start, n.end) for n in plan.remote() if isinstance(n, SpanForward)] == [
-        (PEER_A, 0, 2), (PEER_B, 2, 3), (PEER_C, 3, 4)
-    ]  # fmt: skip
+        (PEER_A, 0, 2),
+        (PEER_B, 2, 3),
+        (PEER_C, 3, 4),
+    ]
     assert {n.op for n in plan.phase("update")} == {"optimizer_step"}
     prompts = PLANS["finetune-prompts/symbolic"].types()
     assert str(prompts["f0.in"]) == "float32[batch, tokens+4, 8]"
@@ -257,10 +259,24 @@ def test_other_versions_and_bad_values_are_refused():
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\x00", b"\xff\xfe\xfd", b"not a plan", b"{not json", b'{"task": ', b"\xc1", b"[1, 2]",
-     msgpack.packb([1, 2, 3]), msgpack.packb(7), msgpack.packb({"nodes": b"\x00" * 8}), msgpack.packb("plan"),
-     json.dumps({"nodes": None}).encode(), b"{}", "{\"task\": \"\ud800\"}".encode("utf-8", "surrogatepass")],
-)  # fmt: skip
+    [
+        b"",
+        b"\x00",
+        b"\xff\xfe\xfd",
+        b"not a plan",
+        b"{not json",
+        b'{"task": ',
+        b"\xc1",
+        b"[1, 2]",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb(7),
+        msgpack.packb({"nodes": b"\x00" * 8}),
+        msgpack.packb("plan"),
+        json.dumps({"nodes": None}).encode(),
+        b"{}",
+        '{"task": "\ud800"}'.encode("utf-8", "surrogatepass"),
+    ],
+)
 def test_garbage_is_refused(data):
     with pytest.raises(PlanError, match="not a plan|invalid plan"):
         Plan.parse(data)
@@ -286,8 +302,11 @@ def test_repair_rebinds_a_hop_to_a_new_route(name):
     assert "f1" not in {n.id for n in fixed.nodes} and PEER_B not in {n.party for n in fixed.nodes}
     node = fixed.node("f1.r1.0")
     assert isinstance(node, SpanForward) and (node.peer, node.start, node.end, node.dtype) == (
-        "12D3KooWDdddd", 2, 3, "bfloat16"
-    )  # fmt: skip
+        "12D3KooWDdddd",
+        2,
+        3,
+        "bfloat16",
+    )
     # whatever read the old hop reads the new one: the outputs keep their types
     before, after = plan.types(), fixed.types()
     assert {k: after[k] for k in before if k in after and k not in ("f1.in",)} == {
@@ -296,8 +315,11 @@ def test_repair_rebinds_a_hop_to_a_new_route(name):
     assert set(after) >= {"logits", "f2.in"}
     if plan.task == "finetune":  # the backward follows the forward to its new server
         backward = [n for n in fixed.remote() if isinstance(n, SpanBackward)]
-        assert [(n.peer, n.inputs[1]) for n in backward] == [(PEER_C, "f2"), ("12D3KooWDdddd", "f1.r1.0"),
-                                                              (PEER_A, "f0")]  # fmt: skip
+        assert [(n.peer, n.inputs[1]) for n in backward] == [
+            (PEER_C, "f2"),
+            ("12D3KooWDdddd", "f1.r1.0"),
+            (PEER_A, "f0"),
+        ]
         assert fixed.types()["grad_input"] == plan.types()["grad_input"]
 
 

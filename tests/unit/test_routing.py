@@ -121,8 +121,10 @@ def test_routes_that_need_a_capability_skip_servers_without_it():
         names = {r.peer_id for r in eligible(view, fingerprint="fp", needs=frozenset(needs))}
         assert names == {"torch-a", "torch-b"}, needs
     assert {r.peer_id for r in eligible(view, fingerprint="fp", needs=frozenset({Capability.FORWARD}))} == {
-        "torch-a", "onnx-b", "torch-b",
-    }  # fmt: skip
+        "torch-a",
+        "onnx-b",
+        "torch-b",
+    }
     # a record without the fields (a peer from before runtimes were announced) is read as the torch runtime
     legacy = {k: v for k, v in torch_a.to_wire().items() if k not in ("runtime", "capabilities")}
     parsed = parse_record(legacy)
@@ -143,8 +145,9 @@ def test_swarm_view_routes_by_needed_capabilities():
     from swarm.client.swarm_view import SwarmView
     from swarm.config import ClientConfig
 
-    onnx_fast = record(peer_id="onnx", start=0, end=8, runtime="onnx", capabilities=ONNX_CAPS, inference_sps=1e6,
-                       forward_tps=1e6)  # fmt: skip
+    onnx_fast = record(
+        peer_id="onnx", start=0, end=8, runtime="onnx", capabilities=ONNX_CAPS, inference_sps=1e6, forward_tps=1e6
+    )
     torch_slow = record(peer_id="torch", start=0, end=8, inference_sps=1.0, forward_tps=1.0)
     sv = SwarmView(_Store(view_of(onnx_fast, torch_slow)), "m", 8, ClientConfig())
     assert spans(sv.route(0, 8)) == [("onnx", 0, 8)]  # the faster one, when nothing special is needed

@@ -145,8 +145,11 @@ def test_a_state_with_nan_is_refused(tmp_path):
 class FakeRemote:
     """Replicas answering state requests from a table (the selection logic is what is under test)."""
 
-    def __init__(self, states: dict[str, tuple[int, dict[str, torch.Tensor]]],
-                 rounds: dict[str, tuple[int, dict[str, torch.Tensor]]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        states: dict[str, tuple[int, dict[str, torch.Tensor]]],
+        rounds: dict[str, tuple[int, dict[str, torch.Tensor]]],
+    ) -> None:
         self.states, self.rounds = states, rounds
 
     async def state(self, hop, timeout, max_bytes, last_round=False):
@@ -159,8 +162,9 @@ def server(peer_id: str) -> ServerRecord:
 
 
 def round_of(peer_id: str, step: int, tensors: dict[str, torch.Tensor]) -> RoundRecord:
-    return RoundRecord(peer_id=peer_id, start=STAGE.start, end=STAGE.end, step=step, digest=state_digest(tensors),
-                       updated=0.0)  # fmt: skip
+    return RoundRecord(
+        peer_id=peer_id, start=STAGE.start, end=STAGE.end, step=step, digest=state_digest(tensors), updated=0.0
+    )
 
 
 def run_selection(remote: FakeRemote, sources: StageSources):
@@ -177,8 +181,12 @@ def test_a_joiner_takes_the_round_two_replicas_sign_not_the_furthest_claim():
         states={"A": (12, honest), "B": (12, nearly), "E": (11, garbage)},
         rounds={"A": (10, honest), "B": (10, nearly), "E": (10, garbage)},
     )
-    rounds = [round_of("A", 10, honest), round_of("B", 10, nearly), round_of("E", 10, garbage),
-              round_of("E", 11, garbage)]  # fmt: skip
+    rounds = [
+        round_of("A", 10, honest),
+        round_of("B", 10, nearly),
+        round_of("E", 10, garbage),
+        round_of("E", 11, garbage),
+    ]
     sources = StageSources([server("E"), server("A"), server("B")], rounds, max_step=13)
     step, state = run_selection(remote, sources)
     assert step == 10 and (torch.equal(state["w"], honest["w"]) or torch.equal(state["w"], nearly["w"]))

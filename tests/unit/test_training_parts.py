@@ -85,10 +85,16 @@ def test_micro_batches_are_wired_to_replicas_in_proportion_to_speed():
     assert choose_route([fast, slow], 0, 4, mode="forward")[0].peer_id == "fast"  # without noise: always fast
     rng = random.Random(0)
     picks = [
-        choose_route([fast, slow], 0, 4, mode="forward", default_latency=0.0,
-                     noise={"fast": rng.expovariate(1.0), "slow": rng.expovariate(1.0)})[0].peer_id
+        choose_route(
+            [fast, slow],
+            0,
+            4,
+            mode="forward",
+            default_latency=0.0,
+            noise={"fast": rng.expovariate(1.0), "slow": rng.expovariate(1.0)},
+        )[0].peer_id
         for _ in range(2000)
-    ]  # fmt: skip
+    ]
     assert 0.70 < picks.count("fast") / len(picks) < 0.80  # 3 : 1
 
 

@@ -94,10 +94,18 @@ class Trainer:
         config = run.hf_config()
         state = initial_client_state(run, DistributedModelForCausalLM.local_tensor_names(config))
         self.model = DistributedModelForCausalLM.from_parts(
-            config, state, model_id=run.model_id, initial_peers=initial_peers, fingerprint=run.fingerprint,
-            timing=self.timing, cache_dir=run.cache_dir, direct=direct, wiring_seed=wiring_seed, identity=identity,
+            config,
+            state,
+            model_id=run.model_id,
+            initial_peers=initial_peers,
+            fingerprint=run.fingerprint,
+            timing=self.timing,
+            cache_dir=run.cache_dir,
+            direct=direct,
+            wiring_seed=wiring_seed,
+            identity=identity,
             swarm_key=swarm_key,
-        )  # fmt: skip
+        )
         self.model.pretraining(run.target_batch_size, run.average_every)  # its plans carry the step's update
         self.params = list(self.model.parameters())
         self.opt = make_optimizer(self.params, run)
@@ -200,8 +208,10 @@ class Trainer:
 
     def _apply_step(self, to_step: int) -> None:
         """The update phase of the pre-training plan: the optimizer step, then the averaging round when due."""
-        handlers: dict[str, Handler] = {"optimizer_step": lambda node: self._optimizer_step(to_step),
-                                        "average": lambda node: self._average_due()}  # fmt: skip
+        handlers: dict[str, Handler] = {
+            "optimizer_step": lambda node: self._optimizer_step(to_step),
+            "average": lambda node: self._average_due(),
+        }
         last = self.model.runner.last
         if last is not None and last[0].task == "pretrain":
             self.model.run_update(handlers)
@@ -246,8 +256,9 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         model = {k: v.clone() for k, v in self.model.state_dict().items()}
-        checkpoint = TrainerCheckpoint(step=self.step, position=self.position, model=model,
-                                       optimizer=self.opt.state_dict())  # fmt: skip
+        checkpoint = TrainerCheckpoint(
+            step=self.step, position=self.position, model=model, optimizer=self.opt.state_dict()
+        )
         return checkpoints.save(self.checkpoint_dir, checkpoint)
 
     def load_latest_checkpoint(self) -> bool:
