@@ -6,12 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peers.serving.config import MIB, ComputeConfig
 from swarm.cli import option
 from swarm.config import Timing, default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
-
-MIB = 1024 * 1024
 
 
 def _port_or_off(text: str) -> int | None:
@@ -24,25 +23,6 @@ def _port_or_off(text: str) -> int | None:
     if not 0 <= port < 65536:
         raise BadInputError(f"a port lies in 0..65535, got {port}")
     return port
-
-
-def _auto_or_float(text: str) -> float | None:
-    if text == "auto":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise BadInputError(f"--throughput takes 'auto' or a number, got {text!r}") from None
-
-
-def _runtime(text: str) -> str:
-    if text not in ("torch", "onnx"):  # peers.blocks.runtime.RUNTIMES (not imported here: that pulls in torch)
-        raise BadInputError(f"--runtime takes 'torch' or 'onnx', got {text!r}")
-    return text
-
-
-def _mib(text: str) -> int:
-    return int(float(text) * MIB)
 
 
 @dataclass(frozen=True)
@@ -76,92 +56,6 @@ class NetworkConfig:
         None, hidden=True, help="tests: seconds a direct connection may take to be called (default: the timing's)"
     )
     probe_bytes: int = 4 * MIB  # the payload a joining peer times to estimate its link
-
-
-@dataclass(frozen=True)
-class ComputeConfig:
-    """What runs the blocks and what one request or session may take of it."""
-
-    device: str = option("cpu", help="where to serve: cpu, cuda, cuda:1, ...")
-    runtime: str = option(
-        "torch",
-        parse=_runtime,
-        metavar="torch|onnx",
-        help="what runs the blocks: torch (inference, forward, backward, adapters) or onnx (ONNX Runtime on the "
-        "CPU, Llama-family models in float32: inference and forward only; routes that train or carry adapters skip it)",
-    )
-    dtype: str | None = option(None, help="serving dtype (default: the model card's)")
-    threads: int = option(1, help="compute threads, torch's or ONNX Runtime's (peers often share a machine's cores)")
-    throughput: float | None = option(
-        None,
-        parse=_auto_or_float,
-        show="auto",
-        help="'auto' measures the span once and caches it; a number (forward tokens/s of ONE block) skips the probe",
-    )
-    cache_tokens: int = option(
-        8192,
-        help="KV-cache budget as tokens of context through this peer's largest span (batch x max_length, all "
-        "sessions together), turned into bytes by the model family's cache layout",
-    )
-    cache_bytes: int | None = option(
-        None,
-        name="--cache-mb",
-        parse=_mib,
-        show="from --cache-tokens",
-        metavar="MB",
-        help="KV-cache budget in MiB instead (a session reserves what its family's caches take for its span)",
-    )
-    max_batch_tokens: int = option(8192, help="largest batch x sequence one request may carry")
-    max_adapter_bytes: int = option(
-        512 * MIB,
-        name="--max-adapter-mb",
-        parse=_mib,
-        show="512",
-        metavar="MB",
-        help="room for clients' adapters and deep prompts, all clients together",
-    )
-    max_message_bytes: int = option(
-        256 * MIB, name="--max-message-mb", parse=_mib, show="256", metavar="MB", help="a larger request is refused"
-    )
-    max_held_bytes: int = option(
-        1024 * MIB,
-        name="--max-held-mb",
-        parse=_mib,
-        show="1024",
-        metavar="MB",
-        help="bytes of requests held at once (arriving, queued or computing), all callers together; more is 'busy'",
-    )
-    max_kept_bytes: int = option(
-        2048 * MIB,
-        name="--max-kept-mb",
-        parse=_mib,
-        show="2048",
-        metavar="MB",
-        help="forward passes kept for a pending backward (what autograd saved), all callers together",
-    )
-    max_caller_kept_bytes: int = option(
-        512 * MIB,
-        name="--max-caller-kept-mb",
-        parse=_mib,
-        show="512",
-        metavar="MB",
-        help="...and for one caller (its oldest go first; beyond either, the client recomputes)",
-    )
-    max_caller_adapter_bytes: int = option(
-        128 * MIB,
-        name="--max-caller-adapter-mb",
-        parse=_mib,
-        show="128",
-        metavar="MB",
-        help="room for one caller's adapters (a larger upload is refused)",
-    )
-    max_sessions: int = option(128, help="open inference sessions, all callers together")
-    max_caller_sessions: int = option(16, help="open inference sessions of one caller")
-    caller_cache_share: float = option(0.5, help="share of the KV-cache budget one caller's sessions may reserve")
-    max_queued: int = option(256, help="compute requests waiting for or running on the compute thread, all callers")
-    max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
-    inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")
-    perturb_weights: float = option(0.0, hidden=True, help="tests: noise added to the weights after fingerprinting")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from peers.blocks.runtime import SpanRuntime
+from peers.serving.runtime import SpanRuntime
 from swarm.errors import SwarmError
+from swarm.hop import Hop
 from swarm.records import ServerRecord
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote
 
 

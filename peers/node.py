@@ -1,31 +1,33 @@
 """Wires one volunteer peer together: DHT, the stage it serves (whose span can change), compute, RPC servicer,
-announcer, follower and broker candidate. The node never asks what kind of stage it runs (see ``peers.stage``)."""
+announcer, follower and broker candidate. The node never asks what kind of stage it runs (``peers.serving.stage``),
+and serves no web app of its own: metrics read its frozen snapshots, and the dashboard is handed in."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from peers.blocks.runtime import SpanRuntime
 from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
 from peers.config import PeerConfig
 from peers.follower import run_follower
 from peers.hardware import Hardware, cached_throughput, estimate_link_mbps, probe_hardware, usable_memory
-from peers.kv_cache import CacheBudget, KvCost
-from peers.observe import Observers, start_observers
-from peers.rpc.checks import Limits
-from peers.rpc.compute import ComputeService
+from peers.metrics import PeerSnapshot
+from peers.observe import Dashboard, Observers, start_metrics
 from peers.rpc.direct_server import DirectLimits, DirectServer
-from peers.rpc.limits import Quota
 from peers.rpc.servicer import Admit, Servicer
-from peers.rpc.sessions import Sessions
-from peers.stage import ModelInfo, Stage, StageEnv
-from swarm import __version__, wire
+from peers.serving.checks import Limits
+from peers.serving.compute import ComputeService
+from peers.serving.kv_cache import CacheBudget, KvCost
+from peers.serving.limits import Quota
+from peers.serving.runtime import SpanRuntime
+from peers.serving.sessions import Sessions
+from peers.serving.stage import ModelInfo, Stage, StageEnv
+from swarm import wire
 from swarm.dht import RecordStore, dht_time, start_dht
 from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import Span, peers_key
@@ -33,6 +35,7 @@ from swarm.membership import swarm_key_for
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
 from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, ServerRecord, servers
 from swarm.rpc.remote import Remote
+from swarm.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +232,31 @@ class Peer:
             active=self.compute.active,
         )
 
+    def snapshot(self, traffic: Mapping[str, int]) -> PeerSnapshot:
+        """This peer's state now, for metrics (``traffic``: the bytes of its own calls as a client)."""
+        budget, compute, stats = self.sessions.budget, self.compute, self.compute.stats
+        return PeerSnapshot(
+            peer_id=self.peer_id,
+            model=self.model.name,
+            span=self._span,
+            role=self._role.value if self._role else "",
+            state=self.state.value,
+            cache_bytes_total=budget.total,
+            cache_bytes_used=budget.used,
+            cache_tokens_free=self.sessions.tokens(budget.free, self._span),
+            open_sessions=len(self.sessions.open),
+            active_requests=compute.active,
+            kept_activations=len(compute.kept),
+            adapter_clients=len(compute.adapters),
+            adapter_bytes=compute.adapters.nbytes,
+            adapter_uploads=stats.get("adapter_uploads", 0),
+            not_kept=stats.get("not_kept", 0),
+            sessions_opened=stats.get("sessions", 0),
+            span_loads=self.span_loads,
+            client_sent_bytes=traffic.get("sent_bytes", 0),
+            client_received_bytes=traffic.get("received_bytes", 0),
+        )
+
 
 def max_blocks(cfg: PeerConfig, model: ModelInfo) -> int:
     """How many blocks this peer offers: its pinned span, else what its memory holds (up to --max-blocks)."""
@@ -260,8 +288,14 @@ async def _estimate_link(peer: Peer, remote: Remote) -> None:
 
 
 async def run_peer(
-    cfg: PeerConfig, stage: Stage, stop: asyncio.Event, on_ready: Callable[[list[str]], None] | None = None
+    cfg: PeerConfig,
+    stage: Stage,
+    stop: asyncio.Event,
+    on_ready: Callable[[list[str]], None] | None = None,
+    dashboard: Dashboard | None = None,
 ) -> None:
+    """Run one peer until ``stop`` is set. ``dashboard`` serves ``--dashboard-port`` (the entry point hands in
+    ``swarm.dashboard.peer.serve_peer_dashboard``: the node imports no web app)."""
     cfg.check()
     torch.set_num_threads(cfg.compute.threads)
     model = stage.model
@@ -301,7 +335,7 @@ async def run_peer(
     remote: Remote | None = None
     servicer: Servicer | None = None
     peer: Peer | None = None
-    observers: Observers | None = None
+    observers = Observers()
     try:
         p2p = await store.replicate_p2p()
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
@@ -344,7 +378,7 @@ async def run_peer(
             planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
             tasks.append(asyncio.create_task(run_broker(store, model.name, planner, cfg.timing)))
         tasks += [asyncio.create_task(work) for work in stage.background()]
-        observers = await start_observers(cfg.observe, peer, remote, cfg.timing)
+        await _observe(cfg, peer, remote, observers, dashboard)
         log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
         if on_ready is not None:
             on_ready(peer.maddrs)
@@ -355,8 +389,7 @@ async def run_peer(
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
-        if observers is not None:
-            observers.close()
+        observers.close()
         if direct is not None:
             await direct.close()
         if servicer is not None and servicer.relay is not None:
@@ -368,6 +401,22 @@ async def run_peer(
         store.shutdown()
     if peer is not None and peer.lost_dht:
         raise DhtLostError("this peer lost its DHT (its DHT process died) and left the swarm")
+
+
+async def _observe(
+    cfg: PeerConfig, peer: Peer, remote: Remote, observers: Observers, dashboard: Dashboard | None
+) -> None:
+    obs = cfg.observe
+    if obs.metrics_port is not None:
+        start_metrics(observers, obs, peer.compute.metrics, lambda: peer.snapshot(remote.traffic))
+    if obs.dashboard_port is not None:
+        if dashboard is None:
+            raise BadInputError("--dashboard-port: this launcher of the peer serves no dashboard")
+        model = peer.model
+        url, close = await dashboard(
+            peer.store, remote, model.name, model.num_blocks, cfg.timing, peer.info, obs.http_host, obs.dashboard_port
+        )
+        observers.add("dashboard", url, close)
 
 
 async def _leave(peer: Peer, sessions: Sessions, tasks: list[asyncio.Task[None]]) -> None:

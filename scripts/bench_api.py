@@ -18,9 +18,10 @@ import openai
 import torch
 from transformers import BatchEncoding
 
+from harness.local_swarm import ApiProcess
 from swarm import DistributedModelForCausalLM, load_tokenizer
 from swarm.config import Timing
-from swarm.local_swarm import ApiProcess, LocalSwarm
+from swarm.launch import LocalSwarm
 
 PROMPT = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}]
 

@@ -16,7 +16,7 @@ import time
 
 from swarm.config import Timing
 from swarm.dht import start_dht
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from swarm.records import PeerState, View, servers
 
 HEARTBEAT_TIMEOUT = Timing.for_tests().heartbeat_timeout

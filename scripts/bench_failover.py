@@ -19,9 +19,10 @@ from dataclasses import replace
 
 import torch
 
+from harness.local_swarm import Disturber
 from swarm import DistributedModelForCausalLM
 from swarm.config import Timing
-from swarm.local_swarm import Disturber, LocalSwarm
+from swarm.launch import LocalSwarm
 
 SPANS = ["0:10", "0:10", "10:20", "10:20", "20:30", "20:30"]
 

@@ -22,7 +22,7 @@ import torch
 
 from swarm import DistributedModelForCausalLM
 from swarm.config import default_cache_dir, load_model_card
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from swarm.model_files import load_config, model_folder
 
 

@@ -20,7 +20,7 @@ import torch
 
 from swarm import DistributedModelForCausalLM
 from swarm.config import default_cache_dir, load_model_card
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from swarm.model_files import load_config, model_folder
 
 SPANS = {"tiny-llama": ["0:4", "4:8"], "smollm2-135m": ["0:10", "10:20", "20:30"]}

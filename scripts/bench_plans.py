@@ -19,9 +19,9 @@ import torch
 
 from swarm.client.executor import Context, Executor, PlanCache, schedule
 from swarm.client.runner import ModelOps
+from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, finetune_plan, forward_plan, generate_plan
 from swarm.plan.ir import Plan
-from swarm.rpc.hop import Hop
 
 
 class Parts:

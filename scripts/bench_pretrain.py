@@ -25,7 +25,7 @@ from swarm.client.training.local import LocalTraining
 from swarm.client.training.trainer import Trainer
 from swarm.codecs import parse_codec
 from swarm.config import Timing
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.run import load_run
 

@@ -19,15 +19,16 @@ from collections.abc import Callable
 
 import torch
 
-from peers.blocks.runtime import SpanRuntime
-from peers.config import ComputeConfig, PeerConfig
-from peers.stage import ServingStage
+from peers.blocks.stage import ServingStage
+from peers.config import PeerConfig
+from peers.serving.config import ComputeConfig
+from peers.serving.runtime import SpanRuntime
 from swarm.ids import Span, parse_span
 
 
 def build(model: str, runtime: str, threads: int, span: Span | None) -> SpanRuntime:
     cfg = PeerConfig(model=model, compute=ComputeConfig(runtime=runtime, threads=threads))
-    stage = ServingStage.from_config(cfg)
+    stage = ServingStage.from_config(cfg.model, cfg.compute, cfg.cache_dir)
     return stage._load(span or Span(0, stage.model.num_blocks))
 
 

@@ -23,12 +23,13 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from swarm import DistributedModelForCausalLM, wire
-from swarm.local_swarm import LocalSwarm
+from swarm.hop import Hop
+from swarm.identity import Credentials
+from swarm.launch import LocalSwarm
 from swarm.protocol import RPC_FORWARD, ReleaseRequest, Reply
 from swarm.rpc.direct import frames_of, write_frame
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote
-from swarm.rpc.secure import Credentials, client_context, server_tls
+from swarm.rpc.secure import client_context, server_tls
 
 MIB = 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""The swarm behind real-looking links: every server and the client in its own emulated WAN node (``swarm.wan``),
+"""The swarm behind real-looking links: every server and the client in its own emulated WAN node (``harness.wan``),
 vs the floors the links allow, in one run. Needs root, /dev/net/tun and ``ip``.
 
     python scripts/bench_wan.py --quick                    # tiny Llama, loopback + link a, direct plane (~3 min)
@@ -136,7 +136,7 @@ class Bench:
     # -- one swarm, one client job ---------------------------------------------------------------------------------
 
     def run_job(self, wan: Any, spec: dict[str, Any], label: str) -> list[dict[str, Any]]:
-        from swarm.wan.nodes import ClientJob
+        from harness.wan.nodes import ClientJob
 
         log_path = self.tmp / f"client-{label}.log"
         with ClientJob(wan, "c" if wan is not None else None, spec, log_path=log_path) as job:
@@ -154,9 +154,9 @@ class Bench:
 
     def with_swarm(self, model: str, link: str, plane: str, train_run: Path | None, fn: Any) -> None:
         """Start the servers (in WAN nodes, or on loopback) and call ``fn(wan_or_None, initial_peers)``."""
-        from swarm.local_swarm import LocalSwarm
-        from swarm.wan import Wan, WanConfig
-        from swarm.wan.nodes import WanSwarm
+        from harness.wan import Wan, WanConfig
+        from harness.wan.nodes import WanSwarm
+        from swarm.launch import LocalSwarm
 
         spans = SPANS[model]
         extra: tuple[str, ...] = SERVER_ARGS + (("--direct-port", "off") if plane == "libp2p" else ())
@@ -368,7 +368,7 @@ def main() -> int:
         args.tasks = [t for t in args.tasks if t != "pretrain"]
         args.new_tokens, args.repeats = 16, 1
 
-    from swarm.wan import unavailable_reason
+    from harness.wan import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None and any(link != "loopback" for link in args.links):

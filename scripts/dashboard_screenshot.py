@@ -17,7 +17,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from swarm.local_swarm import ApiProcess, LocalSwarm  # noqa: E402
+from harness.local_swarm import ApiProcess  # noqa: E402
+from swarm.launch import LocalSwarm  # noqa: E402
 from tests.integration.browser import chrome, map_peers, save_screenshot, wait_until  # noqa: E402
 
 MODEL = "smollm2-135m"

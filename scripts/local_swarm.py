@@ -15,7 +15,8 @@ import contextlib
 import signal
 import threading
 
-from swarm.local_swarm import ApiProcess, LocalSwarm
+from harness.local_swarm import ApiProcess
+from swarm.launch import LocalSwarm
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check swarm peers configs scripts tests
-.venv/bin/ruff format --check swarm peers configs scripts tests
-.venv/bin/mypy  # strict, on swarm/ and peers/ (pyproject.toml)
+.venv/bin/ruff check swarm peers harness configs scripts tests
+.venv/bin/ruff format --check swarm peers harness configs scripts tests
+.venv/bin/mypy  # strict, on swarm/, peers/ and harness/ (pyproject.toml)
 .venv/bin/python -m pytest -q -x tests "$@"

@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from harness.perf.calibrate import measure_hardware  # noqa: E402
+from harness.perf.validation import Row, _row, table  # noqa: E402
 from swarm.perf.arch import Arch  # noqa: E402
-from swarm.perf.calibrate import measure_hardware  # noqa: E402
 from swarm.perf.catalogue import DeviceSpec, load_catalogue, lookup  # noqa: E402
 from swarm.perf.model import Device  # noqa: E402
 from swarm.perf.predict import Swarm, decode_step, forward_time, train_time  # noqa: E402
-from swarm.perf.validation import Row, _row, table  # noqa: E402
 
 SHAPES = {  # random-init Llama shapes, cut to a few layers (per-layer costs are what is compared)
     "1B-shape x8": dict(

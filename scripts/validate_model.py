@@ -5,7 +5,7 @@ predicts for the same workload on this machine, in one table, each within 25% or
     python scripts/validate_model.py --results DIR --no-run          # re-price runs saved in DIR
     python scripts/validate_model.py --skip wan                      # without the WAN benchmark (no root needed)
 
-The model's parameters come only from the catalogue and from ``python -m swarm.perf calibrate`` (micro-benchmarks
+The model's parameters come only from the catalogue and from ``python -m harness.perf calibrate`` (micro-benchmarks
 on this machine: a GEMM, attention, memory streams, a block of hidden size 64, and a 2-layer model of hidden size
 64 served by real peers); nothing is fitted to the runs below. Runs: ``bench_inference.py`` (tiny Llama through 2
 peers, SmolLM2-135M through 3), ``bench_finetune.py`` (LoRA on SmolLM2, 3 peers), ``bench_pretrain.py`` (the tiny
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from swarm.perf.validation import Row, predict_rows, table  # noqa: E402
+from harness.perf.validation import Row, predict_rows, table  # noqa: E402
 
 BENCHES = {
     "inference": ["scripts/bench_inference.py", "--repeats", "5"],
@@ -66,7 +66,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="write the table's rows here")
     args = p.parse_args()
 
-    from swarm.perf.__main__ import calibrated
+    from harness.perf.__main__ import calibrated
 
     cal = calibrated(1, args.recalibrate)
     args.results.mkdir(parents=True, exist_ok=True)

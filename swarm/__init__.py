@@ -3,9 +3,9 @@
 The client entry point is ``DistributedModelForCausalLM``; it is imported lazily so ``import swarm`` stays cheap.
 """
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
+
+from swarm.version import __version__
 
 __all__ = ["DistributedModelForCausalLM", "load_tokenizer", "__version__"]
 

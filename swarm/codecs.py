@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import struct
 import warnings
+from collections.abc import MutableSequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -37,8 +38,19 @@ from hivemind.proto import runtime_pb2
 
 from swarm.errors import BadInputError
 
-if TYPE_CHECKING:
-    from swarm.wire import TensorPart
+if TYPE_CHECKING:  # the shape of hivemind's generated protobuf message, which ships without type information
+
+    class TensorPart:
+        buffer: bytes
+        size: MutableSequence[int]
+        dtype: str
+        compression: int
+        chunks: int
+
+        def __init__(self, *, buffer: bytes = b"", size: list[int] | None = None, dtype: str = "") -> None: ...
+
+else:
+    TensorPart = runtime_pb2.Tensor
 
 
 class Codec(StrEnum):

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from swarm.config import default_cache_dir, load_model_card
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from swarm.logs import configure_logging
 from swarm.model_files import load_config, model_folder
 

@@ -28,12 +28,13 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.config import Timing
 from swarm.errors import DhtLostError, NotMemberError, SwarmError
-from swarm.identity import Signed, new_identity_file, owner_of, sign_record
-from swarm.ids import block_key
+from swarm.identity import Credentials, Signed, new_identity_file, owner_of, sign_record
+from swarm.ids import block_key, broker_key
+from swarm.lease import LeaseRules, LeaseView
 from swarm.membership import SwarmKey, SwarmKeyAuthorizer
-from swarm.records import Record, ServerRecord, View, parse_as
-from swarm.rpc.secure import Credentials
+from swarm.records import Lease, Record, ServerRecord, View, parse_as
 
 R = TypeVar("R", bound=Record)
 T = TypeVar("T")
@@ -328,3 +329,9 @@ def _explain_failed_join(
         f"the --initial-peers refused this peer's key: --swarm-key {swarm_key.path or ''} (key "
         f"{swarm_key.fingerprint}) is not this swarm's key"
     ) from None
+
+
+def current_broker(store: RecordStore, model_id: str, timing: Timing) -> Lease | None:
+    """The lease a newcomer would obey now (it has obeyed no term before)."""
+    rules = LeaseRules(timing.lease_seconds, timing.max_tenure, skew=timing.clock_skew)
+    return LeaseView(rules).resolve(store.read(broker_key(model_id), Lease), dht_time())

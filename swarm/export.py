@@ -40,13 +40,13 @@ def stages_from_swarm(
     run: RunConfig, initial_peers: tuple[str, ...], timing: Timing, swarm_key: Path | None = None
 ) -> dict[str, tuple[int, Weights]]:
     """Each stage's weights from the live peers serving exactly that stage: the state of the last averaging round
-    two replicas vouch for, else the furthest replica's within what the trainers signed (``swarm.rpc.state``)."""
+    two replicas vouch for, else the furthest replica's within what the trainers signed (``swarm.training.state``)."""
     from swarm.dht import start_dht
     from swarm.membership import swarm_key_for
     from swarm.rpc.loop import LoopThread
     from swarm.rpc.remote import Remote
-    from swarm.rpc.state import stage_sources, stage_state
     from swarm.training.init import stage_state_bytes
+    from swarm.training.state import stage_sources, stage_state
 
     store = start_dht(
         initial_peers=initial_peers,

@@ -11,6 +11,8 @@ import functools
 import hashlib
 import re
 import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -103,3 +105,32 @@ def open_signed(signed: Signed, cls: type[R]) -> R:
     if record.author != author:
         raise BadInputError(f"signed record: written as {record.author} but signed by {author}")
     return record
+
+
+@dataclass
+class Credentials:
+    """Who this process is on the wire: its identity key, peer id, and (in a private swarm) its membership token."""
+
+    key: RSAPrivateKey
+    peer_id: str
+    public_key: str  # OpenSSH form, as in hivemind's owner markers
+    member: str | None = None
+    _signed: OrderedDict[bytes, str] = field(default_factory=OrderedDict, repr=False)
+
+    @classmethod
+    def of(cls, key: RSAPrivateKey, member: str | None = None) -> Credentials:
+        public = key.get_public_key().to_bytes()
+        return cls(key, peer_id_of_key(public), public.decode(), member)
+
+    def sign(self, data: bytes) -> str:
+        return str(self.key.sign(data).decode())
+
+    def sign_once(self, data: bytes) -> str:
+        """``sign``, cached for the last 1024 messages: an RSA signature costs about a millisecond, and a client signs
+        the same connection proof for a server as long as that server keeps its certificate."""
+        cached = self._signed.get(data)
+        if cached is None:
+            cached = self._signed[data] = self.sign(data)
+            if len(self._signed) > 1024:
+                self._signed.popitem(last=False)
+        return cached

@@ -26,7 +26,7 @@ class PeerState(StrEnum):
 
 
 class Capability(StrEnum):
-    """What a server's runtime can do with a span (``peers.blocks.runtime``): routes that need one (training needs
+    """What a server's runtime can do with a span (``peers.serving.runtime``): routes that need one (training needs
     ``backward``, LoRA and prompts need ``adapters``) skip servers without it."""
 
     INFERENCE = "inference"  # sessions with a server-side KV cache

@@ -32,19 +32,26 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 
 def preload() -> None:
     """Import what ``_main`` imports on start (a fork server pays it once for all the peers it forks)."""
+    import peers.blocks.stage  # noqa: F401
     import peers.node  # noqa: F401
-    import peers.stage  # noqa: F401
     import peers.training.stage  # noqa: F401
+    import swarm.dashboard.peer  # noqa: F401
 
 
 async def _main(cfg: PeerConfig) -> None:
     # the entry point wires the two sides: the node and the stage it serves
+    from peers.blocks.stage import ServingStage
     from peers.node import run_peer
-    from peers.stage import ServingStage, Stage
+    from peers.serving.stage import Stage
     from peers.training.stage import TrainableStage
+    from swarm.dashboard.peer import serve_peer_dashboard
 
     cfg.check()
-    stage: Stage = TrainableStage.from_config(cfg, cfg.train) if cfg.train else ServingStage.from_config(cfg)
+    stage: Stage = (
+        TrainableStage.from_config(cfg.train, cfg.compute, cfg.cache_dir, cfg.checkpoint_dir)
+        if cfg.train
+        else ServingStage.from_config(cfg.model, cfg.compute, cfg.cache_dir)
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -53,7 +60,7 @@ async def _main(cfg: PeerConfig) -> None:
     def ready(maddrs: list[str]) -> None:
         print(f"initial_peers: {maddrs[0]}", flush=True)
 
-    await run_peer(cfg, stage, stop, ready)
+    await run_peer(cfg, stage, stop, ready, serve_peer_dashboard)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 
 from swarm.config import Timing
-from swarm.dht import RecordStore, dht_time, start_dht
+from swarm.dht import current_broker, start_dht
 from swarm.errors import SwarmError, run_command
-from swarm.ids import broker_key
-from swarm.lease import LeaseRules, LeaseView
+from swarm.hop import Hop
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
 from swarm.records import ALL_CAPABILITIES, Lease, PeerState, View, servers
-from swarm.rpc.hop import Hop
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 
@@ -65,12 +63,6 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
         lines.append(f"broker: ..{broker.holder[-12:]} (term {broker.term})")
     lines.append(f"records dropped (unsigned, signed by another peer, or malformed): {dropped}")
     return "\n".join(lines)
-
-
-def current_broker(store: RecordStore, model_id: str, timing: Timing) -> Lease | None:
-    """The lease a newcomer would obey now (it has obeyed no term before)."""
-    rules = LeaseRules(timing.lease_seconds, timing.max_tenure, skew=timing.clock_skew)
-    return LeaseView(rules).resolve(store.read(broker_key(model_id), Lease), dht_time())
 
 
 def show(

@@ -19,7 +19,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm import codecs
-from swarm.codecs import Codec
+from swarm.codecs import Codec, TensorPart
 from swarm.errors import BadInputError, BusyError
 
 FRAME_BYTES = 2 * 1024 * 1024
@@ -30,15 +30,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 if TYPE_CHECKING:  # the shapes of hivemind's generated protobuf messages, which ship without type information
-
-    class TensorPart:
-        buffer: bytes
-        size: MutableSequence[int]
-        dtype: str
-        compression: int
-        chunks: int
-
-        def __init__(self, *, buffer: bytes = b"", size: list[int] | None = None, dtype: str = "") -> None: ...
 
     class Frame:
         uid: str
@@ -52,7 +43,6 @@ if TYPE_CHECKING:  # the shapes of hivemind's generated protobuf messages, which
         def FromString(cls, data: bytes) -> Frame: ...
 
 else:
-    TensorPart = runtime_pb2.Tensor
     Frame = runtime_pb2.ExpertRequest
 
 Meta = dict[str, object]  # decoded metadata: hostile until a pydantic model has validated it

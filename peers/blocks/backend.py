@@ -1,4 +1,4 @@
-"""The torch runtime (``peers.blocks.runtime.SpanRuntime``): runs a span of decoder layers, forward with or without a
+"""The torch runtime (``peers.serving.runtime.SpanRuntime``): runs a span of decoder layers, forward with or without a
 KV cache, and backward, with or without a client's adapter (LoRA pairs applied by forward hooks on the linear
 modules, deep prompts added to the prompt positions)."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, PretrainedConfig
 
-from peers.adapters import Adapter
+from peers.serving.adapters import Adapter
 from swarm.errors import BadInputError
 from swarm.families import span as family_span
 from swarm.families.spec import Family

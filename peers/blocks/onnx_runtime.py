@@ -1,4 +1,4 @@
-"""The ONNX runtime (``peers.blocks.runtime.SpanRuntime``): Llama-family blocks run by ONNX Runtime's CPU provider,
+"""The ONNX runtime (``peers.serving.runtime.SpanRuntime``): Llama-family blocks run by ONNX Runtime's CPU provider,
 one session per block (so a client may enter the span at any block), exported once by ``peers.blocks.onnx_export``.
 
 It serves inference sessions and plain forward passes; it has no autograd and no adapter hooks, so a backward, a
@@ -18,9 +18,9 @@ import onnxruntime as ort
 import torch
 from transformers import PretrainedConfig
 
-from peers.adapters import Adapter
 from peers.blocks.onnx_export import head_dim
-from peers.blocks.runtime import require
+from peers.serving.adapters import Adapter
+from peers.serving.runtime import require
 from swarm.errors import BadInputError
 from swarm.families.spec import Family
 from swarm.ids import Span

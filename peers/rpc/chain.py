@@ -21,16 +21,16 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from peers.metrics import PeerMetrics
-from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
-from peers.rpc.sessions import Session, Sessions
+from peers.serving.counters import PeerMetrics
+from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
+from peers.serving.sessions import Session, Sessions
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError
+from swarm.hop import Hop
 from swarm.identity import Signed, open_signed
 from swarm.protocol import RPC_PUSH, ChainHop, ChainRoute, InferenceStep, PushStep, check_version
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote
 from swarm.rpc.transport import Channel
 

@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 from peers.rpc.servicer import Admit, Servicer, error_reply
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError
+from swarm.identity import Credentials
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
@@ -29,7 +30,7 @@ from swarm.protocol import (
     check_version,
 )
 from swarm.rpc.direct import frames_of, write_frame
-from swarm.rpc.secure import Credentials, ServerTls, client_author, server_tls
+from swarm.rpc.secure import ServerTls, client_author, server_tls
 
 log = logging.getLogger(__name__)
 Handler = Callable[[AsyncIterator[wire.Frame], "CallerContext"], AsyncIterator[wire.Frame]]

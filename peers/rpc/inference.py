@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import torch
 
 from peers.rpc.chain import Pushed, Relay
-from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
-from peers.rpc.sessions import Session, Sessions
+from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
+from peers.serving.sessions import Session, Sessions
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.config import Timing

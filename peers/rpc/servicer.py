@@ -15,21 +15,22 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from peers.rpc.chain import Relay
-from peers.rpc.compute import ComputeService, Tensors
 from peers.rpc.inference import InferenceLoop
-from peers.rpc.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
-from peers.rpc.sessions import Sessions
+from peers.serving.compute import ComputeService
+from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
+from peers.serving.ports import Tensors, TrainingRpc
+from peers.serving.sessions import Sessions
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError, NotMemberError, StaleStepError, SwarmError
+from swarm.identity import Credentials
 from swarm.protocol import (
     COMPUTE_REQUEST,
     RPC_BANDWIDTH,
@@ -48,26 +49,15 @@ from swarm.protocol import (
     Message,
     ReleaseRequest,
     Reply,
-    StateReply,
     StateRequest,
-    StepNotice,
     check_version,
 )
 from swarm.rpc.commit import CommitSigner
 from swarm.rpc.remote import Remote
-from swarm.rpc.secure import Credentials
 
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
 Admit = Callable[[str, "str | None"], bool]  # (caller's peer id, its membership token) -> a member?
-
-
-class TrainingRpc(Protocol):
-    """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""
-
-    async def state(self, req: StateRequest) -> tuple[StateReply, Tensors]: ...
-
-    async def step(self, notice: StepNotice) -> None: ...
 
 
 def _reply(reply: Message, tensors: Tensors | None = None, codec: Codec | None = None) -> list[wire.Frame]:

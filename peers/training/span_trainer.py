@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from peers.training.proofs import StepProofs
-from swarm.averaging import OwnedAverager
 from swarm.dht import OwnedDHT, dht_time
 from swarm.errors import BadInputError, StaleStepError
 from swarm.identity import Signed
 from swarm.ids import Span
 from swarm.protocol import TrainTag
 from swarm.training import checkpoints
+from swarm.training.averaging import OwnedAverager
 from swarm.training.checkpoints import StageCheckpoint
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig

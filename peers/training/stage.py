@@ -16,9 +16,9 @@ from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.broker.planner import PeerInfo, Plan, Policy
 from peers.broker.stages import plan_stages
-from peers.config import PeerConfig
-from peers.rpc.compute import Learner, Tensors
-from peers.stage import ModelInfo, StageEnv
+from peers.serving.config import ComputeConfig
+from peers.serving.ports import Learner, Tensors
+from peers.serving.stage import ModelInfo, StageEnv
 from peers.training.proofs import StepProofs
 from peers.training.span_trainer import SpanTrainer
 from swarm.dht import dht_time
@@ -26,10 +26,10 @@ from swarm.errors import BadInputError
 from swarm.ids import Span
 from swarm.protocol import StateReply, StateRequest, StepNotice
 from swarm.records import RoundRecord, ServerRecord, TrainerProgress, fresh, stage_servers
-from swarm.rpc.state import stage_sources, stage_state
 from swarm.training.checkpoints import state_digest
 from swarm.training.init import init_module, stage_state_bytes
 from swarm.training.run import RunConfig, load_run
+from swarm.training.state import stage_sources, stage_state
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,15 @@ class TrainableStage:
         self._env: StageEnv | None = None
 
     @classmethod
-    def from_config(cls, cfg: PeerConfig, run_file: Path) -> TrainableStage:
-        if cfg.compute.runtime != "torch":
+    def from_config(
+        cls, run_file: Path, compute: ComputeConfig, cache_dir: Path, checkpoint_dir: Path | None
+    ) -> TrainableStage:
+        if compute.runtime != "torch":
             raise BadInputError(
                 f"--train serves a stage whose weights learn (backward passes, optimizer steps): "
-                f"only the torch runtime does that, not --runtime {cfg.compute.runtime}"
+                f"only the torch runtime does that, not --runtime {compute.runtime}"
             )
-        run = load_run(run_file, cfg.cache_dir)
+        run = load_run(run_file, cache_dir)
         config = run.hf_config()
         if run.stages[-1].end != config.num_hidden_layers:
             raise BadInputError(
@@ -61,7 +63,7 @@ class TrainableStage:
         per_block = sum(p.numel() for p in block.parameters()) * 4 * 4  # weights, gradients, two Adam moments
         # the fingerprint names the run: its weights change as it learns
         model = ModelInfo(run.model_id, config, family, torch.float32, f"trainable:{run.name}", per_block)
-        return cls(run, model, cfg.compute.device, cfg.checkpoint_dir)
+        return cls(run, model, compute.device, checkpoint_dir)
 
     @property
     def env(self) -> StageEnv:
@@ -99,8 +101,8 @@ class TrainableStage:
 
     async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
         """Build the stage, then take the freshest state that can be believed: the live replicas' (see
-        ``swarm.rpc.state``), else this peer's last checkpoint, else the run's seeded initialisation (or the weights
-        it continues from)."""
+        ``swarm.training.state``), else this peer's last checkpoint, else the run's seeded initialisation (or the
+        weights it continues from)."""
         self.run.stage_of(span)
         env = self.env
         trainer = await asyncio.to_thread(self._build, span)

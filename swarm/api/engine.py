@@ -21,7 +21,7 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 from swarm.api import errors
 from swarm.client.executor import Context
 from swarm.client.inference_session import InferenceSession
-from swarm.rpc.hop import Hop
+from swarm.hop import Hop
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -21,7 +21,7 @@ from swarm.metrics import ApiMetrics
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from swarm.api.__main__ import ApiConfig
+    from swarm.api.config import ApiConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import secrets
 import torch
 from torch import nn
 
+from swarm.hop import Hop
 from swarm.protocol import AdapterRef
-from swarm.rpc.hop import Hop
 from swarm.tuning import GRAD_PREFIX, TuningSpec, deep_name, lora_name
 
 

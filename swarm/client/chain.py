@@ -8,7 +8,7 @@ commitment is signed by the key the hop's identity certified, that the output it
 each hop took in exactly what the one before it gave out; so the history it keeps for replays (each hop's inputs)
 is what the servers really computed on. A hop that fails, stays silent past its deadline or breaks the digests is
 reported to the caller, which repairs the plan; the repaired chain sends the step again from that hop, and the hops
-after it redo it (a server takes the start of its last step again: ``peers.rpc.sessions``). Replies of an earlier
+after it redo it (a server takes the start of its last step again: ``peers.serving.sessions``). Replies of an earlier
 attempt still in a stream are told apart by the step's ``tag`` and skipped."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from swarm.client import replies
 from swarm.client.connection import RTT_SLACK
 from swarm.codecs import Codec
 from swarm.errors import SwarmError
+from swarm.hop import Hop
 from swarm.identity import Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
 from swarm.rpc.commit import CommitKey, digest
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote, Tensors, unavailable
-from swarm.rpc.stream import InferenceStream
+from swarm.rpc.stream import InferenceStream, open_session
 
 _SAVING = {Codec.none: 0, Codec.float16: 1, Codec.bfloat16: 1, Codec.uint8: 2, Codec.quantile8: 2, Codec.block8: 2}
 MAX_STALE = 64  # replies of abandoned attempts skipped in one read before the stream counts as broken
@@ -121,7 +121,7 @@ class Chain:
         async def one(state: HopState) -> None:
             if state.stream is None:
                 opening, tensors = self.open_request(state)
-                state.stream = await self.remote.open_session(state.hop, self.open_timeout)
+                state.stream = await open_session(self.remote, state.hop, self.open_timeout)
                 state.acks.append(time.perf_counter())
                 await state.stream.send(InferenceRequest(open=opening, route=signed), tensors)
             elif state.generation < self.generation:

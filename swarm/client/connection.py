@@ -11,9 +11,9 @@ from swarm.client.swarm_view import SwarmView
 from swarm.codecs import parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import start_dht
+from swarm.hop import Hop
 from swarm.membership import swarm_key_for
 from swarm.protocol import ReleaseRequest, StepNotice
-from swarm.rpc.hop import Hop
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 

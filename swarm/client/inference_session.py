@@ -24,12 +24,13 @@ from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.history import TokenHistory
 from swarm.errors import AdapterMissingError, CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
+from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, generate_plan, repair
 from swarm.plan.ir import Plan, SpanStep
 from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
 from swarm.records import Capability
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Tensors, unavailable
+from swarm.rpc.stream import open_session
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class InferenceSession:
         opening = state.stream is None
         request, tensors = self._message(state, hidden, mask, positions, position)
         if state.stream is None:
-            state.stream = await self.conn.remote.open_session(state.hop, self.conn.timing.open_timeout)
+            state.stream = await open_session(self.conn.remote, state.hop, self.conn.timing.open_timeout)
         t0 = time.perf_counter()
         try:
             expect = replies.expected(request, tensors)

@@ -30,12 +30,12 @@ from swarm.errors import BadInputError
 from swarm.families import local
 from swarm.families.selfcheck import require_exact
 from swarm.families.spec import Family, family_of
+from swarm.hop import Hop
 from swarm.model_files import load_config, model_folder, read_tensors, served_fingerprints, weight_map
 from swarm.plan.compile import ModelShape, float_dtype
 from swarm.plan.ir import Plan, Task
 from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
 from swarm.records import TrainerProgress
-from swarm.rpc.hop import Hop
 from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 log = logging.getLogger(__name__)

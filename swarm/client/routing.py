@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from typing import Literal
 
 from swarm.errors import MissingBlocksError
+from swarm.hop import Hop
 from swarm.perf.placement import RouteCosts
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import Capability, PeerState, ServerRecord, View, servers
-from swarm.rpc.hop import Hop
 
 Mode = Literal["inference", "forward"]
 

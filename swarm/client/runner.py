@@ -17,11 +17,11 @@ from swarm.client.executor import Context, Executor, Handler, PlanCache, Schedul
 from swarm.client.inference_session import InferenceSession
 from swarm.client.sequential import ChainRun, RemoteChain, aux_tensors
 from swarm.errors import BadInputError, MissingBlocksError
+from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, finetune_plan, forward_plan, hidden_plan, pretrain_plan, score_plan
 from swarm.plan.ir import Plan, SpanBackward, SpanForward, Task
 from swarm.protocol import TrainTag
 from swarm.records import Capability
-from swarm.rpc.hop import Hop
 
 
 class ModelParts(Protocol):

@@ -26,11 +26,11 @@ from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
 from swarm.client.replies import checked, expected
 from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError
+from swarm.hop import Hop
 from swarm.plan.compile import repair
 from swarm.plan.ir import Plan, SpanBackward, SpanForward, Transfer
 from swarm.protocol import BackwardRequest, ForwardRequest, TrainTag
 from swarm.records import Capability
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Tensors
 
 

@@ -14,8 +14,8 @@ import time
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.config import ClientConfig
 from swarm.dht import RecordStore
+from swarm.hop import Hop
 from swarm.records import Capability, ServerRecord, View
-from swarm.rpc.hop import Hop
 
 log = logging.getLogger(__name__)
 

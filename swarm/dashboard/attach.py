@@ -1,5 +1,5 @@
 """Run a ``SwarmObserver`` on an event loop that already exists: a client connection's ``LoopThread`` (the API
-process) or a peer's own loop (``peers.observe``)."""
+process) or a peer's own loop (``swarm.dashboard.peer``)."""
 
 from __future__ import annotations
 

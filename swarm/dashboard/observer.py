@@ -19,13 +19,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.config import Timing
-from swarm.dht import RecordStore
+from swarm.dht import RecordStore, current_broker
 from swarm.errors import SwarmError
+from swarm.hop import Hop
 from swarm.protocol import InfoReply
 from swarm.records import MAX_COUNT, PeerState, ServerRecord, View, servers
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote
-from swarm.status import current_broker
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ class SpanInputs:
 def new_cache(family: Family) -> DynamicCache:
     cache = DynamicCache(config=family.config)
     # Sliding-window layers then keep the last step's tokens beyond their window until the next step settles them
-    # (``peers.rpc.sessions._rewind``), so a step sent again after a repair upstream can be redone: without it,
+    # (``peers.serving.sessions._rewind``), so a step sent again after a repair upstream can be redone: without it,
     # transformers can crop a sliding layer only before it fills its window.
     cache.activate_past_recording()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     return cache

@@ -142,7 +142,7 @@ class Link:
     """One direction between two parties: one-way delay, bandwidth (bytes/s), and whether a message finds the TCP
     window already open (kept-open connections busy enough) or must grow it from the initial window. A codec sends
     ``ratio`` wire bytes per float32 byte and costs CPU time at both ends: a fixed part per tensor and a part per
-    byte (``swarm.perf.calibrate.measure_codecs``)."""
+    byte (``harness.perf.calibrate.measure_codecs``)."""
 
     delay: float = 0.0
     bandwidth: float = math.inf
@@ -182,7 +182,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Software:
-    """The swarm's own fixed costs, measured once per machine by ``swarm.perf.calibrate`` with a model too small for
+    """The swarm's own fixed costs, measured once per machine by ``harness.perf.calibrate`` with a model too small for
     its compute to matter (seconds)."""
 
     step_hop: float = 0.0  # per hop per client-mediated inference step: the round trip through the protocol stack

@@ -9,11 +9,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from swarm.hop import Hop
 from swarm.perf.arch import Arch
 from swarm.perf.model import Cost, Device, Link, Setting, Software, pipeline, price
 from swarm.plan.compile import Call, ModelShape, finetune_plan, forward_plan, generate_plan
 from swarm.plan.ir import CLIENT
-from swarm.rpc.hop import Hop
 
 LOCAL = "local"
 

@@ -6,18 +6,41 @@ import argparse
 import math
 
 from swarm.perf.arch import Arch
-from swarm.perf.calibrate import Calibration
+from swarm.perf.calibration import Calibration
 from swarm.perf.catalogue import load_catalogue
 from swarm.perf.fleet import device_of
 from swarm.perf.model import Cost, Device, Link, Software
 from swarm.perf.predict import Swarm, decode_step, forward_time, train_time, ttft, uniform
-from swarm.perf.validation import arch_of, lora_params, spans_of
+
+
+def arch_of(model: str) -> Arch:
+    from swarm.config import default_cache_dir, load_model_card
+    from swarm.model_files import load_config, model_folder
+
+    return Arch.from_config(load_config(model_folder(load_model_card(model), default_cache_dir())))
+
+
+def spans_of(spans: list[str]) -> list[tuple[int, int]]:
+    return [(int(s.split(":")[0]), int(s.split(":")[1])) for s in spans]
+
+
+def lora_params(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
+    q = arch.heads * arch.head_dim
+    size = {
+        "q_proj": (arch.hidden, q),
+        "k_proj": (arch.hidden, arch.kv_dim),
+        "v_proj": (arch.hidden, arch.kv_dim),
+        "o_proj": (q, arch.hidden),
+    }
+    return arch.layers * sum(rank * (size[t][0] + size[t][1]) for t in targets)
 
 
 def _device(name: str, dtype: str, cal: Calibration | None) -> Device:
     if name == "this":
         if cal is None:
-            raise SystemExit("no calibration cached for this machine: run `python -m swarm.perf calibrate`")
+            raise SystemExit(
+                "no calibration cached for this machine: run `python -m harness.perf calibrate` from a checkout"
+            )
         return cal.device()
     catalogue = load_catalogue()
     if name not in catalogue:

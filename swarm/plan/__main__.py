@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from swarm.config import ClientConfig, Timing, default_cache_dir, load_model_card
 from swarm.errors import BadInputError, CacheFullError, MissingBlocksError, run_command
+from swarm.hop import Hop
 from swarm.plan.compile import (
     Call,
     ModelShape,
@@ -35,7 +36,6 @@ from swarm.plan.compile import (
 from swarm.plan.dot import FORMATS, render, to_dot
 from swarm.plan.ir import Plan, PlanError, Task
 from swarm.plan.table import table
-from swarm.rpc.hop import Hop
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

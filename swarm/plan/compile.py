@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from swarm.hop import Hop
 from swarm.plan.ir import (
     CLIENT,
     Average,
@@ -39,7 +40,6 @@ from swarm.plan.ir import (
     Transfer,
     shift,
 )
-from swarm.rpc.hop import Hop
 
 
 @dataclass(frozen=True)

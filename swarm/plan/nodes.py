@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from swarm.errors import BadInputError
-
-if TYPE_CHECKING:
-    from swarm.plan.ir import Plan
 
 PLAN_VERSION = 1
 MAX_NODES = 4096
@@ -69,6 +66,25 @@ class TensorType(_Frozen):
         return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
 
+class PlanShape(Protocol):
+    """What a node's type inference reads of the plan it is in (``swarm.plan.ir.Plan``): the model's sizes, and the
+    other nodes."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def dtype(self) -> DType: ...
+
+    def node(self, node_id: str) -> _Node: ...
+
+
 class _Node(_Frozen):
     id: str = Field(pattern=_ID)
     inputs: tuple[Annotated[str, Field(pattern=_ID)], ...] = Field(default=(), max_length=8)
@@ -82,7 +98,7 @@ class _Node(_Frozen):
         """Where the node runs: the client, or the peer id of the server it is bound to."""
         return CLIENT
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType | None:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType | None:
         """The output type that follows from the inputs (raises ``PlanError``)."""
         raise NotImplementedError
 
@@ -97,7 +113,7 @@ def _need(node: _Node, t: TensorType | None, rank: int, floats: bool | None = No
     return t
 
 
-def _hidden(node: _Node, t: TensorType | None, plan: Plan, what: str = "input") -> TensorType:
+def _hidden(node: _Node, t: TensorType | None, plan: PlanShape, what: str = "input") -> TensorType:
     t = _need(node, t, 3, True, what)
     if t.shape[2] != plan.hidden_size:
         raise PlanError(f"node {node.id}: {what} {t} is not of hidden size {plan.hidden_size}")
@@ -111,7 +127,7 @@ class Input(_Node):
     op: Literal["input"] = "input"
     arity: ClassVar[tuple[int, int]] = (0, 0)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType | None:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType | None:
         if self.out is None:
             raise PlanError(f"input {self.id} declares no type")
         return self.out
@@ -122,7 +138,7 @@ class Embed(_Node):
 
     op: Literal["embed"] = "embed"
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         ids = _need(self, ins[0], 2, False, "token ids")
         return TensorType(shape=(*ids.shape, plan.hidden_size), dtype=plan.dtype)
 
@@ -133,7 +149,7 @@ class Prompts(_Node):
     op: Literal["prompts"] = "prompts"
     tokens: int = Field(gt=0, le=4096)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         h = _hidden(self, ins[0], plan)
         return TensorType(shape=(h.shape[0], shift(h.shape[1], self.tokens), h.shape[2]), dtype=h.dtype)
 
@@ -143,7 +159,7 @@ class Head(_Node):
 
     op: Literal["head"] = "head"
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         h = _hidden(self, ins[0], plan)
         return TensorType(shape=(h.shape[0], h.shape[1], plan.vocab_size), dtype=h.dtype)
 
@@ -156,7 +172,7 @@ class Loss(_Node):
     prompts: int = Field(default=0, ge=0, le=4096)
     arity: ClassVar[tuple[int, int]] = (2, 2)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         logits = _need(self, ins[0], 3, True, "logits")
         labels = _need(self, ins[1], 2, False, "labels")
         if (logits.shape[0], logits.shape[1]) != (labels.shape[0], shift(labels.shape[1], self.prompts)):
@@ -170,7 +186,7 @@ class LogProbs(_Node):
     op: Literal["logprobs"] = "logprobs"
     arity: ClassVar[tuple[int, int]] = (2, 2)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         logits = _need(self, ins[0], 3, True, "logits")
         ids = _need(self, ins[1], 2, False, "token ids")
         if tuple(logits.shape[:2]) != tuple(ids.shape):
@@ -186,7 +202,7 @@ class Output(_Node):
     name: str = Field(pattern=r"^[a-z_]{1,32}$")
     skip: int = Field(default=0, ge=0, le=4096)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         t = ins[0]
         if t is None:
             raise PlanError(f"node {self.id}: outputs nothing")
@@ -206,7 +222,7 @@ class LocalBackward(_Node):
     to: Literal["hidden", "parameters"]
     arity: ClassVar[tuple[int, int]] = (1, 2)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType | None:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType | None:
         if ins[0] is None:
             raise PlanError(f"node {self.id}: nothing to backpropagate")
         if self.to == "parameters":
@@ -232,7 +248,7 @@ class Transfer(_Node):
             raise ValueError(f"a transfer from {self.src} to itself")
         return self
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         t = ins[0]
         if t is None:
             raise PlanError(f"node {self.id}: transfers nothing")
@@ -264,7 +280,7 @@ class _Remote(_Node):
             raise ValueError(f"a server cannot be named {CLIENT!r}")
         return self
 
-    def _wire(self, t: TensorType | None, plan: Plan, what: str = "input") -> TensorType:
+    def _wire(self, t: TensorType | None, plan: PlanShape, what: str = "input") -> TensorType:
         t = _hidden(self, t, plan, what)
         if t.dtype != self.dtype:
             raise PlanError(f"node {self.id}: {what} {t} reaches a {self.dtype} server without a transfer to cast it")
@@ -280,7 +296,7 @@ class SpanForward(_Remote):
     op: Literal["span_forward"] = "span_forward"
     keep: bool = False
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         return self._wire(ins[0], plan)
 
 
@@ -291,7 +307,7 @@ class SpanStep(_Remote):
     op: Literal["span_step"] = "span_step"
     max_length: int = Field(gt=0, le=1 << 20)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         return self._wire(ins[0], plan)
 
 
@@ -303,7 +319,7 @@ class SpanBackward(_Remote):
     phase: Phase = "backward"
     arity: ClassVar[tuple[int, int]] = (2, 2)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> TensorType:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> TensorType:
         grad = self._wire(ins[0], plan, "gradient")
         fwd = plan.node(self.inputs[1])
         if not isinstance(fwd, SpanForward) or not fwd.keep:
@@ -326,7 +342,7 @@ class OptimizerStep(_Node):
     target_batch: int | None = Field(default=None, gt=0)
     arity: ClassVar[tuple[int, int]] = (1, 8)
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> None:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> None:
         return None
 
 
@@ -339,5 +355,5 @@ class Average(_Node):
     every: int = Field(gt=0)
     group: Literal["trainers", "stages"]
 
-    def infer(self, ins: Sequence[TensorType | None], plan: Plan) -> None:
+    def infer(self, ins: Sequence[TensorType | None], plan: PlanShape) -> None:
         return None

@@ -17,9 +17,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivemind.utils.crypto import RSAPublicKey
 
 from swarm.errors import BadInputError
-from swarm.identity import peer_id_of_key
+from swarm.identity import Credentials, peer_id_of_key
 from swarm.protocol import OpenReply, StepReply
-from swarm.rpc.secure import Credentials
 
 
 def digest(tensor: torch.Tensor) -> str:

@@ -24,8 +24,9 @@ from pydantic import ValidationError
 
 from swarm import wire
 from swarm.errors import BadInputError
+from swarm.identity import Credentials
 from swarm.protocol import DirectCall, DirectHello
-from swarm.rpc.secure import Credentials, fingerprint, server_author
+from swarm.rpc.secure import client_proof, fingerprint, server_author
 
 MAX_FRAME = 2 * wire.FRAME_BYTES + 65536
 _LEN = struct.Struct(">I")
@@ -118,7 +119,7 @@ class TcpChannel:
             raise BadInputError("the server presented no certificate")
         fp = fingerprint(der)
         call = DirectCall(
-            rpc=rpc, public_key=creds.public_key, signature=creds.client_proof(fp, server), member=creds.member
+            rpc=rpc, public_key=creds.public_key, signature=client_proof(creds, fp, server), member=creds.member
         )
         for frame in wire.encode(call.model_dump(mode="json")):
             write_frame(self.writer, frame)

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -22,12 +21,13 @@ from swarm import wire
 from swarm.codecs import ACTIVATIONS, Codec, choose_codec
 from swarm.config import DirectPolicy
 from swarm.errors import PeerUnavailableError, SwarmError
+from swarm.hop import Hop
+from swarm.identity import Credentials
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
-    RPC_INFERENCE,
     RPC_INFO,
     BackwardRequest,
     BandwidthProbe,
@@ -45,13 +45,9 @@ from swarm.protocol import (
     parse_reply,
 )
 from swarm.rpc.direct import DirectDialError, TcpChannel
-from swarm.rpc.hop import Hop
 from swarm.rpc.links import Links
-from swarm.rpc.secure import Credentials, client_context
+from swarm.rpc.secure import client_context
 from swarm.rpc.transport import Channel, P2PChannel, Transport, choose_transport, stream_rpc, unary
-
-if TYPE_CHECKING:
-    from swarm.rpc.stream import InferenceStream
 
 log = logging.getLogger(__name__)
 
@@ -336,17 +332,6 @@ class Remote:
 
     async def info(self, hop: Hop, timeout: float) -> InfoReply:
         return (await self.call(hop, RPC_INFO, InfoRequest(), {}, timeout, InfoReply))[0]
-
-    async def open_session(self, hop: Hop, timeout: float) -> InferenceStream:
-        try:
-            channel = await asyncio.wait_for(self.open_channel(hop, RPC_INFERENCE), timeout)
-        except SwarmError:
-            raise
-        except Exception as e:
-            raise unavailable(hop.peer_id, "cannot open a session", e) from None
-        from swarm.rpc.stream import InferenceStream  # the stream module builds on this one
-
-        return InferenceStream(self, hop, channel)
 
     def close(self) -> None:
         for channels in self._idle.values():

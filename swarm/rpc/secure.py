@@ -20,49 +20,24 @@ import datetime
 import hashlib
 import ssl
 import tempfile
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPublicKey
 
-from swarm.identity import peer_id_of_key
+from swarm.identity import Credentials, peer_id_of_key
 
 _SERVER_TAG = b"swarm-direct-v1|server|"
 _CLIENT_TAG = b"swarm-direct-v1|client|"
 
 
-@dataclass
-class Credentials:
-    """Who this process is on the wire: its identity key, peer id, and (in a private swarm) its membership token."""
-
-    key: RSAPrivateKey
-    peer_id: str
-    public_key: str  # OpenSSH form, as in hivemind's owner markers
-    member: str | None = None
-    _proofs: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict, repr=False)
-
-    @classmethod
-    def of(cls, key: RSAPrivateKey, member: str | None = None) -> Credentials:
-        public = key.get_public_key().to_bytes()
-        return cls(key, peer_id_of_key(public), public.decode(), member)
-
-    def sign(self, data: bytes) -> str:
-        return str(self.key.sign(data).decode())
-
-    def client_proof(self, fingerprint: str, server: str) -> str:
-        """This client's signature for a connection to ``server`` presenting certificate ``fingerprint``; cached, as
-        an RSA signature costs about a millisecond and a server keeps its certificate for its lifetime."""
-        cached = self._proofs.get((fingerprint, server))
-        if cached is None:
-            cached = self._proofs[(fingerprint, server)] = self.sign(_client_message(fingerprint, server))
-            if len(self._proofs) > 1024:
-                self._proofs.popitem(last=False)
-        return cached
+def client_proof(creds: Credentials, fingerprint: str, server: str) -> str:
+    """This client's signature for a connection to ``server`` presenting certificate ``fingerprint``."""
+    return creds.sign_once(_client_message(fingerprint, server))
 
 
 def fingerprint(der: bytes) -> str:

@@ -9,8 +9,8 @@ import time
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.errors import SwarmError
-from swarm.protocol import InferenceRequest, OpenReply, R, StepReply
-from swarm.rpc.hop import Hop
+from swarm.hop import Hop
+from swarm.protocol import RPC_INFERENCE, InferenceRequest, OpenReply, R, StepReply
 from swarm.rpc.remote import Remote, Tensors, _parse, unavailable
 from swarm.rpc.transport import Channel
 
@@ -79,3 +79,14 @@ class InferenceStream:
         if not self.closed:
             self.closed = True
             self.channel.close()
+
+
+async def open_session(remote: Remote, hop: Hop, timeout: float) -> InferenceStream:
+    """An inference stream to ``hop`` through ``remote``'s connections (direct TCP where allowed, else libp2p)."""
+    try:
+        channel = await asyncio.wait_for(remote.open_channel(hop, RPC_INFERENCE), timeout)
+    except SwarmError:
+        raise
+    except Exception as e:
+        raise unavailable(hop.peer_id, "cannot open a session", e) from None
+    return InferenceStream(remote, hop, channel)

@@ -23,8 +23,8 @@ from hivemind.p2p import P2P, PeerID
 
 from swarm import wire
 from swarm.config import DirectPolicy
+from swarm.hop import Hop
 from swarm.protocol import RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFO
-from swarm.rpc.hop import Hop
 
 
 class Transport(StrEnum):

@@ -23,6 +23,7 @@ from swarm import wire
 from swarm.config import Timing
 from swarm.dht import RecordStore, _get_subkeys, _store_records, dht_time, die_with_parent, start_dht
 from swarm.errors import SwarmError
+from swarm.hop import Hop
 from swarm.identity import owner_of
 from swarm.ids import assignment_key, block_key, broker_key, peers_key
 from swarm.membership import SwarmKey
@@ -50,9 +51,9 @@ from swarm.records import (
     TrainerProgress,
     servers,
 )
-from swarm.rpc.hop import Hop
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
+from swarm.rpc.stream import open_session
 
 TIMING = Timing.for_tests()
 
@@ -330,7 +331,7 @@ def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, A
             remote = Remote(p2p, store.credentials(), plane)  # type: ignore[arg-type]
             done[f"forward_{plane}"] = _errors(loop, remote, hop, [("forward", forward, hidden)])["forward"]
             try:
-                stream = loop.run(remote.open_session(hop, 10.0))
+                stream = loop.run(open_session(remote, hop, 10.0))
                 loop.run(stream.exchange(opening, {}, 10.0))
                 done[f"session_{plane}"] = "ok"
                 stream.close()

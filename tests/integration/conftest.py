@@ -1,5 +1,5 @@
 """One fork server for the session's swarms: every peer ``running_swarm`` starts is forked from a process that has
-already imported torch, transformers and hivemind (``swarm.fork_server``), instead of paying those imports again."""
+already imported torch, transformers and hivemind (``harness.fork_server``), instead of paying those imports again."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from swarm.fork_server import ForkServer
+from harness.fork_server import ForkServer
 from tests.integration import harness
 
 

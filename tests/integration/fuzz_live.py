@@ -18,9 +18,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 
 from swarm import wire
+from swarm.hop import Hop
 from swarm.protocol import RPC_BANDWIDTH, RPC_COMPUTE_LOOP, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
 from swarm.rpc.direct import TcpChannel, split_address
-from swarm.rpc.hop import Hop
 from tests import fuzz_cases
 
 TIMEOUT = 15.0  # one malformed call, or one batch on a kept-open connection: never a hang

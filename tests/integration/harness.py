@@ -11,14 +11,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from harness.fork_server import ForkServer
 from swarm.config import Timing
 from swarm.dht import _own_children
 from swarm.errors import SwarmError
-from swarm.fork_server import ForkServer
-from swarm.local_swarm import LocalSwarm
+from swarm.hop import Hop
+from swarm.launch import LocalSwarm
 from swarm.protocol import RPC_FORWARD, Reply, parse_reply
 from swarm.records import PeerState
-from swarm.rpc.hop import Hop
 
 T = TypeVar("T")
 

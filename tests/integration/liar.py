@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from swarm.errors import BadInputError
-from swarm.local_swarm import LocalSwarm, PeerProcess
+from swarm.launch import LocalSwarm, PeerProcess
 
 Tensors = dict[str, torch.Tensor]
 MODES = ("no_hidden", "oversized", "bad_input", "oom")  # replies that lie (each liar test starts one of each)
@@ -47,8 +47,8 @@ def install(mode: str) -> None:
     """Rewrite forward, backward and inference-step answers of this process's server."""
     if mode == "fork":
         return install_fork()
-    from peers.rpc.compute import ComputeService
-    from peers.rpc.sessions import Sessions
+    from peers.serving.compute import ComputeService
+    from peers.serving.sessions import Sessions
 
     forward, backward, step = ComputeService.forward, ComputeService.backward, Sessions.step
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from swarm.local_swarm import ApiProcess
-from swarm.rpc.hop import Hop
+from harness.local_swarm import ApiProcess
+from swarm.hop import Hop
 from tests.conftest import local_reference
 from tests.integration.harness import connect, running_swarm, wait_for
 

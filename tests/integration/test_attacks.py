@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from swarm.config import Timing
-from swarm.dht import RecordStore, load_identity, start_dht
+from swarm.dht import RecordStore, current_broker, load_identity, start_dht
 from swarm.identity import peer_id_of_key
 from swarm.ids import assignment_key
 from swarm.records import Assignment, PeerState, servers
-from swarm.status import current_broker
 from tests.conftest import local_reference
 from tests.integration.harness import running_swarm, wait_for
 

@@ -10,8 +10,8 @@ import torch
 
 from swarm import wire
 from swarm.errors import BadInputError, CacheFullError, SessionLengthError, VersionMismatchError
+from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_INFERENCE
-from swarm.rpc.hop import Hop
 from tests.conftest import local_reference
 from tests.integration.harness import connect, raw_call, running_swarm
 
@@ -255,9 +255,10 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
 
     from swarm.config import Timing
     from swarm.errors import BusyError, SessionExpiredError
+    from swarm.identity import Credentials
     from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
     from swarm.rpc.remote import Remote
-    from swarm.rpc.secure import Credentials
+    from swarm.rpc.stream import open_session
 
     client, _ = guarded
     hop = _hop(client)
@@ -266,7 +267,7 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
     counter = iter(range(1000))
 
     async def opened(remote: Remote, max_length: int):
-        stream = await remote.open_session(hop, timing.open_timeout)
+        stream = await open_session(remote, hop, timing.open_timeout)
         request = InferenceRequest(
             open=OpenSession(
                 session_id=f"idle-{next(counter)}", start=hop.start, end=hop.end, max_length=max_length, batch_size=1

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from swarm.config import Timing
-from swarm.dht import RecordStore, start_dht
+from swarm.dht import RecordStore, current_broker, start_dht
+from swarm.hop import Hop
 from swarm.ids import peers_key
 from swarm.records import Lease, PeerRecord, PeerState, servers
-from swarm.rpc.hop import Hop
-from swarm.status import current_broker
 from tests.conftest import local_reference
 from tests.integration.harness import running_swarm, wait_for
 

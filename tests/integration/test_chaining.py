@@ -13,11 +13,11 @@ import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from harness.local_swarm import Disturber
 from swarm.errors import SwarmError
-from swarm.identity import Signed
-from swarm.local_swarm import Disturber
+from swarm.identity import Credentials, Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
-from swarm.rpc.secure import Credentials
+from swarm.rpc.stream import open_session
 from tests.conftest import local_reference
 from tests.integration.harness import connect, running_swarm, wait_for
 from tests.integration.liar import start_liar
@@ -175,7 +175,7 @@ def test_a_session_refuses_a_route_signed_by_someone_else(folder):
         payload = route.model_dump_json()
         signed = Signed(public_key=other.public_key, payload=payload, signature=other.sign(payload.encode()))
         opening = OpenSession(session_id="s", start=0, end=4, max_length=8, batch_size=1)
-        stream = conn.loop.run(conn.remote.open_session(hop, 10.0))
+        stream = conn.loop.run(open_session(conn.remote, hop, 10.0))
         with pytest.raises(SwarmError, match="another client"):
             conn.loop.run(stream.send(InferenceRequest(open=opening, route=signed), {}))
             conn.loop.run(stream.receive(OpenReply, 10.0))

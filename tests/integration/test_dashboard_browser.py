@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from swarm.local_swarm import ApiProcess, LocalSwarm
+from harness.local_swarm import ApiProcess
+from swarm.launch import LocalSwarm
 from tests.integration.browser import (
     chrome,
     map_peers,

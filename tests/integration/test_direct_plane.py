@@ -15,11 +15,12 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import wire
 from swarm.errors import PeerUnavailableError
+from swarm.hop import Hop
+from swarm.identity import Credentials
 from swarm.protocol import RPC_FORWARD, DirectCall, ForwardRequest
 from swarm.rpc.direct import TcpChannel, frames_of, split_address, write_frame
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote
-from swarm.rpc.secure import Credentials, client_context
+from swarm.rpc.secure import client_context
 from tests.integration.harness import connect, running_swarm
 
 HIDDEN = 64

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
+from harness.local_swarm import Disturber
 from swarm.errors import MissingBlocksError
-from swarm.local_swarm import Disturber
 from tests.conftest import local_reference
 from tests.integration.harness import KillWhileServing, connect, running_swarm
 

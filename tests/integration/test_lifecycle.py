@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarm.dht import _own_children
-from swarm.local_swarm import LocalSwarm
+from swarm.launch import LocalSwarm
 from tests.conftest import local_reference
 from tests.integration.harness import TEST_SERVER_ARGS, alive, check_forward, connect, descendants, running_swarm
 

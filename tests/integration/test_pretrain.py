@@ -12,8 +12,8 @@ import torch
 from swarm.client.training.local import LocalTraining
 from swarm.client.training.trainer import Trainer
 from swarm.config import Timing
+from swarm.hop import Hop
 from swarm.records import PeerState, stage_servers
-from swarm.rpc.hop import Hop
 from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.init import stage_state_bytes
 from swarm.training.run import load_run

@@ -133,7 +133,7 @@ def test_an_outsider_of_a_private_swarm_runs_nothing_on_either_plane(tiny_models
 
     import torch
 
-    from swarm.rpc.hop import Hop
+    from swarm.hop import Hop
     from tests.conftest import local_reference
     from tests.integration.harness import connect, running_swarm
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from swarm.errors import BadInputError, MissingBlocksError
+from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import ALL_CAPABILITIES, Capability
-from swarm.rpc.hop import Hop
 from tests.conftest import local_reference
 from tests.integration.harness import check_forward, check_greedy, check_session_steps, connect, raw_call, running_swarm
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from swarm.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
-from swarm.wan.emulator import child_env
-from swarm.wan.netns import namespaces, start_time
-from swarm.wan.router import IDLE_WAKE_S
+from harness.env import child_env
+from harness.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
+from harness.wan.netns import namespaces, start_time
+from harness.wan.router import IDLE_WAKE_S
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -141,7 +141,7 @@ def test_a_prefix_in_use_is_refused_and_left_alone(wan):
 def test_down_cleans_what_a_killed_up_left(tmp_path):
     state = tmp_path / "wan.json"
     up = subprocess.Popen(
-        [sys.executable, "-m", "swarm.wan", "up", "--nodes", "x,y", "--delay-ms", "5", "--state", str(state)],
+        [sys.executable, "-m", "harness.wan", "up", "--nodes", "x,y", "--delay-ms", "5", "--state", str(state)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -157,7 +157,7 @@ def test_down_cleans_what_a_killed_up_left(tmp_path):
     assert json.loads(state.read_text())["router_start"] == start_time(router) or _gone(router)
     assert len(_leftovers(prefix)) == 2  # the namespaces stay; the TUNs went into them
     done = subprocess.run(
-        [sys.executable, "-m", "swarm.wan", "down", "--state", str(state)],
+        [sys.executable, "-m", "harness.wan", "down", "--state", str(state)],
         capture_output=True,
         text=True,
         timeout=60,

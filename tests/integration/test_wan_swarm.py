@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 
-from swarm.wan import Wan, WanConfig, unavailable_reason
-from swarm.wan.netns import namespaces
-from swarm.wan.nodes import ClientJob, WanSwarm
+from harness.wan import Wan, WanConfig, unavailable_reason
+from harness.wan.netns import namespaces
+from harness.wan.nodes import ClientJob, WanSwarm
 from tests.conftest import local_reference
 from tests.integration.harness import alive, descendants, wait_for
 

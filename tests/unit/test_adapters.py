@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peers.adapters import AdapterCache, parse_adapter
+from peers.serving.adapters import AdapterCache, parse_adapter
 from swarm.client.adapters import ClientAdapters
 from swarm.errors import AdapterMissingError, BadInputError
 from swarm.ids import Span

@@ -185,7 +185,7 @@ def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
 
     from peers import node
     from peers.config import PeerConfig, PlacementConfig
-    from peers.stage import ModelInfo
+    from peers.serving.stage import ModelInfo
     from swarm.errors import BadInputError
 
     config = type("C", (), {"num_hidden_layers": 30, "hidden_size": 8})()

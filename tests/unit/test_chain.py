@@ -10,14 +10,13 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peers.rpc.chain import accept_route
-from peers.rpc.sessions import Session, Sessions
+from peers.serving.sessions import Session, Sessions
 from swarm.client.chain import chunks
 from swarm.errors import BadInputError
-from swarm.identity import Signed
+from swarm.identity import Credentials, Signed
 from swarm.ids import Span
 from swarm.protocol import ChainHop, ChainRoute, StepReply
 from swarm.rpc.commit import CommitKey, CommitSigner, digest
-from swarm.rpc.secure import Credentials
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from peers.config import ComputeConfig, NetworkConfig, PeerConfig, PlacementConfig
+from peers.config import NetworkConfig, PeerConfig, PlacementConfig
+from peers.serving.config import ComputeConfig
 from swarm.config import Timing
 from swarm.errors import BadInputError
 from swarm.ids import Span

@@ -14,9 +14,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from peers.rpc.direct_server import DirectLimits, DirectServer
 from swarm import wire
 from swarm.errors import BusyError, NotMemberError
+from swarm.identity import Credentials
 from swarm.protocol import RPC_BANDWIDTH, Reply, parse_reply
 from swarm.rpc.direct import TcpChannel
-from swarm.rpc.secure import Credentials, client_context
+from swarm.rpc.secure import client_context
 
 
 class _Echo:

@@ -9,9 +9,9 @@ import torch
 from swarm.client.executor import Context, Executor, PlanCache, logprobs, schedule
 from swarm.client.runner import ModelOps, with_prompts
 from swarm.errors import BadInputError
+from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, finetune_plan, forward_plan, generate_plan, pretrain_plan, score_plan
 from swarm.plan.ir import Plan
-from swarm.rpc.hop import Hop
 
 SHAPE = ModelShape("m", 4, 8, 11)
 ROUTE = [Hop("peerA", 0, 2, dtype="float16"), Hop("peerB", 2, 4)]

@@ -224,7 +224,7 @@ def test_cache_bytes_match_what_transformers_caches(name):
 def test_a_budget_in_bytes_holds_the_tokens_it_announces(name):
     """A server's KV budget is bytes; what it announces (tokens of context through its span) and what a session
     reserves (its family's bytes for batch x max_length) agree with ``kv.cache_bytes`` to the token."""
-    from peers.kv_cache import KvCost
+    from peers.serving.kv_cache import KvCost
 
     cost = KvCost(family_of(tiny_config(name)), 2)
     budget = cost.budget_for(100, 2)  # --cache-tokens 100 on a peer that may serve 2 blocks
@@ -237,7 +237,7 @@ def test_a_budget_in_bytes_holds_the_tokens_it_announces(name):
 
 
 def test_latent_and_sliding_caches_cost_less_than_grouped_query_heads():
-    from peers.kv_cache import KvCost
+    from peers.serving.kv_cache import KvCost
 
     def per_token(name: str) -> int:  # bytes per token of a long context through all four blocks
         cost = KvCost(family_of(tiny_config(name)), 2)

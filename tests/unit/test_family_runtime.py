@@ -64,8 +64,8 @@ def test_a_server_refuses_at_start_what_it_cannot_serve_exactly(tmp_path):
     """A quantized checkpoint (FP8 DeepSeek, MXFP4 GPT-OSS) is refused by the serving stage, naming why."""
     import json
 
-    from peers.config import PeerConfig
-    from peers.stage import ServingStage
+    from peers.blocks.stage import ServingStage
+    from peers.serving.config import ComputeConfig
     from tests.conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "m", "llama")
@@ -73,7 +73,7 @@ def test_a_server_refuses_at_start_what_it_cannot_serve_exactly(tmp_path):
     config["quantization_config"] = {"quant_method": "fp8"}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(BadInputError, match="quantized weights \\(fp8\\)"):
-        ServingStage.from_config(PeerConfig(model=str(folder), cache_dir=tmp_path))
+        ServingStage.from_config(str(folder), ComputeConfig(), tmp_path)
 
 
 def test_gpt2_conv1d_layers_are_lora_targets():
@@ -92,7 +92,7 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
     from peers.blocks.backend import SpanBackend
     from peers.blocks.families import family_for
     from peers.blocks.loader import load_span
-    from peers.rpc.sessions import _rewind
+    from peers.serving.sessions import _rewind
     from swarm.ids import Span
     from swarm.model_files import load_config
 
@@ -173,8 +173,8 @@ def test_server_lora_equals_peft(name, targets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from peers.adapters import Adapter
     from peers.blocks.backend import SpanBackend
+    from peers.serving.adapters import Adapter
     from swarm.ids import Span
 
     torch.manual_seed(0)

@@ -12,14 +12,14 @@ import msgpack
 import pytest
 import torch
 
-from peers.activations import ActivationStore, Kept, SavedBytes
-from peers.adapters import AdapterCache, parse_adapter
-from peers.config import ComputeConfig
-from peers.kv_cache import CacheBudget
-from peers.rpc.checks import Limits, check_aux, check_finite, check_hidden
-from peers.rpc.compute import ComputeService
-from peers.rpc.limits import ANONYMOUS, GuardedFrames, Quota, StreamIdle, StreamStalled, caller_of
-from peers.rpc.sessions import Sessions
+from peers.serving.activations import ActivationStore, Kept, SavedBytes
+from peers.serving.adapters import AdapterCache, parse_adapter
+from peers.serving.checks import Limits, check_aux, check_finite, check_hidden
+from peers.serving.compute import ComputeService
+from peers.serving.config import ComputeConfig
+from peers.serving.kv_cache import CacheBudget
+from peers.serving.limits import ANONYMOUS, GuardedFrames, Quota, StreamIdle, StreamStalled, caller_of
+from peers.serving.sessions import Sessions
 from swarm import wire
 from swarm.config import Timing
 from swarm.errors import AdapterMissingError, BadInputError, BusyError

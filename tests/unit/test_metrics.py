@@ -10,7 +10,6 @@ import logging
 import threading
 import urllib.request
 from collections import Counter
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,18 +19,16 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from peers.broker.planner import Role
 from peers.config import ObserveConfig
-from peers.kv_cache import CacheBudget
-from peers.metrics import KINDS, PeerMetrics, outcome_of
+from peers.metrics import PeerSnapshot, watch
 from peers.observe import Observers, start_metrics
-from peers.rpc.limits import StreamStalled
+from peers.serving.counters import KINDS, PeerMetrics, outcome_of
+from peers.serving.limits import StreamStalled
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, CacheFullError, SwarmError
 from swarm.ids import Span
 from swarm.logs import JsonFormatter, configure_logging, formatter
 from swarm.metrics import ApiMetrics
-from swarm.records import PeerState
 from swarm.serve import build_parser
 
 
@@ -48,34 +45,30 @@ def text(m: PeerMetrics) -> str:
     return generate_latest(m.registry).decode()
 
 
-def fake_peer(metrics: PeerMetrics) -> Any:
-    budget = CacheBudget(1000)
-    budget.used = 300
-    compute = SimpleNamespace(
-        metrics=metrics,
-        active=2,
-        kept=[1, 2, 3],
-        adapters=_Sized(5, 4096),
-        stats=Counter(forward=7, adapter_uploads=4, sessions=3, not_kept=1),
-    )
-    return SimpleNamespace(
+def snapshot(**changes: Any) -> PeerSnapshot:
+    """A serving peer's state, as ``peers.node.Peer.snapshot`` takes it."""
+    fields: dict[str, Any] = dict(
         peer_id="12D3KooWpeer",
-        model=SimpleNamespace(name="tiny-llama"),
-        compute=compute,
+        model="tiny-llama",
         span=Span(2, 6),
-        role=Role.SERVE,
-        state=PeerState.ONLINE,
+        role="serve",
+        state="online",
+        cache_bytes_total=1000,
+        cache_bytes_used=300,
+        cache_tokens_free=70,
+        open_sessions=2,
+        active_requests=2,
+        kept_activations=3,
+        adapter_clients=5,
+        adapter_bytes=4096,
+        adapter_uploads=4,
+        not_kept=1,
+        sessions_opened=3,
         span_loads=1,
-        sessions=SimpleNamespace(budget=budget, open={("a", "s1"): 1, ("b", "s2"): 2}, tokens=lambda n, span: n // 10),
+        client_sent_bytes=30,
+        client_received_bytes=40,
     )
-
-
-class _Sized:
-    def __init__(self, n: int, nbytes: int) -> None:
-        self.n, self.nbytes = n, nbytes
-
-    def __len__(self) -> int:
-        return self.n
+    return PeerSnapshot(**(fields | changes))
 
 
 def test_outcomes_are_a_small_fixed_set():
@@ -118,11 +111,10 @@ def test_requests_latency_and_bytes_are_counted():
 
 def test_peer_state_is_read_at_scrape_time():
     m = PeerMetrics()
-    peer = fake_peer(m)
+    now = [snapshot()]
     m.received_bytes, m.sent_bytes, m.push_failures, m.step_replays = 100, 200, 1, 2
-    remote = SimpleNamespace(traffic=Counter(sent_bytes=30, received_bytes=40, activation_bytes=9))
-    m.watch(peer, remote)  # type: ignore[arg-type]
-    m.watch(peer, remote)  # type: ignore[arg-type]  # once only
+    watch(m, lambda: now[0])
+    watch(m, lambda: now[0])  # once only
     got = samples(text(m))
     assert got[("swarm_peer_cache_bytes_total", ())] == 1000
     assert got[("swarm_peer_cache_bytes_used", ())] == 300 and got[("swarm_peer_cache_bytes_free", ())] == 700
@@ -139,15 +131,15 @@ def test_peer_state_is_read_at_scrape_time():
     assert got[("swarm_peer_span_start", ())] == 2 and got[("swarm_peer_span_end", ())] == 6
     info = {"model": "tiny-llama", "peer_id": "12D3KooWpeer", "role": "serve", "span": "2:6", "state": "online"}
     assert got[("swarm_peer_info", tuple(sorted(info.items())))] == 1
-    peer.sessions.budget.used = 1000  # changed after the first scrape: the next one sees it
-    assert samples(text(m))[("swarm_peer_cache_tokens_free", ())] == 0
+    now[0] = snapshot(cache_bytes_used=1000, cache_tokens_free=0)  # changed after the first scrape: the next sees it
+    got = samples(text(m))
+    assert got[("swarm_peer_cache_tokens_free", ())] == 0 and got[("swarm_peer_cache_bytes_free", ())] == 0
 
 
 def test_metrics_port_serves_over_http_and_closes():
     """Port 0 binds a free port, printed and registered as the observer's URL; the scrape reads the peer's state on
     the peer's event loop (here one running in another thread) and closing frees the port."""
     m = PeerMetrics()
-    peer = fake_peer(m)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -155,7 +147,7 @@ def test_metrics_port_serves_over_http_and_closes():
     try:
 
         async def start() -> None:
-            start_metrics(observers, ObserveConfig(metrics_port=0), peer, None)
+            start_metrics(observers, ObserveConfig(metrics_port=0), m, snapshot)
 
         asyncio.run_coroutine_threadsafe(start(), loop).result(10)
         url = observers.urls["metrics"]

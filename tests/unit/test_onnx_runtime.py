@@ -7,15 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peers.adapters import Adapter
 from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.blocks.onnx_export import block_path, check_exportable, export_span
 from peers.blocks.onnx_runtime import OnnxSpan
-from peers.blocks.runtime import SpanRuntime
-from peers.config import ComputeConfig, PeerConfig
-from peers.stage import ServingStage
+from peers.blocks.stage import ServingStage
+from peers.config import PeerConfig
+from peers.serving.adapters import Adapter
+from peers.serving.config import ComputeConfig
+from peers.serving.runtime import SpanRuntime
 from swarm.errors import BadInputError
 from swarm.ids import Span
 from swarm.model_files import load_config
@@ -113,7 +114,7 @@ def test_unsupported_models_dtypes_and_devices_are_refused_at_start(tiny_models)
         check_exportable(config, torch.float32, "cuda")
     cfg = PeerConfig(model=str(tiny_models["qwen3"]), compute=ComputeConfig(runtime="onnx"))
     with pytest.raises(BadInputError, match="serve it with --runtime torch"):
-        ServingStage.from_config(cfg)
+        ServingStage.from_config(cfg.model, cfg.compute, cfg.cache_dir)
 
 
 def test_exports_are_written_once_and_reused(tiny_models, tmp_path):
@@ -137,10 +138,10 @@ def test_exports_are_written_once_and_reused(tiny_models, tmp_path):
 
 def test_serving_stage_builds_the_runtime_it_is_told(tiny_models, tmp_path):
     cfg = PeerConfig(model=str(tiny_models["llama"]), cache_dir=tmp_path, compute=ComputeConfig(runtime="onnx"))
-    stage = ServingStage.from_config(cfg)
+    stage = ServingStage.from_config(cfg.model, cfg.compute, cfg.cache_dir)
     runtime = stage.probe()
     assert isinstance(runtime, OnnxSpan) and runtime.span == Span(0, 1)
     assert (tmp_path / "onnx").is_dir()  # exported into the peer's cache directory
     assert isinstance(
-        ServingStage.from_config(PeerConfig(model=str(tiny_models["llama"]), cache_dir=tmp_path)).probe(), SpanBackend
+        ServingStage.from_config(str(tiny_models["llama"]), ComputeConfig(), tmp_path).probe(), SpanBackend
     )

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from peers.activations import ActivationStore, Kept
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
-from peers.kv_cache import CacheBudget
+from peers.serving.activations import ActivationStore, Kept
+from peers.serving.kv_cache import CacheBudget
 from swarm import model_files
 from swarm.errors import CacheFullError
 from swarm.ids import Span

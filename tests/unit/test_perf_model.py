@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from harness.perf.validation import Row, finetune_rows, table, wan_link
+from swarm.hop import Hop
 from swarm.perf.arch import Arch, context_of
-from swarm.perf.calibrate import Calibration, Hardware
+from swarm.perf.calibration import Calibration, Hardware
 from swarm.perf.model import INITIAL_WINDOW, Cost, Device, Link, Software, pipeline, price
 from swarm.perf.predict import Swarm, decode_step, forward_time, pretrain_step, train_time, ttft, uniform
-from swarm.perf.validation import Row, finetune_rows, table, wan_link
 from swarm.plan.compile import Call, ModelShape, generate_plan, repair
-from swarm.rpc.hop import Hop
 
 SMALL = dict(
     model_type="llama",
@@ -147,7 +147,7 @@ def test_validation_rows_and_table(monkeypatch):
         backward_overhead=9e-4,
     )
     cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8, software={}, measured_at=0.0)
-    monkeypatch.setattr("swarm.perf.validation.arch_of", lambda model: Arch.from_config(SMALL))
+    monkeypatch.setattr("harness.perf.validation.arch_of", lambda model: Arch.from_config(SMALL))
     data = {
         "args": {"model": "small", "spans": ["0:1", "1:3"], "batch": 2, "seq": 32, "rank": 8},
         "adapter_params": 1000,

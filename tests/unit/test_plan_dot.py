@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from swarm.hop import Hop
 from swarm.plan.compile import Call, ModelShape, finetune_plan, generate_plan, pretrain_plan
 from swarm.plan.dot import RenderError, human_bytes, quote, render, short_peer, to_dot
 from swarm.plan.ir import Plan
 from swarm.plan.table import table
-from swarm.rpc.hop import Hop
 
 SVG = "{http://www.w3.org/2000/svg}"
 XLINK = "{http://www.w3.org/1999/xlink}"

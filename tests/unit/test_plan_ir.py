@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from swarm.errors import BadInputError
+from swarm.hop import Hop
 from swarm.plan.compile import (
     Call,
     ModelShape,
@@ -25,7 +26,6 @@ from swarm.plan.compile import (
     score_plan,
 )
 from swarm.plan.ir import MAX_NODES, MAX_PLAN_BYTES, Plan, PlanError, SpanBackward, SpanForward, SpanStep, Transfer
-from swarm.rpc.hop import Hop
 
 MODEL = ModelShape("tiny-llama", num_blocks=4, hidden_size=8, vocab_size=32)
 PEER_A = "12D3KooWAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaA"

@@ -20,9 +20,9 @@ from swarm.ids import Span
 from swarm.model_files import new_model
 from swarm.protocol import StateReply, TrainTag
 from swarm.records import RoundRecord, ServerRecord, TrainerProgress
-from swarm.rpc.state import StageSources, stage_state
 from swarm.training.checkpoints import state_digest
 from swarm.training.run import RunConfig, load_run
+from swarm.training.state import StageSources, stage_state
 from tests.unit.test_basics import record
 
 SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"

@@ -8,11 +8,11 @@ import struct
 import pytest
 from pydantic import ValidationError
 
-from swarm.wan.__main__ import _config, parser
-from swarm.wan.config import WanConfig
-from swarm.wan.links import Link, Topology
-from swarm.wan.router import RouterSpec
-from swarm.wan.tun import VNET_HDR_LEN, ipv4_dst, wire_cost
+from harness.wan.__main__ import _config, parser
+from harness.wan.config import WanConfig
+from harness.wan.links import Link, Topology
+from harness.wan.router import RouterSpec
+from harness.wan.tun import VNET_HDR_LEN, ipv4_dst, wire_cost
 
 
 def test_link_paces_and_drops_beyond_its_queue():
@@ -128,7 +128,7 @@ def test_cli_options_become_a_config_and_router_spec():
 
 
 def test_unavailable_without_root(monkeypatch):
-    from swarm.wan import netns
+    from harness.wan import netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert "root" in (netns.unavailable_reason() or "")

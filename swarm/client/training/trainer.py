@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from swarm.averaging import OwnedAverager
 from swarm.client.executor import Handler
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.config import DirectPolicy, Timing
@@ -27,6 +26,7 @@ from swarm.identity import Signed
 from swarm.protocol import TrainTag
 from swarm.records import TrainerProgress, fresh
 from swarm.training import checkpoints
+from swarm.training.averaging import OwnedAverager
 from swarm.training.checkpoints import TrainerCheckpoint
 from swarm.training.data import Samples
 from swarm.training.init import initial_client_state

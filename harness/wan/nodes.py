@@ -1,5 +1,5 @@
 """A real swarm behind emulated links: every server a ``python -m swarm.serve`` process in its own WAN node, listening
-on that node's address, and clients (``swarm.wan.client_job``) in nodes of their own. Used by ``scripts/bench_wan.py``
+on that node's address, and clients (``harness.wan.client_job``) in nodes of their own. Used by ``scripts/bench_wan.py``
 and ``tests/integration/test_wan_swarm.py``. Every process is stopped by the PID this object started, never by name.
 
     with Wan(WanConfig(nodes=("c", "s1", "s2"), delay_ms=20, mbit=100)) as wan:
@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Any
 
-from swarm.local_swarm import LocalSwarm, PeerProcess
-from swarm.wan.emulator import Wan, child_env
+from harness.env import child_env
+from harness.wan.emulator import Wan
+from swarm.launch import LocalSwarm, PeerProcess
 
 
 class WanSwarm(LocalSwarm):
@@ -78,7 +79,7 @@ class WanSwarm(LocalSwarm):
 
 
 class ClientJob:
-    """A client process (``python -m swarm.wan.client_job SPEC``) in a WAN node. It prints one JSON object a line;
+    """A client process (``python -m harness.wan.client_job SPEC``) in a WAN node. It prints one JSON object a line;
     ``lines()`` yields them. When the spec asks for a pause (a failover drill) it prints ``{"pause": ...}`` and waits
     for a line on its stdin: ``resume()`` sends it."""
 
@@ -86,7 +87,7 @@ class ClientJob:
         """``wan`` None: a plain child process on this machine's own network (the loopback reference)."""
         env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
-        argv = [sys.executable, "-m", "swarm.wan.client_job", json.dumps(spec)]
+        argv = [sys.executable, "-m", "harness.wan.client_job", json.dumps(spec)]
         stderr: Any = self._log if self._log is not None else subprocess.DEVNULL
         kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         if wan is None:

@@ -1,4 +1,4 @@
-"""``python -m swarm.wan``: ``up`` runs a WAN in the foreground until SIGINT/SIGTERM, ``down`` removes what a crashed
+"""``python -m harness.wan``: ``up`` runs a WAN in the foreground until SIGINT/SIGTERM, ``down`` removes what a crashed
 ``up`` left (from its state file), ``measure`` starts a WAN, reports a path's RTT and throughput, and removes it."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from swarm.wan.config import WanConfig
-from swarm.wan.emulator import Wan
-from swarm.wan.measure import measure_rtt, throughput
-from swarm.wan.netns import State, WanError, tear_down
+from harness.wan.config import WanConfig
+from harness.wan.emulator import Wan
+from harness.wan.measure import measure_rtt, throughput
+from harness.wan.netns import State, WanError, tear_down
 
 
 def _pairs(text: str) -> dict[str, float]:
@@ -124,7 +124,7 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m swarm.wan", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.wan", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext in (
         ("up", "start a WAN; stays in the foreground until SIGINT/SIGTERM"),

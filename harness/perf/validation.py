@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.perf.arch import Arch
-from swarm.perf.calibrate import Calibration
+from swarm.perf.calibration import Calibration
 from swarm.perf.model import Cost, Link
 from swarm.perf.predict import (
     Swarm,
@@ -21,6 +21,7 @@ from swarm.perf.predict import (
     ttft,
     uniform,
 )
+from swarm.perf.report import arch_of, lora_params, spans_of
 
 TOLERANCE = 0.25
 CORES = 2.0  # every party of a benchmark shares this machine's cores
@@ -58,28 +59,6 @@ def _row(bench: str, case: str, unit: str, measured: float, cost: Cost, per: flo
     """``per``: the measured number is ``per`` units per second (the prediction is ``per / time``); else seconds."""
     predicted = per / cost.total if per else cost.total
     return Row(bench, case, unit, measured, predicted, cost, bool(per))
-
-
-def arch_of(model: str) -> Arch:
-    from swarm.config import default_cache_dir, load_model_card
-    from swarm.model_files import load_config, model_folder
-
-    return Arch.from_config(load_config(model_folder(load_model_card(model), default_cache_dir())))
-
-
-def spans_of(spans: list[str]) -> list[tuple[int, int]]:
-    return [(int(s.split(":")[0]), int(s.split(":")[1])) for s in spans]
-
-
-def lora_params(arch: Arch, rank: int, targets: tuple[str, ...]) -> int:
-    q = arch.heads * arch.head_dim
-    size = {
-        "q_proj": (arch.hidden, q),
-        "k_proj": (arch.hidden, arch.kv_dim),
-        "v_proj": (arch.hidden, arch.kv_dim),
-        "o_proj": (q, arch.hidden),
-    }
-    return arch.layers * sum(rank * (size[t][0] + size[t][1]) for t in targets)
 
 
 def swarms(cal: Calibration, arch: Arch, spans: list[str], link: Link | None = None) -> tuple[Swarm, Swarm]:

@@ -17,9 +17,9 @@ import torch
 from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.errors import SwarmError
+from swarm.hop import Hop
 from swarm.ids import Span
 from swarm.records import RoundRecord, ServerRecord, TrainerProgress, stage_servers
-from swarm.rpc.hop import Hop
 from swarm.rpc.remote import Remote, Tensors
 from swarm.training.checkpoints import state_digest
 from swarm.training.run import RunConfig

@@ -9,8 +9,8 @@ import statistics
 import subprocess
 from typing import IO, Any
 
-from swarm.wan.emulator import Wan
-from swarm.wan.netns import WanError
+from harness.wan.emulator import Wan
+from harness.wan.netns import WanError
 
 TIMEOUT_S = 120.0
 
@@ -19,7 +19,7 @@ def _server(wan: Wan, node: str, *args: str) -> tuple[subprocess.Popen[str], int
     """Start a probe server in ``node``; return it and the port it listens on."""
     proc = wan.popen(
         node,
-        [wan.python, "-m", "swarm.wan.probe", *args],
+        [wan.python, "-m", "harness.wan.probe", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -40,7 +40,7 @@ def _readline(stream: IO[str] | None, timeout: float) -> str:
 
 def _client(wan: Wan, node: str, *args: str) -> dict[str, Any]:
     done = wan.run(
-        node, [wan.python, "-m", "swarm.wan.probe", *args], capture_output=True, text=True, timeout=TIMEOUT_S
+        node, [wan.python, "-m", "harness.wan.probe", *args], capture_output=True, text=True, timeout=TIMEOUT_S
     )
     if done.returncode != 0:
         raise WanError(f"probe {args[0]} in {node} failed: {done.stderr.strip()[-2000:]}")

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from harness.env import child_env
+
 _POLL_S = 0.05  # how often the server reaps and a reader looks for new output
 
 
@@ -96,9 +98,9 @@ class ForkServer:
     """The parent's handle on a fork server process (stop it with ``close``)."""
 
     def __init__(self, startup_timeout: float = 120.0) -> None:
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env = child_env({"PYTHONUNBUFFERED": "1"})
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm.fork_server"],
+            [sys.executable, "-m", "harness.fork_server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from transformers import PretrainedConfig
 
-from peers.adapters import Adapter
+from peers.serving.adapters import Adapter
 from swarm.errors import BadInputError
 from swarm.ids import Span
 from swarm.records import Capability

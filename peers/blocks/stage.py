@@ -1,106 +1,27 @@
-"""What a peer serves: a stage object the node is handed, so the node itself never asks which kind it runs.
-
-- ``ServingStage``: frozen weights of a model card, read from safetensors; the broker spreads peers over the
-  blocks (``peers.broker.planner``).
-- ``peers.training.stage.TrainableStage``: a pre-training run's stage, whose weights learn; the broker balances
-  peers over the run's fixed stages.
-
-A stage knows its model, loads a span (``load``), plans placements when its peer is the broker (``plan``), and may
-add background work and RPC handlers of its own."""
+"""``ServingStage``: a stage of frozen weights (a model card or a Hugging Face folder), loaded block by block from
+safetensors and run by torch or (``--runtime onnx``) ONNX Runtime; the broker spreads peers over its blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
-from transformers import PretrainedConfig
 
 from peers.blocks.backend import SpanBackend
-from peers.blocks.families import Family, family_for
+from peers.blocks.families import family_for
 from peers.blocks.loader import block_bytes, load_span
-from peers.blocks.runtime import SpanRuntime
 from peers.broker.planner import PeerInfo, Plan, Policy, plan_swarm
-from peers.config import PeerConfig
-from peers.rpc.compute import ComputeService, Learner
-from peers.rpc.servicer import TrainingRpc
-from swarm.config import Timing, load_model_card
-from swarm.dht import RecordStore
+from peers.serving.config import ComputeConfig
+from peers.serving.ports import Learner, TrainingRpc
+from peers.serving.runtime import SpanRuntime
+from peers.serving.stage import ModelInfo, StageEnv
+from swarm.config import load_model_card
 from swarm.errors import BadInputError
 from swarm.ids import Span
 from swarm.model_files import load_config, model_folder, weights_fingerprint
-from swarm.rpc.remote import Remote
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a peer knows of the model it serves."""
-
-    name: str  # its id in the DHT
-    config: PretrainedConfig
-    family: Family
-    dtype: torch.dtype
-    fingerprint: str
-    block_bytes: int
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes one token's hidden state takes on the wire."""
-        return int(self.config.hidden_size) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class StageEnv:
-    """What a stage may use of the peer that runs it."""
-
-    store: RecordStore
-    remote: Remote
-    peer_id: str
-    compute: ComputeService
-    timing: Timing
-
-
-class Stage(Protocol):
-    model: ModelInfo
-
-    def attach(self, env: StageEnv) -> None:
-        """Called once the peer's DHT, transport and compute exist, before the first ``load``."""
-
-    def check_pinned(self, span: Span) -> None:
-        """Refuse a ``--blocks`` span this stage cannot serve."""
-
-    async def load(self, span: Span) -> tuple[SpanRuntime, Learner | None]:
-        """The span's layers in the peer's runtime, ready to serve (and its learner, for trainable weights)."""
-
-    def probe(self) -> SpanRuntime:
-        """One block to measure this peer's speed on before the broker places it (blocking)."""
-
-    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
-        """The broker's placement of ``peers`` (pure)."""
-
-    def background(self) -> list[Coroutine[object, None, None]]:
-        """Work that runs as long as the peer does."""
-
-    @property
-    def training(self) -> TrainingRpc | None:
-        """Handlers of state requests and step notices, for trainable stages."""
-
-    def close(self) -> None: ...
 
 
 def _perturb(layers: torch.nn.Module, scale: float) -> None:
@@ -129,30 +50,31 @@ class ServingStage:
         self.cache_dir = cache_dir or folder  # where ONNX exports go
 
     @classmethod
-    def from_config(cls, cfg: PeerConfig) -> ServingStage:
-        card = load_model_card(cfg.model)
-        folder = model_folder(card, cfg.cache_dir)
+    def from_config(cls, model_name: str, compute: ComputeConfig, cache_dir: Path) -> ServingStage:
+        """``model_name``: a model card name or a Hugging Face folder (``--model``)."""
+        card = load_model_card(model_name)
+        folder = model_folder(card, cache_dir)
         family = family_for(load_config(folder))  # refuses, naming why, what it cannot serve exactly
         config = family.config  # with the attention implementation the family runs
-        dtype_name = cfg.compute.dtype or card.dtype
+        dtype_name = compute.dtype or card.dtype
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise BadInputError(f"unknown dtype {dtype_name!r}")
         # by the dtype's canonical name ("half" is float16): clients compute the fingerprints they accept that way
-        fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cfg.cache_dir)
-        if cfg.compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
+        fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cache_dir)
+        if compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
             from peers.blocks.onnx_export import check_exportable
 
-            check_exportable(config, dtype, cfg.compute.device)
+            check_exportable(config, dtype, compute.device)
         model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
         return cls(
             model,
             folder,
-            cfg.compute.device,
-            cfg.compute.perturb_weights,
-            cfg.compute.runtime,
-            cfg.cache_dir,
-            cfg.compute.threads,
+            compute.device,
+            compute.perturb_weights,
+            compute.runtime,
+            cache_dir,
+            compute.threads,
         )
 
     def attach(self, env: StageEnv) -> None:

@@ -1,5 +1,5 @@
-"""``python -m swarm.wan.client_job SPEC_JSON``: a swarm client that measures, run inside a WAN node so the client
-itself sits behind an emulated link (``swarm.wan.nodes.ClientJob`` starts it). One torch thread. It prints one JSON
+"""``python -m harness.wan.client_job SPEC_JSON``: a swarm client that measures, run inside a WAN node so the client
+itself sits behind an emulated link (``harness.wan.nodes.ClientJob`` starts it). One torch thread. It prints one JSON
 object a line, then ``{"done": true}``.
 
 SPEC: ``model`` (card name or folder), ``initial_peers``, ``test_timings`` (bool), ``tasks`` (any of "local",

@@ -18,7 +18,7 @@ class Hop:
     direct: str | None = None  # host:port of its plain-TCP data plane, if it offers one
     step_seconds: float = 0.0  # announced time of one single-token inference step over this hop's blocks
     token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
-    runtime: str = "torch"  # the server's execution runtime (peers.blocks.runtime)
+    runtime: str = "torch"  # the server's execution runtime (peers.serving.runtime)
     network_mbps: float | None = None  # the server's announced link (codec choice's prior; None: unknown)
 
     @classmethod

@@ -1,5 +1,5 @@
 """Tiny TCP programs run inside the nodes to measure a path: an echo server and a ping-pong client for round trips,
-a sink and a sender for throughput. ``python -m swarm.wan.probe MODE ...``; servers print their port, then one JSON
+a sink and a sender for throughput. ``python -m harness.wan.probe MODE ...``; servers print their port, then one JSON
 result line when done; clients print one JSON line.
 
 They are plain sockets in plain processes on purpose: what they measure is what any TCP program would see.

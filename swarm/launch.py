@@ -1,5 +1,9 @@
-"""Start and stop real peers (``python -m swarm.serve`` processes) on 127.0.0.1: used by the demo, the benchmarks and
-the integration tests. Every process is stopped by the PID this object started, never by name."""
+"""Start and stop peers (``python -m swarm.serve`` processes) on this machine: the demo's swarm, a user's several
+peers on one box (``scripts/local_swarm.py``), the benchmarks' and tests' swarms. Every process is stopped by the
+PID this object started, never by name; a peer that ignores SIGTERM is killed after a grace period.
+
+Peers start with ``subprocess`` unless a ``Spawner`` is given (the tests fork them from a process that imported
+everything once: ``harness.fork_server``)."""
 
 from __future__ import annotations
 
@@ -11,20 +15,51 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from swarm.fork_server import ForkedPeer, ForkServer
-from swarm.rpc.hop import Hop
-
 log = logging.getLogger(__name__)
+
+
+class Lines(Protocol):
+    """A started peer's standard output, read line by line."""
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
+
+
+class PeerHandle(Protocol):
+    """What ``LocalSwarm`` uses of a started peer: the part of ``subprocess.Popen``'s interface a forked peer has."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> Lines | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class Spawner(Protocol):
+    def spawn(self, argv: Sequence[str], log_path: Path) -> PeerHandle:
+        """Start ``python -m swarm.serve *argv``, its stderr going to ``log_path``."""
+        ...
 
 
 @dataclass
 class PeerProcess:
-    proc: subprocess.Popen[str] | ForkedPeer
+    proc: PeerHandle
     span: str | None
     args: tuple[str, ...]
     log_path: Path
@@ -71,7 +106,7 @@ class LocalSwarm:
         log_dir: Path | None = None,
         startup_timeout: float = 300.0,
         env: dict[str, str] | None = None,
-        spawner: ForkServer | None = None,
+        spawner: Spawner | None = None,
     ) -> None:
         """``spawner``: fork peers from this fork server (the tests') instead of starting each with ``subprocess``."""
         self.model = model
@@ -98,7 +133,7 @@ class LocalSwarm:
             argv.append("--test-timings")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"peer-{len(self.peers)}-{(span or 'auto').replace(':', '_')}.log"
-        proc: subprocess.Popen[str] | ForkedPeer
+        proc: PeerHandle
         if self.spawner is not None and not self.env_overrides:
             log_path.write_text("")
             proc = self.spawner.spawn(argv, log_path)
@@ -167,109 +202,3 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class ApiProcess:
-    """``python -m swarm.api`` over a running swarm, in a child process (stopped by its PID): its ``url`` is read
-    from the ``api: URL`` line it prints once it listens."""
-
-    def __init__(
-        self,
-        initial_peers: Sequence[str],
-        *args: str,
-        test_timings: bool = True,
-        log_path: Path | None = None,
-        startup_timeout: float = 120.0,
-    ) -> None:
-        cmd = [sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
-        if test_timings:
-            cmd.append("--test-timings")
-        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="swarm-api-")) / "api.log"
-        with open(self.log_path, "w") as stderr:
-            self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
-            )
-        self.url = ""
-        try:
-            self.url = self._wait(startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait(self, timeout: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if line.startswith("api: ") and not found:
-                    found.append(line.split(" ", 1)[1].strip())
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        deadline = time.monotonic() + timeout
-        while not found and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not found:
-            raise RuntimeError(
-                f"the API did not start (exit code {self.proc.poll()}):\n{self.log_path.read_text()[-3000:]}"
-            )
-        return found[0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-    def __enter__(self) -> ApiProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class _Routed(Protocol):
-    @property
-    def route(self) -> Sequence[Hop]: ...
-
-
-class Disturber:
-    """A Hugging Face streamer for failure drills: after token k of ``plan`` ({token: hop index}) it sends ``sig``
-    to the server on that hop of the model's current route (SIGKILL, SIGSTOP to freeze, SIGTERM to make it leave),
-    and it timestamps every token so stalls can be measured."""
-
-    def __init__(self, model: _Routed, swarm: LocalSwarm, plan: dict[int, int], sig: int = signal.SIGKILL) -> None:
-        self.model, self.swarm, self.plan, self.sig = model, swarm, plan, sig
-        self.count = -1  # generate's first put() is the prompt
-        self.times: list[float] = []
-        self.events: list[float] = []
-        self.victims: list[PeerProcess] = []
-
-    @property
-    def killed(self) -> list[str]:
-        return [p.peer_id for p in self.victims]
-
-    def put(self, value: object) -> None:
-        self.count += 1
-        self.times.append(time.perf_counter())
-        if self.count in self.plan:
-            peer = self.swarm.peer_by_id(self.model.route[self.plan[self.count]].peer_id)
-            self.victims.append(peer)
-            if self.sig == signal.SIGKILL:
-                self.swarm.kill(peer)
-            else:
-                peer.proc.send_signal(self.sig)
-            self.events.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-    def stalls(self) -> list[float]:
-        """Seconds from each disturbance to the next token."""
-        return [next(t for t in self.times if t > e) - e for e in self.events]

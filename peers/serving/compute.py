@@ -11,19 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
-from peers.activations import ActivationStore, Kept, SavedBytes, storages
-from peers.adapters import Adapter, AdapterCache, Pin, parse_adapter
-from peers.blocks.runtime import SpanRuntime, require
-from peers.config import ComputeConfig
-from peers.metrics import PeerMetrics
-from peers.rpc.checks import Limits, check_aux, check_finite, check_hidden, check_names, check_sub
-from peers.rpc.limits import Quota
+from peers.serving.activations import ActivationStore, Kept, SavedBytes, storages
+from peers.serving.adapters import Adapter, AdapterCache, Pin, parse_adapter
+from peers.serving.checks import Limits, check_aux, check_finite, check_hidden, check_names, check_sub
+from peers.serving.config import ComputeConfig
+from peers.serving.counters import PeerMetrics
+from peers.serving.limits import Quota
+from peers.serving.ports import Learner, Tensors
+from peers.serving.runtime import SpanRuntime, require
 from swarm.config import Timing
 from swarm.errors import ActivationsGoneError, BadInputError
 from swarm.ids import Span
@@ -33,26 +34,6 @@ from swarm.tuning import GRAD_PREFIX, is_adapter_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Tensors = dict[str, torch.Tensor]
-
-
-class Learner(Protocol):
-    """A span whose weights learn (``peers.training.span_trainer.SpanTrainer``)."""
-
-    params: list[torch.nn.Parameter]
-
-    def admit(self, tag: TrainTag) -> None:
-        """Bring the span to the request's global step, or refuse a request of a step already done."""
-
-    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str) -> None:
-        """Add a micro-batch's weight gradients toward the global batch (and step when it is complete); refuse a
-        non-finite one, bound a huge one, count the samples per trainer."""
-
-    @property
-    def pending(self) -> bool:
-        """A step was applied whose averaging round and checkpoint are still to do."""
-
-    def finish_step(self) -> None: ...
 
 
 class ComputeService:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.adapters import Adapter, Pin
+from peers.serving.adapters import Adapter, Pin
 from swarm.ids import Span
 
 

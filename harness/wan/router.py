@@ -1,5 +1,5 @@
 """The router process: reads every node's TUN, holds each IPv4 packet as the timing model says, writes it to its
-destination's TUN. Run as ``python -m swarm.wan.router SPEC_JSON`` with the TUN fds inherited (``Wan`` starts it).
+destination's TUN. Run as ``python -m harness.wan.router SPEC_JSON`` with the TUN fds inherited (``Wan`` starts it).
 
 It is a process of its own, not a thread of the caller, so a busy caller (a test, a benchmark, a client holding the
 GIL) never delays packets. Packets are forwarded untouched, so the TCP connection stays end to end between the two
@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 
-from swarm.wan.links import Link, Topology
-from swarm.wan.tun import MAX_READ, ipv4_dst, wire_cost
+from harness.wan.links import Link, Topology
+from harness.wan.tun import MAX_READ, ipv4_dst, wire_cost
 
 INITIAL_LEAD_S = 0.0001  # how early timers are set, until the router has seen how late they fire here
 MAX_LEAD_S = 0.001  # the most a timer may be set early to make up for its wake-up latency

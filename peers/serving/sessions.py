@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peers.adapters import Adapter, Pin
-from peers.blocks.runtime import require
-from peers.kv_cache import CacheBudget, KvCost
-from peers.rpc.checks import check_aux, check_finite, check_hidden, check_names
-from peers.rpc.compute import ComputeService, Tensors
-from peers.rpc.limits import Quota
+from peers.serving.adapters import Adapter, Pin
+from peers.serving.checks import check_aux, check_finite, check_hidden, check_names
+from peers.serving.compute import ComputeService
+from peers.serving.kv_cache import CacheBudget, KvCost
+from peers.serving.limits import Quota
+from peers.serving.ports import Tensors
+from peers.serving.runtime import require
 from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import ChainRoute, OpenSession

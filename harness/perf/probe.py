@@ -1,6 +1,6 @@
 """The swarm's own fixed costs, measured with real peers on this machine serving a model too small for its compute
 to matter (3 layers of hidden size 64, vocabulary 256): what a hop, a call, a session step and a training step cost
-beyond the work of the blocks. An entry point (it runs the client): ``python -m swarm.perf calibrate``.
+beyond the work of the blocks. An entry point (it runs the client): ``python -m harness.perf calibrate``.
 
 Each cost is a difference between two configurations that differ in that one thing (one server against three, the
 same client), so the client's and the model's own costs cancel; what the micro model still computes is taken off
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from harness.perf.calibrate import MICRO
 from swarm.perf.arch import Arch, context_of
-from swarm.perf.calibrate import MICRO, Hardware
+from swarm.perf.calibration import Hardware
 from swarm.perf.model import Device
 
 MIB = 1024 * 1024
@@ -81,7 +82,7 @@ def measure_software(hw: Hardware, repeats: int = 7) -> tuple[dict[str, float], 
 
     from swarm import DistributedModelForCausalLM
     from swarm.config import default_cache_dir, load_model_card
-    from swarm.local_swarm import LocalSwarm
+    from swarm.launch import LocalSwarm
     from swarm.model_files import model_folder
 
     config = dict(MICRO, num_hidden_layers=LAYERS)
@@ -178,7 +179,7 @@ def _generation(model: object, prompt: torch.Tensor, repeats: int) -> tuple[floa
 
 def _transport_bandwidth(remote: object) -> float:
     """Bytes/s of the client's transport to a server on this machine: a 16 MiB probe against a 64 KiB one."""
-    from swarm.rpc.hop import Hop
+    from swarm.hop import Hop
 
     conn = remote.connection  # type: ignore[attr-defined]
     hop = Hop.of(next(iter(conn.view.servers())))
@@ -195,7 +196,7 @@ def _pretrain_steps(tmp: Path, config: dict[str, object], repeats: int) -> dict[
     """Median seconds of a pre-training step (one micro-batch of 2 x 16 bytes) through 1 and through 3 stages."""
     from swarm.client.training.trainer import Trainer
     from swarm.config import Timing
-    from swarm.local_swarm import LocalSwarm
+    from swarm.launch import LocalSwarm
     from swarm.training.data import Samples, corpus_files, tokenize
     from swarm.training.run import load_run
 

@@ -19,34 +19,22 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from swarm.wan import netns
-from swarm.wan.config import WanConfig
-from swarm.wan.netns import State, WanError
-from swarm.wan.router import RouterSpec
-from swarm.wan.tun import open_tun
+from harness.env import child_env
+from harness.wan import netns
+from harness.wan.config import WanConfig
+from harness.wan.netns import State, WanError
+from harness.wan.router import RouterSpec
+from harness.wan.tun import open_tun
 
 READY_TIMEOUT_S = 15.0
 MTU = 1500  # what a real path has; TSO lets the router still see ~64 KiB packets (see tun.py)
 TXQUEUELEN = 4096  # the TUN's queue towards the router: it must never be the bottleneck
 
 
-def source_root() -> str:
-    """The folder holding this ``swarm`` package: child processes import the router and probes from it, even when
-    the interpreter's installed ``swarm`` is another checkout."""
-    return str(Path(__file__).resolve().parents[2])
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root(), env.get("PYTHONPATH")) if p)
-    env.update(extra or {})
-    return env
-
-
 class Wan:
     """A running emulated WAN; ``close()`` (or leaving the ``with``) removes every namespace and device it made.
 
-    ``state_file``, when given, records the names and the router's PID so ``python -m swarm.wan down --state FILE``
+    ``state_file``, when given, records the names and the router's PID so ``python -m harness.wan down --state FILE``
     can clean up after a process that died without closing.
     """
 
@@ -124,7 +112,7 @@ class Wan:
             seed=cfg.seed,
         )
         self.router = subprocess.Popen(
-            [self.python, "-m", "swarm.wan.router", spec.to_json()],
+            [self.python, "-m", "harness.wan.router", spec.to_json()],
             pass_fds=fds,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -1,0 +1,9 @@
+"""The project's harness: what tests, benchmarks and measurements use to drive real swarms, never imported by the
+product (``swarm``, ``peers``) and not shipped in its wheel (tests/unit/test_layering.py holds both).
+
+- ``harness.local_swarm``: the API in a child process, failure drills (``Disturber``);
+- ``harness.fork_server``: forks peers from one process that imported everything once (the integration tests');
+- ``harness.wan``: a WAN emulator (network namespaces, a user-space router with delays and bandwidths);
+- ``harness.perf``: the cost model's calibration probes and its validation against the benchmarks.
+
+Peers on this machine are started by the product's own launcher, ``swarm.launch``."""

@@ -1,0 +1,41 @@
+"""The ports a stage plugs into the serving domain, beside ``Stage`` itself (``peers.serving.stage``): a span whose
+weights learn gives compute a ``Learner``; a trainable stage gives the handlers its ``TrainingRpc``. Pre-training's
+stage implements both (``peers.training``); a serving stage neither."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from swarm.protocol import StateReply, StateRequest, StepNotice, TrainTag
+
+Tensors = dict[str, torch.Tensor]
+
+
+class Learner(Protocol):
+    """A span whose weights learn (``peers.training.span_trainer.SpanTrainer``)."""
+
+    params: list[torch.nn.Parameter]
+
+    def admit(self, tag: TrainTag) -> None:
+        """Bring the span to the request's global step, or refuse a request of a step already done."""
+
+    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str) -> None:
+        """Add a micro-batch's weight gradients toward the global batch (and step when it is complete); refuse a
+        non-finite one, bound a huge one, count the samples per trainer."""
+
+    @property
+    def pending(self) -> bool:
+        """A step was applied whose averaging round and checkpoint are still to do."""
+
+    def finish_step(self) -> None: ...
+
+
+class TrainingRpc(Protocol):
+    """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""
+
+    async def state(self, req: StateRequest) -> tuple[StateReply, Tensors]: ...
+
+    async def step(self, notice: StepNotice) -> None: ...
