@@ -90,6 +90,9 @@ class PeerMetrics:
         self.push_failures = 0  # push connections to a chained route's next hop that failed or were closed
         self.push_dropped = 0  # steps not pushed on because the next hop's queue was full
         self.step_replays = 0  # steps sent again from an earlier position: a client repaired its route upstream
+        self.push_refused = 0  # pushed steps refused: not from the session's previous hop, no such session, bounds
+        self.sessions_expired = 0  # inference sessions this server ended: their client went quiet (or stalled)
+        self.internal_errors = 0  # failures of the server's own: answered ``swarm_error``, or a connection dropped
         self._watching = False
 
     def observe(self, kind: object, error: BaseException | None, seconds: float) -> None:
@@ -194,6 +197,15 @@ class PeerCollector(Collector):
         yield _counter("swarm_peer_push_dropped", "steps not pushed: the next hop's queue was full", m.push_dropped)
         yield _counter(
             "swarm_peer_step_replays", "steps sent again after the client repaired its route upstream", m.step_replays
+        )
+        yield _counter("swarm_peer_push_refused", "pushed steps refused (not from the previous hop)", m.push_refused)
+        yield _counter(
+            "swarm_peer_sessions_expired",
+            "inference sessions ended by this server: idle or stalled",
+            m.sessions_expired,
+        )
+        yield _counter(
+            "swarm_peer_internal_errors", "requests that failed on the server's own error", m.internal_errors
         )
         traffic = CounterMetricFamily(
             "swarm_peer_bytes",
