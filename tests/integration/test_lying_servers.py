@@ -11,7 +11,7 @@ import torch
 
 from swarm.errors import BadInputError, MessageTooLargeError, PeerUnavailableError, SwarmError, WrongReplyError
 from tests.conftest import local_reference
-from tests.integration.harness import check_forward, connect, running_swarm, wait_for
+from tests.integration.harness import check_forward, connect, counter, running_swarm, wait_for
 from tests.integration.liar import MODES, start_liar
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def test_lying_servers_are_banned_and_outputs_stay_exact(tiny_models):
     ids = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(5))
     expected = ref.generate(ids, max_new_tokens=8, do_sample=False)
     # one honest server, and four liars on the same blocks, each announced ten times faster: routes try them first
-    with running_swarm(folder, ["0:4"]) as swarm:
+    with running_swarm(folder, ["0:4"], "--metrics-port", "0") as swarm:  # every peer's metrics, liars' too
         liars = [start_liar(swarm, mode, "0:4", wait=False) for mode in MODES]
         for liar in liars:
             liar.wait_ready(swarm.startup_timeout)
@@ -75,3 +75,6 @@ def test_lying_servers_are_banned_and_outputs_stay_exact(tiny_models):
             assert caught_as_lies(client, liar_ids, steps=True) == no_lie
             assert client.failovers >= len(MODES)
         assert all(liar.proc.poll() is None for liar in liars)  # they lied; they did not crash
+        # the out-of-memory lie is an error of the liar's own, and counted as such by it; the honest server had none
+        errors = counter(swarm, "swarm_peer_internal_errors")
+        assert errors[liar_ids["oom"]] >= 1 and errors[honest] == 0, errors
