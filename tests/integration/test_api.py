@@ -286,7 +286,8 @@ def test_a_client_that_goes_away_frees_the_servers_caches(stack, stream):
     else:
         with _post(api.url, body):
             wait_for(lambda: _steps(swarm) > steps, HANG_S, "the answer under way")
-    wait_for(lambda: _outcomes(api).get("client_closed", 0) == before.get("client_closed", 0) + 1, HANG_S, "the API")
+    closed = before.get("client_closed", 0) + 1
+    wait_for(lambda: _outcomes(api).get("client_closed", 0) == closed, HANG_S, "the API to count it client_closed")
     wait_for(lambda: _all_free(watcher), HANG_S, "the caches freed")
     assert _outcomes(api).get("ok", 0) == before.get("ok", 0)  # the answer was never finished
     # each server takes a step per token: a whole answer is the prompt's step(s) and MAX_TOKENS - 1 more on each
