@@ -127,6 +127,13 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
         _counter(
             "swarm_peer_step_replays", "steps sent again after the client repaired its route upstream", m.step_replays
         ),
+        _counter("swarm_peer_push_refused", "pushed steps refused (not from the previous hop)", m.push_refused),
+        _counter(
+            "swarm_peer_sessions_expired",
+            "inference sessions ended by this server: idle or stalled",
+            m.sessions_expired,
+        ),
+        _counter("swarm_peer_internal_errors", "requests that failed on the server's own error", m.internal_errors),
         traffic,
     ]
 

@@ -41,6 +41,11 @@ class CacheFullError(SwarmError):
     retriable = True
 
 
+class MessageTooLargeError(BadInputError):
+    """A message over its receiver's byte bound, refused as its frames arrive (a request over a server's limit, or a
+    reply over what its request implies). A server names it as ``bad_input``; the class is for this side's callers."""
+
+
 class SessionLengthError(BadInputError):
     """A session went past the max_length it was opened with."""
 
@@ -52,6 +57,14 @@ class PeerUnavailableError(SwarmError):
 
     code = "peer_unavailable"
     retriable = True
+    # what went wrong underneath, as a typed fact (a ``TimeoutError``, the error a server named, a reply the transport
+    # refused...); None: nothing underneath (see ``WrongReplyError``). Read by callers and tests instead of the text.
+    cause: BaseException | None = None
+
+
+class WrongReplyError(PeerUnavailableError):
+    """A peer's reply is not what the request implies (other tensors, shapes or dtypes, or non-finite values to
+    finite inputs): raised by the client that checked it, never named by a server (so not in ``_BY_CODE``)."""
 
 
 class ActivationsGoneError(SwarmError):

@@ -20,7 +20,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm import codecs
 from swarm.codecs import Codec, TensorPart
-from swarm.errors import BadInputError, BusyError
+from swarm.errors import BadInputError, BusyError, MessageTooLargeError
 
 FRAME_BYTES = 2 * 1024 * 1024
 MAX_METADATA = 256 * 1024  # a message's msgpack metadata: requests and replies hold a few hundred bytes
@@ -132,7 +132,7 @@ class Decoder:
         self._bytes += size
         self.total_bytes += size
         if self._bytes > self.max_bytes:
-            raise BadInputError(f"message larger than the limit of {self.max_bytes} bytes")
+            raise MessageTooLargeError(f"message larger than the limit of {self.max_bytes} bytes")
         if self.budget is not None:
             self.budget.take(size)
             self.held += size

@@ -2,7 +2,8 @@
 itself sits behind an emulated link (``harness.wan.nodes.ClientJob`` starts it). One torch thread. It prints one JSON
 object a line, then ``{"done": true}``.
 
-SPEC: ``model`` (card name or folder), ``initial_peers``, ``test_timings`` (bool), ``tasks`` (any of "local",
+SPEC: ``model`` (card name or folder), ``initial_peers``, ``test_timings`` (bool), ``timing`` (a dict of ``Timing``
+fields to override, e.g. a test's patient step timeout), ``tasks`` (any of "local",
 "decode", "ttft", "finetune", "pretrain", "generate"), ``modes`` (a list of {"name", "chain", "direct", "codec"}:
 ClientConfig fields each client of a task is built with; ``codec`` is passed only where ClientConfig has that field),
 and the tasks' sizes: ``new_tokens``, ``prompt_len``, ``repeats``, ``ft_batch``, ``ft_seq``, ``ft_steps``,
@@ -82,7 +83,8 @@ class Stamps:
 def timing(spec: dict[str, Any]) -> Any:
     from swarm.config import Timing
 
-    return Timing.for_tests() if spec.get("test_timings") else Timing()
+    base = Timing.for_tests() if spec.get("test_timings") else Timing()
+    return dataclasses.replace(base, **spec.get("timing", {}))
 
 
 def folder_of(model: str) -> Any:

@@ -207,6 +207,7 @@ class Relay:
                 try:
                     await self._place(pusher, *message)
                 except BadInputError as e:
+                    self.sessions.compute.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
                 finally:
                     decoder.release()  # a placed step's tensors are bounded by the inbox instead
@@ -258,6 +259,7 @@ class Relay:
                         raise why
                     self._enqueue(pusher, session, pushed)
                 except BadInputError as e:
+                    self.sessions.compute.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
         finally:
             self._waiting_bytes -= sum(p.nbytes for p in self._waiting.pop(key, []))

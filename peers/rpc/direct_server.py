@@ -61,6 +61,7 @@ class DirectServer:
             RPC_PUSH: servicer.rpc_push,
         }
         self.creds, self.limits, self.admit = creds, limits, admit
+        self.metrics = servicer.compute.metrics
         self.server: asyncio.Server | None = None
         self.tls: ServerTls | None = None
         self.open = 0
@@ -115,6 +116,7 @@ class DirectServer:
         except BadInputError as e:  # not even a frame before the call was known: nobody to answer
             log.info("direct connection refused: %s", e, extra={"peer": caller})
         except Exception:
+            self.metrics.internal_errors += 1
             log.exception("direct connection failed", extra={"peer": caller})
         finally:
             self.open -= 1

@@ -111,6 +111,7 @@ class InferenceLoop:
                 if session is None:
                     return  # nothing was opened: nothing to give back or explain
                 why = "idle for" if isinstance(e, StreamIdle) else "stalled mid-message for"
+                metrics.sessions_expired += 1
                 e = SessionExpiredError(f"session {why} {e.seconds:g} s; reopen the session")
             elif session is None:  # the opening failed (steps count their own outcomes in _step)
                 metrics.observe("session_open", e, time.perf_counter() - t0)

@@ -65,6 +65,11 @@ def _reply(reply: Message, tensors: Tensors | None = None, codec: Codec | None =
     return wire.encode(reply.model_dump(mode="json"), tensors, codec)
 
 
+def internal(e: BaseException) -> bool:
+    """An error of the server's own (answered ``swarm_error``), not a refusal of what the caller sent."""
+    return not isinstance(e, StreamStalled | SwarmError | ValidationError)
+
+
 def error_reply(e: BaseException, **fields: object) -> list[wire.Frame]:
     if isinstance(e, StreamStalled):  # the sender's fault, not the server's
         e = BadInputError(str(e))
@@ -108,8 +113,14 @@ class Servicer:
         self.relay = None if remote is None else Relay(remote, sessions, timing, max_bytes, self._check_member, budget)
         signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
         self.inference = InferenceLoop(
-            sessions, self.relay, signer, timing, self._decoder, self._check_member, self._delay, error_reply
+            sessions, self.relay, signer, timing, self._decoder, self._check_member, self._delay, self._error_reply
         )
+
+    def _error_reply(self, e: BaseException, **fields: object) -> list[wire.Frame]:
+        """``error_reply``, counting the server's own failures (``PeerMetrics.internal_errors``)."""
+        if internal(e):
+            self.compute.metrics.internal_errors += 1
+        return error_reply(e, **fields)
 
     def _decoder(self) -> wire.Decoder:
         return self.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
@@ -150,7 +161,7 @@ class Servicer:
             return await self._dispatch(meta, tensors, caller)
         except Exception as e:
             error = e
-            return error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
+            return self._error_reply(e, kind=meta.get("kind"), span=f"{meta.get('start')}:{meta.get('end')}")
         finally:
             self.compute.active -= 1
             self.compute.metrics.observe(meta.get("kind"), error, time.perf_counter() - t0)
@@ -182,15 +193,16 @@ class Servicer:
                 raise BadInputError("a unary request must be complete in one frame")
             frames = await self._compute(*message, caller_of(context))
         except Exception as e:
-            return self._sent(error_reply(e))[0]
+            return self._sent(self._error_reply(e))[0]
         finally:
             decoder.release()
         if len(frames) > 1:  # unary replies must fit one frame; the client then uses the stream variant
-            frames = error_reply(BadInputError("reply too large for a unary call; use the stream call"))
+            frames = self._error_reply(BadInputError("reply too large for a unary call; use the stream call"))
         return self._sent(frames)[0]
 
-    @staticmethod
-    async def _read(frames: GuardedFrames, empty: str | None = None) -> tuple[wire.Message | None, list[wire.Frame]]:
+    async def _read(
+        self, frames: GuardedFrames, empty: str | None = None
+    ) -> tuple[wire.Message | None, list[wire.Frame]]:
         """The next request of a stream, or the frames that answer why there is none (nothing for a stream that
         ended cleanly or idled out: nothing was asked); ``empty``: the error for a stream that ends at once."""
         try:
@@ -201,7 +213,7 @@ class Servicer:
         except StreamIdle:
             return None, []
         except Exception as e:
-            return None, error_reply(e)
+            return None, self._error_reply(e)
 
     async def rpc_forward_stream(self, frames: Frames, context: CallerContext | None) -> Frames:
         decoder = self._decoder()
@@ -261,7 +273,7 @@ class Servicer:
                 received = sum(t.numel() * t.element_size() for t in message[1].values())
                 reply = _reply(BandwidthReply(received=received))
         except Exception as e:
-            error, reply = e, error_reply(e)
+            error, reply = e, self._error_reply(e)
         finally:
             decoder.release()
         self.compute.metrics.observe("bandwidth", error, time.perf_counter() - t0)
@@ -279,6 +291,6 @@ class Servicer:
             InfoRequest.model_validate(meta)
             reply = _reply(self.info())
         except Exception as e:
-            error, reply = e, error_reply(e)
+            error, reply = e, self._error_reply(e)
         metrics.observe("info", error, time.perf_counter() - t0)
         return metrics.sent(reply)[0]

@@ -79,6 +79,9 @@ class PeerMetrics:
         self.push_failures = 0  # push connections to a chained route's next hop that failed or were closed
         self.push_dropped = 0  # steps not pushed on because the next hop's queue was full
         self.step_replays = 0  # steps sent again from an earlier position: a client repaired its route upstream
+        self.push_refused = 0  # pushed steps refused: not from the session's previous hop, no such session, bounds
+        self.sessions_expired = 0  # inference sessions this server ended: their client went quiet (or stalled)
+        self.internal_errors = 0  # failures of the server's own: answered ``swarm_error``, or a connection dropped
         self.watched = False  # its registry reads the peer's state too (set once by ``peers.metrics.watch``)
 
     def observe(self, kind: object, error: BaseException | None, seconds: float) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm import wire
-from swarm.errors import BadInputError, DhtLostError, SwarmError
+from swarm.errors import BadInputError, DhtLostError, SwarmError, WrongReplyError
 from swarm.protocol import BackwardRequest, ForwardRequest, InferenceRequest
 from swarm.rpc.remote import Tensors, unavailable
 from swarm.tuning import GRAD_PREFIX
@@ -83,16 +83,23 @@ def expected(
     return Expect(tensors, finite)
 
 
+def _wrong(peer_id: str, what: str) -> WrongReplyError:
+    error = WrongReplyError(f"peer {peer_id} {what}")
+    error.peer_id = peer_id
+    return error
+
+
 def check(reply: Tensors, expect: Expect, peer_id: str) -> Tensors:
-    """``reply`` if it is what ``expect`` says; else a ``PeerUnavailableError`` naming the server."""
+    """``reply`` if it is what ``expect`` says; else a ``WrongReplyError`` (a ``PeerUnavailableError``) naming the
+    server."""
     if set(reply) != set(expect.tensors):
-        raise unavailable(peer_id, f"replied with tensors {sorted(reply)}, not {sorted(expect.tensors)}")
+        raise _wrong(peer_id, f"replied with tensors {sorted(reply)}, not {sorted(expect.tensors)}")
     for name, (shape, dtype) in expect.tensors.items():
         t = reply[name]
         if spec(t) != (shape, dtype):
-            raise unavailable(peer_id, f"replied {name} {list(t.shape)} {t.dtype}, not {list(shape)} {dtype}")
+            raise _wrong(peer_id, f"replied {name} {list(t.shape)} {t.dtype}, not {list(shape)} {dtype}")
         if expect.finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise unavailable(peer_id, f"replied {name} with NaN or infinite values to finite inputs")
+            raise _wrong(peer_id, f"replied {name} with NaN or infinite values to finite inputs")
     return reply
 
 

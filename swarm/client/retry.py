@@ -59,7 +59,10 @@ class Retrier:
         self.timing = timing
         self.clock = clock
         self.sleep = sleep
-        self.failures: dict[str, int] = {}
+        self.failures: dict[str, int] = {}  # peer -> failures counted against it (kept when its ban expires)
+        # peer -> the error of its latest counted failure: why it was banned, as a typed fact (its class, and a
+        # ``PeerUnavailableError``'s ``cause``) for callers and tests, where the log says it in words
+        self.last_failure: dict[str, SwarmError] = {}
         self.failovers = 0  # how many times a call moved on after a failure (exposed to users and tests)
 
     def run(self, attempt: Callable[[], T], what: str = "call", confirm: bool = False) -> T:
@@ -115,6 +118,7 @@ class Retrier:
         peer = e.peer_id
         if peer is not None and not isinstance(e, SessionExpiredError):  # our session idled out: no fault of theirs
             n = self.failures[peer] = self.failures.get(peer, 0) + 1
+            self.last_failure[peer] = e
             self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
         self.failovers += 1
         log.warning("%s failed, failing over: %s", what, e, extra={"peer": peer})

@@ -44,12 +44,23 @@ def start_observer_on(
     In the API: ``observer, stop = start_observer_on(conn.loop, conn.store, conn.remote, model_id, num_blocks,
     conn.timing)``."""
     observer = SwarmObserver(store, remote, model_id, num_blocks, timing)
-    future = asyncio.run_coroutine_threadsafe(observer.run(period), loop_thread.loop)
+
+    async def start() -> asyncio.Task[None]:
+        return asyncio.create_task(observer.run(period), name=f"dashboard-{model_id}")
+
+    task = loop_thread.run(start())
+
+    async def cancel() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     def stop() -> None:
-        future.cancel()  # cancels the task on its loop
-        with contextlib.suppress(concurrent.futures.CancelledError, concurrent.futures.TimeoutError, Exception):
-            future.result(timing.shutdown_timeout)
+        """Returns once the observer's task has ended (or after the shutdown timeout): no round runs after it."""
+        if task.done():
+            return
+        with contextlib.suppress(concurrent.futures.TimeoutError, Exception):
+            loop_thread.run(cancel(), timing.shutdown_timeout)
 
     return observer, stop
 

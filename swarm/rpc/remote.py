@@ -58,6 +58,7 @@ def unavailable(peer_id: str, what: str, e: BaseException | None = None) -> Swar
     detail = f": {type(e).__name__}: {e}" if e is not None else ""
     error = PeerUnavailableError(f"peer {peer_id} {what}{detail}")
     error.peer_id = peer_id
+    error.cause = e
     return error
 
 

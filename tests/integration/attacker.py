@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import sys
 import time
 from functools import partial
@@ -153,7 +154,8 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
 def seize_broker(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
     """Watch the lease the swarm obeys (say "ready" once it sees one), wait until no live lease is left (the honest
     broker died), claim the next term, and publish plans that would uncover blocks: every peer a standby, then every
-    peer on the first block only. Renew for ``--seconds`` after "ready"."""
+    peer on the first block only. Renew until a line on stdin says to stop (the test has seen the swarm's rounds
+    since), or for ``--seconds`` after "ready" at most."""
     from swarm.lease import LeaseRules, LeaseView
 
     store = stores[0]
@@ -180,7 +182,8 @@ def seize_broker(stores: list[RecordStore], args: argparse.Namespace) -> dict[st
             plan = Assignment(term=lease.term, broker=me, issued_at=now, placements=placements)
             store.publish(assignment_key(args.model_id), plan, now + 60)
             published += 1
-        time.sleep(TIMING.broker_period)
+        if select.select([sys.stdin], [], [], TIMING.broker_period)[0]:  # a broker's round, or the word to stop
+            break
     return {"term": lease.term if lease is not None else None, "plans": published}
 
 
@@ -352,7 +355,9 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
     """Push steps into an honest client's chained session on a server, over both planes and under every route
     generation up to 3: the server must take pushes only from the hop before it on the client's signed route.
     Started ahead (a DHT peer takes seconds), it says ``ready`` and then reads the target from stdin: one JSON line
-    with the server's hop, the client's peer id, its session id there and its position (as a leak would give them)."""
+    with the server's hop, the client's peer id, its session id there and its position (as a leak would give them).
+    After each plane's pushes it says how many it has sent, in how many bytes, and keeps the stream open until a line
+    on stdin says the server has read them (the test sees the bytes in the server's count of what it received)."""
     loop = LoopThread("pusher")
     sent = 0
     try:
@@ -365,6 +370,7 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
         for plane in ("never", "always"):
             remote = Remote(p2p, stores[0].credentials(), plane)  # type: ignore[arg-type]
             channel = loop.run(remote.open_channel(hop, RPC_PUSH))
+            nbytes = 0
             for generation in range(4):
                 push = PushStep(
                     client=target["client"],
@@ -372,9 +378,12 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
                     generation=generation,
                     step=InferenceStep(position=target["position"], hops=0),
                 )
-                loop.run(channel.send(wire.encode(remote.meta(push), hidden)))
+                frames = wire.encode(remote.meta(push), hidden)
+                loop.run(channel.send(frames))
+                nbytes += wire.encoded_size(frames)
                 sent += 1
-            time.sleep(0.5)  # let the server read them before the stream closes
+            print(json.dumps({"sent": sent, "bytes": nbytes}), flush=True)
+            sys.stdin.readline()
             channel.close()
             remote.close()
     finally:

@@ -4,12 +4,15 @@ disturb a peer exactly while it serves the client."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.fork_server import ForkServer
 from swarm.config import Timing
@@ -48,9 +51,43 @@ def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:
     # exact activations unless a test asks for a codec: "auto" would compress wherever the loopback probe came out
     # slow, and these tests compare against local models (compression: test_compression.py)
     kwargs.setdefault("codec", "none")
-    return DistributedModelForCausalLM.from_pretrained(
-        model, initial_peers=swarm.initial_peers, timing=Timing.for_tests(), **kwargs
-    )
+    kwargs.setdefault("timing", Timing.for_tests())
+    return DistributedModelForCausalLM.from_pretrained(model, initial_peers=swarm.initial_peers, **kwargs)
+
+
+# A minute for a server to open a stream, take a step or answer a request: for tests that assert no failover happens
+# in a healthy swarm, so that a step a loaded machine made slow is never taken for a fault (only a hang is). The
+# failure drills keep the short timeouts they exercise.
+PATIENT = {"step_timeout": 60.0, "request_timeout": 60.0, "open_timeout": 60.0}
+
+
+def patient_timing() -> Timing:
+    """Test timings, patient (``PATIENT``)."""
+    return dataclasses.replace(Timing.for_tests(), **PATIENT)
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    """A peer's (or the API's) Prometheus metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def counter(swarm: LocalSwarm, name: str) -> dict[str, float]:
+    """Peer id -> the value of counter ``name`` (its ``_total`` sample, no labels) on every running peer of ``swarm``
+    started with ``--metrics-port``: the servers' own count of what happened to them."""
+    return {
+        p.peer_id: scrape(p.urls["metrics"]).get((f"{name}_total", ()), 0.0)
+        for p in swarm.peers
+        if p.proc.poll() is None
+    }
 
 
 def raw_call(
@@ -183,6 +220,27 @@ def wait_for(predicate: Callable[[], T], timeout: float = 20.0, what: str = "con
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def within(seconds: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a daemon thread: its result (or its exception, raised here), or an AssertionError
+    if it has not ended after ``seconds``, a bound on a hang only (the thread is left behind, never waited for)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} did not end within {seconds:g} s: hung")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def busy_server(client: Any, start: int, end: int) -> str | None:

@@ -4,10 +4,10 @@ OpenAI's clients expect them. The tests that kill a server run last, in their ow
 
 from __future__ import annotations
 
-import contextlib
 import json
+import socket
 import threading
-import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -17,7 +17,7 @@ import torch
 from harness.local_swarm import ApiProcess
 from swarm.hop import Hop
 from tests.conftest import local_reference
-from tests.integration.harness import connect, running_swarm, wait_for
+from tests.integration.harness import connect, counter, running_swarm, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +27,16 @@ MAX_TOKENS, CONTEXT = 48, 160
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # a greedy answer longer than MAX_TOKENS: streams that must still be running when the test acts on them
 LONG = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}]
+# Every server answers each request or step 50 ms late: an answer of MAX_TOKENS tokens through both takes at least
+# 48 x 2 x 50 ms = 4.8 s on any machine, however fast, so a client that leaves as soon as its answer is under way
+# leaves in the middle of it. Their metrics count what happened to them (steps, sessions that idled out).
+SERVER_ARGS = ("--added-latency-ms", "50", "--metrics-port", "0")
+HANG_S = 60  # how long the tests wait for something that happens in well under a second (a bound on a hang only)
 
 
 @pytest.fixture(scope="module")
 def stack(smollm_folder):
-    with running_swarm(MODEL, ["0:15", "15:30"]) as swarm:
+    with running_swarm(MODEL, ["0:15", "15:30"], *SERVER_ARGS) as swarm:
         args = (
             "--model",
             MODEL,
@@ -192,7 +197,7 @@ def test_requests_at_once_and_the_concurrency_limits(stack):
     finally:
         for stream in held:
             stream.close()
-    wait_for(lambda: _try(two), 10, "a slot freed by the closed streams")
+    wait_for(lambda: _try(two), HANG_S, "a slot freed by the closed streams")
 
 
 def _try(client: openai.OpenAI) -> bool:
@@ -232,36 +237,63 @@ def test_errors_are_openai_shaped(stack):
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
 
 
+def _outcomes(api: ApiProcess) -> dict[str, float]:
+    """The API's own count of chat requests, by outcome."""
+    return {
+        dict(labels)["outcome"]: value
+        for (name, labels), value in scrape(api.url + "/metrics").items()
+        if name == "swarm_api_requests_total" and dict(labels)["endpoint"] == "chat"
+    }
+
+
+def _steps(swarm) -> float:
+    """Inference steps the servers have taken, all together (their own count)."""
+    kind = (("kind", "inference_step"), ("outcome", "ok"))
+    return sum(scrape(p.urls["metrics"]).get(("swarm_peer_requests_total", kind), 0.0) for p in swarm.peers)
+
+
+def _post(url: str, body: dict) -> socket.socket:
+    """A chat request on a plain socket, whose closing is the client going away (nothing else reads or closes it)."""
+    where = urlsplit(url)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {where.netloc}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection((where.hostname, where.port), timeout=HANG_S)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_frees_the_servers_caches(stack, stream):
-    _, api, watcher = stack
-    assert wait_for(lambda: _all_free(watcher), 10, "idle servers")
+    """The client leaves once its answer is under way (seen in the stream, or in the servers' step counts), seconds
+    before the answer could end (``SERVER_ARGS``). The API must notice, stop the generation and close its sessions:
+    it counts the request as ``client_closed``, never ``ok``; the servers took fewer steps than the whole answer needs,
+    and their caches come free without a session idling out (which would free them too, a few seconds later)."""
+    swarm, api, watcher = stack
+    assert wait_for(lambda: _all_free(watcher), HANG_S, "idle servers")
+    before, steps = _outcomes(api), _steps(swarm)
+    expired = sum(counter(swarm, "swarm_peer_sessions_expired").values())
     body = {"model": MODEL, "messages": LONG, "max_tokens": MAX_TOKENS, "stream": stream, "temperature": 0}
-    headers = {"Authorization": f"Bearer {KEY}"}
-    gave_up: list[float] = []
-    with httpx.Client(timeout=httpx.Timeout(60, read=None if stream else 3.0)) as http:
-        if stream:
+    if stream:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(timeout=HANG_S) as http:
             with http.stream("POST", api.url + "/v1/chat/completions", json=body, headers=headers) as r:
                 lines = r.iter_lines()  # kept: a dropped line iterator closes the response, as a client going away
                 while not _has_content(next(lines)):
-                    pass  # until the answer flows
-                wait_for(lambda: not _all_free(watcher), 10, "the sessions' caches reserved")
-            gave_up.append(time.monotonic())
-        else:
-
-            def ask() -> None:
-                with contextlib.suppress(httpx.ReadTimeout):  # gives up 3 s into a 10 s answer
-                    http.post(api.url + "/v1/chat/completions", json=body, headers=headers)
-                    return
-                gave_up.append(time.monotonic())
-
-            asking = threading.Thread(target=ask)
-            asking.start()
-            wait_for(lambda: not _all_free(watcher), 10, "the sessions' caches reserved")
-            asking.join(60)
-    assert gave_up, "the answer came before the client gave up"
-    wait_for(lambda: _all_free(watcher), 10, "the caches freed")
-    assert time.monotonic() - gave_up[0] < 2.0
+                    pass  # until the answer flows; leaving the block closes the connection
+    else:
+        with _post(api.url, body):
+            wait_for(lambda: _steps(swarm) > steps, HANG_S, "the answer under way")
+    closed = before.get("client_closed", 0) + 1
+    wait_for(lambda: _outcomes(api).get("client_closed", 0) == closed, HANG_S, "the API to count it client_closed")
+    wait_for(lambda: _all_free(watcher), HANG_S, "the caches freed")
+    assert _outcomes(api).get("ok", 0) == before.get("ok", 0)  # the answer was never finished
+    # each server takes a step per token: a whole answer is the prompt's step(s) and MAX_TOKENS - 1 more on each
+    assert _steps(swarm) - steps < 2 * (MAX_TOKENS - 1)
+    # freed by the API closing its sessions, not by the servers ending sessions that went quiet
+    assert sum(counter(swarm, "swarm_peer_sessions_expired").values()) == expired
 
 
 def test_swarm_failures_mid_stream_and_before(stack):
@@ -270,14 +302,15 @@ def test_swarm_failures_mid_stream_and_before(stack):
     stream = client.chat.completions.create(
         model=MODEL, messages=LONG, max_tokens=MAX_TOKENS, stream=True, temperature=0
     )
-    with pytest.raises(openai.APIError, match="the swarm could not finish"):
+    with pytest.raises(openai.APIError) as failed:
         for i, _chunk in enumerate(stream):
             if i == 2:  # the only server of blocks 15:30 dies: nobody can take over
                 swarm.kill(swarm.peers[1])
+    assert failed.value.code == "swarm_unavailable"  # the stream's error event, as the API names it
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)
     assert caught.value.status_code == 503
-    assert wait_for(lambda: not client.models.list().data, 15, "the model leaving /v1/models")
+    assert wait_for(lambda: not client.models.list().data, HANG_S, "the model leaving /v1/models")
 
 
 def test_metrics_count_what_happened(stack):

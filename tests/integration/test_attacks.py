@@ -8,7 +8,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ import pytest
 import torch
 
 from swarm.config import Timing
-from swarm.dht import RecordStore, current_broker, load_identity, start_dht
+from swarm.dht import RecordStore, current_broker, dht_time, load_identity, start_dht
 from swarm.identity import peer_id_of_key
-from swarm.ids import assignment_key
-from swarm.records import Assignment, PeerState, servers
+from swarm.ids import assignment_key, peers_key
+from swarm.records import Assignment, PeerRecord, PeerState, servers
 from tests.conftest import local_reference
-from tests.integration.harness import running_swarm, wait_for
+from tests.integration.harness import patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 TIMING = Timing.for_tests()
@@ -60,6 +59,12 @@ class Attacker:
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self.process = process
 
+    def stop(self) -> None:
+        """Tell it to stop (an attack that reads stdin for that) and write its report."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("stop\n")
+        self.process.stdin.flush()
+
     def report(self, timeout: float = 60) -> dict:
         """Its JSON report, once it ends."""
         out, _ = self.process.communicate(timeout=timeout)
@@ -70,7 +75,11 @@ class Attacker:
 def attacking(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> Iterator[Attacker]:
     """An attack running in the background while the test drives the swarm; killed if the test ends first."""
     process = subprocess.Popen(
-        _command(kind, swarm, model_id, num_blocks, *extra), stdout=subprocess.PIPE, text=True, cwd=ROOT
+        _command(kind, swarm, model_id, num_blocks, *extra),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     try:
         yield Attacker(process)
@@ -87,6 +96,26 @@ def roles(store: RecordStore, model: str, num_blocks: int) -> dict[str, tuple[st
 def replicated(store: RecordStore, model: str, num_blocks: int, copies: int) -> bool:
     view = store.view(model, num_blocks)
     return all(sum(r.state == PeerState.ONLINE for r in view[b]) >= copies for b in range(num_blocks))
+
+
+def rounds_since(store: RecordStore, model: str, broker: str, peers: list[str], since: float, rounds: int = 2) -> None:
+    """Wait until ``broker`` has made ``rounds`` plans after ``since`` (their own DHT times), and every one of ``peers``
+    has sent a heartbeat after the last: rounds in which anything the records changed would have shown."""
+    for _ in range(rounds):
+        since = wait_for(
+            lambda t=since: max(
+                (
+                    a.issued_at
+                    for a in store.read(assignment_key(model), Assignment)
+                    if a.broker == broker and a.issued_at > t
+                ),
+                default=None,
+            ),
+            60,
+            "a newer plan of the broker",
+        )
+    beats = lambda: {r.peer_id: r.updated_at for r in store.read(peers_key(model), PeerRecord)}  # noqa: E731
+    wait_for(lambda: all(beats().get(p, 0.0) > since for p in peers), 60, "every peer's heartbeat since")
 
 
 def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_models):
@@ -112,6 +141,7 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             # 1. forged, foreign-key and shadowing records, fake leases and assignments, a malformed lease, a
             #    heartbeat dated in the future
             done = attack("records", swarm, model, 4)
+            ended = dht_time()
             stored = (
                 "unsigned",
                 "own_weights",
@@ -125,7 +155,7 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             )
             assert all(done[k] for k in stored), done
             second, third = done["sybils"]
-            time.sleep(8 * TIMING.broker_period)  # rounds of the broker and every follower
+            rounds_since(store, model, honest[0], honest, ended)  # rounds of the broker and every follower since
             # the attacker's own record (signed, of weights nobody holds) is there to read; the honest peers are
             # where they were
             now = roles(store, model, 4)
@@ -134,8 +164,8 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             obeyed = [a for a in store.read(assignment_key(model), Assignment) if a.broker == honest[0]]
             assert obeyed and all(third not in a.placements for a in obeyed)  # its future heartbeat was refused
             assert store.dropped["unsigned"] and store.dropped["foreign"] and store.dropped["malformed"]
-            with DistributedModelForCausalLM.from_pretrained(
-                folder, initial_peers=swarm.initial_peers, timing=TIMING
+            with DistributedModelForCausalLM.from_pretrained(  # patient: only a forged record can make it fail over
+                folder, initial_peers=swarm.initial_peers, timing=patient_timing()
             ) as client:
                 assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
                 assert client.failovers == 0  # no forged record was ever on its route
@@ -144,15 +174,18 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             # 2. the honest broker dies (once the attacker watches its lease, as every follower does); the attacker
             #    is the only candidate left, takes the lease, and orders plans that would uncover blocks: the
             #    followers refuse them
-            with attacking("broker", swarm, model, 4, "--seconds", "15") as attacker:
+            with attacking("broker", swarm, model, 4, "--seconds", "300") as attacker:  # until told to stop
                 stdout = attacker.process.stdout
                 assert stdout is not None and stdout.readline().strip() == "ready"
                 swarm.kill(swarm.peer_by_id(honest[0]))
                 seized = wait_for(
                     lambda: (b := current_broker(store, model, TIMING)) and b.holder != honest[0] and b,
-                    30,
+                    60,
                     "the attacker to hold the lease",
                 )
+                # five of its plans, and every survivor's heartbeat since: rounds in which they could have obeyed
+                rounds_since(store, model, seized.holder, honest[1:], seized.start, rounds=5)
+                attacker.stop()
                 result = attacker.report()
             assert seized.holder == result["attacker"] and result["plans"] >= 5
             survivors = {p: v for p, v in before.items() if p != honest[0]}

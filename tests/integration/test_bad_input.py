@@ -13,20 +13,26 @@ from swarm.errors import BadInputError, CacheFullError, SessionLengthError, Vers
 from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_INFERENCE
 from tests.conftest import local_reference
-from tests.integration.harness import connect, raw_call, running_swarm
+from tests.integration.harness import connect, counter, raw_call, running_swarm
 
 HIDDEN = 64
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_models):
+def server(tiny_models):
     folder = str(tiny_models["llama"])
-    with running_swarm(folder, ["0:4"], "--cache-tokens", "64", "--max-batch-tokens", "512") as swarm:
-        client = connect(folder, swarm)
-        try:
-            yield client, local_reference(tiny_models["llama"])
-        finally:
-            client.close()
+    limits = ("--cache-tokens", "64", "--max-batch-tokens", "512")
+    with running_swarm(folder, ["0:4"], *limits, "--metrics-port", "0") as swarm:  # metrics: what it counts
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_models, server):
+    client = connect(str(tiny_models["llama"]), server)
+    try:
+        yield client, local_reference(tiny_models["llama"])
+    finally:
+        client.close()
 
 
 def _hop(client) -> Hop:
@@ -246,7 +252,7 @@ def test_degenerate_tensors_are_refused(guarded):
         )
 
 
-def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
+def test_idle_session_loses_its_room_and_its_client_hears_why(guarded, server):
     """Two identities (the client's own key and a fresh one, both over the direct plane, where the server tells
     them apart by their signed handshakes), each holding half the cache (its whole share, the default
     --caller-cache-share 0.5 of 64 tokens). The first goes quiet: the server ends its session, so the same identity
@@ -264,13 +270,14 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
     hop = _hop(client)
     conn = client.connection
     timing = Timing.for_tests()
-    counter = iter(range(1000))
+    ids = iter(range(1000))
+    expired = counter(server, "swarm_peer_sessions_expired")[hop.peer_id]
 
     async def opened(remote: Remote, max_length: int):
         stream = await open_session(remote, hop, timing.open_timeout)
         request = InferenceRequest(
             open=OpenSession(
-                session_id=f"idle-{next(counter)}", start=hop.start, end=hop.end, max_length=max_length, batch_size=1
+                session_id=f"idle-{next(ids)}", start=hop.start, end=hop.end, max_length=max_length, batch_size=1
             )
         )
         try:
@@ -289,7 +296,7 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
             streams.append(await opened(other, 32))
             with pytest.raises(BusyError, match="share of this server's KV cache"):
                 await opened(mine, 32)
-            deadline = asyncio.get_running_loop().time() + timing.session_idle + 15.0
+            deadline = asyncio.get_running_loop().time() + timing.session_idle + 60.0  # bounds a hang
             while True:  # polled, not slept: the outcome is asserted, never a duration
                 try:
                     streams.append(await opened(mine, 32))  # the quiet session's room, given back
@@ -306,5 +313,6 @@ def test_idle_session_loses_its_room_and_its_client_hears_why(guarded):
             other.close()
 
     conn.loop.run(scenario())
+    assert counter(server, "swarm_peer_sessions_expired")[hop.peer_id] >= expired + 1  # the server counted it
     with torch.no_grad():  # still serving
         assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)

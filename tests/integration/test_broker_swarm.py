@@ -4,7 +4,6 @@ peer dies, and is itself replaced when it dies."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -107,21 +106,23 @@ def test_broker_places_promotes_and_survives(tiny_models):
                 promoted = conn.loop.run(conn.remote.info(Hop.of(standby), 5.0))
                 assert promoted.role == "serve" and promoted.span_loads == loads  # no reload
 
-            # 3. kill the broker (once a live peer holds the lease): another is elected within two lease periods
+            # 3. kill the broker (once a live peer holds the lease): another is elected once its lease lapses (how soon,
+            #    on the lease clock, is test_broker's; here the wait only bounds a hang)
             lease: Lease = wait_for(
                 lambda: (b := current_broker(store, model, timing)) and b.holder in alive_ids(swarm) and b,
                 20,
                 "a live broker",
             )
             swarm.kill(swarm.peer_by_id(lease.holder))
-            t0 = time.monotonic()
             new: Lease = wait_for(
                 lambda: (b := current_broker(store, model, timing)) and b.holder != lease.holder and b,
-                2 * timing.lease_seconds + 5,
+                60,
                 "a new broker",
             )
-            assert new.term > lease.term and time.monotonic() - t0 < 2 * timing.lease_seconds + 5
-            assert new.holder in alive_ids(swarm)
+            # a new term, held by a live peer, that began no earlier than the dead holder's lease we saw lapsed (no
+            # pre-emption: the leases' own times)
+            assert new.term > lease.term and new.holder in alive_ids(swarm)
+            assert new.start >= lease.expires - timing.clock_skew
 
             # 4. a faster newcomer joins: the broker puts it to work where blocks are weakest
             wait_for(lambda: covered(store, model, 4), 30, "coverage")

@@ -4,21 +4,23 @@ Every kill test checks that the killed peer was on the route when it died and th
 
 from __future__ import annotations
 
+import dataclasses
 import signal
-import time
 
 import pytest
 import torch
 
 from harness.local_swarm import Disturber
+from swarm.config import Timing
 from swarm.errors import MissingBlocksError
 from tests.conftest import local_reference
-from tests.integration.harness import KillWhileServing, connect, running_swarm
+from tests.integration.harness import KillWhileServing, connect, running_swarm, wait_for, within
 
 pytestmark = pytest.mark.slow
 
 REPLICATED = ["0:2", "0:2", "2:4", "2:4"]
 SLOW = ("--added-latency-ms", "400")
+HANG_S = 300.0  # how long a call may take before the test calls it hung (never reached on a working client)
 
 
 @pytest.fixture(scope="module")
@@ -133,30 +135,29 @@ def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
         for peer in swarm.peers:
             if peer.span == "2:4":
                 swarm.kill(peer)
-        t0 = time.monotonic()
+        # bounded: the call ends with the error instead of hanging (how long the client waits for missing blocks, on
+        # its own clock, is test_retry's to check)
         with pytest.raises(MissingBlocksError) as info:
-            client(torch.tensor([[1, 2, 3]]))
+            within(HANG_S, client, torch.tensor([[1, 2, 3]]))
         assert info.value.blocks == [2, 3]
-        assert time.monotonic() - t0 < client.connection.timing.missing_blocks_wait + 10
 
 
 def test_frozen_server_is_routed_around(folder, ref):
+    """A frozen server is moved on from by the step timeout (2 s here), not the request timeout, which this client
+    sets far beyond the test's bound on a hang: had it waited for that one, the generation would count as hung. How
+    fast a freeze is survived is bench_failover's to measure."""
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
-    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+    timing = dataclasses.replace(Timing.for_tests(), request_timeout=10 * HANG_S)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm, timing=timing) as client:
         freezer = Disturber(client, swarm, {8: 1}, sig=signal.SIGSTOP)
         try:
-            out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=freezer)
+            out = within(HANG_S, client.generate, ids, max_new_tokens=24, do_sample=False, streamer=freezer)
             assert torch.equal(out, expected) and client.failovers >= 1
-            frozen_at = freezer.events[0]
-            stall = next(t for t in freezer.times if t > frozen_at) - frozen_at
-            assert freezer.killed[0] not in {h.peer_id for h in client.route}
-            # moved on by the step timeout (2 s here), not the request timeout (20 s): the bound tells the two apart
-            # with room for a loaded machine (a replacement that takes seconds to open makes an idle neighbour
-            # expire, which is itself handled); how fast a freeze is survived is bench_failover's to measure
-            timing = client.connection.timing
-            assert timing.step_timeout + 10 < timing.request_timeout
-            assert stall < timing.step_timeout + 10
+            frozen = freezer.killed[0]
+            assert frozen not in {h.peer_id for h in client.route}
+            # it did not answer in time (a deadline ran out: it was frozen, not gone)
+            assert isinstance(client.connection.retrier.last_failure[frozen].cause, TimeoutError)
         finally:
             for peer_id in freezer.killed:
                 swarm.peer_by_id(peer_id).proc.send_signal(signal.SIGCONT)
@@ -169,7 +170,8 @@ def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
         leaver = Disturber(client, swarm, {6: 0}, sig=signal.SIGTERM)
         out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=leaver)
         assert torch.equal(out, expected)
-        time.sleep(2 * client.connection.timing.view_refresh)  # the client's view is refreshed this often
+        gone = leaver.killed[0]  # from the client's view of the swarm once it has read the leaving record
+        wait_for(lambda: gone not in {r.peer_id for r in client.connection.view.servers()}, 60, "the leaver leaving")
         with torch.no_grad():
             client(ids)
         assert leaver.killed[0] not in {h.peer_id for h in client.route}  # new calls avoid the leaving peer

@@ -317,7 +317,8 @@ def test_finetuning_survives_servers_dying_mid_step(folder, tmp_path):
                     killed.append(client.route[0].peer_id)
                     swarm.kill(swarm.peer_by_id(killed[-1]))
                 loss.backward()
-                assert client.failovers == failovers + (step > 0)  # each kill was met, once
+                if step > 0:  # the kill was met: the client failed over from the very server killed
+                    assert client.failovers > failovers and killed[-1] in client.connection.retrier.failures
                 ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
                 ref_loss.backward()
                 assert abs(loss.item() - ref_loss.item()) < 1e-4
@@ -326,5 +327,4 @@ def test_finetuning_survives_servers_dying_mid_step(folder, tmp_path):
                 for opt in (ours_opt, ref_opt):
                     opt.step()
                     opt.zero_grad()
-            assert client.failovers == 2 and len(set(killed)) == 2
-            assert not {h.peer_id for h in client.route} & set(killed)
+            assert len(set(killed)) == 2 and not {h.peer_id for h in client.route} & set(killed)

@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import local_reference
 from tests.integration.fuzz_live import LiveFuzzer, vm_hwm_mib
-from tests.integration.harness import connect, running_swarm
+from tests.integration.harness import connect, counter, running_swarm
 
 pytestmark = pytest.mark.slow  # 10,000 messages and a real server: the full suite runs it, the fast loop not
 
@@ -45,7 +45,8 @@ def _batches(scale: float) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def fuzzed(tiny_models):
     folder = str(tiny_models["llama"])
-    with running_swarm(folder, ["0:4"], "--max-batch-tokens", "512", "--cache-tokens", "256") as swarm:
+    limits = ("--max-batch-tokens", "512", "--cache-tokens", "256")
+    with running_swarm(folder, ["0:4"], *limits, "--metrics-port", "0") as swarm:  # metrics: its own error count
         client = connect(folder, swarm)
         try:
             yield swarm, client, local_reference(tiny_models["llama"])
@@ -99,5 +100,5 @@ def test_fuzzing_both_planes_beside_an_honest_session(fuzzed):
     with torch.no_grad():
         assert client(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 320)
     assert peak < baseline + RSS_BOUND_MIB, report
-    server_log = server.log_path.read_text()
-    assert "request failed" not in server_log and "direct connection failed" not in server_log  # no unhandled error
+    # no unhandled error on either plane: answered swarm_error (maybe to a connection already gone), or a dropped one
+    assert counter(swarm, "swarm_peer_internal_errors") == {server.peer_id: 0}

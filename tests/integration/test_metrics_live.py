@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.harness import connect, running_swarm
+from tests.integration.harness import Samples, connect, running_swarm, scrape
 
 MODEL = "tiny-llama"
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def requests(got: Samples, kind: str, outcome: str = "ok") -> float:
@@ -56,7 +43,7 @@ def test_peer_metrics_follow_the_work(swarm):
             url = by_id[hop.peer_id].urls["metrics"]
             # the session's end reaches the server a moment after generate returns: poll until the peer is idle and
             # its scrape agrees with its info reply (both read the same state; nothing else talks to it now)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60  # bounds a hang only
             while True:
                 info = conn.loop.run(conn.remote.info(hop, 5.0))
                 got = scrape(url)
@@ -76,10 +63,13 @@ def test_peer_metrics_follow_the_work(swarm):
             assert got[("swarm_peer_span_start", ())] == hop.start and got[("swarm_peer_span_end", ())] == hop.end
             labels = next(dict(k[1]) for k in got if k[0] == "swarm_peer_info")
             assert labels["peer_id"] == hop.peer_id and labels["state"] == "online" and labels["model"] == MODEL
-            # the session the generation opened, in the JSON log with its fields
+            # the session the generation opened, in the JSON log with its fields (found by them, not by wording)
             records = [json.loads(line) for line in by_id[hop.peer_id].log_path.read_text().splitlines() if line]
-            opened = [r for r in records if r["msg"] == "session opened"]
-            assert opened and opened[0]["session"] and opened[0]["span"] == f"{hop.start}:{hop.end}"
+            span = f"{hop.start}:{hop.end}"
+            opened = [
+                r for r in records if r.get("session") and r.get("peer") == conn.peer_id and r.get("span") == span
+            ]
+            assert opened, records[-20:]
     finally:
         client.close()
 
@@ -109,5 +99,6 @@ def test_json_log_lines(swarm):
         records = [json.loads(line) for line in lines]  # every line: hivemind's and Python's warnings too
         assert records
         assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
-        ready = [r for r in records if r["msg"] == "ready"]
-        assert ready and ready[0]["peer"] == peer.peer_id and ready[0]["span"] == peer.span
+        # the peer's own lines carry its id and span as fields (found by them, not by wording)
+        own = [r for r in records if r.get("peer") == peer.peer_id and r.get("span") == peer.span]
+        assert own, records[-20:]

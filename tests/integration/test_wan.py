@@ -1,6 +1,9 @@
-"""The WAN emulator for real: namespaces, TUNs and the router process. A TCP path measures the configured round
-trip within 10% and bandwidth within 15%, per-pair delays apply, and nothing outlives ``close()`` or ``down``: no
-namespace, no device, no router. Needs root, /dev/net/tun and ``ip``; skipped otherwise."""
+"""The WAN emulator for real: namespaces, TUNs and the router process. What the emulator guarantees is asserted as
+such: a round trip never takes less than twice the configured delay, nor a flow more than the configured bandwidth.
+What also depends on this machine (its own latency, how fast it forwards packets) is compared with a reference
+measured in the same run: the round trip over a path of no delay, a flow on a link of a quarter of the bandwidth.
+Per-pair delays apply, and nothing outlives ``close()`` or ``down``: no namespace, no device, no router. Needs root,
+/dev/net/tun and ``ip``; skipped otherwise."""
 
 from __future__ import annotations
 
@@ -16,16 +19,19 @@ import pytest
 from harness.env import child_env
 from harness.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
 from harness.wan.netns import namespaces, start_time
-from harness.wan.router import IDLE_WAKE_S
+from harness.wan.router import IDLE_WAKE_S, MAX_LEAD_S
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 DELAY_MS = 20.0
 # The router is a user-space process pacing packets with timers: at 50 Mbit/s a 2-core VM once gave 37-45 for hours
-# (busy or idle), at 20 it gives 17.7-19.5. Both sides within 15% test the emulator, not the VM's timer slack.
+# (busy or idle), at 20 it gives 17.7-19.5.
 MBIT = 20.0
-TOLERANCE = 0.15
+SLOW_MBIT = MBIT / 4  # node "q"'s link: the same flow at a quarter of the rate, in the same run
+# The router sends a packet up to MAX_LEAD_S before it is due (to make up for its timers' lateness): a round trip
+# crosses it twice. Nothing else can make a packet early.
+EARLY_MS = 2 * MAX_LEAD_S * 1000
 
 
 def _gone(pid: int) -> bool:
@@ -53,22 +59,38 @@ def _leftovers(prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def wan():
-    with Wan(WanConfig(nodes=("a", "b"), delay_ms=DELAY_MS, mbit=MBIT)) as running:
+    # "r": no delay from "a" and no bandwidth limit of its own, the reference path of this machine's own latency;
+    # "q": a link of a quarter of the bandwidth
+    cfg = WanConfig(
+        nodes=("a", "b", "r", "q"),
+        delay_ms=DELAY_MS,
+        pair_delay_ms={("a", "r"): 0.0},
+        mbit=MBIT,
+        node_mbit={"r": None, "q": SLOW_MBIT},
+    )
+    with Wan(cfg) as running:
         yield running
 
 
 def test_round_trip_is_twice_the_delay(wan):
     rtt = measure_rtt(wan, "a", "b", count=40, warmup=5)
-    assert abs(rtt - 2 * DELAY_MS) <= 0.1 * 2 * DELAY_MS, rtt
+    assert rtt >= 2 * DELAY_MS - EARLY_MS, rtt  # the emulator's guarantee
+    # what this machine adds (the probes' wake-ups, the router's own work), measured over the path of no delay
+    own = measure_rtt(wan, "a", "r", count=40, warmup=5)
+    assert abs((rtt - own) - 2 * DELAY_MS) <= 0.1 * 2 * DELAY_MS, (rtt, own)
 
 
 def test_throughput_is_the_configured_bandwidth(wan):
     # The sink times only what follows the first quarter, past slow start; 8 MiB is ~2.5 s of steady state.
-    # Goodput sits ~3.5% under the link's rate (IP and TCP headers of 1500-byte packets).
+    # Goodput sits ~3.5% under the link's rate (IP and TCP headers of 1500-byte packets): the router's pacing never
+    # lets a flow beat the configured rate, however fast this machine; how close it comes depends on the machine too.
     forward = measure_throughput(wan, "a", "b", 8 << 20)
-    assert abs(forward - MBIT) <= TOLERANCE * MBIT, forward
     backward = measure_throughput(wan, "b", "a", 4 << 20)
-    assert abs(backward - MBIT) <= TOLERANCE * MBIT, backward
+    slow = measure_throughput(wan, "a", "q", 2 << 20)
+    assert forward <= MBIT and backward <= MBIT and slow <= SLOW_MBIT, (forward, backward, slow)
+    # the configured rate governs: four times the bandwidth carries at least twice as much (a machine that could not
+    # forward half of MBIT would fail this; the reference, at a quarter, is within any machine's reach)
+    assert min(forward, backward) >= 2 * slow, (forward, backward, slow)
 
 
 def test_any_tcp_program_and_loopback_work_in_a_node(wan):
@@ -110,9 +132,10 @@ def test_per_pair_delay():
         near = measure_rtt(wan, "a", "b", count=20)
         far = measure_rtt(wan, "c", "a", count=20)
         other = measure_rtt(wan, "b", "c", count=20)
-    assert abs(near - 20) <= 2, near
-    assert abs(far - 60) <= 6, far
-    assert abs(other - 20) <= 2, other
+    assert near >= 20 - EARLY_MS and other >= 20 - EARLY_MS and far >= 60 - EARLY_MS, (near, far, other)
+    # the same machine's latency is in all three: the differences are the configured ones
+    assert abs((far - near) - 40) <= 4, (near, far)
+    assert abs(other - near) <= 2, (near, other)
 
 
 def test_close_removes_everything_and_is_idempotent():
@@ -134,7 +157,7 @@ def test_a_prefix_in_use_is_refused_and_left_alone(wan):
     with pytest.raises(WanError, match="already exist"):
         twin.start()
     twin.close()
-    assert len(_leftovers(wan.config.prefix)) == 2  # the running WAN's namespaces are untouched
+    assert len(_leftovers(wan.config.prefix)) == len(wan.config.nodes)  # the running WAN's namespaces are untouched
     assert measure_rtt(wan, "a", "b", count=3, warmup=1) > 0
 
 

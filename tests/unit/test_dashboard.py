@@ -344,6 +344,7 @@ def test_a_taken_port_is_a_clear_error():
 
 
 def test_observers_run_on_a_connections_loop_and_stop():
+    import asyncio
     import time
     from types import SimpleNamespace
 
@@ -354,14 +355,17 @@ def test_observers_run_on_a_connections_loop_and_stop():
     try:
         conn = SimpleNamespace(loop=loop, store=FakeStore(rec("a", 0, 6)), remote=FakeRemote(), timing=Timing())
         observers, stop = observe_connections({MODEL: (conn, N)}, period=0.05)  # type: ignore[dict-item]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a bound on a hang only
         while not observers[MODEL].snapshot.peers and time.monotonic() < deadline:
             time.sleep(0.02)
         assert observers[MODEL].snapshot.covered
+
+        async def tasks() -> set[str]:
+            return {t.get_name() for t in asyncio.all_tasks()}
+
+        assert f"dashboard-{MODEL}" in loop.run(tasks())
         stop()
-        calls = len(conn.remote.calls)
-        time.sleep(0.2)
-        assert len(conn.remote.calls) == calls  # stopped: no more rounds
+        assert f"dashboard-{MODEL}" not in loop.run(tasks())  # stopped when stop() returns: no round can follow
         stop()  # idempotent
     finally:
         loop.close()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peers.rpc.direct_server import DirectLimits, DirectServer
+from peers.serving.counters import PeerMetrics
 from swarm import wire
 from swarm.errors import BusyError, NotMemberError
 from swarm.identity import Credentials
@@ -22,6 +24,8 @@ from swarm.rpc.secure import client_context
 
 class _Echo:
     """Stands in for the servicer: every handler answers each message with the caller's peer id."""
+
+    compute = SimpleNamespace(metrics=PeerMetrics())  # where the direct server counts its own failures
 
     def __getattr__(self, name: str) -> Any:
         async def handler(frames: AsyncIterator[wire.Frame], context: Any) -> AsyncIterator[wire.Frame]:

@@ -5,6 +5,7 @@ files from Debian's ``dot`` (``scripts/setup.sh`` installs it: no skip here)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -130,9 +131,15 @@ def test_render_errors_are_clear(tmp_path, monkeypatch):
         render(text, tmp_path / "plan.gif")
     with pytest.raises(RenderError, match="dot could not draw plan.png .exit code 1.: .*syntax error"):
         render("digraph { a -> }", tmp_path / "plan.png")
-    with pytest.raises(RenderError, match="dot took more than 0 s"):
-        render(text, tmp_path / "plan.png", timeout=0.001)
-    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    hung = tmp_path / "hung"  # a dot that never finishes, however fast the machine: its timeout must end it
+    hung.mkdir()
+    (hung / "dot").write_text("#!/bin/sh\nexec sleep 600\n")
+    (hung / "dot").chmod(0o755)
+    with monkeypatch.context() as m:
+        m.setenv("PATH", f"{hung}:{os.environ['PATH']}")
+        with pytest.raises(RenderError, match="dot took more than 1 s"):
+            render(text, tmp_path / "plan.png", timeout=1.0)
+    assert [p.name for p in tmp_path.iterdir()] == ["hung"]  # nothing half-written
     monkeypatch.setenv("PATH", str(tmp_path))  # a machine without Graphviz
     with pytest.raises(RenderError, match="install Debian's graphviz: apt-get install graphviz"):
         render(text, tmp_path / "plan.svg")

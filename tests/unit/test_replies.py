@@ -14,10 +14,12 @@ from swarm.errors import (
     BadInputError,
     BusyError,
     DhtLostError,
+    MessageTooLargeError,
     PeerUnavailableError,
     SessionLengthError,
     StaleStepError,
     SwarmError,
+    WrongReplyError,
 )
 from swarm.protocol import BackwardRequest, ErrorReply, ForwardRequest, InferenceRequest, InferenceStep, Reply
 
@@ -95,6 +97,7 @@ def test_malformed_replies_ban_the_server(reply, why):
     with pytest.raises(PeerUnavailableError, match=why) as info:
         run_checked(expect, reply)
     assert info.value.peer_id == "peer-a" and info.value.retriable
+    assert isinstance(info.value, WrongReplyError)  # what callers and tests read, rather than the text
 
 
 def test_honest_replies_pass_and_non_finite_inputs_may_come_back_non_finite():
@@ -125,16 +128,18 @@ def test_a_servers_internal_failure_or_unknown_code_is_a_retriable_failure(code)
     e = distrust(declared(code, "server error: OutOfMemoryError: CUDA out of memory"), "peer-a")
     assert isinstance(e, PeerUnavailableError) and e.retriable and e.peer_id == "peer-a"
     assert "out of memory" in str(e)
+    assert isinstance(e.cause, SwarmError) and e.cause.declared  # what the server named, kept underneath
     assert isinstance(declared("dht_lost"), DhtLostError)
 
 
 def test_a_reply_the_transport_could_not_read_is_the_servers_fault():
-    local = BadInputError("message larger than the limit of 70000 bytes")  # raised by this side's decoder
+    local = MessageTooLargeError("message larger than the limit of 70000 bytes")  # raised by this side's decoder
     local.peer_id = "peer-a"
     expect = expected(ForwardRequest(start=0, end=2), {"hidden": HIDDEN})
     with pytest.raises(PeerUnavailableError, match="larger than the limit") as info:
         run_checked(expect, local)
-    assert info.value.peer_id == "peer-a"
+    assert info.value.peer_id == "peer-a" and info.value.cause is local
+    assert not isinstance(info.value, WrongReplyError)
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,7 @@ def make(budget: float = 10.0, missing_wait: float = 2.0) -> tuple[Retrier, Fake
 def test_retries_and_bans_with_growing_duration():
     retrier, view, _ = make()
     errors = [failing("a"), failing("a"), failing("b")]
+    latest = {"a": errors[1], "b": errors[2]}
 
     def attempt() -> str:
         if errors:
@@ -65,6 +66,7 @@ def test_retries_and_bans_with_growing_duration():
     assert retrier.run(attempt) == "ok"
     assert view.bans == [("a", 2.0), ("a", 4.0), ("b", 2.0)]
     assert retrier.failovers == 3
+    assert retrier.failures == {"a": 2, "b": 1} and retrier.last_failure == latest  # the very errors, kept past bans
 
 
 def test_bad_input_is_not_retried():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm import wire
-from swarm.errors import BadInputError
+from swarm.errors import BadInputError, MessageTooLargeError
 
 
 def test_round_trip_small_and_dtypes():
@@ -48,7 +48,7 @@ def test_stream_of_messages_back_to_back():
 
 def test_refuses_oversized_malformed_and_unknown_dtypes():
     frames = wire.encode({}, {"h": torch.zeros(1000)})
-    with pytest.raises(BadInputError, match="larger than the limit"):
+    with pytest.raises(MessageTooLargeError, match="larger than the limit"):  # a BadInputError: servers say bad_input
         wire.decode(frames, max_bytes=100)
     with pytest.raises(BadInputError, match="malformed metadata"):
         wire.decode([wire.Frame(metadata=b"\xc1")])
