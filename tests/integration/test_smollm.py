@@ -20,6 +20,7 @@ from tests.integration.harness import (
     check_session_steps,
     connect,
     running_swarm,
+    wait_for,
 )
 
 MODEL = "smollm2-135m"
@@ -150,17 +151,24 @@ def test_session_continues_a_conversation(smollm, tokenizer):
 
 
 def test_status_shows_coverage_and_work(smollm):
+    """``swarm.status`` reads the records at one instant: on a loaded machine a record can lapse between two of its
+    peer's heartbeats (6 s TTL under test timings), and the status then rightly says so. What is checked is what it
+    shows of a covered swarm, so it is asked again until the swarm is covered (the deadline only bounds a hang)."""
     _, _, swarm = smollm
-    out = subprocess.run(
-        [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[1]],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "30 blocks, 3 peers, fully covered" in out.stdout
+
+    def status() -> str | None:
+        out = subprocess.run(
+            [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[1]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout if "30 blocks, 3 peers, fully covered" in out.stdout else None
+
+    text = wait_for(status, 300, "a status showing the swarm covered")
     for span in ("0:10", "10:20", "20:30"):
-        assert span in out.stdout
+        assert span in text
 
 
 def test_libp2p_path_streams_large_messages(smollm):
