@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Every hypothesis test draws the same cases on every run and machine (derandomized: seeded from the test itself) and
+# reads no example database a previous run left behind. A test's own ``@settings`` add to this profile.
+settings.register_profile("swarm", derandomize=True, database=None, deadline=None)
+settings.load_profile("swarm")
 
 # Every family's weights are perturbed (``perturb``): norms initialised to exactly 1 (Gemma's to 0), biases to 0 and
 # zero MoE routers would let a swapped or missing norm or bias pass, or tie the routers' choices. ``tiny_models``
