@@ -7,14 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
+# Every hypothesis test draws the same cases on every run and machine (derandomized: seeded from the test itself) and
+# reads no example database a previous run left behind. A test's own ``@settings`` add to this profile.
+settings.register_profile("swarm", derandomize=True, database=None, deadline=None)
+settings.load_profile("swarm")
+
+# Every family's weights are perturbed (``perturb``): norms initialised to exactly 1 (Gemma's to 0), biases to 0 and
+# zero MoE routers would let a swapped or missing norm or bias pass, or tie the routers' choices. ``tiny_models``
+# checks that no saved tensor is constant.
 FAMILY_CONFIGS = {
-    "llama": dict(model_type="llama"),
-    "mistral": dict(model_type="mistral", sliding_window=16),
-    "qwen2": dict(model_type="qwen2"),
-    "qwen3": dict(model_type="qwen3", head_dim=16),
-    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    # issue 17's families: weights perturbed (Gemma's norms initialised to 0 and zero MoE routers hide mistakes or tie)
+    "llama": dict(model_type="llama", perturb=0.02),
+    "mistral": dict(model_type="mistral", sliding_window=16, perturb=0.02),
+    "qwen2": dict(model_type="qwen2", perturb=0.02),  # q/k/v biases
+    "qwen3": dict(model_type="qwen3", head_dim=16, perturb=0.02),  # q/k norms
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, perturb=0.02),
     "gemma2": dict(
         model_type="gemma2",
         head_dim=16,
@@ -95,8 +103,9 @@ FAMILY_CONFIGS = {
 
 
 def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float = 0.0, **overrides) -> Path:
-    """``perturb``: add N(0, perturb) to every weight (norms initialised to 0 or 1 and zero-initialised MoE routers
-    would otherwise hide mistakes, or tie the routers' choices)."""
+    """``perturb``: add N(0, perturb) to every weight and saved float buffer (DeepSeek's expert-score correction
+    bias), drawn from ``seed`` (norms initialised to 0 or 1, zero biases and zero-initialised MoE routers would
+    otherwise hide mistakes, or tie the routers' choices)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(
@@ -117,6 +126,10 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * perturb)
+            saved = set(model.state_dict())
+            for name, b in model.named_buffers():
+                if name in saved and b.is_floating_point():
+                    b.add_(torch.randn_like(b) * perturb)
     model.save_pretrained(folder, max_shard_size="100KB")  # several shards, so selective reads are exercised
     return folder
 
@@ -128,7 +141,21 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     for family, cfg in FAMILY_CONFIGS.items():
         cfg = dict(cfg)
         out[family] = make_tiny_model(root / f"tiny-{family}", cfg.pop("model_type"), **cfg)
+        constant = constant_tensors(out[family])
+        assert not constant, f"{family}: tensors with one value everywhere (perturb the weights): {constant}"
     return out
+
+
+def constant_tensors(folder: Path) -> list[str]:
+    """The saved tensors of more than one element that hold a single value (a norm of ones, a bias of zeros)."""
+    from safetensors.torch import load_file
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, t in load_file(file).items():
+            if t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+                found.append(name)
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,14 @@ itself sits behind an emulated link (``harness.wan.nodes.ClientJob`` starts it).
 object a line, then ``{"done": true}``.
 
 SPEC: ``model`` (card name or folder), ``initial_peers``, ``test_timings`` (bool), ``timing`` (a dict of ``Timing``
-fields to override, e.g. a test's patient step timeout), ``tasks`` (any of "local",
-"decode", "ttft", "finetune", "pretrain", "generate"), ``modes`` (a list of {"name", "chain", "direct", "codec"}:
-ClientConfig fields each client of a task is built with; ``codec`` is passed only where ClientConfig has that field),
-and the tasks' sizes: ``new_tokens``, ``prompt_len``, ``repeats``, ``ft_batch``, ``ft_seq``, ``ft_steps``,
-``pretrain_run``, ``pretrain_steps``; for "generate": ``prompt`` (token ids), ``max_new_tokens``, ``pause_after``
-(print ``{"pause": token, "route": [peer ids]}`` after that many new tokens and wait for a line on stdin).
+fields to override, e.g. a test's patient step timeout), ``tasks`` (any of "local", "decode", "ttft", "finetune",
+"pretrain", "forward", "generate"), ``modes`` (a list of {"name", "chain", "direct", "codec"}: ClientConfig fields
+each client of a task is built with; ``codec`` is passed only where ClientConfig has that field), and the tasks'
+sizes: ``new_tokens``, ``prompt_len``, ``repeats``, ``ft_batch``, ``ft_seq``, ``ft_steps``, ``pretrain_run``,
+``pretrain_steps``; for "forward": ``ids`` (a batch of token ids: its logits come back); for "generate": ``prompt``
+(token ids), ``max_new_tokens``, ``pause_after`` (print ``{"pause": token, "route": [peer ids]}`` after that many new
+tokens and wait for a line on stdin). "forward" and "generate" report ``codecs``: how many of their calls'
+activations went in each codec (the client's own counts).
 """
 
 from __future__ import annotations
@@ -269,6 +271,29 @@ def task_pretrain(spec: dict[str, Any], mode: dict[str, Any]) -> None:
     )
 
 
+def codecs_since(client: Any, before: dict[str, int]) -> dict[str, int]:
+    """Calls per activation codec since ``before`` (the client's ``traffic`` then): what ``auto`` chose."""
+    now = client.traffic
+    counts = {k.removeprefix("codec."): v - before.get(k, 0) for k, v in now.items() if k.startswith("codec.")}
+    return {k: v for k, v in counts.items() if v}
+
+
+def task_forward(spec: dict[str, Any], mode: dict[str, Any]) -> None:
+    """One forward pass of ``ids``: its logits, and the codecs its calls used."""
+    ids = torch.tensor(spec["ids"])
+    with overrides(mode) as applied, connect(spec, mode) as client, torch.no_grad():
+        before = client.traffic
+        logits = client(ids).logits
+        emit(
+            task="forward",
+            mode=mode["name"],
+            applied=applied,
+            logits=logits.tolist(),
+            codecs=codecs_since(client, before),
+            route=[h.peer_id for h in client.route],
+        )
+
+
 def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
     """Greedy generation of ``prompt``; with ``pause_after``, stop after that many new tokens until told to go on
     (the caller kills a server meanwhile)."""
@@ -283,6 +308,7 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
         stamps = Stamps(spec.get("pause_after"), pause)
         if spec.get("warmup", True):
             client.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        before = client.traffic
         out = client.generate(
             prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=stamps
         )
@@ -298,6 +324,7 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
             steps=steps,
             failovers=client.failovers,
             route=[h.peer_id for h in client.route],
+            codecs=codecs_since(client, before),
         )
 
 
@@ -317,6 +344,9 @@ def main(argv: list[str]) -> int:
     if "pretrain" in tasks:
         for mode in modes:
             task_pretrain(spec, mode)
+    if "forward" in tasks:
+        for mode in modes:
+            task_forward(spec, mode)
     if "generate" in tasks:
         for mode in modes:
             task_generate(spec, mode)

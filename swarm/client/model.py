@@ -317,7 +317,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     @property
     def traffic(self) -> dict[str, int]:
         """Bytes sent and received over every message, all transports (``sent_bytes``, ``received_bytes``,
-        ``adapter_bytes_sent``)."""
+        ``adapter_bytes_sent``), and per compute call or inference step the codec its activations travelled in
+        (``codec.none``, ``codec.block8``, ...: what ``auto`` chose)."""
         return dict(self.connection.remote.traffic)
 
     def notify_step(self, step: int) -> None:

@@ -6,10 +6,12 @@ cannot be found raises ``MissingBlocksError`` at once."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.config import ClientConfig
@@ -42,11 +44,32 @@ class SwarmView:
         self.speeds: dict[tuple[str, Mode], float] = {}
         # peer -> measured round trip (s): routing prices a measured peer's hop by it (the connection may share its own)
         self.rtt: dict[str, float] = {}
-        self._rng = random.Random(cfg.wiring_seed)  # stochastic wiring of training micro-batches
+        # Stochastic wiring of training micro-batches: no generator is shared between threads (micro-batches in
+        # flight at once would take their draws in whatever order the threads ran), see ``wiring``.
+        self._seed = cfg.wiring_seed if cfg.wiring_seed is not None else random.SystemRandom().getrandbits(64)
+        self._local = threading.local()
 
     @property
     def hop_latency(self) -> float:
         return self.cfg.hop_latency_s
+
+    @contextlib.contextmanager
+    def wiring(self, key: int) -> Iterator[None]:
+        """Stochastic routes this thread draws inside the block (a micro-batch's first route and its repairs) come
+        from a generator of their own, seeded by (``wiring_seed``, ``key``): a micro-batch's wiring then depends on
+        the seed and the micro-batch, not on which thread ran it or how the threads interleaved."""
+        before = getattr(self._local, "rng", None)
+        self._local.rng = random.Random(f"{self._seed}/{key}")
+        try:
+            yield
+        finally:
+            self._local.rng = before
+
+    def _wiring_rng(self) -> random.Random:
+        rng: random.Random | None = getattr(self._local, "rng", None)
+        if rng is None:  # a stochastic route outside ``wiring``: this thread's own generator, never another's
+            rng = self._local.rng = random.Random(f"{self._seed}/{threading.current_thread().name}")
+        return rng
 
     def snapshot(self) -> View:
         with self._lock:
@@ -126,7 +149,10 @@ class SwarmView:
         ``stochastic`` scales each server's cost by an Exp(1) draw (micro-batches wired to replicas in proportion to
         their speed). Raises ``MissingBlocksError``."""
         records = self.servers(min_cache_tokens, exclude, needs)
-        noise = {r.peer_id: self._rng.expovariate(1.0) for r in records} if stochastic else None
+        noise = None
+        if stochastic:
+            rng = self._wiring_rng()
+            noise = {r.peer_id: rng.expovariate(1.0) for r in records}
         return choose_route(
             records,
             start,

@@ -141,8 +141,10 @@ def test_replicas_average_and_track_the_local_loss(tmp_path, corpus_ids):
     tail, local_tail = sum(losses[-10:]) / 10, sum(expected[-10:]) / 10
     print(f"last 10 steps: swarm {tail:.4f}, local {local_tail:.4f}")
     # Replicas step on the part of the batch they saw and average every 5 steps (local SGD), so the curve depends on
-    # how micro-batches happen to be wired, which the trainer's threads draw in no fixed order: measured 4-8% below
-    # the one-process loss over runs. The bound allows that spread with room; the swarm must also learn.
+    # how micro-batches are wired: each micro-batch draws from a generator of its own (seed 0, its position), never
+    # from one its sibling threads share, but the draws weigh the replicas by their measured speeds, which vary from
+    # run to run: measured 4-8% below the one-process loss over runs. The bound allows that spread with room; the
+    # swarm must also learn.
     assert abs(tail - local_tail) <= 0.12 * local_tail, f"last 10 steps: swarm {tail:.4f}, local {local_tail:.4f}"
     assert tail < 0.6 * sum(losses[:5]) / 5
 

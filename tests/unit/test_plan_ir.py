@@ -1,7 +1,8 @@
 """The plan IR as a reader of hostile input: every compiled plan validates and survives JSON and msgpack unchanged,
 and a plan with a cycle, an unknown op, a dangling or duplicate id, a shape or dtype that does not follow from its
 inputs, a transfer that lies about its bytes, too many nodes or bytes, an unknown field, or no plan at all, is refused
-with a ``PlanError`` that names the problem. Mutated plans are fuzzed (hypothesis, derandomized)."""
+with a ``PlanError`` that names the problem. Mutated plans are fuzzed in ``test_plan_fuzz.py`` (hypothesis,
+derandomized)."""
 
 from __future__ import annotations
 

@@ -156,3 +156,34 @@ def test_swarm_view_routes_by_needed_capabilities():
     lone = SwarmView(_Store(view_of(onnx_fast)), "m", 8, ClientConfig())
     with pytest.raises(MissingBlocksError):  # only a server without the capability holds these blocks
         lone.route(0, 8, needs=frozenset({Capability.ADAPTERS}))
+
+
+def test_a_micro_batchs_wiring_depends_on_its_key_and_seed_not_on_threads():
+    """Stochastic routes drawn inside ``SwarmView.wiring(key)`` come from a generator of that key's own: the same
+    picks whether the micro-batches run one after another or in threads in the opposite order (one generator shared
+    by the threads would hand each the draws of whichever ran first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.client.swarm_view import SwarmView
+    from swarm.config import ClientConfig
+
+    fast = record(peer_id="fast", start=0, end=8, forward_tps=300.0)
+    slow = record(peer_id="slow", start=0, end=8, forward_tps=100.0)
+
+    def picks(seed: int, keys: list[int], threads: bool) -> dict[int, list[str]]:
+        sv = SwarmView(_Store(view_of(fast, slow)), "m", 8, ClientConfig(wiring_seed=seed))
+
+        def pick(key: int) -> list[str]:
+            with sv.wiring(key):  # a micro-batch's first route and two repairs
+                return [sv.route(0, 8, mode="forward", stochastic=True)[0].peer_id for _ in range(3)]
+
+        if not threads:
+            return {k: pick(k) for k in keys}
+        with ThreadPoolExecutor(4) as pool:
+            return dict(zip(keys, pool.map(pick, keys), strict=True))
+
+    keys = list(range(40))
+    alone = picks(0, keys, threads=False)
+    assert picks(0, keys[::-1], threads=True) == alone
+    assert {p for ps in alone.values() for p in ps} == {"fast", "slow"}  # stochastic: both replicas get work
+    assert picks(1, keys, threads=False) != alone

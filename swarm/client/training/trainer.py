@@ -166,9 +166,12 @@ class Trainer:
         signed = max((p.step for p in self._progress() if self.run.is_trainer(p.trainer)), default=self.step)
         return min(server_step, max(signed, self.step + 1))
 
-    def _micro_batch(self, batch: torch.Tensor, tag: TrainTag) -> float:
-        loss = self.model(input_ids=batch, labels=batch, train=tag).loss
-        (loss * batch.shape[0]).backward()  # a sum over samples: each party divides by the samples it saw
+    def _micro_batch(self, batch: torch.Tensor, tag: TrainTag, position: int) -> float:
+        """One micro-batch (in a pool thread), wired by a generator of its own: keyed by its ``position`` in the
+        data, so its route does not depend on which thread runs it or when."""
+        with self.model.connection.view.wiring(position):
+            loss = self.model(input_ids=batch, labels=batch, train=tag).loss
+            (loss * batch.shape[0]).backward()  # a sum over samples: each party divides by the samples it saw
         return float(loss.item())
 
     def train_step(self) -> float:
@@ -185,8 +188,8 @@ class Trainer:
                 break
             n = max(1, min(run.pipeline_depth, room // mb))
             tag = TrainTag(step=self.step, samples=mb, trainer=self.trainer_id, proof=self._proof())
-            batches = [self.data.batch(self.position + i * mb, mb) for i in range(n)]
-            results = [self._pool.submit(self._micro_batch, b, tag) for b in batches]
+            positions = [self.position + i * mb for i in range(n)]
+            results = [self._pool.submit(self._micro_batch, self.data.batch(p, mb), tag, p) for p in positions]
             stale: StaleStepError | None = None
             wave = []
             for result in results:
