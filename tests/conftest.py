@@ -1,12 +1,67 @@
 """Shared fixtures: tiny random models of each family (saved once per session), the converted SmolLM2 folder, and
-helpers to compare a swarm against a local Hugging Face run of the same weights."""
+helpers to compare a swarm against a local Hugging Face run of the same weights. Every session starts with empty
+caches of its own (``pytest_configure``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+SMOLLM = "smollm2-135m"
+_SESSION_CACHE: list[Path] = []
+_CONVERSION: list[tuple[subprocess.Popen[str], Path]] = []
+# what a peer does on its first start with --log-format json: convert the card into the cache, printing the folder
+_CONVERT = (
+    "from swarm.config import default_cache_dir, load_model_card\n"
+    "from swarm.logs import configure_logging\n"
+    "from swarm.model_files import model_folder\n"
+    "configure_logging('INFO', 'json')\n"
+    f"print(model_folder(load_model_card({SMOLLM!r}), default_cache_dir()))\n"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point every cache at an empty folder of this session, before any test, fork server or peer starts (they all
+    inherit the environment): converted models, weight fingerprints, throughput probes, ONNX exports, calibrations
+    and default checkpoints (``SWARM_CACHE_DIR``), and Hugging Face's (``HF_HOME``). So the suite runs as on a fresh
+    machine every time, and nothing passes only because an earlier run left something behind."""
+    root = Path(tempfile.mkdtemp(prefix="swarm-test-caches-"))
+    _SESSION_CACHE.append(root)
+    os.environ["SWARM_CACHE_DIR"] = str(root / "swarm")
+    os.environ["HF_HOME"] = str(root / "huggingface")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """SmolLM2 is converted once per session (about 30 s): start it now, beside the tests that run before the first
+    one needing it, if any selected test does."""
+    if any("smollm_folder" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_conversion()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for proc, _ in _CONVERSION:  # a session that ended before it was needed
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE.pop(), ignore_errors=True)
+
+
+def _start_conversion() -> tuple[subprocess.Popen[str], Path]:
+    if not _CONVERSION:
+        log = _SESSION_CACHE[0] / "smollm-conversion.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-c", _CONVERT], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        _CONVERSION.append((proc, log))
+    return _CONVERSION[0]
+
 
 FAMILY_CONFIGS = {
     "llama": dict(model_type="llama"),
@@ -132,11 +187,18 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def smollm_folder() -> Path:
-    from swarm.config import default_cache_dir, load_model_card
-    from swarm.model_files import model_folder
+def smollm_conversion() -> tuple[Path, Path]:
+    """SmolLM2's folder, converted from its GGUF into the session's empty cache by a child process that logs JSON as
+    a peer with ``--log-format json`` does, and that process's stderr (``test_smollm.py`` reads it)."""
+    proc, log = _start_conversion()
+    out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, f"converting {SMOLLM} failed ({proc.returncode}):\n{log.read_text()[-3000:]}"
+    return Path(out.strip().splitlines()[-1]), log
 
-    return model_folder(load_model_card("smollm2-135m"), default_cache_dir())
+
+@pytest.fixture(scope="session")
+def smollm_folder(smollm_conversion: tuple[Path, Path]) -> Path:
+    return smollm_conversion[0]
 
 
 def local_reference(folder: Path):

@@ -1,13 +1,17 @@
-"""The real SmolLM2-135M-Instruct split over three real servers, against the same weights run locally."""
+"""The real SmolLM2-135M-Instruct split over three real servers, against the same weights run locally; its first
+conversion on an empty cache; and the HTTP API serving its converted folder by path."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 
+from harness.local_swarm import ApiProcess
 from swarm.protocol import RPC_INFERENCE
 from swarm.rpc.transport import Transport
 from tests.conftest import local_reference
@@ -20,6 +24,7 @@ from tests.integration.harness import (
     check_session_steps,
     connect,
     running_swarm,
+    wait_for,
 )
 
 MODEL = "smollm2-135m"
@@ -27,6 +32,7 @@ MODEL = "smollm2-135m"
 # in different orders, and on this machine's CPU their largest difference measured 1.14e-4 (the issue-13 code too,
 # so it is the arithmetic, not the swarm). 3e-4 is 1e-5 of the logits' range; a wrong block or token is off by >0.1.
 TOL = 3e-4
+KEY = "folder-api-key"  # the API of the test that serves the folder
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +180,44 @@ def test_libp2p_path_streams_large_messages(smollm):
         assert (ours - theirs).abs().max().item() < 1e-4
         remote = client.connection.remote
         assert {remote.transport(h, RPC_INFERENCE) for h in client.route} == {Transport.STREAM}  # libp2p only
+
+
+def test_the_first_conversion_logs_only_json(smollm_conversion):
+    """The session's cache starts empty, so SmolLM2 was converted from its GGUF by a process logging JSON as a peer
+    with ``--log-format json`` does: progress bars (ours, transformers' and its GGUF reader's) once went into such
+    logs on a first start; now its steps are records and every line is JSON."""
+    _, log = smollm_conversion
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert sum(r["logger"] == "swarm.model_files" for r in records) == 3  # the three steps: it converted here
+
+
+def test_an_api_serving_the_folder_answers_and_shows_its_swarm(smollm, smollm_folder, tokenizer):
+    """``python -m swarm.api --model FOLDER`` (a path, not a card name) joins the swarm the folder's peers serve
+    (its records are keyed by the folder's name), answers as local Hugging Face does, and its dashboard shows that
+    swarm's peers (it once looked the swarm up by the served path, and showed none)."""
+    _, ref, swarm = smollm
+    served = str(smollm_folder)
+    args = ("--model", served, "--codec", "none", "--api-key", KEY)
+    with (
+        ApiProcess(swarm.initial_peers, *args) as api,
+        httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http,
+    ):
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [served]
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = list(prompt["input_ids"])
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+        if tokenizer.eos_token_id in expected:  # the API's answer ends at the end of text
+            expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
+        body = {"model": served, "messages": chat, "max_tokens": 6, "temperature": 0}
+        reply = http.post("/v1/chat/completions", json=body).json()
+        assert reply["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert [(h["start"], h["end"]) for h in reply["route"]] == [(0, 10), (10, 20), (20, 30)]
+        peers = {p.peer_id for p in swarm.peers}
+
+        def shown() -> bool:
+            snapshot = http.get("/dashboard/state").json()["models"][served]
+            return {p["peer_id"] for p in snapshot["peers"]} == peers and snapshot["covered"]
+
+        wait_for(shown, 30, "the API's dashboard to show the swarm's three peers")
