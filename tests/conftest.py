@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -176,14 +177,29 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float
     return folder
 
 
+class TinyModels(Mapping[str, Path]):
+    """Each family's tiny model, saved the first time a test asks for it (most sessions need only a few)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.saved: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self.saved:
+            cfg = dict(FAMILY_CONFIGS[family])
+            self.saved[family] = make_tiny_model(self.root / f"tiny-{family}", str(cfg.pop("model_type")), **cfg)
+        return self.saved[family]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILY_CONFIGS)
+
+    def __len__(self) -> int:
+        return len(FAMILY_CONFIGS)
+
+
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny-models")
-    out = {}
-    for family, cfg in FAMILY_CONFIGS.items():
-        cfg = dict(cfg)
-        out[family] = make_tiny_model(root / f"tiny-{family}", cfg.pop("model_type"), **cfg)
-    return out
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
 
 
 @pytest.fixture(scope="session")

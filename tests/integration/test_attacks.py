@@ -24,7 +24,8 @@ from swarm.records import Assignment, PeerState, servers
 from tests.conftest import local_reference
 from tests.integration.harness import running_swarm, wait_for
 
-pytestmark = pytest.mark.slow
+# The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
+# every one.
 TIMING = Timing.for_tests()
 
 
@@ -89,6 +90,7 @@ def replicated(store: RecordStore, model: str, num_blocks: int, copies: int) -> 
     return all(sum(r.state == PeerState.ONLINE for r in view[b]) >= copies for b in range(num_blocks))
 
 
+@pytest.mark.slow
 def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_models):
     from swarm import DistributedModelForCausalLM
 
@@ -222,6 +224,7 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     assert close_all(losses, expected), (losses, expected)
 
 
+@pytest.mark.slow
 def test_an_outsider_cannot_join_the_replicas_averaging(tmp_path):
     """The attacker runs hivemind's averager under the replicas' group prefix with garbage of the right shapes, until
     it got into two of their groups: the replicas leave each, their weights never see its values, and it completes

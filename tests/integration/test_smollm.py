@@ -110,6 +110,7 @@ def test_backward_matches_local_and_reaches_client_parameters(smollm):
     client.zero_grad()
 
 
+@pytest.mark.slow  # a chat answer and a padded batch's generation (greedy_generation is the fast subset's)
 def test_chat_answer_and_padded_batch(smollm, tokenizer):
     client, ref, _ = smollm
     chat = [{"role": "user", "content": "What is the capital of France?"}]
@@ -127,6 +128,7 @@ def test_chat_answer_and_padded_batch(smollm, tokenizer):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow  # two more generations
 def test_sampling_and_streamer(smollm, tokenizer):
     from transformers import TextIteratorStreamer
 
@@ -143,6 +145,7 @@ def test_sampling_and_streamer(smollm, tokenizer):
     assert "".join(streamer) == tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.slow  # three more generations
 def test_session_continues_a_conversation(smollm, tokenizer):
     client, ref, _ = smollm
     first = tokenizer("The sun is", return_tensors="pt")["input_ids"]
@@ -155,6 +158,7 @@ def test_session_continues_a_conversation(smollm, tokenizer):
     assert torch.equal(b, expected)
 
 
+@pytest.mark.slow  # a process of its own (imports and a DHT peer)
 def test_status_shows_coverage_and_work(smollm):
     _, _, swarm = smollm
     out = subprocess.run(
@@ -169,6 +173,7 @@ def test_status_shows_coverage_and_work(smollm):
         assert span in out.stdout
 
 
+@pytest.mark.slow  # a second client and 3 MB per hop over libp2p
 def test_libp2p_path_streams_large_messages(smollm):
     """Over libp2p only (no direct TCP), a forward whose hidden states exceed one p2pd frame is streamed in chunks."""
     _, ref, swarm = smollm
