@@ -76,15 +76,15 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
     bars = progress_bars()
     with tqdm(total=3, desc=f"converting {card.name} (once)", unit="step", disable=not bars) as bar:
 
-        def step(what: str) -> None:
+        def step(n: int, what: str) -> None:
             bar.set_postfix_str(what)
             if not bars:  # no one watches a bar: the steps become log records
-                log.info("converting %s (once), step %d of 3: %s", card.name, bar.n + 1, what)
+                log.info("converting %s (once), step %d of 3: %s", card.name, n, what)
 
-        step("tokenizer")
+        step(1, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
-        step("weights (dequantizing GGUF, ~40 s)")
+        step(2, "weights (dequantizing GGUF, ~40 s)")
         # transformers' GGUF reader draws a plain tqdm bar of its own on sys.stderr, which its switch for progress
         # bars does not reach: without bars, it draws into nothing (log handlers keep their own stream)
         with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
@@ -95,7 +95,7 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
                 quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
             )
         bar.update()
-        step("writing safetensors")
+        step(3, "writing safetensors")
         model.config.quantization_config = None
         _save(model, tokenizer, out)
         bar.update()
