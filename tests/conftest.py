@@ -17,6 +17,7 @@ import torch
 
 SMOLLM = "smollm2-135m"
 _SESSION_CACHE: list[Path] = []
+_FAST_SUBSET: list[bool] = []  # whether this session deselects the slow tests (`-m "not slow"`)
 _CONVERSION: list[tuple[subprocess.Popen[str], Path]] = []
 # what a peer does on its first start with --log-format json: convert the card into the cache, printing the folder
 _CONVERT = (
@@ -37,6 +38,16 @@ def pytest_configure(config: pytest.Config) -> None:
     _SESSION_CACHE.append(root)
     os.environ["SWARM_CACHE_DIR"] = str(root / "swarm")
     os.environ["HF_HOME"] = str(root / "huggingface")
+    _FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
+
+
+def fuzz_examples(full: int) -> int:
+    """Hypothesis examples for a fuzz test: ``full`` in the full suite, a fifth of it in the fast subset (the same
+    seeded, derandomized generators: fewer cases, never other ones), or ``SWARM_FUZZ_EXAMPLES`` where set. Read when
+    a test module is imported, after ``pytest_configure``."""
+    if os.environ.get("SWARM_FUZZ_EXAMPLES"):
+        return int(os.environ["SWARM_FUZZ_EXAMPLES"])
+    return max(10, full // 5) if any(_FAST_SUBSET) else full
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
