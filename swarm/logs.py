@@ -98,11 +98,11 @@ def _hide_library_bars() -> None:
     """Switch off the bars Hugging Face draws on stderr: transformers' ("Loading weights" of every
     ``from_pretrained``, "Writing model shards" of every ``save_pretrained``: the first start of a random card writes
     its folder) and huggingface_hub's. Both switches are process-wide, and a fork of this process keeps them."""
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils.tqdm import disable_progress_bars
     from transformers.utils import logging as transformers_logging
 
     disable_progress_bars()
-    transformers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers leaves it unannotated)
 
 
 def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:

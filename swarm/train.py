@@ -2,8 +2,9 @@
 
 It owns the embeddings, final norm and LM head (trainable), reads the text at ``--data`` (a file or a folder; by
 default the Python standard library's own modules), and drives micro-batches forward and backward through the
-swarm's stages, with a progress bar of tokens/s and loss. It checkpoints every ``[checkpoint] every_steps`` and
-resumes from its last checkpoint (parameters, optimizer, data position) when started again."""
+swarm's stages, printing each step's loss (and, on a terminal, a bar of tokens/s). It checkpoints every
+``[checkpoint] every_steps`` and resumes from its last checkpoint (parameters, optimizer, data position) when started
+again."""
 
 from __future__ import annotations
 
