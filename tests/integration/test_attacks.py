@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from swarm.identity import peer_id_of_key
 from swarm.ids import assignment_key
 from swarm.records import Assignment, PeerState, servers
 from tests.conftest import local_reference
+from tests.integration import harness
 from tests.integration.harness import running_swarm, wait_for
 
 # The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
@@ -32,11 +34,14 @@ TIMING = Timing.for_tests()
 ROOT = Path(__file__).parents[2]
 
 
+ATTACKER = "tests.integration.attacker"
+
+
 def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "tests.integration.attacker",
+        ATTACKER,
         kind,
         "--initial-peers",
         *swarm.initial_peers,
@@ -49,12 +54,16 @@ def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str)
 
 
 def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, timeout: float = 120) -> dict:
-    """Run one attack to its end; its JSON report."""
-    done = subprocess.run(
-        _command(kind, swarm, model_id, num_blocks, *extra), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run one attack to its end, in a process forked from the session's fork server (its imports are the peers');
+    its JSON report."""
+    log = Path(tempfile.mkdtemp(prefix="swarm-attacker-")) / f"{kind}.log"
+    process = harness.SPAWNERS[0].spawn(_command(kind, swarm, model_id, num_blocks, *extra)[3:], log, main=ATTACKER)
+    try:
+        code = process.wait(timeout)
+    finally:
+        process.kill()  # by its PID, if it outlived the timeout
+    assert code == 0, log.read_text()[-3000:]
+    return json.loads(log.with_suffix(".out").read_text().strip().splitlines()[-1])
 
 
 class Attacker:
