@@ -9,11 +9,16 @@ starts peers with ``subprocess``. Before a fork nothing but imports has run: no 
 survive a fork), no event loop, no thread. Peers get the fork server's environment (libraries may have read it at
 import); ``LocalSwarm`` starts a peer that needs other variables with ``subprocess``.
 
-Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr"}`` on stdin; replies
+A child may run another module's ``main(argv)`` instead (``spawn(..., main=MODULE)``: the attack tests fork their
+malicious process, which needs the same imports).
+
+Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr", "main"}`` on stdin; replies
 ``{"ready": true}`` once imported, ``{"pid": N}`` per request, ``{"exit": N, "code": C}`` per reaped child."""
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import json
 import os
 import select
@@ -139,11 +144,20 @@ class ForkServer:
         with self._lock:  # the server is gone: so are the exit reports of children still running
             self._lock.notify_all()
 
-    def spawn(self, argv: Sequence[str], log_path: Path, timeout: float = 30.0) -> ForkedPeer:
-        """Fork a peer running ``python -m swarm.serve *argv``; its stderr goes to ``log_path``."""
+    def spawn(
+        self, argv: Sequence[str], log_path: Path, timeout: float = 30.0, main: str = "swarm.serve"
+    ) -> ForkedPeer:
+        """Fork a peer running ``python -m swarm.serve *argv`` (or ``python -m MAIN *argv``); its stderr goes to
+        ``log_path``, its stdout to ``log_path`` with the suffix ``.out``."""
         stdout_path = log_path.with_suffix(".out")
         stdout_path.write_text("")
-        request = {"argv": list(argv), "env": self.env, "stdout": str(stdout_path), "stderr": str(log_path)}
+        request = {
+            "argv": list(argv),
+            "env": self.env,
+            "stdout": str(stdout_path),
+            "stderr": str(log_path),
+            "main": main,
+        }
         assert self._proc.stdin is not None
         with self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
@@ -188,10 +202,9 @@ def _child(request: dict[str, Any]) -> int:
         os.close(opened)
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["python -m swarm.serve", *request["argv"]]
-    from swarm.serve import main
-
-    return main(list(request["argv"]))
+    sys.argv = [f"python -m {request['main']}", *request["argv"]]
+    code: int = importlib.import_module(request["main"]).main(list(request["argv"]))
+    return code
 
 
 def _fork(request: dict[str, Any], out: IO[str]) -> None:
@@ -205,11 +218,23 @@ def _fork(request: dict[str, Any], out: IO[str]) -> None:
         except BaseException:
             traceback.print_exc()
             code = 1
-        # Out through the fork server's own frames to the interpreter's exit, as ``python -m swarm.serve`` ends:
-        # atexit handlers run and child processes (the DHT's) are joined, so nothing is left running behind it.
-        raise SystemExit(code)
+        _exit(code)
     out.write(json.dumps({"pid": pid}) + "\n")
     out.flush()
+
+
+def _exit(code: int) -> None:
+    """End a peer as ``python -m swarm.serve`` ends, less the interpreter's teardown of every module: its threads are
+    joined and its atexit handlers run (the DHT's child processes are joined there), so nothing is left running behind
+    it, and the process exits with the peer's code. Tearing down torch's and transformers' modules object by object
+    costs seconds of CPU per peer and does nothing a process's exit does not."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: non-daemon threads, executors
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _reap(out: IO[str]) -> None:

@@ -1,5 +1,7 @@
 """Logging for the entry points: one line per record, with the peer, block span and session fields when present;
-as text for people, or (``--log-format json``) as one JSON object per line for log collectors."""
+as text for people, or (``--log-format json``) as one JSON object per line for log collectors. Progress bars are
+drawn only where a person watches them: text logs on a terminal (``progress_bars``); elsewhere the work they show
+becomes log records, and Hugging Face's own bars are switched off."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from datetime import UTC, datetime
 
 FIELDS = ("peer", "span", "session", "kind")
 FORMATS = ("text", "json")
+_format = "text"  # what configure_logging set: a library caller that never called it logs text
 # The standard names, whatever a library renamed them to (hivemind shortens WARNING): JSON consumers match on them.
 LEVELS = {
     logging.DEBUG: "DEBUG",
@@ -60,22 +63,46 @@ def formatter(fmt: str = "text") -> logging.Formatter:
     raise ValueError(f"log format is one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
+def progress_bars() -> bool:
+    """Whether a progress bar may be drawn on stderr: only into text logs (a bar in a JSON log is a line no collector
+    parses) and only on a terminal (in a file its redraws are noise). Where not, report the steps as log records."""
+    return _format == "text" and sys.stderr.isatty()
+
+
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Every record to stderr in ``fmt`` ("text" or "json"), at ``level`` and above."""
+    global _format
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    _format = fmt
     if fmt == "json":
-        # hivemind logs through a text handler of its own that stops propagation, and Python's warnings print
-        # straight to stderr: route both through the root handler so every line is JSON
+        # hivemind and transformers log through text handlers of their own that stop propagation, and Python's
+        # warnings print straight to stderr: route all three through the root handler so every line is JSON
         from hivemind.utils.logging import use_hivemind_log_handler
+        from transformers.utils import logging as transformers_logging
 
         use_hivemind_log_handler("nowhere")
+        transformers_logging.disable_default_handler()
+        transformers_logging.enable_propagation()
         logging.captureWarnings(True)
+    if not progress_bars():
+        _hide_library_bars()
     for noisy in ("hivemind", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel("WARNING")
+
+
+def _hide_library_bars() -> None:
+    """Switch off the bars Hugging Face draws on stderr: transformers' ("Loading weights" of every
+    ``from_pretrained``, "Writing model shards" of every ``save_pretrained``: the first start of a random card writes
+    its folder) and huggingface_hub's. Both switches are process-wide, and a fork of this process keeps them."""
+    from huggingface_hub.utils.tqdm import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    disable_progress_bars()
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers leaves it unannotated)
 
 
 def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:

@@ -7,8 +7,10 @@ so servers and clients always read weights from one folder format.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ from safetensors import safe_open
 
 from swarm.config import ModelCard
 from swarm.errors import BadInputError
+from swarm.logs import progress_bars
 
 if TYPE_CHECKING:
     import torch
@@ -70,19 +73,29 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = _gguf_path(card)
-    with tqdm(total=3, desc=f"converting {card.name} (once)", unit="step") as bar:
-        bar.set_postfix_str("tokenizer")
+    bars = progress_bars()
+    with tqdm(total=3, desc=f"converting {card.name} (once)", unit="step", disable=not bars) as bar:
+
+        def step(n: int, what: str) -> None:
+            bar.set_postfix_str(what)
+            if not bars:  # no one watches a bar: the steps become log records
+                log.info("converting %s (once), step %d of 3: %s", card.name, n, what)
+
+        step(1, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
-        bar.set_postfix_str("weights (dequantizing GGUF, ~40 s)")
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            gguf_file=gguf.name,
-            dtype=getattr(torch, card.dtype),
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-        )
+        step(2, "weights (dequantizing GGUF, ~40 s)")
+        # transformers' GGUF reader draws a plain tqdm bar of its own on sys.stderr, which its switch for progress
+        # bars does not reach: without bars, it draws into nothing (log handlers keep their own stream)
+        with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent,
+                gguf_file=gguf.name,
+                dtype=getattr(torch, card.dtype),
+                quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            )
         bar.update()
-        bar.set_postfix_str("writing safetensors")
+        step(3, "writing safetensors")
         model.config.quantization_config = None
         _save(model, tokenizer, out)
         bar.update()
@@ -102,6 +115,7 @@ def _materialise_random(card: ModelCard, out: Path) -> None:
     import torch
     from transformers import AutoConfig
 
+    log.info("writing %s's seeded random weights (once)", card.name)
     cfg = dict(card.config)
     config = AutoConfig.for_model(str(cfg.pop("model_type")), **cfg)
     torch.manual_seed(card.seed)

@@ -2,8 +2,9 @@
 
 It owns the embeddings, final norm and LM head (trainable), reads the text at ``--data`` (a file or a folder; by
 default the Python standard library's own modules), and drives micro-batches forward and backward through the
-swarm's stages, with a progress bar of tokens/s and loss. It checkpoints every ``[checkpoint] every_steps`` and
-resumes from its last checkpoint (parameters, optimizer, data position) when started again."""
+swarm's stages, printing each step's loss (and, on a terminal, a bar of tokens/s). It checkpoints every
+``[checkpoint] every_steps`` and resumes from its last checkpoint (parameters, optimizer, data position) when started
+again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, run_command
-from swarm.logs import add_log_flags, configure_logging
+from swarm.logs import add_log_flags, configure_logging, progress_bars
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +70,8 @@ def _train(args: argparse.Namespace) -> None:
         run, data, peers, timing=timing, checkpoint_dir=ckpt, identity=args.identity, swarm_key=args.swarm_key
     ) as trainer:
         total = args.steps if args.steps is not None else run.total_steps
-        bar = tqdm(total=total, initial=min(trainer.step, total), unit="step")
+        # a bar only on a terminal with text logs (the step line below says the same to a log)
+        bar = tqdm(total=total, initial=min(trainer.step, total), unit="step", disable=not progress_bars())
         while trainer.step < total:
             t0 = time.perf_counter()
             loss = trainer.train_step()

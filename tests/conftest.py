@@ -1,8 +1,15 @@
 """Shared fixtures: tiny random models of each family (saved once per session), the converted SmolLM2 folder, and
-helpers to compare a swarm against a local Hugging Face run of the same weights."""
+helpers to compare a swarm against a local Hugging Face run of the same weights. Every session starts with empty
+caches of its own (``pytest_configure``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -13,6 +20,67 @@ from hypothesis import settings
 # reads no example database a previous run left behind. A test's own ``@settings`` add to this profile.
 settings.register_profile("swarm", derandomize=True, database=None, deadline=None)
 settings.load_profile("swarm")
+
+
+SMOLLM = "smollm2-135m"
+_SESSION_CACHE: list[Path] = []
+_FAST_SUBSET: list[bool] = []  # whether this session deselects the slow tests (`-m "not slow"`)
+_CONVERSION: list[tuple[subprocess.Popen[str], Path]] = []
+# what a peer does on its first start with --log-format json: convert the card into the cache, printing the folder
+_CONVERT = (
+    "from swarm.config import default_cache_dir, load_model_card\n"
+    "from swarm.logs import configure_logging\n"
+    "from swarm.model_files import model_folder\n"
+    "configure_logging('INFO', 'json')\n"
+    f"print(model_folder(load_model_card({SMOLLM!r}), default_cache_dir()))\n"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point every cache at an empty folder of this session, before any test, fork server or peer starts (they all
+    inherit the environment): converted models, weight fingerprints, throughput probes, ONNX exports, calibrations
+    and default checkpoints (``SWARM_CACHE_DIR``), and Hugging Face's (``HF_HOME``). So the suite runs as on a fresh
+    machine every time, and nothing passes only because an earlier run left something behind."""
+    root = Path(tempfile.mkdtemp(prefix="swarm-test-caches-"))
+    _SESSION_CACHE.append(root)
+    os.environ["SWARM_CACHE_DIR"] = str(root / "swarm")
+    os.environ["HF_HOME"] = str(root / "huggingface")
+    _FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
+
+
+def fuzz_examples(full: int) -> int:
+    """Hypothesis examples for a fuzz test: ``full`` in the full suite, a fifth of it in the fast subset (the same
+    seeded, derandomized generators: fewer cases, never other ones), or ``SWARM_FUZZ_EXAMPLES`` where set. Read when
+    a test module is imported, after ``pytest_configure``."""
+    if os.environ.get("SWARM_FUZZ_EXAMPLES"):
+        return int(os.environ["SWARM_FUZZ_EXAMPLES"])
+    return max(10, full // 5) if any(_FAST_SUBSET) else full
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """SmolLM2 is converted once per session (about 30 s): start it now, beside the tests that run before the first
+    one needing it, if any selected test does."""
+    if any("smollm_folder" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_conversion()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for proc, _ in _CONVERSION:  # a session that ended before it was needed
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while _SESSION_CACHE:
+        shutil.rmtree(_SESSION_CACHE.pop(), ignore_errors=True)
+
+
+def _start_conversion() -> tuple[subprocess.Popen[str], Path]:
+    if not _CONVERSION:
+        log = _SESSION_CACHE[0] / "smollm-conversion.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-c", _CONVERT], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        _CONVERSION.append((proc, log))
+    return _CONVERSION[0]
+
 
 # Every family's weights are perturbed (``perturb``): norms initialised to exactly 1 (Gemma's to 0), biases to 0 and
 # zero MoE routers would let a swapped or missing norm or bias pass, or tie the routers' choices. ``tiny_models``
@@ -134,16 +202,27 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float
     return folder
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny-models")
-    out = {}
-    for family, cfg in FAMILY_CONFIGS.items():
-        cfg = dict(cfg)
-        out[family] = make_tiny_model(root / f"tiny-{family}", cfg.pop("model_type"), **cfg)
-        constant = constant_tensors(out[family])
-        assert not constant, f"{family}: tensors with one value everywhere (perturb the weights): {constant}"
-    return out
+class TinyModels(Mapping[str, Path]):
+    """Each family's tiny model, saved the first time a test asks for it (most sessions need only a few)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.saved: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self.saved:
+            cfg = dict(FAMILY_CONFIGS[family])
+            folder = make_tiny_model(self.root / f"tiny-{family}", str(cfg.pop("model_type")), **cfg)
+            constant = constant_tensors(folder)
+            assert not constant, f"{family}: tensors with one value everywhere (perturb the weights): {constant}"
+            self.saved[family] = folder
+        return self.saved[family]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILY_CONFIGS)
+
+    def __len__(self) -> int:
+        return len(FAMILY_CONFIGS)
 
 
 def constant_tensors(folder: Path) -> list[str]:
@@ -159,11 +238,23 @@ def constant_tensors(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def smollm_folder() -> Path:
-    from swarm.config import default_cache_dir, load_model_card
-    from swarm.model_files import model_folder
+def tiny_models(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
 
-    return model_folder(load_model_card("smollm2-135m"), default_cache_dir())
+
+@pytest.fixture(scope="session")
+def smollm_conversion() -> tuple[Path, Path]:
+    """SmolLM2's folder, converted from its GGUF into the session's empty cache by a child process that logs JSON as
+    a peer with ``--log-format json`` does, and that process's stderr (``test_smollm.py`` reads it)."""
+    proc, log = _start_conversion()
+    out, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, f"converting {SMOLLM} failed ({proc.returncode}):\n{log.read_text()[-3000:]}"
+    return Path(out.strip().splitlines()[-1]), log
+
+
+@pytest.fixture(scope="session")
+def smollm_folder(smollm_conversion: tuple[Path, Path]) -> Path:
+    return smollm_conversion[0]
 
 
 def local_reference(folder: Path):

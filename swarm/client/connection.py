@@ -26,6 +26,7 @@ class SwarmConnection:
         """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely)."""
         self.cfg = cfg
         self.timing = cfg.timing
+        self.model_id = model_id  # the model's id in the DHT (a folder's name: not the path a user gave)
         self.store = start_dht(
             initial_peers=cfg.initial_peers,
             client_mode=True,

@@ -27,6 +27,7 @@ class Connection(Protocol):
     store: RecordStore
     remote: Remote
     timing: Timing
+    model_id: str  # what the swarm's records are keyed by
 
 
 def start_observer_on(
@@ -83,14 +84,18 @@ def start_observer_task(
 def observe_connections(
     connections: Mapping[str, tuple[Connection, int]], period: float = REFRESH_PERIOD
 ) -> tuple[dict[str, SwarmObserver], Callable[[], None]]:
-    """An observer per served model, each on its client connection's loop: ``connections`` maps a model's name to
-    (its ``SwarmConnection``, its number of blocks). Returns the observers (what ``dashboard_router`` takes, and
-    what ``note`` failovers on) and one function that stops them all (call it before the connections close)."""
+    """An observer per served model, each on its client connection's loop: ``connections`` maps a model's served
+    name to (its ``SwarmConnection``, its number of blocks). Returns the observers by served name (what
+    ``dashboard_router`` takes, and what ``note`` failovers on) and one function that stops them all (call it before
+    the connections close).
+
+    Each observer watches its connection's model id, not the served name: a folder is served under the path it was
+    given (``--model ./folder``) while its swarm's records carry the folder's name."""
     observers: dict[str, SwarmObserver] = {}
     stops: list[Callable[[], None]] = []
     for name, (conn, num_blocks) in connections.items():
         observers[name], stop = start_observer_on(
-            conn.loop, conn.store, conn.remote, name, num_blocks, conn.timing, period
+            conn.loop, conn.store, conn.remote, conn.model_id, num_blocks, conn.timing, period
         )
         stops.append(stop)
 

@@ -239,10 +239,19 @@ def _decode(split: _Split, ids: torch.Tensor, mask: torch.Tensor, prefill: int =
     return torch.cat(steps, dim=1)
 
 
+# Configs whose twin matched in this process: the check is a pure function of the config and of code that does not
+# change while the process runs, so a process that loads the same model again (a client per model object, a test
+# process of many clients) pays it once; a twin costs seconds for the larger families.
+_MATCHED: set[str] = set()
+
+
 def require_exact(config: PretrainedConfig) -> Family:
     """The family of ``config``, once its split path has matched Hugging Face on a shrunk twin; BadInputError (the
     peer exits non-zero) naming what diverged otherwise."""
     family = family_of(config)
+    key = f"{getattr(config, '_attn_implementation', None)}/{config.to_json_string(use_diff=False)}"
+    if key in _MATCHED:
+        return family
     report = check_split(config)
     if not report.ok:
         import transformers
@@ -252,4 +261,5 @@ def require_exact(config: PretrainedConfig) -> Family:
             f"{family.label}: the split path does not reproduce transformers {version} exactly, so "
             f"this model is refused: {'; '.join(report.problems)}"
         )
+    _MATCHED.add(key)
     return family

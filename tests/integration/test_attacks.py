@@ -8,6 +8,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,20 +22,25 @@ from swarm.identity import peer_id_of_key
 from swarm.ids import assignment_key, peers_key
 from swarm.records import Assignment, PeerRecord, PeerState, servers
 from tests.conftest import local_reference
+from tests.integration import harness
 from tests.integration.harness import patient_timing, running_swarm, wait_for
 
-pytestmark = pytest.mark.slow
+# The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
+# every one.
 TIMING = Timing.for_tests()
 
 
 ROOT = Path(__file__).parents[2]
 
 
+ATTACKER = "tests.integration.attacker"
+
+
 def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "tests.integration.attacker",
+        ATTACKER,
         kind,
         "--initial-peers",
         *swarm.initial_peers,
@@ -47,12 +53,16 @@ def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str)
 
 
 def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, timeout: float = 120) -> dict:
-    """Run one attack to its end; its JSON report."""
-    done = subprocess.run(
-        _command(kind, swarm, model_id, num_blocks, *extra), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run one attack to its end, in a process forked from the session's fork server (its imports are the peers');
+    its JSON report."""
+    log = Path(tempfile.mkdtemp(prefix="swarm-attacker-")) / f"{kind}.log"
+    process = harness.SPAWNERS[0].spawn(_command(kind, swarm, model_id, num_blocks, *extra)[3:], log, main=ATTACKER)
+    try:
+        code = process.wait(timeout)
+    finally:
+        process.kill()  # by its PID, if it outlived the timeout
+    assert code == 0, log.read_text()[-3000:]
+    return json.loads(log.with_suffix(".out").read_text().strip().splitlines()[-1])
 
 
 class Attacker:
@@ -118,6 +128,7 @@ def rounds_since(store: RecordStore, model: str, broker: str, peers: list[str], 
     wait_for(lambda: all(beats().get(p, 0.0) > since for p in peers), 60, "every peer's heartbeat since")
 
 
+@pytest.mark.slow
 def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_models):
     from swarm import DistributedModelForCausalLM
 
@@ -255,6 +266,7 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     assert close_all(losses, expected), (losses, expected)
 
 
+@pytest.mark.slow
 def test_an_outsider_cannot_join_the_replicas_averaging(tmp_path):
     """The attacker runs hivemind's averager under the replicas' group prefix with garbage of the right shapes, until
     it got into two of their groups: the replicas leave each, their weights never see its values, and it completes

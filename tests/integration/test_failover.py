@@ -16,7 +16,7 @@ from swarm.errors import MissingBlocksError
 from tests.conftest import local_reference
 from tests.integration.harness import KillWhileServing, connect, running_swarm, wait_for, within
 
-pytestmark = pytest.mark.slow
+# The fast subset keeps the first drill (a kill mid-generation); the full suite runs every one.
 
 REPLICATED = ["0:2", "0:2", "2:4", "2:4"]
 SLOW = ("--added-latency-ms", "400")
@@ -53,6 +53,7 @@ def test_kill_mid_generation_keeps_every_token(folder, ref):
         assert killer.killed[0] not in {n.peer for n in plan.remote()}
 
 
+@pytest.mark.slow
 def test_several_kills_during_one_generation(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=64, do_sample=False)
@@ -63,6 +64,7 @@ def test_several_kills_during_one_generation(folder, ref):
         assert len(set(killer.killed)) == 2 and client.failovers >= 2
 
 
+@pytest.mark.slow
 def test_kill_during_prefill_forward_and_backward(folder, ref):
     """Each kill lands while the victim is processing the client's request (seen in its live stats), so the client
     must fail over inside that call; servers answer 400 ms late, which leaves the killer time to see it."""
@@ -101,6 +103,7 @@ def test_kill_during_prefill_forward_and_backward(folder, ref):
         assert (emb.grad - ref_emb.grad).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
     from swarm import DistributedModelForCausalLM
     from swarm.config import Timing
@@ -128,6 +131,7 @@ def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
             assert torch.equal(client.generate(ids, max_new_tokens=8, do_sample=False), expected)
 
 
+@pytest.mark.slow
 def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
     with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
         client(torch.tensor([[1, 2, 3]]))
@@ -142,6 +146,7 @@ def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
         assert info.value.blocks == [2, 3]
 
 
+@pytest.mark.slow
 def test_frozen_server_is_routed_around(folder, ref):
     """A frozen server is moved on from by the step timeout (2 s here), not the request timeout, which this client
     sets far beyond the test's bound on a hang: had it waited for that one, the generation would count as hung. How
@@ -163,6 +168,7 @@ def test_frozen_server_is_routed_around(folder, ref):
                 swarm.peer_by_id(peer_id).proc.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=24, do_sample=False)
@@ -177,6 +183,7 @@ def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
         assert leaver.killed[0] not in {h.peer_id for h in client.route}  # new calls avoid the leaving peer
 
 
+@pytest.mark.slow
 def test_slow_server_is_routed_around(folder, ref):
     ids = prompt()
     expected = ref.generate(ids, max_new_tokens=16, do_sample=False)

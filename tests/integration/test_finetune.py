@@ -164,6 +164,7 @@ def test_deep_prompts_match_local_math(folder, swarm):
         assert torch.equal(out, expect)
 
 
+@pytest.mark.slow  # three clients and two generations
 def test_generate_uses_the_adapter_and_round_trips_through_peft_format(folder, swarm, tmp_path):
     ids = batch(8)[0][:1]
     with connect(folder, swarm, tuning="lora", lora_rank=2, lora_targets=("o_proj", "up_proj")) as client:
@@ -217,6 +218,7 @@ def test_finetune_loss_curve_matches_local_peft(folder, swarm, tmp_path):
     assert sent == 8 * one_copy
 
 
+@pytest.mark.slow  # two clients at once, then their local replays
 def test_two_clients_train_different_adapters_at_once(folder, swarm, tmp_path):
     results: dict[int, tuple] = {}
     errors: list[BaseException] = []
@@ -269,6 +271,7 @@ def lora_pairs_by_order(peft_model, rank: int):
                 yield None, param
 
 
+@pytest.mark.slow  # four clients, and a model and two PEFT adapters saved
 def test_bad_adapters_are_refused_before_training(folder, swarm, tmp_path):
     with pytest.raises(BadInputError, match="unsupported LoRA target 'qkv'"):
         connect(folder, swarm, tuning="lora", lora_targets=("qkv",))

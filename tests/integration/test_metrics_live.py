@@ -1,6 +1,6 @@
 """Prometheus metrics and JSON logs of real peers: two ``python -m swarm.serve`` processes of the tiny Llama with
-``--metrics-port 0 --log-format json``, a forward and a short generation through them, then each peer's /metrics
-scraped over HTTP and held against what its info RPC reports."""
+``--metrics-port 0 --log-format json`` on an empty cache (the first writes the model's folder), a forward and a short
+generation through them, then each peer's /metrics scraped over HTTP and held against what its info RPC reports."""
 
 from __future__ import annotations
 
@@ -23,7 +23,12 @@ def requests(got: Samples, kind: str, outcome: str = "ok") -> float:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     logs = tmp_path_factory.mktemp("metrics-logs")
-    with running_swarm(MODEL, ["0:4", "4:8"], "--metrics-port", "0", "--log-format", "json", log_dir=logs) as s:
+    # an empty cache: the first peer writes the model's folder (save_pretrained draws a progress bar, which once
+    # broke the JSON log of every first start) and hashes its weights, as on a fresh machine
+    cache = tmp_path_factory.mktemp("metrics-cache")
+    args = ("--metrics-port", "0", "--log-format", "json", "--cache-dir", str(cache))
+    with running_swarm(MODEL, ["0:4", "4:8"], *args, log_dir=logs) as s:
+        s.cache_dir = cache  # type: ignore[attr-defined]
         yield s
 
 
@@ -94,6 +99,7 @@ def _agree(got: Samples, info: Any) -> str | None:
 
 
 def test_json_log_lines(swarm):
+    assert (swarm.cache_dir / "models" / MODEL / "config.json").exists()  # written by this swarm's first peer
     for peer in swarm.peers:
         lines = [line for line in peer.log_path.read_text().splitlines() if line.strip()]
         records = [json.loads(line) for line in lines]  # every line: hivemind's and Python's warnings too

@@ -123,6 +123,7 @@ def test_usage_errors_name_the_problem():
     assert wrong.returncode == 2 and "the file name must end in .png" in wrong.stderr
 
 
+@pytest.mark.slow  # a process each (tests/unit/test_plan_ir.py refuses the same bytes in-process)
 @pytest.mark.parametrize("payload", [b"\x00garbage", b'{"task": "forward"}'])
 def test_check_refuses_what_is_not_a_plan(tmp_path, payload):
     bad = tmp_path / "bad.plan"

@@ -58,6 +58,7 @@ def test_a_chain_of_torch_and_onnx_equals_hugging_face(mixed):
     check_session_steps(client, ref, vocab)  # a prefill and 8 single-token steps in one session
 
 
+@pytest.mark.slow  # the fast subset keeps the chain's forward, generation and session
 def test_a_padded_batch_generates_what_hugging_face_does(mixed):
     client, ref, _ = mixed
     torch.manual_seed(5)
@@ -106,6 +107,7 @@ def test_the_onnx_server_refuses_training_and_adapters_and_keeps_serving(mixed):
     check_greedy(client, ref, ref.config.vocab_size, new_tokens=8)
 
 
+@pytest.mark.slow  # a LoRA client of its own
 def test_without_a_backward_capable_server_a_forward_runs_and_its_backward_fails_clearly(mixed, tiny_models):
     """Blocks 2:4 are held by the ONNX server only. A forward under grad mode (no ``no_grad``) still runs there; a
     backward through it is a clear error, never gradients that skip those blocks; a LoRA client, which needs
@@ -133,6 +135,7 @@ def replicated(tiny_models):
         yield swarm, folder
 
 
+@pytest.mark.slow  # a swarm of its own, with an ONNX export
 def test_routes_that_need_a_capability_skip_servers_without_it(replicated):
     swarm, folder = replicated
     torch.manual_seed(7)

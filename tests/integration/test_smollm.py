@@ -1,7 +1,10 @@
-"""The real SmolLM2-135M-Instruct split over three real servers, against the same weights run locally."""
+"""The real SmolLM2-135M-Instruct split over three real servers, against the same weights run locally, and its first
+conversion on an empty cache. All slow: the session converts SmolLM2 from its GGUF first (about 50 s of CPU); the
+fast subset's swarms are of tiny models (``test_families.py``)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -22,6 +25,8 @@ from tests.integration.harness import (
     running_swarm,
     wait_for,
 )
+
+pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 # SmolLM2's logits reach about 30 after 30 float32 blocks: the three one-thread servers and the local reference sum
@@ -182,3 +187,12 @@ def test_libp2p_path_streams_large_messages(smollm):
         assert (ours - theirs).abs().max().item() < 1e-4
         remote = client.connection.remote
         assert {remote.transport(h, RPC_INFERENCE) for h in client.route} == {Transport.STREAM}  # libp2p only
+
+
+def test_the_first_conversion_logs_only_json(smollm_conversion):
+    """The session's cache starts empty, so SmolLM2 was converted from its GGUF by a process logging JSON as a peer
+    with ``--log-format json`` does: progress bars (ours, transformers' and its GGUF reader's) once went into such
+    logs on a first start; now its steps are records and every line is JSON."""
+    _, log = smollm_conversion
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert sum(r["logger"] == "swarm.model_files" for r in records) == 3  # the three steps: it converted here

@@ -17,6 +17,7 @@ from swarm.api.app import ApiState, create_app
 from swarm.api.engine import Sampling, TextStream, pick
 from swarm.api.limits import Limits, Slots
 from swarm.api.schema import ChatRequest, CompletionRequest
+from tests.conftest import fuzz_examples
 
 
 class _Chars:
@@ -144,7 +145,7 @@ fields = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=fuzz_examples(150), deadline=None)
 @given(body=fields | json_values, endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
 def test_hostile_bodies_get_4xx_never_500(http, body, endpoint):
     r = http.post(endpoint, content=json.dumps(body), headers=AUTH)

@@ -12,6 +12,7 @@ from hivemind.proto import runtime_pb2
 from swarm import codecs, wire
 from swarm.codecs import ACTIVATIONS, Codec, choose_codec, parse_codec
 from swarm.errors import BadInputError
+from tests.conftest import fuzz_examples
 
 LOSSY = [c for c in Codec if c != Codec.none]
 
@@ -176,7 +177,7 @@ def test_fuzzed_compressed_parts_never_crash():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
-    @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+    @hypothesis.settings(max_examples=fuzz_examples(300), deadline=None, derandomize=True)
     @hypothesis.given(
         compression=st.sampled_from([B8, Q8, U8, F16, BF16, 1, 5, 99]),
         buffer=st.binary(max_size=2048),
@@ -197,7 +198,7 @@ def test_fuzzed_valid_tensors_round_trip():
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
-    @hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
+    @hypothesis.settings(max_examples=fuzz_examples(60), deadline=None, derandomize=True)
     @hypothesis.given(
         shape=st.lists(st.integers(0, 40), min_size=1, max_size=3),
         codec=st.sampled_from(LOSSY),

@@ -351,14 +351,25 @@ def test_observers_run_on_a_connections_loop_and_stop():
     from swarm.dashboard.attach import observe_connections
     from swarm.rpc.loop import LoopThread
 
+    class OneModelStore(FakeStore):
+        """Records only under the model id they were published for, as the DHT keeps them."""
+
+        def view(self, model_id: str, num_blocks: int) -> dict[int, list[ServerRecord]]:
+            return super().view(model_id, num_blocks) if model_id == MODEL else {}
+
     loop = LoopThread("test-dashboard")
     try:
-        conn = SimpleNamespace(loop=loop, store=FakeStore(rec("a", 0, 6)), remote=FakeRemote(), timing=Timing())
-        observers, stop = observe_connections({MODEL: (conn, N)}, period=0.05)  # type: ignore[dict-item]
+        # an API serving a folder (`--model ./models/m`): served under the path, its swarm's records under the
+        # folder's name, the model id its client connected with
+        served = "./models/" + MODEL
+        store = OneModelStore(rec("a", 0, 3), rec("b", 3, 6))
+        conn = SimpleNamespace(loop=loop, store=store, remote=FakeRemote(), timing=Timing(), model_id=MODEL)
+        observers, stop = observe_connections({served: (conn, N)}, period=0.05)  # type: ignore[dict-item]
         deadline = time.monotonic() + 60  # a bound on a hang only
-        while not observers[MODEL].snapshot.peers and time.monotonic() < deadline:
+        while not observers[served].snapshot.peers and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert observers[MODEL].snapshot.covered
+        assert {p.peer_id for p in observers[served].snapshot.peers} == {"a", "b"}
+        assert observers[served].snapshot.covered
 
         async def tasks() -> set[str]:
             return {t.get_name() for t in asyncio.all_tasks()}

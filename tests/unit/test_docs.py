@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 # [text](target) and ![alt](target); a target ends at whitespace or the closing parenthesis
@@ -47,6 +49,7 @@ def test_site_builds_in_strict_mode(tmp_path):
     assert (site / "perf" / "serving-crossover.png").is_file()
 
 
+@pytest.mark.slow  # a second MkDocs build (the fast subset keeps the site's)
 def test_strict_build_fails_on_a_broken_link(tmp_path):
     """The check above can fail: the same configuration refuses a page whose link points nowhere."""
     docs = tmp_path / "docs"

@@ -5,6 +5,7 @@ what transformers' caches hold."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -125,6 +126,22 @@ def test_self_check_on_a_shrunk_twin_of_a_bigger_config(name):
         config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
     assert check_split(config).ok
     assert require_exact(config).label == family_of(config).label
+
+
+def test_a_config_that_matched_is_not_checked_again_in_the_process(monkeypatch):
+    from swarm.families import selfcheck
+
+    monkeypatch.setattr(selfcheck, "_MATCHED", set())
+    checked: list[PretrainedConfig] = []
+    real = selfcheck.check_split
+    monkeypatch.setattr(selfcheck, "check_split", lambda config: checked.append(config) or real(config))
+    config = tiny_config("qwen2")
+    require_exact(config)
+    assert require_exact(copy.deepcopy(config)).label == "qwen2"
+    assert len(checked) == 1  # the same config again: matched already
+    config.rms_norm_eps = 1e-5
+    require_exact(config)
+    assert len(checked) == 2  # another config: its own twin
 
 
 def test_the_family_is_found_from_the_architecture_not_the_model_type():

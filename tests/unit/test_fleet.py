@@ -112,6 +112,7 @@ def test_crossover_grid(cat: dict[str, DeviceSpec]) -> None:
     assert all(m is None or m in cx.bandwidths for m in cx.match + cx.cheaper)
 
 
+@pytest.mark.slow  # a process of its own drawing three matplotlib plots
 def test_script_writes_plots(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
     out = subprocess.run(

@@ -2,12 +2,12 @@
 a well-formed message or raises ``BadInputError`` (never another exception), never yields more than its byte limit,
 and a declared size larger than the bytes present is refused without waiting or allocating.
 
-Deterministic (``derandomize``); ``SWARM_FUZZ_EXAMPLES`` scales every test (default: the suite's fast run)."""
+Deterministic (``derandomize``): 1,500 examples per test in the full suite, a fifth in the fast subset;
+``SWARM_FUZZ_EXAMPLES`` sets the count (``tests.conftest.fuzz_examples``)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import resource
 import struct
@@ -22,8 +22,9 @@ from swarm import wire
 from swarm.errors import BadInputError
 from swarm.rpc import direct
 from tests import fuzz_cases
+from tests.conftest import fuzz_examples
 
-EXAMPLES = int(os.environ.get("SWARM_FUZZ_EXAMPLES", "1500"))
+EXAMPLES = fuzz_examples(1500)
 FUZZ = settings(
     derandomize=True,
     max_examples=EXAMPLES,

@@ -15,9 +15,12 @@ from typing import Any
 import pytest
 import torch
 from hivemind.utils.logging import use_hivemind_log_handler
+from huggingface_hub.utils import enable_progress_bars
+from huggingface_hub.utils import tqdm as hub_tqdm
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
+from transformers.utils import logging as transformers_logging
 
 from peers.config import ObserveConfig
 from peers.metrics import PeerSnapshot, watch
@@ -27,7 +30,7 @@ from peers.serving.limits import StreamStalled
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, CacheFullError, SwarmError
 from swarm.ids import Span
-from swarm.logs import JsonFormatter, configure_logging, formatter
+from swarm.logs import JsonFormatter, configure_logging, formatter, progress_bars
 from swarm.metrics import ApiMetrics
 from swarm.serve import build_parser
 
@@ -245,14 +248,27 @@ def test_configure_logging_formats(monkeypatch):
         logging.getLogger("hivemind.p2p").warning("p2p trouble")  # hivemind's own handler would write text
         line = json.loads(stream.getvalue().strip().splitlines()[-1])
         assert line["msg"] == "p2p trouble" and line["level"] == "WARNING"
+        transformers_logging.get_logger("transformers.modeling_utils").warning("weights trouble")  # and theirs
+        line = json.loads(stream.getvalue().strip().splitlines()[-1])
+        assert line["msg"] == "weights trouble" and line["logger"] == "transformers.modeling_utils"
+        # the bar save_pretrained draws ("Writing model shards") and a hub download's: neither reaches the log
+        assert not progress_bars()
+        list(transformers_logging.tqdm(range(3), desc="Writing model shards", file=stream, mininterval=0))
+        list(hub_tqdm(range(3), desc="Downloading", file=stream, mininterval=0))
+        assert all(json.loads(line) for line in stream.getvalue().splitlines())
         configure_logging("INFO", "text")
         logging.getLogger("peers.node").info("ready", extra={"peer": "p1"})
         assert stream.getvalue().strip().splitlines()[-1].endswith("peers.node: ready [peer=p1]")
+        assert not progress_bars()  # text, but not a terminal
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         logging.captureWarnings(False)
         use_hivemind_log_handler("in_hivemind")
+        transformers_logging.disable_propagation()
+        transformers_logging.enable_default_handler()
+        transformers_logging.enable_progress_bar()
+        enable_progress_bars()
     with pytest.raises(ValueError, match="text, json"):
         formatter("yaml")
 

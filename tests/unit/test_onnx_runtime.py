@@ -36,6 +36,20 @@ def runtimes(folder, exports) -> tuple[SpanBackend, OnnxSpan]:
     return SpanBackend(config, family, layers, SPAN, "cpu", torch.float32), OnnxSpan(config, family, SPAN, graphs, 1)
 
 
+@pytest.fixture(scope="module")
+def exported(tiny_models, tmp_path_factory):
+    """A family's torch and ONNX runtimes of blocks 0:4, exported and loaded once for the module's tests (each test
+    opens caches of its own; the runtimes hold none)."""
+    made: dict[str, tuple[SpanBackend, OnnxSpan]] = {}
+
+    def get(family: str) -> tuple[SpanBackend, OnnxSpan]:
+        if family not in made:
+            made[family] = runtimes(tiny_models[family], tmp_path_factory.mktemp(f"onnx-{family}"))
+        return made[family]
+
+    return get
+
+
 def close(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
     assert a.shape == b.shape and torch.isfinite(b).all()
     diff = (a - b).abs() if mask is None else (a - b)[mask.bool()].abs()
@@ -43,8 +57,8 @@ def close(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) ->
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])  # mistral: sliding window 16; qwen2: biases
-def test_onnx_span_equals_torch_span(tiny_models, tmp_path, family):
-    torch_rt, onnx_rt = runtimes(tiny_models[family], tmp_path)
+def test_onnx_span_equals_torch_span(exported, family):
+    torch_rt, onnx_rt = exported(family)
     assert onnx_rt.capabilities == {Capability.INFERENCE, Capability.FORWARD} and onnx_rt.name == "onnx"
     assert torch_rt.capabilities == ALL_CAPABILITIES and torch_rt.name == "torch"
     rts: tuple[SpanRuntime, SpanRuntime] = (torch_rt, onnx_rt)  # both are the servers' interface
@@ -78,10 +92,10 @@ def test_onnx_span_equals_torch_span(tiny_models, tmp_path, family):
         assert close(a, b)
 
 
-def test_a_step_retried_after_a_failure_recomputes_from_the_sessions_position(tiny_models, tmp_path):
+def test_a_step_retried_after_a_failure_recomputes_from_the_sessions_position(exported):
     """A step that failed on a later block left earlier blocks' caches a step ahead; the server's position is the
     truth, so the retried step gives the same output as a clean one."""
-    _, onnx_rt = runtimes(tiny_models["llama"], tmp_path)
+    _, onnx_rt = exported("llama")
     x = torch.randn(1, 5, 64)
     clean, retried = onnx_rt.new_cache(), onnx_rt.new_cache()
     onnx_rt.run(x, SPAN, cache=clean)
@@ -91,8 +105,8 @@ def test_a_step_retried_after_a_failure_recomputes_from_the_sessions_position(ti
     assert torch.equal(onnx_rt.run(step, SPAN, cache=clean, past=5), onnx_rt.run(step, SPAN, cache=retried, past=5))
 
 
-def test_onnx_runtime_refuses_what_it_cannot_do(tiny_models, tmp_path):
-    _, onnx_rt = runtimes(tiny_models["llama"], tmp_path)
+def test_onnx_runtime_refuses_what_it_cannot_do(exported):
+    _, onnx_rt = exported("llama")
     x = torch.randn(1, 3, 64)
     with pytest.raises(BadInputError, match="'adapters' capability, which this server's onnx runtime lacks"):
         onnx_rt.run(x, SPAN, adapter=Adapter())

@@ -177,12 +177,8 @@ def test_no_torch_needed_to_price():
     assert torch.__version__  # the test process has torch; the model does not use it
 
 
-def test_predict_report_and_gpu_script(tmp_path, monkeypatch):
+def test_predict_report(monkeypatch):
     import argparse
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from swarm.perf.report import predict_report
 
@@ -202,7 +198,16 @@ def test_predict_report_and_gpu_script(tmp_path, monkeypatch):
     assert "decode, chained" in text and "LoRA" in text
     with pytest.raises(SystemExit, match="unknown device"):
         predict_report(argparse.Namespace(**{**vars(args), "device": "tpu9"}), None)
-    # the GPU rows' script runs the same code path on a CPU with tiny shapes
+
+
+@pytest.mark.slow  # a process of its own running the CPU micro-benchmarks, then the model shapes
+def test_the_gpu_script_runs_its_path_on_a_cpu(tmp_path):
+    """The GPU rows' script runs the same code path on a CPU with tiny shapes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "rows.json"
     subprocess.run(

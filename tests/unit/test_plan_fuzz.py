@@ -9,7 +9,6 @@ import copy
 import functools
 import gc
 import json
-import os
 import random
 import time
 from typing import Any
@@ -19,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarm.plan.ir import MAX_NODES, Plan, PlanError
+from tests.conftest import fuzz_examples
 from tests.unit.test_plan_ir import PLANS, as_dict
 
 # ---- fuzzing -------------------------------------------------------------------------------------------------------
-EXAMPLES = int(os.environ.get("SWARM_FUZZ_EXAMPLES", "300"))
+EXAMPLES = fuzz_examples(300)
 FUZZ = settings(
     derandomize=True, max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
