@@ -3,7 +3,9 @@ against client-mediated crossings), pipelines, the calibration record, and the v
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,6 +250,23 @@ def test_validation_regimes_samples_and_cores(monkeypatch):
     # chained prefill pieces pipelined through 3 servers: no faster than their work over the cores they share
     one, many = (predict_rows(cal, {"wan": wan}, cores=c)[2] for c in (1, 64))
     assert one.predicted > many.predicted
+
+
+def test_the_docs_show_the_committed_validation_record():
+    """docs/cost-model.md's validation summary and tables are the committed record's rows, rendered by
+    ``scripts/validate_model.py --report`` (re-render them after a new run); the record holds what they came from."""
+    root = Path(__file__).resolve().parents[2]
+    records = sorted((root / "docs" / "perf").glob("validation-*.json"))
+    assert records, "no validation record committed in docs/perf"
+    record = json.loads(records[-1].read_text())
+    rows = [Row.from_dict(r) for r in record["rows"]]
+    assert record["summary"] == summary(rows)
+    assert {(r.sample, r.regime) for r in rows} >= {("in", "compute"), ("in", "delay"), ("out", "compute")}
+    page = (root / "docs" / "cost-model.md").read_text()
+    assert records[-1].name in page
+    assert report(rows) in page
+    Calibration.model_validate(record["calibration"])
+    assert record["machine"]["cores"] >= 1 and set(record["runs"]) == set(record["commands"])
 
 
 def test_no_torch_needed_to_price():
