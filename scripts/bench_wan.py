@@ -6,7 +6,8 @@ vs the floors the links allow, in one run. Needs root, /dev/net/tun and ``ip``.
     python scripts/bench_wan.py --models tiny-llama --links a c --planes direct --chain on --tasks decode
     python scripts/bench_wan.py --codec float16            # adds codec=float16 rows where ClientConfig has ``codec``
 
-Models: SmolLM2-135M over 3 peers (0:10, 10:20, 20:30) and the tiny Llama card over 4 peers (2 blocks each).
+Models: SmolLM2-135M over 3 peers (0:10, 10:20, 20:30) and the tiny Llama card over 4 peers (2 blocks each); not
+in the default run, ``mid-llama`` over 5 peers (the cost model's held-out workload; no pre-training run of it).
 Links (one-way delay d between any two nodes, each node's bandwidth both ways): ``loopback`` (no WAN: 127.0.0.1,
 the reference), ``a`` 100 Mbit/s d=20 ms, ``b`` 100 Mbit/s d=50 ms, ``c`` 20 Mbit/s d=50 ms; and, not in the
 default run, ``z``: the WAN with d=0 and no bandwidth limit (the emulator's own cost: router, MTU 1500, namespaces).
@@ -45,6 +46,7 @@ LINKS: dict[str, tuple[float, float | None]] = {  # name -> (one-way delay ms, M
 SPANS = {
     "smollm2-135m": ["0:10", "10:20", "20:30"],
     "tiny-llama": ["0:2", "2:4", "4:6", "6:8"],
+    "mid-llama": ["0:2", "2:4", "4:6", "6:8", "8:10"],  # the cost model's held-out workload (validate_model.py)
 }
 SERVER_ARGS = ("--throughput", "100")
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +219,7 @@ class Bench:
                     self.results.append(dict(item, model=model, link=link, plane=plane))
 
             self.with_swarm(model, link, plane, None, go)
-        if "pretrain" in a.tasks and plane in a.pretrain_planes:
+        if "pretrain" in a.tasks and plane in a.pretrain_planes and model in ("tiny-llama", "smollm2-135m"):
             run = pretrain_run_toml(model, SPANS[model], self.tmp)
 
             def train(wan: Any, peers: list[str]) -> None:
@@ -383,7 +385,9 @@ def main() -> int:
                 for plane in args.planes:
                     bench.measure(model, link, plane)
                     if args.json:
-                        args.json.write_text(json.dumps({"local": bench.local, "results": bench.results}))
+                        args.json.write_text(
+                            json.dumps({"local": bench.local, "results": bench.results, "spans": SPANS})
+                        )
     finally:
         bench.report()
         print(f"\nwall time {time.perf_counter() - t0:.0f} s; logs in {bench.tmp}")

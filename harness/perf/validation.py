@@ -1,9 +1,17 @@
 """Predictions for the runs of the benchmarks (``scripts/validate_model.py``): each benchmark's JSON in, one row per
-measured number out, with the prediction and its breakdown. Pure, apart from reading the models' configs."""
+measured number out, with the prediction and its breakdown. Pure, apart from reading the models' configs.
+
+Rows fall in two regimes that the summary keeps apart: **compute-bound** (one process, or peers on loopback: the
+machine's cores, memory and the software's fixed costs decide) and **delay-bound** (behind emulated links: the
+links' delays and bandwidth decide, which the model knows exactly from the emulator's settings). And in two samples:
+**in-sample**, the runs the model's structure was developed on, and **out-of-sample** (held out: a model shape and a
+span count it was never developed on), priced by the same code with nothing changed."""
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +32,6 @@ from swarm.perf.predict import (
 from swarm.perf.report import arch_of, lora_params, spans_of
 
 TOLERANCE = 0.25
-CORES = 2.0  # every party of a benchmark shares this machine's cores
 WAN_LINKS = {"a": (20.0, 100.0), "b": (50.0, 100.0), "c": (50.0, 20.0)}  # as scripts/bench_wan.py
 GOODPUT = 0.96  # of a link's rate left for payload after TCP/IP headers (1448 of 1500-byte frames, plus ACKs)
 
@@ -38,6 +45,8 @@ class Row:
     predicted: float
     cost: Cost
     rate: bool  # the unit is per second (predicted from 1 / time)
+    regime: str = "compute"  # "compute": one process or loopback; "delay": behind an emulated link
+    sample: str = "in"  # "in": a run the model's structure was developed on; "out": held out
 
     @property
     def error(self) -> float:
@@ -52,7 +61,17 @@ class Row:
             "predicted": self.predicted,
             "error": self.error,
             "breakdown": self.cost.as_dict(),
+            "regime": self.regime,
+            "sample": self.sample,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Row:
+        b = {k: v for k, v in d["breakdown"].items() if k != "total"}
+        rate = d["unit"] != "s"
+        return cls(
+            d["bench"], d["case"], d["unit"], d["measured"], d["predicted"], Cost(**b), rate, d["regime"], d["sample"]
+        )
 
 
 def _row(bench: str, case: str, unit: str, measured: float, cost: Cost, per: float = 0.0) -> Row:
@@ -61,19 +80,22 @@ def _row(bench: str, case: str, unit: str, measured: float, cost: Cost, per: flo
     return Row(bench, case, unit, measured, predicted, cost, bool(per))
 
 
-def swarms(cal: Calibration, arch: Arch, spans: list[str], link: Link | None = None) -> tuple[Swarm, Swarm]:
+def swarms(
+    cal: Calibration, arch: Arch, spans: list[str], cores: float, link: Link | None = None
+) -> tuple[Swarm, Swarm]:
+    """The one-process reference and the swarm, every party sharing the ``cores`` the run measured."""
     dev, sw = cal.device(), cal.costs()
     link = link or cal.link()
-    local = Swarm(arch, dev, software=sw, cores=CORES)
-    return local, uniform(arch, spans_of(spans), dev, dev, link, sw, cores=CORES)
+    local = Swarm(arch, dev, software=sw, cores=cores)
+    return local, uniform(arch, spans_of(spans), dev, dev, link, sw, cores=cores)
 
 
-def inference_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+def inference_rows(cal: Calibration, data: dict[str, Any], cores: float) -> list[Row]:
     rows = []
     new, seq = int(data["args"]["new_tokens"]), int(data["args"]["seq"])
     for model, results in data["results"].items():
         arch = arch_of(model)
-        local, remote = swarms(cal, arch, data["spans"][model])
+        local, remote = swarms(cal, arch, data["spans"][model], cores)
         client_params = arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden
         for name, m_local, m_swarm in results:
             for side, m, sw in (("local", m_local, local), ("swarm", m_swarm, remote)):
@@ -89,10 +111,10 @@ def inference_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def finetune_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+def finetune_rows(cal: Calibration, data: dict[str, Any], cores: float) -> list[Row]:
     a = data["args"]
     arch = arch_of(a["model"])
-    local, remote = swarms(cal, arch, a["spans"])
+    local, remote = swarms(cal, arch, a["spans"], cores)
     n = int(data["adapter_params"])
     rows = []
     for side, m, sw in (("local PEFT", data["local_step_s"], local), ("swarm", data["swarm_step_s"], remote)):
@@ -102,18 +124,24 @@ def finetune_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def pretrain_rows(cal: Calibration, data: dict[str, Any]) -> list[Row]:
+def pretrain_rows(cal: Calibration, data: dict[str, Any], cores: float) -> list[Row]:
     from swarm.training.run import load_run
 
     run = load_run(Path(data["run"]))
-    return _pretrain(cal, run, "bench_pretrain", data["local_step_s"], data["swarm_step_s"], None)
+    return _pretrain(cal, run, "bench_pretrain", data["local_step_s"], data["swarm_step_s"], None, cores)
 
 
 def _pretrain(
-    cal: Calibration, run: Any, bench: str, m_local: float | None, m_swarm: float, link: Link | None
+    cal: Calibration,
+    run: Any,
+    bench: str,
+    m_local: float | None,
+    m_swarm: float,
+    link: Link | None,
+    cores: float,
 ) -> list[Row]:
     arch = Arch.from_config(run.hf_config())
-    local, remote = swarms(cal, arch, [str(s) for s in run.stages], link)
+    local, remote = swarms(cal, arch, [str(s) for s in run.stages], cores, link)
     tokens = run.target_batch_size * run.seq_len
     rows = []
     for side, m, sw in (("local", m_local, local), ("swarm", m_swarm, remote)):
@@ -134,11 +162,15 @@ def wan_link(cal: Calibration, link: str, codec: str) -> Link:
     return cal.link(delay / 1e3, mbit * 1e6 / 8 * GOODPUT, codec)
 
 
-def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]) -> list[Row]:
+WAN_SPANS = {"smollm2-135m": ["0:10", "10:20", "20:30"], "tiny-llama": ["0:2", "2:4", "4:6", "6:8"]}  # older runs
+
+
+def wan_rows(cal: Calibration, data: dict[str, Any], cores: float) -> list[Row]:
+    spans: dict[str, list[str]] = data.get("spans", WAN_SPANS)
     rows = []
     for model, local_item in data["local"].items():
         arch = arch_of(model)
-        local, _ = swarms(cal, arch, spans[model])
+        local, _ = swarms(cal, arch, spans[model], cores)
         rows.append(_row("bench_wan", f"{model} local decode step", "s", local_item["step_s"], decode_step(local, 24)))
         rows.append(
             _row("bench_wan", f"{model} local time to first token", "s", local_item["ttft_s"], ttft(local, 512))
@@ -151,7 +183,9 @@ def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]
         codec = mode.split("codec=")[1] if "codec=" in mode else "none"
         link = wan_link(cal, r["link"], codec)
         arch = arch_of(model)
-        _, remote = swarms(cal, arch, spans[model], link)
+        _, remote = swarms(cal, arch, spans[model], cores, link)
+        regime = "compute" if r["link"] in ("loopback", "z") else "delay"
+        before = len(rows)
         where = f"{model} {len(remote.servers)} peers, link {r['link']}, {mode}"
         if r["task"] == "decode":
             rows.append(_row("bench_wan", f"{where}: decode step", "s", r["step_s"], decode_step(remote, 24, chained)))
@@ -167,26 +201,55 @@ def wan_rows(cal: Calibration, data: dict[str, Any], spans: dict[str, list[str]]
             from swarm.training.run import load_run
 
             run = load_run(Path(r["pretrain_run"]))
-            (row,) = _pretrain(cal, run, "bench_wan", None, r["step_s"], link)
+            (row,) = _pretrain(cal, run, "bench_wan", None, r["step_s"], link, cores)
             rows.append(replace(row, case=f"{where}: pre-training"))
+        rows[before:] = [replace(row, regime=regime) for row in rows[before:]]
     return rows
 
 
-def predict_rows(cal: Calibration, measured: dict[str, Any]) -> list[Row]:
+PRICERS = {"inference": inference_rows, "finetune": finetune_rows, "pretrain": pretrain_rows, "wan": wan_rows}
+HELD_OUT = "heldout-"  # a run's name with this prefix is out-of-sample: priced alike, reported apart
+
+
+def predict_rows(cal: Calibration, measured: dict[str, Any], cores: float) -> list[Row]:
+    """Every run's rows; ``measured``: run name (a benchmark's, or ``heldout-`` and one) -> that run's JSON;
+    ``cores``: the processors the run's parties shared, as the run measured them."""
     rows: list[Row] = []
-    if "inference" in measured:
-        rows += inference_rows(cal, measured["inference"])
-    if "finetune" in measured:
-        rows += finetune_rows(cal, measured["finetune"])
-    if "pretrain" in measured:
-        rows += pretrain_rows(cal, measured["pretrain"])
-    if "wan" in measured:
-        spans = {"smollm2-135m": ["0:10", "10:20", "20:30"], "tiny-llama": ["0:2", "2:4", "4:6", "6:8"]}
-        rows += wan_rows(cal, measured["wan"], spans)
+    for name, data in measured.items():
+        kind = name.removeprefix(HELD_OUT)
+        if kind not in PRICERS:
+            continue
+        got = PRICERS[kind](cal, data, cores)
+        rows += [replace(r, sample="out") for r in got] if name.startswith(HELD_OUT) else got
     return rows
 
 
-def table(rows: list[Row]) -> str:
+GROUPS = (
+    ("in-sample, compute-bound (one process or loopback)", "in", "compute"),
+    ("in-sample, delay-bound (behind emulated links)", "in", "delay"),
+    ("out-of-sample, compute-bound", "out", "compute"),
+    ("out-of-sample, delay-bound", "out", "delay"),
+)
+
+
+def summary(rows: Sequence[Row]) -> list[str]:
+    """One line per group of rows (compute-bound first, then delay-bound; in-sample, then held out): how many are
+    within the tolerance, the median and the worst absolute error."""
+    out = []
+    for label, sample, regime in GROUPS:
+        group = [r for r in rows if r.sample == sample and r.regime == regime]
+        if not group:
+            continue
+        errors = [abs(r.error) for r in group]
+        within = sum(1 for e in errors if e <= TOLERANCE)
+        out.append(
+            f"{label}: {within} of {len(group)} within {TOLERANCE:.0%}, median |error| "
+            f"{statistics.median(errors):.0%}, worst {max(errors):.0%}"
+        )
+    return out
+
+
+def table(rows: Sequence[Row]) -> str:
     head = (
         "| benchmark | case | unit | measured | predicted | error | compute | memory | overhead | comm | software "
         "| bubble |"
@@ -203,3 +266,13 @@ def table(rows: list[Row]) -> str:
             f"| {shares} |"
         )
     return "\n".join(out)
+
+
+def report(rows: Sequence[Row]) -> str:
+    """The summary, then one table per group (compute-bound first): what ``docs/cost-model.md`` shows of a run."""
+    out = ["\n".join(f"- {line}" for line in summary(rows))]
+    for label, sample, regime in GROUPS:
+        group = [r for r in rows if r.sample == sample and r.regime == regime]
+        if group:
+            out.append(f"**{label[0].upper()}{label[1:]}**\n\n{table(group)}")
+    return "\n\n".join(out)

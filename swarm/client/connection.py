@@ -13,6 +13,7 @@ from swarm.config import ClientConfig
 from swarm.dht import start_dht
 from swarm.hop import Hop
 from swarm.membership import swarm_key_for
+from swarm.perf.calibration import cached_software
 from swarm.protocol import ReleaseRequest, StepNotice
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
@@ -22,8 +23,19 @@ RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its 
 
 
 class SwarmConnection:
-    def __init__(self, cfg: ClientConfig, model_id: str, num_blocks: int, fingerprints: frozenset[str] | None) -> None:
-        """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely)."""
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        model_id: str,
+        num_blocks: int,
+        fingerprints: frozenset[str] | None,
+        *,
+        hidden: int = 0,
+        value_bytes: int = 0,
+    ) -> None:
+        """``fingerprints``: the weights this client chains (None: whichever the swarm serves most completely);
+        ``hidden``, ``value_bytes``: the model's hidden size and its hidden states' bytes per value, which routing
+        prices on each hop's link."""
         self.cfg = cfg
         self.timing = cfg.timing
         self.model_id = model_id  # the model's id in the DHT (a folder's name: not the path a user gave)
@@ -47,7 +59,19 @@ class SwarmConnection:
                 dial_timeout=cfg.timing.handshake_timeout,
                 codec=parse_codec(cfg.codec),
             )
-            self.view = SwarmView(self.store, model_id, num_blocks, cfg, fingerprints)
+            # routing prices hops as the performance model does: this machine's calibrated software costs (if it
+            # was ever calibrated: ``python -m harness.perf calibrate``), the hidden states' bytes through the codec
+            software = cached_software(cfg.cache_dir)
+            self.view = SwarmView(
+                self.store,
+                model_id,
+                num_blocks,
+                cfg,
+                fingerprints,
+                hidden=hidden,
+                value_bytes=value_bytes,
+                software=software,
+            )
             self.retrier = Retrier(self.view, cfg.timing)
             # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
             self.rtt: dict[str, float] = self.view.rtt

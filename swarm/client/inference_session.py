@@ -126,11 +126,15 @@ class InferenceSession:
                     min_cache_tokens=need,
                     needs=self._needs,
                     exclude=frozenset(self._avoid),
+                    tokens=self.batch_size,
                 )
             except MissingBlocksError:
                 pass
         try:
-            return view.route(start, end, mode="inference", min_cache_tokens=need, needs=self._needs)
+            # priced for what most of a session is: decode steps, one token of each sequence
+            return view.route(
+                start, end, mode="inference", min_cache_tokens=need, needs=self._needs, tokens=self.batch_size
+            )
         except MissingBlocksError:
             view.route(start, end, mode="inference", needs=self._needs)  # raises if the blocks themselves are missing
             error = CacheFullError(

@@ -204,10 +204,18 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         self.loaded_tensor_names = tuple(sorted(state))
 
     def _connect(self, cfg: ClientConfig, model_id: str, fingerprints: frozenset[str] | None) -> None:
-        self._conn = SwarmConnection(cfg, model_id, int(self.config.num_hidden_layers), fingerprints)
+        dtype_name = str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        self._conn = SwarmConnection(
+            cfg,
+            model_id,
+            int(self.config.num_hidden_layers),
+            fingerprints,
+            hidden=int(self.config.hidden_size),
+            value_bytes=getattr(torch, dtype_name).itemsize,  # hidden states travel in the embeddings' dtype
+        )
         remote = self.adapters is not None and self.adapters.applies_remotely
         self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
-        dtype = float_dtype(str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch."))
+        dtype = float_dtype(dtype_name)
         shape = ModelShape(
             model_id,
             int(self.config.num_hidden_layers),

@@ -2,9 +2,9 @@
 
 Shortest path over block boundaries, where a hop through server s from boundary a to boundary b costs what the
 performance model prices one hop at (``swarm.perf.placement.hop_seconds``: s's measured round trip where the client
-has one, else the prior; the step's bytes over s's announced bandwidth; the software's fixed cost per hop) plus
-(b - a) blocks at s's speed (measured by the client where it can, claimed otherwise). Servers may overlap and be
-entered mid-span.
+has one, else the prior; the call's bytes, through the codec, over s's announced bandwidth; the software's fixed
+cost per hop; once per hop chained, there and back client-mediated) plus (b - a) blocks at s's speed (measured by
+the client where it can, claimed otherwise). Servers may overlap and be entered mid-span.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def choose_route(
     falls to each with probability proportional to its speed (SWARM's stochastic wiring of training micro-batches).
 
     A hop's network and software are priced by the performance model with ``costs`` (default: a flat
-    ``default_latency`` per unmeasured hop, client-mediated, bytes not priced), ``rtt`` (peer -> measured round trip
-    in seconds) and each server's announced ``network_mbps``."""
+    ``default_latency`` per unmeasured hop, client-mediated, bytes not priced; the live client passes its real ones,
+    ``SwarmView.costs``), ``rtt`` (peer -> measured round trip in seconds) and each server's announced
+    ``network_mbps``. A forward's blocks cost their speed times ``costs.tokens``; an inference step's, one step."""
     measured, noise, rtt = measured or {}, noise or {}, rtt or {}
     costs = costs or RouteCosts.from_prior(default_latency)
     # A claim is believed only as far as the fastest peer measured so far: a stranger that announces an absurd speed
@@ -98,11 +99,15 @@ def choose_route(
     points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
     index = {p: i for i, p in enumerate(points)}
 
+    # a forward's compute grows with its tokens, as its bytes do; an inference step (one token of each sequence)
+    # costs a server about one step whatever the batch (reading the weights dominates)
+    scale = costs.tokens if mode == "forward" else 1
+
     def block_cost(r: ServerRecord) -> float:
         if r.peer_id in measured:
-            return measured[r.peer_id]
+            return measured[r.peer_id] * scale
         speed = r.inference_sps if mode == "inference" else r.forward_tps
-        return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest)
+        return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest) * scale
 
     dist = {start: 0.0}
     prev: dict[int, tuple[int, ServerRecord]] = {}

@@ -79,6 +79,15 @@ class ModelOps:
         return self.parts.causal_loss(logits, labels)
 
 
+def tokens_of(inputs: Mapping[str, torch.Tensor]) -> int:
+    """Tokens in a call (routing prices a hop's bytes for them): its ids', or its embeddings' positions."""
+    if "input_ids" in inputs:
+        return int(inputs["input_ids"].numel())
+    if "inputs_embeds" in inputs:
+        return int(inputs["inputs_embeds"].shape[:-1].numel())
+    return 1
+
+
 def bind(plan: Plan, route: list[Hop], aux: Tensors, train: TrainTag | None, needs: frozenset[Capability]) -> ChainRun:
     """A forward plan's remote nodes bound to ``route``: its forward nodes in chain order, each backward node to the
     server of its forward."""
@@ -105,11 +114,12 @@ class PlanRunner:
             needs.add(Capability.ADAPTERS)
         return frozenset(needs)
 
-    def route(self, end: int, needs: frozenset[Capability], stochastic: bool = False) -> list[Hop]:
-        """A route over blocks ``0:end`` (waiting, within the retry budget, for blocks nobody serves yet)."""
+    def route(self, end: int, needs: frozenset[Capability], stochastic: bool = False, tokens: int = 1) -> list[Hop]:
+        """A route over blocks ``0:end`` for calls of ``tokens`` tokens (waiting, within the retry budget, for blocks
+        nobody serves yet)."""
         view = self.conn.view
         route: list[Hop] = self.conn.retrier.run(
-            lambda: view.route(0, end, mode="forward", stochastic=stochastic, needs=needs), "route"
+            lambda: view.route(0, end, mode="forward", stochastic=stochastic, needs=needs, tokens=tokens), "route"
         )
         return route
 
@@ -149,8 +159,9 @@ class PlanRunner:
         if keep and ctx.train is None and self.chain.delivery is None:
             # a plain forward under grad mode (a user who did not say no_grad, or one who will backpropagate): where
             # only servers without a backward hold some blocks, run it there, and let a backward fail clearly
-            keep, needs, found = self._backward_or_not(needs)
-        route = found or self.route(self.shape.num_blocks, needs, stochastic=ctx.train is not None)
+            keep, needs, found = self._backward_or_not(needs, tokens_of(inputs))
+        tokens = tokens_of(inputs)
+        route = found or self.route(self.shape.num_blocks, needs, stochastic=ctx.train is not None, tokens=tokens)
         labels, embeds = "labels" in inputs, "inputs_embeds" in inputs
         key = (task, tuple(route), prompts, labels, keep, embeds, target_batch, average_every, params)
 
@@ -164,21 +175,23 @@ class PlanRunner:
         plan, sched = self.plans.get(key, build)
         return self._run(plan, sched, route, inputs, ctx, needs)
 
-    def _backward_or_not(self, needs: frozenset[Capability]) -> tuple[bool, frozenset[Capability], list[Hop]]:
+    def _backward_or_not(
+        self, needs: frozenset[Capability], tokens: int
+    ) -> tuple[bool, frozenset[Capability], list[Hop]]:
         """Keep graphs or not, what the route needs then, and the route found (empty: route as any call does)."""
         view, end = self.conn.view, self.shape.num_blocks
         try:
-            return True, needs, view.route(0, end, mode="forward", needs=needs)
+            return True, needs, view.route(0, end, mode="forward", needs=needs, tokens=tokens)
         except MissingBlocksError:
             forward_only = self.needs(False)
             try:
-                return False, forward_only, view.route(0, end, mode="forward", needs=forward_only)
+                return False, forward_only, view.route(0, end, mode="forward", needs=forward_only, tokens=tokens)
             except MissingBlocksError:
                 return True, needs, []  # blocks are missing either way: wait for them as any call does
 
     def score(self, input_ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         needs = self.needs(False)
-        route = self.route(self.shape.num_blocks, needs)
+        route = self.route(self.shape.num_blocks, needs, tokens=input_ids.numel())
         plan, sched = self.plans.get(("score", tuple(route)), lambda: score_plan(self.shape, route))
         return self._run(plan, sched, route, {"input_ids": input_ids}, ctx, needs)["logprobs"]
 
@@ -186,7 +199,7 @@ class PlanRunner:
         if not 0 <= block < self.shape.num_blocks:
             raise BadInputError(f"block {block} of a {self.shape.num_blocks}-block model")
         needs = self.needs(False)
-        route = self.route(block + 1, needs)
+        route = self.route(block + 1, needs, tokens=input_ids.numel())
         plan, sched = self.plans.get(("hidden", tuple(route)), lambda: hidden_plan(self.shape, route))
         return self._run(plan, sched, route, {"input_ids": input_ids}, ctx, needs)["hidden"]
 

@@ -14,9 +14,13 @@ import time
 from collections.abc import Iterator
 
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
+from swarm.codecs import choose_codec, parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import RecordStore
 from swarm.hop import Hop
+from swarm.perf.calibration import CODEC_BYTES
+from swarm.perf.model import Software
+from swarm.perf.placement import RouteCosts
 from swarm.records import Capability, ServerRecord, View
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,14 @@ class SwarmView:
         num_blocks: int,
         cfg: ClientConfig,
         fingerprints: frozenset[str] | None = None,
+        *,
+        value_bytes: int = 0,
+        hidden: int = 0,
+        software: Software | None = None,
     ) -> None:
+        """``hidden`` and ``value_bytes``: the model's hidden size and the bytes of one value of its hidden states
+        (0: bytes not priced); ``software``: the swarm's fixed costs from this machine's calibration (None: never
+        calibrated, so routing's flat prior stands in)."""
         self.store = store
         self.model_id = model_id
         self.num_blocks = num_blocks
@@ -48,6 +59,9 @@ class SwarmView:
         # flight at once would take their draws in whatever order the threads ran), see ``wiring``.
         self._seed = cfg.wiring_seed if cfg.wiring_seed is not None else random.SystemRandom().getrandbits(64)
         self._local = threading.local()
+        self.value_bytes, self.hidden = value_bytes, hidden
+        self.software = software or Software()
+        self._forced = parse_codec(cfg.codec)
 
     @property
     def hop_latency(self) -> float:
@@ -70,6 +84,30 @@ class SwarmView:
         if rng is None:  # a stochastic route outside ``wiring``: this thread's own generator, never another's
             rng = self._local.rng = random.Random(f"{self._seed}/{threading.current_thread().name}")
         return rng
+
+    def wire(self, nbytes: float, mbps: float | None) -> float:
+        """Bytes on the wire for ``nbytes`` of hidden states over a link of ``mbps``: the codec the transport picks
+        (``swarm.codecs.choose_codec``, on the link's announced rate), never more than the tensor itself."""
+        codec = choose_codec(int(nbytes), mbps, forced=self._forced)
+        per_value = min(CODEC_BYTES.get(codec.value, self.value_bytes), self.value_bytes)
+        return nbytes * per_value / self.value_bytes
+
+    def costs(self, mode: Mode, tokens: int = 1) -> RouteCosts:
+        """What a hop costs beyond its compute, as the performance model prices it for a call of ``tokens``
+        tokens: an inference step chained or client-mediated as this client sends them (``ClientConfig.chain``), a
+        forward always client-mediated; the calibrated software cost per hop of such a call; the hidden states'
+        bytes through the codec; the flat ``hop_latency_s`` for a hop whose round trip was never measured."""
+        sw = self.software
+        chained = mode == "inference" and self.cfg.chain
+        per_hop = (sw.step_hop_chained if chained else sw.step_hop) if mode == "inference" else sw.call_hop
+        return RouteCosts.from_prior(
+            self.hop_latency,
+            software=per_hop,
+            token_bytes=float(self.hidden * self.value_bytes),
+            tokens=max(tokens, 1),
+            chained=chained,
+            wire=self.wire if self.value_bytes else None,
+        )
 
     def snapshot(self) -> View:
         with self._lock:
@@ -144,10 +182,11 @@ class SwarmView:
         exclude: frozenset[str] = frozenset(),
         stochastic: bool = False,
         needs: frozenset[Capability] = frozenset(),
+        tokens: int = 1,
     ) -> list[Hop]:
-        """The cheapest route over live, unbanned servers now whose runtime has every capability in ``needs``;
-        ``stochastic`` scales each server's cost by an Exp(1) draw (micro-batches wired to replicas in proportion to
-        their speed). Raises ``MissingBlocksError``."""
+        """The cheapest route over live, unbanned servers now whose runtime has every capability in ``needs``, for
+        calls of ``tokens`` tokens (priced by ``costs``); ``stochastic`` scales each server's cost by an Exp(1) draw
+        (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``."""
         records = self.servers(min_cache_tokens, exclude, needs)
         noise = None
         if stochastic:
@@ -163,4 +202,5 @@ class SwarmView:
             default_latency=self.hop_latency,
             model_id=self.model_id,
             noise=noise,
+            costs=self.costs(mode, tokens),
         )

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from swarm.perf.model import Device, Link, Software
 
 CALIBRATION_VERSION: Literal[1] = 1
-CODEC_BYTES = {"none": 4.0, "float16": 2.0, "bfloat16": 2.0, "block8": 1.0 + 9 / 128}  # wire bytes per value
+# wire bytes per value (the 8-bit codebooks' 1 KiB per tensor left out)
+CODEC_BYTES = {"none": 4.0, "float16": 2.0, "bfloat16": 2.0, "block8": 1.0 + 9 / 128, "uint8": 1.0, "quantile8": 1.0}
 
 
 class Hardware(BaseModel):
@@ -90,6 +91,15 @@ def machine_key(threads: int) -> str:
 def calibration_path(cache_dir: Path, threads: int) -> Path:
     digest = hashlib.sha256(machine_key(threads).encode()).hexdigest()[:16]
     return cache_dir / "perf" / f"calibration-{digest}.json"
+
+
+def cached_software(cache_dir: Path) -> Software | None:
+    """The swarm's fixed costs from this machine's newest calibration, measured with any thread count (they are the
+    protocol's and the event loops', not the kernels'); None where this machine was never calibrated."""
+    here = machine_key(1).rsplit(" | ", 1)[0]  # the CPU and torch's version
+    found = [c for p in sorted((cache_dir / "perf").glob("calibration-*.json")) if (c := load(p)) is not None]
+    mine = [c for c in found if c.machine.rsplit(" | ", 1)[0] == here]
+    return max(mine, key=lambda c: c.measured_at).costs() if mine else None
 
 
 def load(path: Path) -> Calibration | None:

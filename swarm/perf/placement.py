@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from swarm.perf.arch import Arch, context_of
@@ -59,16 +59,23 @@ def hop_seconds(link: Link, nbytes: float, software: float, compute: float = 0.0
     return (1 if chained else 2) * transfer + software + compute
 
 
+# (a tensor's bytes, the link's announced Mbit/s or None) -> the bytes that go on the wire: the codec the transport
+# would choose for that tensor on that link (the client passes ``swarm.codecs.choose_codec``'s rule)
+Wire = Callable[[float, float | None], float]
+
+
 @dataclass(frozen=True)
 class RouteCosts:
     """What routing assumes of a hop it has not measured. Defaults reproduce a flat 3 ms per hop client-mediated
-    (``ClientConfig.hop_latency_s``): 2 x 1.5 ms one-way, no software cost on top, no bytes priced."""
+    (``ClientConfig.hop_latency_s``): 2 x 1.5 ms one-way, no software cost on top, no bytes priced. The live client
+    passes its real ones (``SwarmView.costs``)."""
 
     delay: float = 0.0015  # s: one-way delay prior for a peer whose round trip was never measured
     software: float = 0.0  # s: the swarm's own fixed cost per hop (protocol stack, framing, checks)
-    token_bytes: float = 0.0  # bytes of one token's hidden state on the wire (0: not priced)
+    token_bytes: float = 0.0  # bytes of one token's hidden state as the client holds it (0: not priced)
     tokens: int = 1  # tokens per step the route is chosen for (a prompt: many; a decode step: one)
     chained: bool = False  # steps pass server to server (one transfer per hop) rather than through the client
+    wire: Wire | None = None  # the codec's bytes on the wire (None: the tensor as it is)
 
     @classmethod
     def from_prior(
@@ -79,11 +86,12 @@ class RouteCosts:
         token_bytes: float = 0.0,
         tokens: int = 1,
         chained: bool = False,
+        wire: Wire | None = None,
     ) -> RouteCosts:
-        """Costs whose unmeasured, client-mediated, byte-free hop totals ``hop_latency``: the software cost, and
-        the rest as a round trip."""
+        """Costs whose unmeasured, client-mediated, byte-free hop totals ``hop_latency`` (or the software cost, if
+        that is more): the software cost, and the rest as a round trip."""
         delay = max(hop_latency - software, 0.0) / 2
-        return cls(delay, software, token_bytes, tokens, chained)
+        return cls(delay, software, token_bytes, tokens, chained, wire)
 
     def link(self, rtt: float | None, network_mbps: float | None) -> Link:
         """A peer's link as routing prices it: half its measured round trip (the prior otherwise) and its announced
@@ -95,6 +103,8 @@ class RouteCosts:
     def hop(self, rtt: float | None, network_mbps: float | None) -> float:
         """Seconds of one hop's network and software, before its compute."""
         nbytes = self.tokens * self.token_bytes
+        if self.wire is not None and nbytes > 0:
+            nbytes = self.wire(nbytes, network_mbps)
         return hop_seconds(self.link(rtt, network_mbps), nbytes, self.software, chained=self.chained)
 
 
@@ -122,14 +132,27 @@ def block_throughput(device: Device, arch: Arch, batch: int = 16, past: int = 10
 
 # ---- the Petals-style baseline -----------------------------------------------------------------------------------
 
+BALANCE_QUALITY = 0.75  # Petals servers' default: move only if the swarm could reach over 1 / 0.75 its bottleneck
+STAY = 1e-3  # a server's own share counts this much more where it is: near-ties keep it in place (no churn cycles)
+
+
+def best_start(totals: Sequence[float], length: int) -> int:
+    """Petals' choice of a window of ``length`` blocks: the one whose per-block throughputs, sorted from the
+    weakest, are smallest (compared as sorted lists: the weakest block first, then the next...)."""
+    starts = range(len(totals) - length + 1)
+    lows = [min(totals[s : s + length]) for s in starts]  # the sorted lists' first elements decide unless tied
+    low = min(lows)
+    ties = [s for s in starts if lows[s] == low]
+    return ties[0] if len(ties) == 1 else min(ties, key=lambda s: sorted(totals[s : s + length]))
+
 
 def greedy_spans(
     rates: Sequence[tuple[float, float]], capacities: Sequence[int], num_blocks: int, seed: int = 0
 ) -> list[tuple[int, int]]:
-    """Petals' placement: peers join one at a time in a random order (``seed``), each takes as many blocks as its
-    memory holds at the window whose current per-block throughputs, sorted, are smallest (``choose_best_blocks``:
-    cover the weakest block first), and never moves. ``rates`` are (block_throughput, link_tokens) per peer; a peer
-    of capacity 0 gets the empty span (0, 0). Returns each peer's span, in the input order."""
+    """Petals' placement at joining: peers join one at a time in a random order (``seed``), each takes as many blocks
+    as its memory holds at :func:`best_start` of the swarm it finds (cover the weakest block first). ``rates`` are
+    (block_throughput, link_tokens) per peer; a peer of capacity 0 gets the empty span (0, 0). Returns each peer's
+    span, in the input order. Without :func:`petals_rebalance` nobody moves afterwards."""
     totals = [0.0] * num_blocks
     out = [(0, 0)] * len(rates)
     order = list(range(len(rates)))
@@ -138,12 +161,120 @@ def greedy_spans(
         length = min(capacities[i], num_blocks)
         if length < 1:
             continue
-        start = min(range(num_blocks - length + 1), key=lambda s: sorted(totals[s : s + length]))
+        start = best_start(totals, length)
         each = peer_rate(rates[i][0], length, rates[i][1])
         for b in range(start, start + length):
             totals[b] += each
         out[i] = (start, start + length)
     return out
+
+
+def _add(totals: list[float], span: tuple[int, int], amount: float) -> None:
+    for b in range(*span):
+        totals[b] += amount
+
+
+def _settle(spans: list[tuple[int, int]], each: list[float], totals: list[float], rng: random.Random) -> None:
+    """Every server in turn (a fresh random order each pass) takes its best window, its own share counted with a
+    bias to stay, until a whole pass moves nobody. In place."""
+    moved = True
+    while moved:
+        moved = False
+        order = [i for i, (a, b) in enumerate(spans) if b > a]
+        rng.shuffle(order)
+        for i in order:
+            span, length = spans[i], spans[i][1] - spans[i][0]
+            _add(totals, span, -each[i] * (1 + STAY))
+            start = best_start(totals, length)
+            _add(totals, span, each[i] * STAY)  # its share is out of the totals now
+            if start != span[0]:
+                spans[i] = (start, start + length)
+                moved = True
+            _add(totals, spans[i], each[i])
+
+
+def should_move(
+    i: int,
+    spans: Sequence[tuple[int, int]],
+    each: Sequence[float],
+    totals: Sequence[float],
+    rng: random.Random,
+    quality: float = BALANCE_QUALITY,
+    imagined: dict[tuple[tuple[int, int], ...], float] | None = None,
+) -> bool:
+    """Petals' periodic check by server ``i`` (``should_choose_other_blocks``), in this model's terms: without its
+    own share (biased to stay), is its best window elsewhere? If so, and if leaving would not uncover a block, it
+    imagines moving there and every server then re-choosing in turn until nobody moves. It moves only if that
+    imagined swarm's bottleneck is more than ``1 / quality`` times today's. ``each``: every server's share of each
+    block of its span; ``totals``: each block's sum of them (today's swarm). ``imagined`` (swarm -> the imagined
+    bottleneck): a cache that makes the imagining once per state of the swarm rather than once per server (the
+    imagined swarms differ only in which server moves first)."""
+    today = min(totals)
+    # no arrangement's weakest block beats the average block: a swarm within ``quality`` of that bound stays put
+    # (the imagined re-choosing below could not pass the test, so it is skipped)
+    bound = sum(e * (b - a) for (a, b), e in zip(spans, each, strict=True)) / len(totals)
+    if today >= (quality - STAY) * bound:
+        return False
+    work = list(totals)
+    span, length = spans[i], spans[i][1] - spans[i][0]
+    _add(work, span, -each[i] * (1 + STAY))
+    if today > STAY and min(work) <= 0:
+        return False  # its blocks would be served by nobody while it moves
+    start = best_start(work, length)
+    if start == span[0]:
+        return False  # already where it helps most
+    key = tuple(spans)
+    if imagined is not None and key in imagined:
+        better = imagined[key]
+    else:
+        _add(work, span, each[i] * STAY)  # its share is out of the totals now
+        moved = list(spans)
+        moved[i] = (start, start + length)
+        _add(work, moved[i], each[i])
+        _settle(moved, list(each), work, rng)
+        better = min(work)
+        if imagined is not None:
+            imagined[key] = better
+    return better >= max(today, STAY) and today / better < quality - STAY
+
+
+def petals_rebalance(
+    spans: Sequence[tuple[int, int]],
+    rates: Sequence[tuple[float, float]],
+    num_blocks: int,
+    seed: int = 0,
+    quality: float = BALANCE_QUALITY,
+    max_rounds: int = 20,
+) -> tuple[list[tuple[int, int]], int]:
+    """Petals' servers after joining: every balance period each server, in a random order (``seed``), runs
+    :func:`should_move`; one that should leaves its span and joins again at :func:`best_start` of the swarm without
+    it. Rounds go on until one moves nobody (or ``max_rounds``). Returns the spans and how many moves were made.
+    Unlike Petals, the imagined re-choosing runs once per state of the swarm, not once per checking server: at 1,000
+    servers Petals' way would take hours here, and the imagined swarms differ only in which server moves first."""
+    rng = random.Random(seed)
+    out = list(spans)
+    each = [peer_rate(t, e - s, link) if e > s else 0.0 for (s, e), (t, link) in zip(out, rates, strict=True)]
+    totals = [0.0] * num_blocks
+    for span, e in zip(out, each, strict=True):
+        _add(totals, span, e)
+    moves, imagined = 0, dict[tuple[tuple[int, int], ...], float]()
+    for _ in range(max_rounds):
+        moved = False
+        order = [i for i, (a, b) in enumerate(out) if b > a]
+        rng.shuffle(order)
+        for i in order:
+            if not should_move(i, out, each, totals, rng, quality, imagined):
+                continue
+            _add(totals, out[i], -each[i])  # it leaves, and joins again where the swarm without it is weakest
+            length = out[i][1] - out[i][0]
+            start = best_start(totals, length)
+            moved = moved or out[i][0] != start
+            moves += out[i][0] != start
+            out[i] = (start, start + length)
+            _add(totals, out[i], each[i])
+        if not moved:
+            break
+    return out, moves
 
 
 def bottleneck(spans: Sequence[tuple[int, int]], rates: Sequence[tuple[float, float]], num_blocks: int) -> float:

@@ -3,12 +3,14 @@ against client-mediated crossings), pipelines, the calibration record, and the v
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from harness.perf.validation import Row, finetune_rows, table, wan_link
+from harness.perf.validation import Row, finetune_rows, predict_rows, report, summary, table, wan_link
 from swarm.hop import Hop
 from swarm.perf.arch import Arch, context_of
 from swarm.perf.calibration import Calibration, Hardware
@@ -137,6 +139,36 @@ def test_calibration_record_and_clamping(tmp_path):
         Calibration.model_validate({**cal.model_dump(), "version": 2})
 
 
+def test_the_client_reads_the_newest_calibration_of_this_machine(tmp_path):
+    from swarm.perf.calibration import cached_software, calibration_path, machine_key, save
+
+    assert cached_software(tmp_path) is None  # never calibrated
+    hw = Hardware(
+        flops=1e11,
+        attention_flops=4e10,
+        bandwidth=1e10,
+        elementwise_bandwidth=1e10,
+        block_overhead=0,
+        backward_overhead=0,
+    )
+
+    def cal(threads, step_hop, at, machine=None):
+        return Calibration(
+            machine=machine or machine_key(threads),
+            threads=threads,
+            hardware=hw,
+            transport_bandwidth=1e8,
+            software={"step_hop": step_hop},
+            measured_at=at,
+        )
+
+    save(cal(1, 0.004, 1.0), calibration_path(tmp_path, 1))
+    save(cal(2, 0.006, 2.0), calibration_path(tmp_path, 2))  # any thread count: the newest
+    save(cal(3, 0.9, 3.0, "another CPU | torch 0 | 3 thread(s)"), tmp_path / "perf" / "calibration-other.json")
+    got = cached_software(tmp_path)
+    assert got is not None and got.step_hop == 0.006
+
+
 def test_validation_rows_and_table(monkeypatch):
     hw = Hardware(
         flops=1e11,
@@ -154,7 +186,7 @@ def test_validation_rows_and_table(monkeypatch):
         "local_step_s": 0.5,
         "swarm_step_s": 0.6,
     }
-    rows = finetune_rows(cal, data)
+    rows = finetune_rows(cal, data, 2)
     assert [r.case.endswith("(swarm)") for r in rows] == [False, True]
     assert all(r.rate and r.predicted > 0 for r in rows)
     assert rows[1].error == pytest.approx(rows[1].predicted / (1 / 0.6) - 1)
@@ -167,6 +199,74 @@ def test_validation_rows_and_table(monkeypatch):
     costly = cal.model_copy(update={"codecs": {"block8": (3e-4, 2e-8)}})
     assert wan_link(costly, "a", "block8").time(1e6).software == pytest.approx(3e-4 + 2e-2)
     assert math.isclose(wan_link(cal, "b", "none").delay, 0.05)
+
+
+def test_validation_regimes_samples_and_cores(monkeypatch):
+    """Rows behind emulated links are delay-bound, the rest compute-bound; a held-out run's rows are out-of-sample;
+    the summary keeps the four groups apart (compute-bound first); the measured core count reaches the model."""
+    hw = Hardware(
+        flops=1e10,
+        attention_flops=4e9,
+        bandwidth=1e10,
+        elementwise_bandwidth=1e10,
+        block_overhead=3e-4,
+        backward_overhead=9e-4,
+    )
+    cal = Calibration(machine="m", threads=1, hardware=hw, transport_bandwidth=1e8, software={}, measured_at=0.0)
+    monkeypatch.setattr("harness.perf.validation.arch_of", lambda model: Arch.from_config(SMALL))
+    wan = {
+        "local": {"small": {"step_s": 0.01, "ttft_s": 0.2}},
+        "spans": {"small": ["0:1", "1:2", "2:3"]},
+        "results": [
+            {"plane": "direct", "task": "ttft", "model": "small", "link": link, "mode": "chain=on", "ttft_s": 0.5}
+            for link in ("loopback", "a")
+        ],
+    }
+    ft = {
+        "args": {"model": "small", "spans": ["0:1", "1:3"], "batch": 2, "seq": 32, "rank": 8},
+        "adapter_params": 1000,
+        "local_step_s": 0.5,
+        "swarm_step_s": 0.6,
+    }
+    rows = predict_rows(cal, {"wan": wan, "heldout-finetune": ft, "unknown": {}}, cores=2)
+    assert [(r.regime, r.sample) for r in rows] == [
+        ("compute", "in"),  # the local decode step
+        ("compute", "in"),  # the local time to first token
+        ("compute", "in"),  # loopback
+        ("delay", "in"),  # link a
+        ("compute", "out"),
+        ("compute", "out"),
+    ]
+    lines = summary(rows)
+    assert [line.split(":")[0] for line in lines] == [
+        "in-sample, compute-bound (one process or loopback)",
+        "in-sample, delay-bound (behind emulated links)",
+        "out-of-sample, compute-bound",
+    ]
+    assert lines[1].startswith("in-sample, delay-bound (behind emulated links): ") and " of 1 within" in lines[1]
+    assert [Row.from_dict(r.as_dict()) for r in rows] == rows  # a record's rows read back as they were
+    text = report(rows)
+    assert text.index("In-sample, compute-bound") < text.index("In-sample, delay-bound") < text.index("Out-of")
+    # chained prefill pieces pipelined through 3 servers: no faster than their work over the cores they share
+    one, many = (predict_rows(cal, {"wan": wan}, cores=c)[2] for c in (1, 64))
+    assert one.predicted > many.predicted
+
+
+def test_the_docs_show_the_committed_validation_record():
+    """docs/cost-model.md's validation summary and tables are the committed record's rows, rendered by
+    ``scripts/validate_model.py --report`` (re-render them after a new run); the record holds what they came from."""
+    root = Path(__file__).resolve().parents[2]
+    records = sorted((root / "docs" / "perf").glob("validation-*.json"))
+    assert records, "no validation record committed in docs/perf"
+    record = json.loads(records[-1].read_text())
+    rows = [Row.from_dict(r) for r in record["rows"]]
+    assert record["summary"] == summary(rows)
+    assert {(r.sample, r.regime) for r in rows} >= {("in", "compute"), ("in", "delay"), ("out", "compute")}
+    page = (root / "docs" / "cost-model.md").read_text()
+    assert records[-1].name in page
+    assert report(rows) in page
+    Calibration.model_validate(record["calibration"])
+    assert record["machine"]["cores"] >= 1 and set(record["runs"]) == set(record["commands"])
 
 
 def test_no_torch_needed_to_price():

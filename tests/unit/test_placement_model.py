@@ -1,5 +1,5 @@
 """The performance model's scoring of placements (the broker) and routes (the client): measured round trips, link
-bandwidth, chained vs client-mediated pricing, the Petals-style greedy baseline, determinism."""
+bandwidth, chained vs client-mediated pricing, the Petals-style baseline (joining and rebalancing), determinism."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from swarm.perf.placement import (
     hop_seconds,
     link_tokens,
     peer_rate,
+    petals_rebalance,
     span_seconds_per_token,
 )
 from tests.unit.test_basics import record
@@ -119,3 +120,24 @@ def test_catalogue_devices_predict_memory_bound_decode():
         rate = block_throughput(dev, LLAMA70B, batch=16)
         assert 0.7 * 16 * dev.bandwidth / weights < rate <= 16 * dev.bandwidth / weights
     assert block_throughput(big, LLAMA70B) > 2 * block_throughput(small, LLAMA70B)
+
+
+def test_petals_servers_move_only_for_a_gain_of_more_than_a_third():
+    # 4 blocks, spans of 2; A, B and C add 1 to each of their blocks, D 0.2: the weakest block (3) has 1
+    rates = [(2.0, math.inf), (2.0, math.inf), (2.0, math.inf), (0.4, math.inf)]
+    spans = [(0, 2), (0, 2), (2, 4), (1, 3)]
+    assert bottleneck(spans, rates, 4) == pytest.approx(1.0)
+    # D moving to 2:4 would make it 1.2: a fifth more, under Petals' threshold (balance quality 0.75)
+    assert petals_rebalance(spans, rates, 4, seed=0) == (spans, 0)
+    moved, moves = petals_rebalance(spans, rates, 4, seed=0, quality=0.9)  # a stricter quality: it moves
+    assert (moved[3], moves) == ((2, 4), 1) and bottleneck(moved, rates, 4) == pytest.approx(1.2)
+    assert moved[:3] == spans[:3]  # the others were already where they help most
+
+
+def test_petals_servers_fill_a_hole_left_by_leavers():
+    rates = [(1.0, math.inf)] * 2
+    spans = [(0, 4), (0, 4)]  # the two peers that served 4:8 left
+    assert bottleneck(spans, rates, 8) == 0.0
+    moved, moves = petals_rebalance(spans, rates, 8, seed=3)
+    assert moves == 1 and sorted(moved) == [(0, 4), (4, 8)] and bottleneck(moved, rates, 8) == pytest.approx(0.25)
+    assert petals_rebalance(spans, rates, 8, seed=3) == (moved, moves)  # seeded

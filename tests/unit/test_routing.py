@@ -187,3 +187,47 @@ def test_a_micro_batchs_wiring_depends_on_its_key_and_seed_not_on_threads():
     assert picks(0, keys[::-1], threads=True) == alone
     assert {p for ps in alone.values() for p in ps} == {"fast", "slow"}  # stochastic: both replicas get work
     assert picks(1, keys, threads=False) != alone
+
+
+def test_swarm_view_passes_the_models_costs_to_routing():
+    """What the live client's routing receives: the calibrated software cost per hop of the call's kind, chained
+    or client-mediated as the client sends, the hidden states' bytes for the call's tokens through the codec the
+    transport would pick; each one changes a route when it is passed, and would not if it were dropped."""
+    from swarm.client.swarm_view import SwarmView
+    from swarm.config import ClientConfig
+    from swarm.perf.model import Software
+
+    sw = Software(step_hop=0.006, step_hop_chained=0.004, call_hop=0.005)
+
+    def view(*recs, cfg=None, software=sw, hidden=8192):
+        cfg = cfg or ClientConfig()
+        return SwarmView(_Store(view_of(*recs)), "m", 8, cfg, hidden=hidden, value_bytes=4, software=software)
+
+    costs = view().costs("inference")
+    assert (costs.software, costs.chained, costs.token_bytes, costs.tokens) == (0.004, True, 8192 * 4, 1)
+    mediated = view(cfg=ClientConfig(chain=False)).costs("inference", 3)
+    assert (mediated.software, mediated.chained, mediated.tokens) == (0.006, False, 3)
+    forward = view(cfg=ClientConfig(chain=True)).costs("forward", 512)
+    assert (forward.software, forward.chained, forward.tokens) == (0.005, False, 512)  # forwards are not chained
+    assert view(software=None).costs("inference").software == 0.0  # never calibrated: the flat prior alone
+
+    # the codec: exact where the link is unknown or fast enough, block8 on a slow one (auto), or the forced one
+    v = view()
+    assert v.wire(4e6, None) == 4e6 and v.wire(1000.0, 10.0) == 1000.0  # a small message is sent as is
+    assert v.wire(4e6, 10.0) == pytest.approx(4e6 * (1 + 9 / 128) / 4)
+    assert view(cfg=ClientConfig(codec="float16")).wire(4e6, None) == pytest.approx(2e6)
+
+    # bytes and tokens: a 10 Mbit/s link that is 4x faster at compute wins a decode step, loses a 512-token forward
+    thin = record(peer_id="thin", start=0, end=8, inference_sps=20.0, forward_tps=2000.0, network_mbps=10.0)
+    wide = record(peer_id="wide", start=0, end=8, inference_sps=5.0, forward_tps=500.0, network_mbps=1000.0)
+    assert spans(view(wide, thin).route(0, 8))[0][0] == "thin"
+    assert spans(view(thin, wide).route(0, 8, mode="forward", tokens=512))[0][0] == "wide"
+    assert spans(view(thin, wide, hidden=0).route(0, 8, mode="forward", tokens=512))[0][0] == "thin"  # not priced
+
+    # the software cost per hop: two fast half-spans against one slower whole one
+    a = record(peer_id="a", start=0, end=4, inference_sps=80.0)
+    b = record(peer_id="b", start=4, end=8, inference_sps=80.0)
+    whole = record(peer_id="whole", start=0, end=8, inference_sps=24.0)
+    assert [p for p, *_ in spans(view(whole, a, b, software=None).route(0, 8))] == ["a", "b"]
+    costly = Software(step_hop_chained=0.05)
+    assert [p for p, *_ in spans(view(whole, a, b, software=costly).route(0, 8))] == ["whole"]
