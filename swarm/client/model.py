@@ -16,7 +16,6 @@ import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarm.client import peft_format
 from swarm.client.adapters import AdapterDelivery, ClientAdapters
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context
@@ -24,6 +23,7 @@ from swarm.client.inference_session import InferenceSession
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
+from swarm.client.tuning_setup import build_adapters, save_adapters, tuning_spec
 from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
@@ -36,7 +36,7 @@ from swarm.plan.compile import ModelShape, float_dtype
 from swarm.plan.ir import Plan, Task
 from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
 from swarm.records import TrainerProgress
-from swarm.tuning import TuningSpec, linear_modules, resolve_targets
+from swarm.tuning import TuningSpec, linear_modules
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +125,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         model._load_local(state)
         model.name_or_path = card.name
         model.train(False)
-        if tuning is not None or adapter is not None:
-            spec = peft_format.read_spec(Path(adapter)) if adapter is not None else None
-            if spec is not None and tuning not in (None, spec.mode):
-                raise BadInputError(f"tuning={tuning!r}, but the adapter in {adapter} is {spec.mode!r}")
-            if spec is None:
-                assert tuning is not None
-                targets = tuple(lora_targets) if lora_targets is not None else model.family.spec.lora_defaults
-                spec = TuningSpec(tuning, lora_rank, lora_alpha, targets, num_prompt_tokens)
+        spec = tuning_spec(tuning, adapter, lora_rank, lora_alpha, lora_targets, num_prompt_tokens, model.family)
+        if spec is not None:
             model._attach_adapters(spec, adapter)
         # only servers of these very weights are chained (a stranger's other weights never are, however fast)
         model._connect(
@@ -226,22 +220,10 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         self._runner = PlanRunner(self, self._conn, self._blocks, shape)
 
     def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
-        """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training."""
-        extra, label = self.family.spec.after_embedding, self.family.spec.label
-        if spec.prompt_tokens and extra:
-            raise BadInputError(
-                f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
-                f"{extra}, the swarm's do not; use LoRA"
-            )
-        paths = resolve_targets(spec.lora_targets, self._block_linears) if spec.mode == "lora" else ()
-        adapters = ClientAdapters(
-            spec,
-            {p: self._block_linears[p] for p in paths},
-            int(self.config.num_hidden_layers),
-            int(self.config.hidden_size),
-        )
-        if folder is not None:
-            peft_format.load_into(adapters, Path(folder), self.family.layers_path)
+        """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training.
+        The model's own weights are frozen: only the adapter trains."""
+        layers, hidden = int(self.config.num_hidden_layers), int(self.config.hidden_size)
+        adapters = build_adapters(self.family, spec, self._block_linears, layers, hidden, folder)
         for p in self.parameters():
             p.requires_grad_(False)
         self.adapters = adapters
@@ -250,19 +232,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         """Write the adapter in the PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
         if self.adapters is None:
             raise BadInputError("this model has no adapter: load it with tuning=... to train one")
-        from transformers.pytorch_utils import Conv1D
-
-        with torch.device("meta"):
-            block = self.family.build_layer(0)
-        conv = any(isinstance(m, Conv1D) for n, m in block.named_modules() if n in self.adapters.targets)
-        peft_format.save(
-            self.adapters,
-            Path(folder),
-            self.name_or_path or "",
-            int(self.config.num_attention_heads),
-            self.family.layers_path,
-            fan_in_fan_out=conv,
-        )
+        heads = int(self.config.num_attention_heads)
+        save_adapters(self.adapters, self.family, Path(folder), self.name_or_path or "", heads)
 
     @property
     def prompt_tokens(self) -> int:

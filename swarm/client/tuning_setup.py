@@ -1,0 +1,73 @@
+"""A client's adapter from its arguments or a PEFT folder: the tuning asked for, its targets and shapes checked
+against the family and the blocks' layers before any training; and the adapter saved back in the PEFT format
+(``DistributedModelForCausalLM.from_pretrained(tuning=..., adapter=...)`` and ``save_adapter``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from swarm.client import peft_format
+from swarm.client.adapters import ClientAdapters
+from swarm.errors import BadInputError
+from swarm.families.spec import Family
+from swarm.tuning import TuningSpec, resolve_targets
+
+
+def tuning_spec(
+    tuning: str | None,
+    adapter: str | Path | None,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_targets: Sequence[str] | None,
+    num_prompt_tokens: int,
+    family: Family,
+) -> TuningSpec | None:
+    """What to train: an adapter folder's own config (``tuning`` may only agree with it), else the arguments (LoRA's
+    targets by default the family's, as PEFT's are); None for no tuning at all."""
+    if tuning is None and adapter is None:
+        return None
+    if adapter is not None:
+        spec = peft_format.read_spec(Path(adapter))
+        if tuning not in (None, spec.mode):
+            raise BadInputError(f"tuning={tuning!r}, but the adapter in {adapter} is {spec.mode!r}")
+        return spec
+    assert tuning is not None
+    targets = tuple(lora_targets) if lora_targets is not None else family.spec.lora_defaults
+    return TuningSpec(tuning, lora_rank, lora_alpha, targets, num_prompt_tokens)
+
+
+def build_adapters(
+    family: Family,
+    spec: TuningSpec,
+    block_linears: dict[str, tuple[int, int]],
+    num_blocks: int,
+    hidden: int,
+    folder: str | Path | None,
+) -> ClientAdapters:
+    """The adapter ``spec`` asks for over ``block_linears`` (a block's linear layers' shapes by path), filled from
+    ``folder`` where given. Prompts are refused for a family whose embeddings pass through more than PEFT's do."""
+    extra, label = family.spec.after_embedding, family.spec.label
+    if spec.prompt_tokens and extra:
+        raise BadInputError(
+            f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
+            f"{extra}, the swarm's do not; use LoRA"
+        )
+    paths = resolve_targets(spec.lora_targets, block_linears) if spec.mode == "lora" else ()
+    adapters = ClientAdapters(spec, {p: block_linears[p] for p in paths}, num_blocks, hidden)
+    if folder is not None:
+        peft_format.load_into(adapters, Path(folder), family.layers_path)
+    return adapters
+
+
+def save_adapters(adapters: ClientAdapters, family: Family, folder: Path, base_model: str, num_heads: int) -> None:
+    """``adapters`` in the PEFT format, marked ``fan_in_fan_out`` where the family stores its targets transposed
+    (GPT-2's ``Conv1D``), as PEFT records it."""
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        block = family.build_layer(0)
+    conv = any(isinstance(m, Conv1D) for n, m in block.named_modules() if n in adapters.targets)
+    peft_format.save(adapters, folder, base_model, num_heads, family.layers_path, fan_in_fan_out=conv)
