@@ -1,5 +1,6 @@
 """The project's harness: what tests, benchmarks and measurements use to drive real swarms, never imported by the
-product (``swarm``, ``peers``) and not shipped in its wheel (tests/unit/test_layering.py holds both).
+product (``swarm``, ``peers``: tests/unit/test_layering.py holds it) and not shipped in its wheel
+(tests/integration/test_wheel.py holds that).
 
 - ``harness.local_swarm``: the API in a child process, failure drills (``Disturber``);
 - ``harness.fork_server``: forks peers from one process that imported everything once (the integration tests');

@@ -115,6 +115,8 @@ class ForkServer:
         self._exits: dict[int, int] = {}  # reported before the spawner registered the child
         self._pids: list[int] = []
         self._lock = threading.Condition()
+        # one request in flight at a time: the server answers pids in request order, and a waiter releases _lock
+        self._spawning = threading.Lock()
         self._ready = False
         threading.Thread(target=self._read, daemon=True).start()
         with self._lock:
@@ -159,7 +161,7 @@ class ForkServer:
             "main": main,
         }
         assert self._proc.stdin is not None
-        with self._lock:
+        with self._spawning, self._lock:
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
             if not self._lock.wait_for(lambda: self._pids or self._proc.poll() is not None, timeout):
@@ -213,8 +215,10 @@ def _fork(request: dict[str, Any], out: IO[str]) -> None:
     if pid == 0:
         try:
             code = _child(request)
-        except SystemExit:  # argparse's errors
-            raise
+        except SystemExit as e:  # argparse's errors: leave as any child does, never through the server's loop
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else 1 if e.code else 0
         except BaseException:
             traceback.print_exc()
             code = 1

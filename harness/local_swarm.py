@@ -5,6 +5,7 @@ process is stopped by the PID this object started, never by name."""
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,7 +38,9 @@ class ApiProcess:
         cmd = [sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
         if test_timings:
             cmd.append("--test-timings")
-        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="swarm-api-")) / "api.log"
+        # a log folder of its own is removed with the API (``__exit__``); one given is the caller's
+        self._own_dir = None if log_path else Path(tempfile.mkdtemp(prefix="swarm-api-"))
+        self.log_path = log_path or self._own_dir / "api.log"
         with open(self.log_path, "w") as stderr:
             self.proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env({"PYTHONUNBUFFERED": "1"})
@@ -85,6 +88,8 @@ class ApiProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 class _Routed(Protocol):

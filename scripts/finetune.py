@@ -23,7 +23,7 @@ from tqdm import tqdm
 from swarm import DistributedModelForCausalLM, load_tokenizer
 from swarm.config import default_cache_dir, load_model_card
 from swarm.launch import LocalSwarm
-from swarm.logs import configure_logging
+from swarm.logs import configure_logging, progress_bars
 from swarm.model_files import load_config, model_folder
 
 
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         params = [q for q in model.parameters() if q.requires_grad]
         print(f"training {sum(q.numel() for q in params):,} parameters ({args.tuning}); the model's own are frozen")
         opt = torch.optim.AdamW(params, lr=args.lr)
-        bar = tqdm(batches(ids, args.batch, args.seq, args.steps, args.seed), total=args.steps, unit="step")
+        steps = batches(ids, args.batch, args.seq, args.steps, args.seed)
+        bar = tqdm(steps, total=args.steps, unit="step", disable=not progress_bars())  # a bar only on a terminal
         first = None
         for batch in bar:  # each step is the fine-tuning plan: forward, loss, backward, the optimizer's update
             loss = model.train_step(batch, opt)

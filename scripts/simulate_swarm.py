@@ -140,11 +140,11 @@ def compare(swarms: int) -> None:
     print("predicted decode tokens/s per block (batch 16): " + ", ".join(f"{k} {v:.0f}" for k, v in each.items()))
     print(
         "greedy: Petals' joining rule alone (nobody moves); petals: the same, then its servers' periodic rebalancing "
-        "(balance quality 0.75)"
+        "(balance quality 0.75); after the leavers go, stay: Petals' servers where they were, petals: rebalanced"
     )
     print(
         f"{'seed':>4} {'mix':>10} {'peers':>5} | {'planner':>8} {'greedy':>8} {'petals':>8} {'moves':>5} "
-        f"{'plan/pet':>8} {'bound':>6} | after 10% leave: {'planner':>8} {'moves':>5} {'greedy':>8} {'petals':>8} "
+        f"{'plan/pet':>8} {'bound':>6} | after 10% leave: {'planner':>8} {'moves':>5} {'stay':>8} {'petals':>8} "
         f"{'moves':>5} {'plan/pet':>8} {'bound':>6}"
     )
     ok = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +114,8 @@ class LocalSwarm:
         self.spans = spans
         self.extra_args = extra_args
         self.test_timings = test_timings
+        # a log folder of its own is removed when the swarm is left (``__exit__``); one given is the caller's
+        self._own_logs = log_dir is None
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swarm-peers-"))
         self.startup_timeout = startup_timeout
         self.env = dict(os.environ, **(env or {}))
@@ -202,3 +205,5 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self._own_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)

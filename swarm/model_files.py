@@ -8,13 +8,14 @@ so servers and clients always read weights from one folder format.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
-import io
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,9 +86,7 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
         step(2, "weights (dequantizing GGUF, ~40 s)")
-        # transformers' GGUF reader draws a plain tqdm bar of its own on sys.stderr, which its switch for progress
-        # bars does not reach: without bars, it draws into nothing (log handlers keep their own stream)
-        with contextlib.nullcontext() if bars else contextlib.redirect_stderr(io.StringIO()):
+        with _gguf_bar(bars):
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent,
                 gguf_file=gguf.name,
@@ -99,6 +98,24 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
         model.config.quantization_config = None
         _save(model, tokenizer, out)
         bar.update()
+
+
+@contextlib.contextmanager
+def _gguf_bar(bars: bool) -> Iterator[None]:
+    """transformers' GGUF reader draws a plain tqdm bar of its own, which its switch for progress bars does not
+    reach: without bars, that module's ``tqdm`` is a disabled one for the call (only that module's: the process's
+    stderr, where other threads may write, is left alone)."""
+    if bars:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    drawn = reader.tqdm
+    reader.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = drawn
 
 
 def new_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:

@@ -59,7 +59,9 @@ def fuzz_examples(full: int) -> int:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """SmolLM2 is converted once per session (about 30 s): start it now, beside the tests that run before the first
-    one needing it, if any selected test does."""
+    one needing it, if any selected test does (and none when the session only collects)."""
+    if session.config.option.collectonly:
+        return
     if any("smollm_folder" in getattr(item, "fixturenames", ()) for item in session.items):
         _start_conversion()
 

@@ -302,7 +302,12 @@ class InferenceSession:
         state.slow_steps = 0
         try:
             other = await asyncio.to_thread(
-                view.route, hop.start, hop.end, mode="inference", exclude=frozenset({hop.peer_id})
+                view.route,
+                hop.start,
+                hop.end,
+                mode="inference",
+                exclude=frozenset({hop.peer_id}),
+                tokens=self.batch_size,
             )
         except SwarmError:
             return  # nowhere else to go

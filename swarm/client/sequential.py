@@ -157,8 +157,10 @@ class RemoteChain:
         """Rebind forward node ``node_id`` (and its backward) to a new route over its blocks, around banned peers."""
         node = run.plan.node(node_id)
         assert isinstance(node, SpanForward)
+        received = run.inputs.get(node_id)  # priced for the call's tokens, as its first route was
+        tokens = int(received.shape[0] * received.shape[1]) if received is not None else 1
         route = self.conn.view.route(
-            node.start, node.end, mode="forward", stochastic=run.train is not None, needs=run.needs
+            node.start, node.end, mode="forward", stochastic=run.train is not None, needs=run.needs, tokens=tokens
         )
         run.generation += 1
         run.plan, fresh = repair(run.plan, node_id, route, run.generation)

@@ -203,12 +203,20 @@ def descendants(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    """The process exists and is not a zombie."""
+    """The process exists and has not exited (a zombie not yet reaped counts as exited)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def survivors(pids: list[int], timeout: float = 60.0) -> list[int]:
+    """Those of ``pids`` still running once they have all exited or ``timeout`` s passed (a bound on a hang only)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
 
 
 def wait_for(predicate: Callable[[], T], timeout: float = 20.0, what: str = "condition") -> T:

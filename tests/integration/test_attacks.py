@@ -55,14 +55,16 @@ def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str)
 def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, timeout: float = 120) -> dict:
     """Run one attack to its end, in a process forked from the session's fork server (its imports are the peers');
     its JSON report."""
-    log = Path(tempfile.mkdtemp(prefix="swarm-attacker-")) / f"{kind}.log"
-    process = harness.SPAWNERS[0].spawn(_command(kind, swarm, model_id, num_blocks, *extra)[3:], log, main=ATTACKER)
-    try:
-        code = process.wait(timeout)
-    finally:
-        process.kill()  # by its PID, if it outlived the timeout
-    assert code == 0, log.read_text()[-3000:]
-    return json.loads(log.with_suffix(".out").read_text().strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="swarm-attacker-") as folder:
+        log = Path(folder) / f"{kind}.log"
+        argv = _command(kind, swarm, model_id, num_blocks, *extra)[3:]
+        process = harness.SPAWNERS[0].spawn(argv, log, main=ATTACKER)
+        try:
+            code = process.wait(timeout)
+        finally:
+            process.kill()  # by its PID, if it outlived the timeout
+        assert code == 0, log.read_text()[-3000:]
+        return json.loads(log.with_suffix(".out").read_text().strip().splitlines()[-1])
 
 
 class Attacker:

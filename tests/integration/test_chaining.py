@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,20 @@ def folder(tiny_models):
 @pytest.fixture(scope="module")
 def ref(tiny_models):
     return local_reference(tiny_models["llama"])
+
+
+def _said(attacker: subprocess.Popen[str], timeout: float = 120.0) -> dict:
+    """The attacker's next JSON line; a failure, not a hang, if none comes within ``timeout`` (a bound on a hang only:
+    the attacker is killed by its PID in the caller's ``finally``, which ends the blocked read)."""
+    line: list[str] = []
+    assert attacker.stdout is not None
+    stdout = attacker.stdout
+    reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert line and line[0], f"the attacker said nothing in {timeout} s"
+    reply: dict = json.loads(line[0])
+    return reply
 
 
 def prompt(n: int = 21) -> torch.Tensor:
@@ -118,7 +133,7 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
         ]
         try:
             assert attacker.stdout is not None and attacker.stdin is not None
-            assert json.loads(attacker.stdout.readline()) == {"ready": True}
+            assert _said(attacker) == {"ready": True}
             with client.inference_session(max_length=64) as session:
                 head = client.generate(ids, max_new_tokens=6, do_sample=False)
                 target = session.hop_states[1]  # the second hop: it takes pushes, from the first one only
@@ -133,11 +148,11 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
                 attacker.stdin.write(json.dumps(leak) + "\n")
                 attacker.stdin.flush()
                 for _plane in ("libp2p", "direct"):  # each plane's pushes read by the server before the stream closes
-                    before += json.loads(attacker.stdout.readline())["bytes"]
+                    before += _said(attacker)["bytes"]
                     wait_for(lambda n=before: received(h.peer_id) >= n, 60, "the pushes read")
                     attacker.stdin.write("next\n")
                     attacker.stdin.flush()
-                report = json.loads(attacker.stdout.readline())
+                report = _said(attacker)
                 out = client.generate(more, max_new_tokens=10, do_sample=False)
             assert attacker.wait(30) == 0
         finally:

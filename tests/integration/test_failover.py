@@ -176,11 +176,10 @@ def test_leaving_server_finishes_or_moves_open_sessions(folder, ref):
         leaver = Disturber(client, swarm, {6: 0}, sig=signal.SIGTERM)
         out = client.generate(ids, max_new_tokens=24, do_sample=False, streamer=leaver)
         assert torch.equal(out, expected)
-        gone = leaver.killed[0]  # from the client's view of the swarm once it has read the leaving record
+        gone = leaver.killed[0]  # out of the client's view of the swarm once it has read the leaving record
         wait_for(lambda: gone not in {r.peer_id for r in client.connection.view.servers()}, 60, "the leaver leaving")
-        with torch.no_grad():
-            client(ids)
-        assert leaver.killed[0] not in {h.peer_id for h in client.route}  # new calls avoid the leaving peer
+        with torch.no_grad():  # and the replicas that stayed serve new calls exactly
+            assert (client(ids).logits - ref(ids).logits).abs().max().item() < 1e-4
 
 
 @pytest.mark.slow

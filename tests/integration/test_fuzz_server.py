@@ -3,7 +3,7 @@ inference streams and handshakes) with >= 10,000 malformed messages, while an ho
 them: every message gets an error reply or a closed connection, the session's greedy tokens equal a local run, the
 server stays up and answers, and its peak memory stays bounded.
 
-``SWARM_FUZZ_SCALE`` multiplies the message counts (default 1: about 10,500 messages)."""
+``SWARM_FUZZ_SCALE`` multiplies the message counts (default 1: 10,200 messages)."""
 
 from __future__ import annotations
 

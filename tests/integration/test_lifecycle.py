@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,14 @@ import torch
 from swarm.dht import _own_children
 from swarm.launch import LocalSwarm
 from tests.conftest import local_reference
-from tests.integration.harness import TEST_SERVER_ARGS, alive, check_forward, connect, descendants, running_swarm
-
-
-def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
+from tests.integration.harness import (
+    TEST_SERVER_ARGS,
+    check_forward,
+    connect,
+    descendants,
+    running_swarm,
+    survivors,
+)
 
 
 @pytest.mark.slow
@@ -34,7 +33,7 @@ def test_sigkill_of_a_server_leaves_nothing_behind(tiny_models):
         family = descendants(victim.pid)
         assert len(family) >= 2  # the DHT child and its p2pd
         swarm.kill(victim, signal.SIGKILL)
-        assert _wait_gone(family) == []
+        assert survivors(family) == []
 
 
 @pytest.mark.slow
@@ -51,7 +50,7 @@ def test_sigterm_leaves_cleanly_and_identity_is_stable(tiny_models, tmp_path):
         family = descendants(swarm.peers[0].pid)
         swarm.peers[0].proc.send_signal(signal.SIGTERM)
         assert swarm.peers[0].proc.wait(30) == 0
-        assert _wait_gone(family) == []
+        assert survivors(family) == []
     assert identity.exists()
     with LocalSwarm(
         str(tiny_models["llama"]),
@@ -83,7 +82,7 @@ def test_killed_client_script_leaves_nothing_behind(tiny_models):
             assert len(family) >= 2
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
-            assert _wait_gone(family) == []
+            assert survivors(family) == []
         finally:
             if proc.poll() is None:
                 proc.kill()

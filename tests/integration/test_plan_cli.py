@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.plan.ir import Plan
-from tests.integration.harness import alive, descendants, running_swarm
+from tests.integration.harness import descendants, running_swarm, survivors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,10 +62,7 @@ def test_plan_of_a_finetuning_step_over_a_live_swarm(tiny_models, tmp_path):
         )
     assert code == 0, err
     assert len(family) >= 2  # it did start a DHT child and its p2pd ...
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(alive(p) for p in family):
-        time.sleep(0.1)
-    assert [p for p in family if alive(p)] == []  # ... and left none of them running
+    assert survivors(family) == []  # ... and left none of them running
     assert "Task was destroyed" not in err and "Traceback" not in err, err
 
     assert out.startswith("finetune plan of tiny-llama: 4 blocks, hidden 64, vocab 320")

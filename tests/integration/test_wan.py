@@ -12,7 +12,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from harness.env import child_env
 from harness.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
 from harness.wan.netns import namespaces, start_time
 from harness.wan.router import IDLE_WAKE_S, MAX_LEAD_S
+from tests.integration.harness import alive, survivors
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -32,22 +32,6 @@ SLOW_MBIT = MBIT / 4  # node "q"'s link: the same flow at a quarter of the rate,
 # The router sends a packet up to MAX_LEAD_S before it is due (to make up for its timers' lateness): a round trip
 # crosses it twice. Nothing else can make a packet early.
 EARLY_MS = 2 * MAX_LEAD_S * 1000
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie not yet reaped by init counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not _gone(pid):
-        time.sleep(0.05)
-    return _gone(pid)
 
 
 def _leftovers(prefix: str) -> list[str]:
@@ -146,7 +130,7 @@ def test_close_removes_everything_and_is_idempotent():
             assert len(_leftovers(cfg.prefix)) == 2
             sleeper = wan.popen("a", ["sleep", "600"])
             raise RuntimeError("boom")  # close() runs on exceptions too
-    assert wan.router_pid is not None and _wait_gone(wan.router_pid)
+    assert wan.router_pid is not None and survivors([wan.router_pid]) == []
     assert sleeper.poll() is not None
     assert _leftovers(cfg.prefix) == []
     wan.close()  # a second close does nothing
@@ -177,7 +161,7 @@ def test_down_cleans_what_a_killed_up_left(tmp_path):
         up.send_signal(signal.SIGKILL)  # a crash: nothing of up's cleanup runs
         up.wait()
     prefix, router = info["prefix"], info["router_pid"]
-    assert json.loads(state.read_text())["router_start"] == start_time(router) or _gone(router)
+    assert json.loads(state.read_text())["router_start"] == start_time(router) or not alive(router)
     assert len(_leftovers(prefix)) == 2  # the namespaces stay; the TUNs went into them
     done = subprocess.run(
         [sys.executable, "-m", "harness.wan", "down", "--state", str(state)],
@@ -187,6 +171,6 @@ def test_down_cleans_what_a_killed_up_left(tmp_path):
         env=child_env(),
     )
     assert done.returncode == 0, done.stderr
-    assert _wait_gone(router, 5 + IDLE_WAKE_S)  # killed by down, or gone on its own when its parent died
+    assert survivors([router], 5 + IDLE_WAKE_S) == []  # killed by down, or gone on its own when its parent died
     assert _leftovers(prefix) == []
     assert not state.exists()

@@ -103,17 +103,18 @@ def test_a_push_waits_for_its_session_and_route_then_gives_up():
         s = session()
         s.caller = "client"
 
-        async def later() -> None:
-            await asyncio.sleep(0.05)
+        async def later() -> None:  # each sleep(0) lets the waiter run into its wait (no timer involved)
+            await asyncio.sleep(0)
             sessions.open[("client", "s1")] = s
             await sessions.notify()  # opened, but without a route yet: still waiting
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0)
+            assert not waiter.done()
             s.route = ChainRoute(client="client", generation=1, hops=(ChainHop(peer_id="p", session_id="s1"),))
             await sessions.notify()
 
-        task = asyncio.create_task(later())
-        assert await sessions.wait_for("client", "s1", 1, 5.0) is s
-        await task
+        waiter = asyncio.create_task(sessions.wait_for("client", "s1", 1, 60.0))  # a bound on a hang only
+        await later()
+        assert await waiter is s
         with pytest.raises(BadInputError):  # a newer generation than the route it has
             await sessions.wait_for("client", "s1", 2, 0.05)
 

@@ -24,8 +24,10 @@ async def test_cache_budget_waits_then_refuses():
         await budget.reserve(50, timeout=0.05)
     with pytest.raises(CacheFullError, match="whole budget"):
         await budget.reserve(101, timeout=0.05)
-    waiter = asyncio.create_task(budget.reserve(50, timeout=2.0))
-    await asyncio.sleep(0.05)
+    waiter = asyncio.create_task(budget.reserve(50, timeout=60.0))  # a bound on a hang only
+    for _ in range(5):  # the loop runs the waiter into its wait: no timer, nothing to depend on the machine's speed
+        await asyncio.sleep(0)
+    assert not waiter.done()  # no room yet: it waits
     await budget.release(60)
     assert await waiter == 50 and budget.free == 50
 
