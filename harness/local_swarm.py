@@ -39,8 +39,11 @@ class ApiProcess:
         if test_timings:
             cmd.append("--test-timings")
         # a log folder of its own is removed with the API (``__exit__``); one given is the caller's
-        self._own_dir = None if log_path else Path(tempfile.mkdtemp(prefix="swarm-api-"))
-        self.log_path = log_path or self._own_dir / "api.log"
+        self._own_dir: Path | None = None
+        if log_path is None:
+            self._own_dir = Path(tempfile.mkdtemp(prefix="swarm-api-"))
+            log_path = self._own_dir / "api.log"
+        self.log_path = log_path
         with open(self.log_path, "w") as stderr:
             self.proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=child_env({"PYTHONUNBUFFERED": "1"})

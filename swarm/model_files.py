@@ -110,12 +110,13 @@ def _gguf_bar(bars: bool) -> Iterator[None]:
         return
     from transformers import modeling_gguf_pytorch_utils as reader
 
-    drawn = reader.tqdm
-    reader.tqdm = functools.partial(drawn, disable=True)
+    names = vars(reader)  # the module's own namespace: the name it calls, swapped for the call and put back
+    drawn = names["tqdm"]
+    names["tqdm"] = functools.partial(drawn, disable=True)
     try:
         yield
     finally:
-        reader.tqdm = drawn
+        names["tqdm"] = drawn
 
 
 def new_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
