@@ -28,7 +28,7 @@ from swarm.rpc import direct  # noqa: E402
 from tests import fuzz_cases  # noqa: E402
 from tests.conftest import local_reference, make_tiny_model  # noqa: E402
 from tests.integration.fuzz_live import LiveFuzzer, vm_hwm_mib  # noqa: E402
-from tests.integration.harness import connect, running_swarm  # noqa: E402
+from tests.integration.swarms import connect, running_swarm  # noqa: E402
 
 
 async def _read_all(data: bytes) -> list[wire.Frame]:

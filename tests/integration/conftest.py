@@ -8,15 +8,15 @@ from collections.abc import Iterator
 import pytest
 
 from harness.fork_server import ForkServer
-from tests.integration import harness
+from tests.integration import swarms
 
 
 @pytest.fixture(scope="session", autouse=True)
 def fork_server() -> Iterator[ForkServer]:
     server = ForkServer()
-    harness.SPAWNERS.append(server)
+    swarms.SPAWNERS.append(server)
     try:
         yield server
     finally:
-        harness.SPAWNERS.remove(server)
+        swarms.SPAWNERS.remove(server)
         server.close()

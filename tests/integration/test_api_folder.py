@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import local_reference, make_tiny_model
-from tests.integration.harness import running_swarm, wait_for
+from tests.integration.swarms import running_swarm, wait_for
 
 KEY = "folder-api-key"
 VOCAB = 320

@@ -22,8 +22,8 @@ from swarm.identity import peer_id_of_key
 from swarm.ids import assignment_key, peers_key
 from swarm.records import Assignment, PeerRecord, PeerState, servers
 from tests.conftest import local_reference
-from tests.integration import harness
-from tests.integration.harness import patient_timing, running_swarm, wait_for
+from tests.integration import swarms
+from tests.integration.swarms import patient_timing, running_swarm, wait_for
 
 # The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
 # every one.
@@ -58,7 +58,7 @@ def attack(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str, t
     with tempfile.TemporaryDirectory(prefix="swarm-attacker-") as folder:
         log = Path(folder) / f"{kind}.log"
         argv = _command(kind, swarm, model_id, num_blocks, *extra)[3:]
-        process = harness.SPAWNERS[0].spawn(argv, log, main=ATTACKER)
+        process = swarms.SPAWNERS[0].spawn(argv, log, main=ATTACKER)
         try:
             code = process.wait(timeout)
         finally:

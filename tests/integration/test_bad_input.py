@@ -13,7 +13,7 @@ from swarm.errors import BadInputError, CacheFullError, SessionLengthError, Vers
 from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_INFERENCE
 from tests.conftest import local_reference
-from tests.integration.harness import connect, counter, raw_call, running_swarm
+from tests.integration.swarms import connect, counter, raw_call, running_swarm
 
 HIDDEN = 64
 

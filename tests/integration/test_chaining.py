@@ -20,8 +20,8 @@ from swarm.identity import Credentials, Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
 from swarm.rpc.stream import open_session
 from tests.conftest import local_reference
-from tests.integration.harness import connect, counter, patient_timing, running_swarm, scrape, wait_for
 from tests.integration.liar import start_liar
+from tests.integration.swarms import connect, counter, patient_timing, running_swarm, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]

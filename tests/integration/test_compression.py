@@ -16,7 +16,7 @@ from swarm import wire
 from swarm.codecs import Codec
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD
 from tests.conftest import local_reference
-from tests.integration.harness import connect, running_swarm
+from tests.integration.swarms import connect, running_swarm
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from tests.integration.browser import (
     text_of,
     wait_until,
 )
-from tests.integration.harness import TEST_SERVER_ARGS
+from tests.integration.swarms import TEST_SERVER_ARGS
 
 MODEL = "smollm2-135m"
 STARTUP = 180.0

@@ -14,7 +14,7 @@ from harness.local_swarm import Disturber
 from swarm.config import Timing
 from swarm.errors import MissingBlocksError
 from tests.conftest import local_reference
-from tests.integration.harness import KillWhileServing, connect, running_swarm, wait_for, within
+from tests.integration.swarms import KillWhileServing, connect, running_swarm, wait_for, within
 
 # The fast subset keeps the first drill (a kill mid-generation); the full suite runs every one.
 

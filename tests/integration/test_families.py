@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import FAMILY_CONFIGS, local_reference, make_tiny_model
-from tests.integration.harness import (
+from tests.integration.swarms import (
     check_backward,
     check_forward,
     check_greedy,

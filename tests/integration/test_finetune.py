@@ -10,7 +10,7 @@ import torch
 
 from swarm.errors import BadInputError
 from tests.conftest import local_reference, make_tiny_model
-from tests.integration.harness import connect, running_swarm
+from tests.integration.swarms import connect, running_swarm
 
 TARGETS = ("q_proj", "v_proj", "down_proj")  # attention and MLP modules
 

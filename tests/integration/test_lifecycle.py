@@ -16,7 +16,7 @@ import torch
 from swarm.dht import _own_children
 from swarm.launch import LocalSwarm
 from tests.conftest import local_reference
-from tests.integration.harness import (
+from tests.integration.swarms import (
     TEST_SERVER_ARGS,
     check_forward,
     connect,

@@ -11,8 +11,8 @@ import torch
 
 from swarm.errors import BadInputError, MessageTooLargeError, PeerUnavailableError, SwarmError, WrongReplyError
 from tests.conftest import local_reference
-from tests.integration.harness import check_forward, connect, counter, running_swarm, wait_for
 from tests.integration.liar import MODES, start_liar
+from tests.integration.swarms import check_forward, connect, counter, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from swarm.records import PeerState, stage_servers
 from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.init import stage_state_bytes
 from swarm.training.run import load_run
-from tests.integration.harness import running_swarm, wait_for
+from tests.integration.swarms import running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -135,7 +135,7 @@ def test_an_outsider_of_a_private_swarm_runs_nothing_on_either_plane(tiny_models
 
     from swarm.hop import Hop
     from tests.conftest import local_reference
-    from tests.integration.harness import connect, running_swarm
+    from tests.integration.swarms import connect, running_swarm
 
     key_file, stranger_key = tmp_path / "swarm.key", tmp_path / "other.key"
     SwarmKey.create(key_file)

@@ -14,7 +14,7 @@ import torch
 from swarm.protocol import RPC_INFERENCE
 from swarm.rpc.transport import Transport
 from tests.conftest import local_reference
-from tests.integration.harness import (
+from tests.integration.swarms import (
     check_backward,
     check_forward,
     check_greedy,
