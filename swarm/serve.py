@@ -33,7 +33,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 def preload() -> None:
     """Import what ``_main`` imports on start (a fork server pays it once for all the peers it forks)."""
     import peers.blocks.stage  # noqa: F401
-    import peers.node  # noqa: F401
+    import peers.run  # noqa: F401
     import peers.training.stage  # noqa: F401
     import swarm.dashboard.peer  # noqa: F401
 
@@ -41,7 +41,7 @@ def preload() -> None:
 async def _main(cfg: PeerConfig) -> None:
     # the entry point wires the two sides: the node and the stage it serves
     from peers.blocks.stage import ServingStage
-    from peers.node import run_peer
+    from peers.run import run_peer
     from peers.serving.stage import Stage
     from peers.training.stage import TrainableStage
     from swarm.dashboard.peer import serve_peer_dashboard

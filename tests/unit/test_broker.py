@@ -183,20 +183,20 @@ def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
 
     import pytest
 
-    from peers import node
+    from peers import run
     from peers.config import PeerConfig, PlacementConfig
     from peers.serving.stage import ModelInfo
     from swarm.errors import BadInputError
 
     config = type("C", (), {"num_hidden_layers": 30, "hidden_size": 8})()
     model = ModelInfo("m", config, None, None, "fp", 4 * GB)  # type: ignore[arg-type]
-    monkeypatch.setattr(node, "usable_memory", lambda device: 3 * GB)
+    monkeypatch.setattr(run, "usable_memory", lambda device: 3 * GB)
     with pytest.raises(BadInputError, match="too little memory for even one block of m"):
-        node.max_blocks(PeerConfig(), model)
-    monkeypatch.setattr(node, "usable_memory", lambda device: 9 * GB)
-    assert node.max_blocks(PeerConfig(), model) == 2
+        run.max_blocks(PeerConfig(), model)
+    monkeypatch.setattr(run, "usable_memory", lambda device: 9 * GB)
+    assert run.max_blocks(PeerConfig(), model) == 2
     capped = dataclasses.replace(PeerConfig(), placement=PlacementConfig(max_blocks=1))
-    assert node.max_blocks(capped, model) == 1
+    assert run.max_blocks(capped, model) == 1
 
 
 def test_slow_links_cap_a_peer_and_favour_long_spans():
