@@ -18,14 +18,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
 from swarm.perf.catalogue import load_catalogue  # noqa: E402
+from swarm.perf.crossover import Crossover, crossover, needed  # noqa: E402
 from swarm.perf.fleet import (  # noqa: E402
-    Crossover,
     Pretraining,
     Result,
     Serving,
-    crossover,
     device_of,
-    needed,
     serve_datacenter,
     serve_swarm,
     train_datacenter,

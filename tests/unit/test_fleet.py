@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from swarm.perf.catalogue import DeviceSpec, load_catalogue
+from swarm.perf.crossover import crossover, log_grid
 from swarm.perf.fleet import (
     Pretraining,
     Serving,
-    crossover,
     device_of,
-    log_grid,
     serve_datacenter,
     serve_swarm,
     stage_time,
