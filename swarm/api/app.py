@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -32,13 +31,10 @@ from swarm.api.errors import ApiError
 from swarm.api.limits import Limits, Slots, caller_of, read_body
 from swarm.api.schema import (
     ChatChoice,
-    ChatChunk,
     ChatCompletion,
     ChatMessageOut,
     ChatRequest,
-    ChunkChoice,
     CompletionRequest,
-    Delta,
     ModelCard,
     ModelList,
     RouteHop,
@@ -48,6 +44,7 @@ from swarm.api.schema import (
     new_id,
     now,
 )
+from swarm.api.sse import Chunks
 from swarm.metrics import ApiMetrics
 
 log = logging.getLogger(__name__)
@@ -317,43 +314,6 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     return JSONResponse(reply.model_dump(mode="json"))
 
 
-@dataclass(frozen=True)
-class _Chunks:
-    """The chunks of one streamed answer, chat or text, all with the same id, creation time and model."""
-
-    chat: bool
-    model: str
-    id: str = ""
-    created: int = field(default_factory=now)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "id", new_id("chatcmpl" if self.chat else "cmpl"))
-
-    def _sse(self, obj: ChatChunk | TextCompletion) -> str:
-        return f"data: {json.dumps(obj.model_dump(mode='json', exclude_none=True))}\n\n"
-
-    def opening(self, index: int) -> str:  # OpenAI opens each chat choice with its role
-        choice = ChunkChoice(index=index, delta=Delta(role="assistant", content=""))
-        return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
-
-    def piece(self, piece: Piece, route: list[RouteHop] | None) -> str:
-        if self.chat:
-            delta = Delta(content=piece.text) if piece.text else Delta()
-            choice = ChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish)
-            return self._sse(
-                ChatChunk(id=self.id, created=self.created, model=self.model, route=route, choices=[choice])
-            )
-        text = TextChoice(index=piece.index, text=piece.text, finish_reason=piece.finish)
-        return self._sse(
-            TextCompletion(id=self.id, created=self.created, model=self.model, route=route, choices=[text])
-        )
-
-    def usage(self, usage: Usage) -> str:
-        if self.chat:
-            return self._sse(ChatChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
-        return self._sse(TextCompletion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage))
-
-
 class _RunStream(StreamingResponse):
     """A stream that stops its generation however the response ends: also when the connection drops before the
     body's first chunk (the body generator, never started, would run no ``finally``)."""
@@ -372,7 +332,7 @@ class _RunStream(StreamingResponse):
 async def _stream(
     state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str, t0: float
 ) -> AsyncIterator[str]:
-    chunks = _Chunks(endpoint == "chat", req.model)
+    chunks = Chunks(endpoint == "chat", req.model)
     label = "client_closed"  # unless the stream reaches its end or an error
     try:
         if chunks.chat:
