@@ -23,7 +23,8 @@ from swarm.client.chain import Chain, HopState
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.history import TokenHistory
-from swarm.errors import AdapterMissingError, CacheFullError, MissingBlocksError, SessionLengthError, SwarmError
+from swarm.client.session_routes import SessionRoutes
+from swarm.errors import AdapterMissingError, SessionLengthError
 from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, generate_plan, repair
 from swarm.plan.ir import Plan, SpanStep
@@ -61,8 +62,9 @@ class InferenceSession:
         self._states: dict[str, HopState] = {}
         self._generation = 0
         self.closed = False
-        self._avoid: set[str] = set()  # peers this session moved away from for slowness: not chosen again here
-        self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt, self._observe)
+        needs = {Capability.INFERENCE} | ({Capability.ADAPTERS} if delivery is not None else set())
+        self.routes = SessionRoutes(conn, batch_size, max_length, frozenset(needs), self.session_id)
+        self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt, self.routes.observe)
 
     @property
     def route(self) -> list[Hop]:
@@ -77,13 +79,6 @@ class InferenceSession:
     def failovers(self) -> int:
         return self.conn.retrier.failovers
 
-    @property
-    def _needs(self) -> frozenset[Capability]:
-        needs = {Capability.INFERENCE}
-        if self.delivery is not None:
-            needs.add(Capability.ADAPTERS)
-        return frozenset(needs)
-
     # ---- the plan -------------------------------------------------------------------------------------------------
     def _bind(self, plan: Plan, schedule: Schedule | None, route: list[Hop]) -> None:
         self.plan, self._schedule = plan, schedule
@@ -94,7 +89,7 @@ class InferenceSession:
         """The plan of the next step (``prompts``: the first, which puts the trainable prompts in front): compiled
         once per route, routed when the session takes its first step."""
         if self.plan is None:
-            route = self.conn.retrier.run(lambda: self._new_route(0, self.model.num_blocks), "route")
+            route = self.conn.retrier.run(lambda: self.routes.new(0, self.model.num_blocks), "route")
             self._bind(*self._compiled(route, 0), route)
         assert self.plan is not None
         if prompts:
@@ -113,44 +108,13 @@ class InferenceSession:
         """The plan's remote part: one step through every ``span_step`` node."""
         return self.step(hidden, ctx.mask, ctx.positions)
 
-    # ---- routing ------------------------------------------------------------------------------------------------
-    def _new_route(self, start: int, end: int) -> list[Hop]:
-        need = self.batch_size * self.max_length
-        view = self.conn.view
-        if self._avoid:  # a slow peer's claims may still price it first: try without it, then with it
-            try:
-                return view.route(
-                    start,
-                    end,
-                    mode="inference",
-                    min_cache_tokens=need,
-                    needs=self._needs,
-                    exclude=frozenset(self._avoid),
-                    tokens=self.batch_size,
-                )
-            except MissingBlocksError:
-                pass
-        try:
-            # priced for what most of a session is: decode steps, one token of each sequence
-            return view.route(
-                start, end, mode="inference", min_cache_tokens=need, needs=self._needs, tokens=self.batch_size
-            )
-        except MissingBlocksError:
-            view.route(start, end, mode="inference", needs=self._needs)  # raises if the blocks themselves are missing
-            error = CacheFullError(
-                f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
-                f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"
-            )
-            error.retriable = False
-            raise error from None
-
     async def _replace(self, index: int) -> None:
         """Repair the plan: rebind node ``index`` to new servers for its blocks and replay its history onto them."""
         node_id = self._ids[index]
         old = self._states[node_id]
         old.close()
         self.audit()
-        route = await asyncio.to_thread(self._new_route, old.hop.start, old.hop.end)
+        route = await asyncio.to_thread(self.routes.new, old.hop.start, old.hop.end)
         assert self.plan is not None
         self._generation += 1
         plan, ids = repair(self.plan, node_id, route, self._generation)
@@ -286,36 +250,8 @@ class InferenceSession:
             self.delivery.delivered(state.hop, False)
             state.stream, state.send_adapter = None, True
             return await self._exchange(state, hidden, mask, positions, position)
-        await self._observe(state, time.perf_counter() - t0, hidden.shape[1])
+        await self.routes.observe(state, time.perf_counter() - t0, hidden.shape[1])
         return out.to(hidden.dtype)
-
-    async def _observe(self, state: HopState, elapsed: float, tokens: int) -> None:
-        """Feed routing's latency estimates, and move a hop that stays far slower than its server announced when
-        another route is expected to be at least twice as fast (no ban: a slow peer is still a working one)."""
-        view, hop = self.conn.view, state.hop
-        expected = hop.step_seconds * tokens + view.hop_latency  # what the server claimed
-        view.observe(hop.peer_id, "inference", elapsed, tokens * len(hop.span))
-        slow = elapsed > self.conn.timing.slow_factor * expected
-        state.slow_steps = state.slow_steps + 1 if slow else 0
-        if state.slow_steps < self.conn.cfg.slow_steps:
-            return
-        state.slow_steps = 0
-        try:
-            other = await asyncio.to_thread(
-                view.route,
-                hop.start,
-                hop.end,
-                mode="inference",
-                exclude=frozenset({hop.peer_id}),
-                tokens=self.batch_size,
-            )
-        except SwarmError:
-            return  # nowhere else to go
-        estimate = sum(view.estimate(h, "inference", tokens) for h in other)
-        if estimate < elapsed / self.conn.cfg.move_gain:
-            log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
-            self._avoid.add(hop.peer_id)
-            state.broken = True
 
     async def _chain(
         self,
