@@ -80,7 +80,7 @@ def _convert_gguf(card: ModelCard, out: Path) -> None:
         def step(n: int, what: str) -> None:
             bar.set_postfix_str(what)
             if not bars:  # no one watches a bar: the steps become log records
-                log.info("converting %s (once), step %d of 3: %s", card.name, n, what)
+                log.info("converting %s (once), step %d of 3: %s", card.name, n, what, extra={"kind": "conversion"})
 
         step(1, "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
