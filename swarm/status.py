@@ -12,6 +12,7 @@ from swarm.config import Timing
 from swarm.dht import current_broker, start_dht
 from swarm.errors import SwarmError, run_command
 from swarm.hop import Hop
+from swarm.logs import add_log_flags, configure_logging
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
 from swarm.records import ALL_CAPABILITIES, Lease, PeerState, View, servers
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="model id as announced (default smollm2-135m)")
     p.add_argument("--max-blocks", type=int, default=128, help="how many block keys to look up")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
+    add_log_flags(p, "WARNING")
     args = p.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     return run_command(
         lambda: print(show(tuple(args.initial_peers), args.model, args.max_blocks, Timing(), args.swarm_key))
     )

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from swarm.config import ClientConfig, Timing, default_cache_dir, load_model_card
 from swarm.errors import BadInputError, CacheFullError, MissingBlocksError, run_command
 from swarm.hop import Hop
+from swarm.logs import add_log_flags, configure_logging
 from swarm.plan.compile import (
     Call,
     ModelShape,
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="FILE",
                 help=f"draw the plan as {suffix[1:].upper()} (Debian's graphviz)",
             )
-    p.add_argument("--log-level", default="WARNING")
+    add_log_flags(p, "WARNING")
     return p
 
 
@@ -309,9 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tuning is not None and args.task not in ("finetune", "forward", "generate"):
         p.error("--tuning is for --task finetune, forward or generate")
 
-    from swarm.logs import configure_logging
-
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
 
     def body() -> None:
         if args.check is not None:
