@@ -25,7 +25,6 @@ from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
 from swarm.client.tuning_setup import build_adapters, save_adapters, tuning_spec
 from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
-from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.families import local
 from swarm.families.selfcheck import require_exact
@@ -34,8 +33,7 @@ from swarm.hop import Hop
 from swarm.model_files import load_config, model_folder, read_tensors, served_fingerprints, weight_map
 from swarm.plan.compile import ModelShape, float_dtype
 from swarm.plan.ir import Plan, Task
-from swarm.protocol import ReleaseRequest, StepNotice, TrainTag
-from swarm.records import TrainerProgress
+from swarm.protocol import ReleaseRequest, TrainTag
 from swarm.tuning import TuningSpec, linear_modules
 
 log = logging.getLogger(__name__)
@@ -299,15 +297,6 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         ``adapter_bytes_sent``), and per compute call or inference step the codec its activations travelled in
         (``codec.none``, ``codec.block8``, ...: what ``auto`` chose)."""
         return dict(self.connection.remote.traffic)
-
-    def notify_step(self, step: int) -> None:
-        """Pre-training: tell every server of the swarm that global step ``step`` has begun (best effort; a server
-        that misses it takes the step at its next request or from the trainers' progress). The notice carries this
-        client's progress at that step, signed with its key: a server acts only on a trainer of the run's word."""
-        conn = self.connection
-        progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
-        notice = StepNotice(step=step, proof=conn.store.sign(progress))
-        conn.notify([Hop.of(r) for r in conn.view.servers()], notice)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         embeddings: torch.nn.Module = self.model.get_input_embeddings()

@@ -1,6 +1,6 @@
 """The model's procedures beyond Hugging Face's forward and ``generate``, each a plan: scoring texts, extracting
-hidden states, a fine-tuning step with its update phase, one step of an inference session; and the client's own
-modules as the executor calls them.
+hidden states, a fine-tuning step with its update phase, one step of an inference session; a pre-training step's
+notice to the servers; and the client's own modules as the executor calls them.
 A mixin of ``DistributedModelForCausalLM``."""
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ import torch
 from transformers import PretrainedConfig
 
 from swarm.client.adapters import ClientAdapters
+from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, Handler
 from swarm.client.inference_session import InferenceSession
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
+from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.families import local
 from swarm.families.spec import Family
+from swarm.hop import Hop
+from swarm.protocol import StepNotice
+from swarm.records import TrainerProgress
 
 
 class Procedures:
@@ -40,6 +45,9 @@ class Procedures:
 
         @property
         def prompt_tokens(self) -> int: ...
+
+        @property
+        def connection(self) -> SwarmConnection: ...
 
         def loss_function(self, *, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
@@ -94,6 +102,15 @@ class Procedures:
     def pretraining(self, target_batch: int, average_every: int) -> None:
         """Mark this model as a pre-training trainer's: its training plans carry the global step's update."""
         self._pretraining = (target_batch, average_every)
+
+    def notify_step(self, step: int) -> None:
+        """Pre-training: tell every server of the swarm that global step ``step`` has begun (best effort; a server
+        that misses it takes the step at its next request or from the trainers' progress). The notice carries this
+        client's progress at that step, signed with its key: a server acts only on a trainer of the run's word."""
+        conn = self.connection
+        progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
+        notice = StepNotice(step=step, proof=conn.store.sign(progress))
+        conn.notify([Hop.of(r) for r in conn.view.servers()], notice)
 
     def _session_step(
         self,
