@@ -14,6 +14,7 @@ import json
 import select
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,15 @@ def _server_record(store: RecordStore, args: argparse.Namespace, **fields: Any) 
     return ServerRecord(**base)
 
 
+def _stored(put: Callable[[], bool], seconds: float = 60.0) -> bool:
+    """``put`` repeated until the DHT took it, as a real attacker would repeat it (and as an honest peer announces
+    again at every heartbeat): on a loaded machine one store can miss its nodes' replies. False if it never took."""
+    deadline = time.monotonic() + seconds
+    while not (took := put()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return took
+
+
 def _raw_store(store: RecordStore, keys: list[str], value: dict[str, Any], subkey: bytes) -> bool:
     """A value under any subkey, signed or not, however malformed: what hivemind itself lets anyone store."""
     fn = partial(_store_records, keys=keys, values=[value] * len(keys), expiration=dht_time() + 60, subkey=subkey)
@@ -95,30 +105,30 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
     blocks = [block_key(args.model_id, b) for b in range(args.num_blocks)]
     done: dict[str, Any] = {"honest": honest, "sybils": [second.peer_id, third.peer_id]}
     # 1. an unsigned record claiming every block, its own weights and an absurd speed (hivemind stores it unsigned)
-    done["unsigned"] = _raw_store(store, blocks, _server_record(store, args).to_wire(), b"forged")
+    done["unsigned"] = _stored(lambda: _raw_store(store, blocks, _server_record(store, args).to_wire(), b"forged"))
     # 2. a signed record of its own: valid, but of weights no client holds
-    done["own_weights"] = second.announce(_server_record(second, args), now + 60)
+    done["own_weights"] = _stored(lambda: second.announce(_server_record(second, args), now + 60))
     # 3. the honest peer's id with the attacker's address (a shadow), in the attacker's own signed subkey, and the
     #    same shadow unsigned
     shadow = victim.model_copy(update={"maddrs": tuple(store.visible_maddrs()), "forward_tps": 1e12})
-    done["shadow"] = store.announce(shadow, now + 60)
-    done["shadow_unsigned"] = _raw_store(store, blocks, shadow.to_wire(), b"shadow")
+    done["shadow"] = _stored(lambda: store.announce(shadow, now + 60))
+    done["shadow_unsigned"] = _stored(lambda: _raw_store(store, blocks, shadow.to_wire(), b"shadow"))
     # 4. a lease with a huge term (and an assignment under it making every honest peer a standby); a lease for the
     #    next term while the broker's is live (and its assignment); an assignment in the honest broker's name
     standby = {p: Placement(start=0, end=1, role="standby") for p in honest}
     huge = Lease(term=2**62, holder=store.peer_id, start=now, expires=now + TIMING.lease_seconds)
-    done["huge_lease"] = store.publish(broker_key(args.model_id), huge, now + 60)
+    done["huge_lease"] = _stored(lambda: store.publish(broker_key(args.model_id), huge, now + 60))
     plan = Assignment(term=2**62, broker=store.peer_id, issued_at=now, placements=standby)
     store.publish(assignment_key(args.model_id), plan, now + 60)
     leases = [lease for lease in store.read(broker_key(args.model_id), Lease) if lease.holder in honest]
     term = max((lease.term for lease in leases), default=0) + 1
     early = Lease(term=term, holder=third.peer_id, start=now, expires=now + TIMING.lease_seconds)
-    done["next_term_lease"] = third.publish(broker_key(args.model_id), early, now + 60)
+    done["next_term_lease"] = _stored(lambda: third.publish(broker_key(args.model_id), early, now + 60))
     plan = Assignment(term=term, broker=third.peer_id, issued_at=now, placements=standby)
     third.publish(assignment_key(args.model_id), plan, now + 60)
     owner = leases[0].holder if leases else honest[0]
     plan = Assignment(term=term - 1, broker=owner, issued_at=now + 1, placements=standby)
-    done["foreign_assignment"] = second.publish(assignment_key(args.model_id), plan, now + 60)
+    done["foreign_assignment"] = _stored(lambda: second.publish(assignment_key(args.model_id), plan, now + 60))
     # 5. an assignment in the lease holder's name under a subkey that carries the holder's key and then its own
     #    (hivemind signs with the first marker it finds; a reader must not take the holder's for the author)
     raw = store._call(partial(_get_subkeys, key=broker_key(args.model_id)))
@@ -129,10 +139,14 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
         plan = Assignment(
             term=lease.term, broker=owner, issued_at=now + 5, placements={victim.peer_id: standby[victim.peer_id]}
         )
-        done["owner_confusion"] = _raw_store(store, [assignment_key(args.model_id)], plan.to_wire(), confusing)
+        done["owner_confusion"] = _stored(
+            lambda: _raw_store(store, [assignment_key(args.model_id)], plan.to_wire(), confusing)
+        )
     # 6. a malformed lease, signed: a term that is not a number
     bad = {"schema_version": 2, "term": "infinity", "holder": second.peer_id, "start": now, "expires": now + 1e9}
-    done["malformed_lease"] = _raw_store(second, [broker_key(args.model_id)], bad, second.validator.local_public_key)
+    done["malformed_lease"] = _stored(
+        lambda: _raw_store(second, [broker_key(args.model_id)], bad, second.validator.local_public_key)
+    )
     # 7. a heartbeat dated far in the future, claiming a huge throughput (would never expire, would be placed first)
     beat = PeerRecord(
         peer_id=third.peer_id,
@@ -142,7 +156,7 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
         max_blocks=1000,
         updated_at=now + 10**6,
     )
-    done["future_heartbeat"] = third.publish(peers_key(args.model_id), beat, now + 60)
+    done["future_heartbeat"] = _stored(lambda: third.publish(peers_key(args.model_id), beat, now + 60))
     return done
 
 
@@ -282,7 +296,7 @@ def markup(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any
     long): what anyone may announce, and what a dashboard must show as bounded text, never run."""
     store = stores[0]
     record = _server_record(store, args, device=MARKUP + "x" * 1000, dtype="<b>float32</b>")
-    return {"announced": store.announce(record, dht_time() + 60), "markup": MARKUP}
+    return {"announced": _stored(lambda: store.announce(record, dht_time() + 60)), "markup": MARKUP}
 
 
 ATTACKS = {
