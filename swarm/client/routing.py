@@ -106,6 +106,11 @@ def choose_route(
     def block_cost(r: ServerRecord) -> float:
         if r.peer_id in measured:
             return measured[r.peer_id] * scale
+        if noise and fastest > 0.0:
+            # stochastic wiring explores: a replica never measured is priced as the fastest measured one until its
+            # own calls measure it (a claim far slower than the machine would otherwise starve it of micro-batches,
+            # and it would never be measured)
+            return fastest * scale
         speed = r.inference_sps if mode == "inference" else r.forward_tps
         return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest) * scale
 

@@ -57,6 +57,33 @@ def test_an_unmeasured_claim_counts_no_faster_than_the_fastest_peer_measured():
     assert spans(choose_route([honest, fresh], 0, 8, measured=measured))[0][0] == "honest"
 
 
+def test_stochastic_wiring_tries_a_replica_it_has_not_measured():
+    """A replica whose claim is far slower than what the client measured of its twin is still wired micro-batches
+    (priced as the fastest measured one until its own calls measure it): by its claim alone it would never be
+    drawn, so never measured, and starved for good. Deterministic routing keeps believing the claim."""
+    import random
+
+    measured_twin = record(peer_id="measured", start=0, end=8, forward_tps=1.0)
+    fresh = record(peer_id="fresh", start=0, end=8, forward_tps=1.0)  # the same modest claim, never timed
+    measured = {"measured": 1e-5}  # what the client saw of the twin: 10,000x faster than the claims
+    rng = random.Random(0)
+    picks = {
+        spans(
+            choose_route(
+                [measured_twin, fresh],
+                0,
+                8,
+                mode="forward",
+                measured=measured,
+                noise={"measured": rng.expovariate(1.0), "fresh": rng.expovariate(1.0)},
+            )
+        )[0][0]
+        for _ in range(40)
+    }
+    assert picks == {"measured", "fresh"}
+    assert spans(choose_route([measured_twin, fresh], 0, 8, mode="forward", measured=measured))[0][0] == "measured"
+
+
 def test_missing_blocks_are_named():
     with pytest.raises(MissingBlocksError) as info:
         choose_route([record(start=0, end=3), record(peer_id="b", start=5, end=8)], 0, 8, model_id="m")
