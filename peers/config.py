@@ -49,8 +49,10 @@ class NetworkConfig:
     network_mbps: float | None = option(
         None, help="this peer's link bandwidth in Mbit/s, for the broker's placement (default: estimated at join)"
     )
-    max_connections: int = option(512, help="open direct-plane connections, all callers together")
-    max_caller_connections: int = option(32, help="open direct-plane connections of one caller identity")
+    max_connections: int = option(
+        512, help="open connections (direct plane) and open streams (libp2p), each, all callers together"
+    )
+    max_caller_connections: int = option(64, help="...and of one caller identity")
     added_latency_ms: float = option(0.0, help="delay every request, to emulate a distant peer (benchmarks, tests)")
     handshake_timeout: float | None = option(
         None, hidden=True, help="tests: seconds a direct connection may take to be called (default: the timing's)"
@@ -109,5 +111,10 @@ class PeerConfig:
             raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one (not both)")
         if not 0 < self.compute.caller_cache_share <= 1:
             raise BadInputError(f"--caller-cache-share must lie in (0, 1], got {self.compute.caller_cache_share}")
-        if self.compute.max_held_bytes < self.compute.max_message_bytes:
-            raise BadInputError("--max-held-mb must be at least --max-message-mb: one largest request must fit")
+        c = self.compute
+        if min(c.max_held_bytes, c.max_caller_held_bytes) < c.max_message_bytes:
+            raise BadInputError(
+                "--max-held-mb and --max-caller-held-mb must be at least --max-message-mb: one largest request must fit"
+            )
+        if c.max_memory_bytes is not None and c.max_memory_bytes < 64 * MIB:
+            raise BadInputError("--max-memory-mb below 64 leaves no room to serve")

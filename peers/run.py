@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -18,9 +19,12 @@ from peers.hardware import estimate_link_mbps, probe_hardware, usable_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.rpc.direct_server import DirectLimits, DirectServer
+from peers.rpc.framing import StreamLimits
+from peers.rpc.p2p_server import P2PStreams
 from peers.rpc.servicer import Admit, Servicer
 from peers.serving.checks import Limits
 from peers.serving.compute import ComputeService
+from peers.serving.config import within_memory
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.sessions import Sessions
@@ -91,6 +95,7 @@ async def run_peer(
     """Run one peer until ``stop`` is set. ``dashboard`` serves ``--dashboard-port`` (the entry point hands in
     ``swarm.dashboard.peer.serve_peer_dashboard``: the node imports no web app)."""
     cfg.check()
+    cfg = replace(cfg, compute=within_memory(cfg.compute))
     torch.set_num_threads(cfg.compute.threads)
     model = stage.model
     if cfg.placement.blocks is not None:
@@ -147,15 +152,18 @@ async def run_peer(
             added_latency_s=net.added_latency_ms / 1000,
             training=stage.training,
             admit=_admit(store),
-            budget=wire.ByteBudget(cfg.compute.max_held_bytes),
+            budget=wire.ByteBudget(c.max_held_bytes, c.max_caller_held_bytes),
             remote=remote,
         )
-        await servicer.register(p2p)
+        streams = StreamLimits(read_timeout=cfg.timing.message_timeout, write_timeout=cfg.timing.write_timeout)
+        flags = ("--max-caller-connections", "--max-connections")
+        quota = Quota("open streams", net.max_caller_connections, net.max_connections, flags)
+        await servicer.register(p2p, P2PStreams(servicer.budget, streams, quota))
         if net.direct_port is not None:
             limits_direct = DirectLimits(
                 net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
             )
-            direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store))
+            direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store), streams)
             peer.direct_address = _direct_address(cfg, await direct.start(net.host, net.direct_port))
         if peer.network_mbps is None and net.initial_peers:
             await _estimate_link(peer, remote)

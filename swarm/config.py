@@ -44,6 +44,7 @@ class Timing:
     session_idle: float = 60.0  # a server ends an inference session that sent nothing this long (and frees its room)
     stream_idle: float = 120.0  # a server ends any other stream (a kept-open compute connection) idle this long
     message_timeout: float = 60.0  # the rest of a message must arrive this soon after its first frame (slow senders)
+    write_timeout: float = 30.0  # a server's reply must be taken this soon, or the caller that stopped reading loses it
     missing_blocks_wait: float = 10.0  # how long the client waits for blocks nobody serves before failing
     retry_budget: float = 60.0  # total time one call may spend failing over before the error reaches the user
     backoff_min: float = 0.02  # the retry helper's first pause after a failure; doubles up to backoff_max
@@ -77,9 +78,10 @@ class Timing:
             session_idle=5.0,
             stream_idle=30.0,
             message_timeout=10.0,
-            # a live replica whose announcement a loaded machine delayed is back within one record TTL: a client
-            # repairing a session waits that long before calling its blocks missing
-            missing_blocks_wait=6.0,
+            # a live replica whose announcement a loaded machine delayed is back within a record TTL or two (a peer
+            # starved of CPU for longer than one TTL drops out of the view): a client repairing a session waits that
+            # long before calling its blocks missing
+            missing_blocks_wait=12.0,
             retry_budget=20.0,
             ban_base=5.0,
             leave_grace=3.0,

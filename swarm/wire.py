@@ -80,40 +80,69 @@ def encoded_size(frames: Iterable[Frame]) -> int:
 
 
 class ByteBudget:
-    """Bytes of requests a server holds (arriving, queued or being answered), all callers together: what keeps its
-    memory bounded however many connections send at once. Over the limit, a message is refused as ``busy``."""
+    """Bytes a server holds for others (requests arriving, queued or being answered, replies being written, pushes
+    waiting), per caller and all callers together: what keeps its memory bounded however many connections, from
+    however many identities, send or stop reading at once. A claim over either limit is refused as ``busy``: the
+    newest claimant is turned away, and what is already held stays."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_caller: int | None = None) -> None:
         self.limit = limit
+        self.per_caller = limit if per_caller is None else per_caller
         self.used = 0
+        self.by_caller: dict[str, int] = {}
+        self.refused = 0  # claims turned away (status, tests)
 
-    def take(self, nbytes: int) -> None:
+    def take(self, nbytes: int, caller: str = "anonymous") -> None:
+        held = self.by_caller.get(caller, 0)
+        if held + nbytes > self.per_caller:
+            self.refused += 1
+            raise BusyError(
+                f"this caller holds {held >> 20} MiB of this server's memory, its limit of {self.per_caller >> 20} "
+                "MiB (--max-caller-held-mb); wait for its requests to finish"
+            )
         if self.used + nbytes > self.limit:
-            raise BusyError(f"this server holds {self.used >> 20} MiB of requests, its limit; try again or elsewhere")
+            self.refused += 1
+            raise BusyError(f"this server holds {self.used >> 20} MiB for its callers, its limit; try again elsewhere")
         self.used += nbytes
+        self.by_caller[caller] = held + nbytes
 
-    def give(self, nbytes: int) -> None:
+    def hold(self, nbytes: int, caller: str = "anonymous") -> None:
+        """Count bytes that exist already and cannot be refused (a reply being written): they make the next claim of
+        this caller, or of anyone once the total is reached, fail instead."""
+        self.used += nbytes
+        self.by_caller[caller] = self.by_caller.get(caller, 0) + nbytes
+
+    def give(self, nbytes: int, caller: str = "anonymous") -> None:
         self.used -= nbytes
+        left = self.by_caller.get(caller, 0) - nbytes
+        if left > 0:
+            self.by_caller[caller] = left
+        else:
+            self.by_caller.pop(caller, None)  # a caller holding nothing costs no memory
 
 
 class Decoder:
     """Feed frames in order; ``feed`` returns a complete message or None while parts are still missing.
 
-    With a ``budget``, the bytes of the messages it decoded stay counted there until ``release`` (the caller is done
-    with them) or the decoder is dropped by ``release`` at the end of its stream."""
+    With a ``budget``, the bytes of the messages it decoded stay counted there (as ``caller``'s) until ``release``
+    (the caller is done with them) or the decoder is dropped by ``release`` at the end of its stream."""
 
-    def __init__(self, max_bytes: int = 1 << 62, budget: ByteBudget | None = None) -> None:
+    def __init__(self, max_bytes: int = 1 << 62, budget: ByteBudget | None = None, caller: str = "anonymous") -> None:
         self.max_bytes = max_bytes
         self.total_bytes = 0  # every frame fed so far (traffic accounting)
         self.budget = budget
+        self.caller = caller
         self.held = 0  # bytes counted in ``budget`` by this decoder
         self._reset()
 
     def release(self) -> None:
-        """Give back to the budget every byte this decoder counted (its messages are answered, or it is closed)."""
+        """Give back to the budget every byte this decoder counted (its messages are answered, or it is closed), and
+        drop any partial message: its parts are freed now, not when the stream's last reference goes."""
         if self.budget is not None and self.held:
-            self.budget.give(self.held)
+            self.budget.give(self.held, self.caller)
         self.held = 0
+        if self.in_progress:
+            self._reset()
 
     def _reset(self) -> None:
         self._meta: Meta | None = None
@@ -134,7 +163,7 @@ class Decoder:
         if self._bytes > self.max_bytes:
             raise MessageTooLargeError(f"message larger than the limit of {self.max_bytes} bytes")
         if self.budget is not None:
-            self.budget.take(size)
+            self.budget.take(size, self.caller)
             self.held += size
         if self._meta is None:
             self._meta, self._names = _unpack_meta(frame.metadata)

@@ -200,7 +200,7 @@ class Relay:
         """Steps pushed by a previous hop, back to back; each goes to the inbox of the session it names. One that
         cannot be placed is dropped and logged (the client, waiting for this hop's reply, repairs the chain)."""
         pusher = caller_of(context)
-        decoder = self.sessions.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
+        decoder = self.sessions.compute.metrics.decoder(self.max_bytes, self.budget, pusher)  # counts bytes received
         guarded = GuardedFrames(frames, decoder, self.timing.stream_idle, self.timing.message_timeout)
         try:
             while (message := await wire.read_message(guarded, decoder)) is not None:

@@ -1,7 +1,8 @@
 """Serves the servicer's streaming RPCs over the direct data plane: TLS bound to identities (see
 ``swarm.rpc.direct`` and ``swarm.rpc.secure``), every connection counted against a global cap and, once the caller
 is known, a per-caller cap; the TLS handshake and the caller's first frame each have a deadline, so a silent or
-half-open connection is closed rather than held."""
+half-open connection is closed rather than held. Once the caller is known, its frames and replies are read and written
+by ``peers.rpc.framing``: counted in the server's byte budget as the caller's, with read and write deadlines."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
+from peers.rpc.framing import Caller, StreamLimits, WriteStalled, close_replies, read_body, write_counted
 from peers.rpc.servicer import Admit, Servicer, error_reply
+from peers.serving.limits import CallerContext
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError
 from swarm.identity import Credentials
@@ -29,18 +32,12 @@ from swarm.protocol import (
     DirectHello,
     check_version,
 )
-from swarm.rpc.direct import frames_of, write_frame
+from swarm.rpc.direct import framed, frames_of, read_header, write_frame
 from swarm.rpc.secure import ServerTls, client_author, server_tls
 
 log = logging.getLogger(__name__)
-Handler = Callable[[AsyncIterator[wire.Frame], "CallerContext"], AsyncIterator[wire.Frame]]
-
-
-@dataclass(frozen=True)
-class CallerContext:
-    """What a handler learns of a direct caller: the same ``remote_id`` a libp2p ``P2PContext`` carries."""
-
-    remote_id: PeerID
+Handler = Callable[[AsyncIterator[wire.Frame], CallerContext], AsyncIterator[wire.Frame]]
+HANDSHAKE_FRAME = 16384  # the caller's DirectCall: a key, a signature and a token (before the caller is known)
 
 
 @dataclass(frozen=True)
@@ -51,7 +48,14 @@ class DirectLimits:
 
 
 class DirectServer:
-    def __init__(self, servicer: Servicer, creds: Credentials, limits: DirectLimits, admit: Admit | None) -> None:
+    def __init__(
+        self,
+        servicer: Servicer,
+        creds: Credentials,
+        limits: DirectLimits,
+        admit: Admit | None,
+        streams: StreamLimits | None = None,
+    ) -> None:
         self.handlers: dict[str, Handler] = {
             RPC_FORWARD: servicer.rpc_forward_stream,  # over TCP there is no frame limit to dodge: one path
             RPC_FORWARD_STREAM: servicer.rpc_forward_stream,
@@ -61,6 +65,8 @@ class DirectServer:
             RPC_PUSH: servicer.rpc_push,
         }
         self.creds, self.limits, self.admit = creds, limits, admit
+        self.streams = streams or StreamLimits()
+        self.budget = servicer.budget
         self.metrics = servicer.compute.metrics
         self.server: asyncio.Server | None = None
         self.tls: ServerTls | None = None
@@ -102,17 +108,19 @@ class DirectServer:
                 return
             protocol.connection_made(secure)  # start_tls leaves that to us
             writer = asyncio.StreamWriter(secure, protocol, reader, loop)
-            frames = frames_of(reader)
-            admitted = await self._handshake(reader, frames, writer, deadline)
+            admitted = await self._handshake(reader, frames_of(reader, HANDSHAKE_FRAME), writer, deadline)
             if admitted is None:
                 return
             caller, handler = admitted
             self.by_caller[caller] += 1
-            async for frame in handler(frames, CallerContext(PeerID.from_base58(caller))):
-                write_frame(writer, frame)
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError):
-            pass  # the client went away, or never finished its handshake; its session ends with the handler
+            replies = handler(self._frames(reader, caller), Caller(PeerID.from_base58(caller)))
+            try:
+                async for frame in replies:
+                    await write_counted(writer, framed(frame), self.budget, caller, self.streams)
+            finally:
+                await close_replies(replies)  # its cleanup (a session's cache room) runs now, not at a collection
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, OSError, WriteStalled):
+            pass  # the client went away, stopped reading, or never finished its handshake
         except BadInputError as e:  # not even a frame before the call was known: nobody to answer
             log.info("direct connection refused: %s", e, extra={"peer": caller})
         except Exception:
@@ -130,6 +138,10 @@ class DirectServer:
                 writer.close()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _frames(self, reader: asyncio.StreamReader, caller: str) -> AsyncIterator[wire.Frame]:
+        while (size := await read_header(reader)) is not None:
+            yield await read_body(reader, size, self.budget, caller, self.streams)
 
     async def _handshake(
         self,
@@ -168,7 +180,8 @@ class DirectServer:
         except Exception as e:
             for frame in error_reply(e):
                 write_frame(writer, frame)
-            await writer.drain()
+            async with asyncio.timeout(self.streams.write_timeout):
+                await writer.drain()
             await _linger(reader)
             return None
         return caller, handler

@@ -54,7 +54,7 @@ class InferenceLoop:
         relay: Relay | None,
         signer: CommitSigner,
         timing: Timing,
-        decoder: Callable[[], wire.Decoder],
+        decoder: Callable[[str], wire.Decoder],
         admit: Callable[[str, dict[str, object]], None],
         delay: Callable[[], Awaitable[None]],
         error_reply: Callable[..., list[wire.Frame]],
@@ -70,7 +70,7 @@ class InferenceLoop:
 
     async def serve(self, frames: Frames, context: CallerContext | None) -> Frames:
         caller = caller_of(context)
-        decoder = self.decoder()
+        decoder = self.decoder(caller)
         guarded = GuardedFrames(frames, decoder, self.timing.session_idle, self.timing.message_timeout)
         session: Session | None = None
         reader: asyncio.Task[None] | None = None

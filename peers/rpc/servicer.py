@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from peers.rpc.chain import Relay
 from peers.rpc.inference import InferenceLoop
+from peers.rpc.p2p_server import P2PStreams
 from peers.serving.compute import ComputeService
 from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
 from peers.serving.ports import Tensors, TrainingRpc
@@ -122,8 +123,8 @@ class Servicer:
             self.compute.metrics.internal_errors += 1
         return error_reply(e, **fields)
 
-    def _decoder(self) -> wire.Decoder:
-        return self.compute.metrics.decoder(self.max_bytes, self.budget)  # counts the bytes received
+    def _decoder(self, caller: str) -> wire.Decoder:
+        return self.compute.metrics.decoder(self.max_bytes, self.budget, caller)  # counts the bytes received
 
     def _check_member(self, caller: str, meta: dict[str, object]) -> None:
         if self.admit is None:
@@ -132,7 +133,9 @@ class Servicer:
         if not self.admit(caller, token if isinstance(token, str) else None):
             raise NotMemberError("this is a private swarm: the caller holds no valid membership (--swarm-key)")
 
-    async def register(self, p2p: P2P) -> None:
+    async def register(self, p2p: P2P, streams: P2PStreams) -> None:
+        """Unary calls through hivemind (p2pd itself caps them at 4 MiB); streams through ``streams``, which bound
+        what they hold and how long they wait."""
         await p2p.add_protobuf_handler(RPC_FORWARD, self.rpc_forward, wire.Frame)
         await p2p.add_protobuf_handler(RPC_INFO, self.rpc_info, wire.Frame)
         for name, handler in (
@@ -141,7 +144,7 @@ class Servicer:
             (RPC_BANDWIDTH, self.rpc_bandwidth),
             (RPC_PUSH, self.rpc_push),
         ):
-            await p2p.add_protobuf_handler(name, handler, wire.Frame, stream_input=True, stream_output=True)
+            await streams.register(p2p, name, handler)
 
     def _sent(self, frames: list[wire.Frame]) -> list[wire.Frame]:
         return self.compute.metrics.sent(frames)
@@ -186,7 +189,7 @@ class Servicer:
         return _reply(Reply())
 
     async def rpc_forward(self, frame: wire.Frame, context: CallerContext | None) -> wire.Frame:
-        decoder = self._decoder()
+        decoder = self._decoder(caller_of(context))
         try:
             message = decoder.feed(frame)
             if message is None:
@@ -216,7 +219,7 @@ class Servicer:
             return None, self._error_reply(e)
 
     async def rpc_forward_stream(self, frames: Frames, context: CallerContext | None) -> Frames:
-        decoder = self._decoder()
+        decoder = self._decoder(caller_of(context))
         try:
             message, refusal = await self._read(self._guard(frames, decoder), "empty request")
             reply = await self._compute(*message, caller_of(context)) if message is not None else refusal
@@ -230,7 +233,7 @@ class Servicer:
         such connections per server instead of opening one per call. A request that cannot be read ends it, and so
         does ``Timing.stream_idle`` without one (the client opens a new connection)."""
         caller = caller_of(context)
-        decoder = self._decoder()
+        decoder = self._decoder(caller)
         guarded = self._guard(frames, decoder)
         try:
             while True:
@@ -262,7 +265,7 @@ class Servicer:
 
     async def rpc_bandwidth(self, frames: Frames, context: CallerContext | None) -> Frames:
         """Receive one payload message and report its size: what a joining peer times to estimate its link."""
-        decoder = self._decoder()
+        decoder = self._decoder(caller_of(context))
         t0, error = time.perf_counter(), None
         try:
             message, reply = await self._read(self._guard(frames, decoder), "empty bandwidth probe")

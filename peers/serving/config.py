@@ -3,7 +3,7 @@ peer's configuration (``peers.config.PeerConfig.compute``); every field is a fla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from swarm.cli import option
 from swarm.errors import BadInputError
@@ -82,7 +82,25 @@ class ComputeConfig:
         parse=mib,
         show="1024",
         metavar="MB",
-        help="bytes of requests held at once (arriving, queued or computing), all callers together; more is 'busy'",
+        help="bytes held for callers at once (requests arriving, queued or computing, replies being written, "
+        "pushes waiting), all callers together; more is 'busy'",
+    )
+    max_caller_held_bytes: int = option(
+        384 * MIB,
+        name="--max-caller-held-mb",
+        parse=mib,
+        show="384",
+        metavar="MB",
+        help="...and of one caller (at least --max-message-mb: one largest request must fit)",
+    )
+    max_memory_bytes: int | None = option(
+        None,
+        name="--max-memory-mb",
+        parse=mib,
+        show="off",
+        metavar="MB",
+        help="one ceiling for everything held for others (requests, replies, pushes, kept graphs, adapters, KV "
+        "cache): sets those budgets to shares of it (docs/trust.md#the-memory-ceiling)",
     )
     max_kept_bytes: int = option(
         2048 * MIB,
@@ -115,3 +133,28 @@ class ComputeConfig:
     max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
     inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")
     perturb_weights: float = option(0.0, hidden=True, help="tests: noise added to the weights after fingerprinting")
+
+
+def within_memory(c: ComputeConfig) -> ComputeConfig:
+    """``c`` with every budget of what the server holds for others set to a share of ``--max-memory-mb`` (itself
+    when that is not set): a quarter each for bytes in flight and kept graphs, an eighth for adapters, the rest for
+    the KV cache. Per-caller shares keep their proportion to the totals they had."""
+    total = c.max_memory_bytes
+    if total is None:
+        return c
+    held, kept, adapters = total // 4, total // 4, total // 8
+
+    def share(per_caller: int, old_total: int, new_total: int) -> int:
+        return max(1, min(new_total, per_caller * new_total // max(old_total, 1)))
+
+    return replace(
+        c,
+        max_held_bytes=held,
+        max_caller_held_bytes=share(c.max_caller_held_bytes, c.max_held_bytes, held),
+        max_message_bytes=min(c.max_message_bytes, share(c.max_caller_held_bytes, c.max_held_bytes, held)),
+        max_kept_bytes=kept,
+        max_caller_kept_bytes=share(c.max_caller_kept_bytes, c.max_kept_bytes, kept),
+        max_adapter_bytes=adapters,
+        max_caller_adapter_bytes=share(c.max_caller_adapter_bytes, c.max_adapter_bytes, adapters),
+        cache_bytes=total - held - kept - adapters,
+    )

@@ -90,8 +90,8 @@ class PeerMetrics:
         self.requests.labels(name, outcome_of(error)).inc()
         self.latency.labels(name).observe(seconds)
 
-    def decoder(self, max_bytes: int, budget: wire.ByteBudget | None) -> wire.Decoder:
-        return CountingDecoder(self, max_bytes, budget)
+    def decoder(self, max_bytes: int, budget: wire.ByteBudget | None, caller: str = "anonymous") -> wire.Decoder:
+        return CountingDecoder(self, max_bytes, budget, caller)
 
     def sent(self, frames: list[wire.Frame]) -> list[wire.Frame]:
         self.sent_bytes += wire.encoded_size(frames)
@@ -101,8 +101,8 @@ class PeerMetrics:
 class CountingDecoder(wire.Decoder):
     """A decoder that adds every frame it is fed to the peer's received bytes (refused frames too: they arrived)."""
 
-    def __init__(self, metrics: PeerMetrics, max_bytes: int, budget: wire.ByteBudget | None) -> None:
-        super().__init__(max_bytes, budget)
+    def __init__(self, metrics: PeerMetrics, max_bytes: int, budget: wire.ByteBudget | None, caller: str) -> None:
+        super().__init__(max_bytes, budget, caller)
         self._metrics = metrics
 
     def feed(self, frame: wire.Frame) -> wire.Message | None:

@@ -32,23 +32,35 @@ MAX_FRAME = 2 * wire.FRAME_BYTES + 65536
 _LEN = struct.Struct(">I")
 
 
-def write_frame(writer: asyncio.StreamWriter, frame: wire.Frame) -> None:
+def framed(frame: wire.Frame) -> bytes:
     data = frame.SerializeToString()
-    writer.write(_LEN.pack(len(data)) + data)
+    return _LEN.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> wire.Frame | None:
-    """The next frame, or None at a clean end of stream; ``BadInputError`` for a stream that ends inside a frame or a
-    frame that is not one (its declared size is checked before anything is read into memory)."""
+def write_frame(writer: asyncio.StreamWriter, frame: wire.Frame) -> None:
+    writer.write(framed(frame))
+
+
+async def read_header(reader: asyncio.StreamReader) -> int | None:
+    """The size a frame's header declares, or None at a clean end of stream."""
     try:
         header = await reader.readexactly(_LEN.size)
     except asyncio.IncompleteReadError as e:
         if e.partial:
             raise BadInputError("stream ended inside a frame header") from None
         return None
-    (size,) = _LEN.unpack(header)
-    if size > MAX_FRAME:
-        raise BadInputError(f"frame of {size} bytes exceeds the limit of {MAX_FRAME}")
+    size: int = _LEN.unpack(header)[0]
+    return size
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> wire.Frame | None:
+    """The next frame, or None at a clean end of stream; ``BadInputError`` for a stream that ends inside a frame or a
+    frame that is not one (its declared size is checked before anything is read into memory)."""
+    size = await read_header(reader)
+    if size is None:
+        return None
+    if size > max_frame:
+        raise BadInputError(f"frame of {size} bytes exceeds the limit of {max_frame}")
     try:
         return wire.Frame.FromString(await reader.readexactly(size))
     except asyncio.IncompleteReadError as e:
@@ -57,8 +69,8 @@ async def read_frame(reader: asyncio.StreamReader) -> wire.Frame | None:
         raise BadInputError(f"malformed frame: {e}") from None
 
 
-async def frames_of(reader: asyncio.StreamReader) -> AsyncIterator[wire.Frame]:
-    while (frame := await read_frame(reader)) is not None:
+async def frames_of(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME) -> AsyncIterator[wire.Frame]:
+    while (frame := await read_frame(reader, max_frame)) is not None:
         yield frame
 
 

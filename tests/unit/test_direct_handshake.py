@@ -26,6 +26,7 @@ class _Echo:
     """Stands in for the servicer: every handler answers each message with the caller's peer id."""
 
     compute = SimpleNamespace(metrics=PeerMetrics())  # where the direct server counts its own failures
+    budget = wire.ByteBudget(1 << 30, 1 << 28)  # where it counts the bytes it holds for callers
 
     def __getattr__(self, name: str) -> Any:
         async def handler(frames: AsyncIterator[wire.Frame], context: Any) -> AsyncIterator[wire.Frame]:
