@@ -19,6 +19,7 @@ from peers.hardware import estimate_link_mbps, probe_hardware, usable_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.rpc.direct_server import DirectLimits, DirectServer
+from peers.rpc.directory import ServerDirectory
 from peers.rpc.framing import StreamLimits
 from peers.rpc.p2p_server import P2PStreams
 from peers.rpc.servicer import Admit, Servicer
@@ -32,8 +33,9 @@ from peers.serving.stage import ModelInfo, Stage, StageEnv
 from swarm import wire
 from swarm.dht import RecordStore, start_dht
 from swarm.errors import BadInputError, DhtLostError
+from swarm.ids import block_key
 from swarm.membership import swarm_key_for
-from swarm.records import PeerState, servers
+from swarm.records import PeerState, ServerRecord, servers
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,13 @@ def _admit(store: RecordStore) -> Admit | None:
     """Who may call this peer's RPCs: anyone in an open swarm (None), holders of its key in a private one."""
     key = store.swarm_key
     return key.admits if key is not None else None
+
+
+def _directory(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDirectory:
+    """The servers of this model with our weights, from their signed records: whom chaining trusts."""
+    return ServerDirectory(
+        lambda block: store.read(block_key(model.name, block), ServerRecord), model.fingerprint, model.num_blocks, ttl
+    )
 
 
 def max_blocks(cfg: PeerConfig, model: ModelInfo) -> int:
@@ -154,6 +163,7 @@ async def run_peer(
             admit=_admit(store),
             budget=wire.ByteBudget(c.max_held_bytes, c.max_caller_held_bytes),
             remote=remote,
+            directory=_directory(store, model, cfg.timing.record_ttl),
         )
         streams = StreamLimits(read_timeout=cfg.timing.message_timeout, write_timeout=cfg.timing.write_timeout)
         flags = ("--max-caller-connections", "--max-connections")

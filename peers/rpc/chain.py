@@ -4,12 +4,16 @@ A client opens a session on every hop of its route as before, and gives each hop
 in order, each with the session id the client opened there. A step sent with ``hops`` > 0 runs here, and its output
 goes straight to the next hop of the route (``swarm.push``) while the reply (the output and this server's signed
 commitment) goes to the client. The next hop takes a push only into the session the route names, only from the peer
-the route puts before it (the push stream's authenticated caller), under the route's generation or a newer one; the
-work counts against the client who owns the session, like its own steps.
+the route puts before it (the push stream's authenticated caller) and that announces, in its own signed record, the
+blocks before this session's with the same weights (``peers.rpc.directory``), under the route's generation or a
+newer one; the work, and the bytes of a push waiting in the session, count against the client who owns the session,
+like its own steps. A hop pushes only to a next hop such a record names, at the addresses that record announces.
 
 Push connections are kept per next peer and shared by every session that passes steps to it; each has a queue and
-a task that sends in order, so a slow link never holds up this server's compute. A connection that fails drops what
-was queued: the client, who waits for every hop's reply, finds the hop that went silent and repairs its chain."""
+a task that sends in order, so a slow link never holds up this server's compute. What waits in a queue counts in the
+byte budget as its client's, and each push must leave within ``Timing.write_timeout``: a next hop that stops reading
+loses the connection. A connection that fails drops what was queued: the client, who waits for every hop's reply,
+finds the hop that went silent and repairs its chain."""
 
 from __future__ import annotations
 
@@ -21,16 +25,18 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from peers.rpc.directory import ServerDirectory
 from peers.serving.counters import PeerMetrics
 from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
 from peers.serving.sessions import Session, Sessions
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.config import Timing
-from swarm.errors import BadInputError
+from swarm.errors import BadInputError, BusyError
 from swarm.hop import Hop
 from swarm.identity import Signed, open_signed
-from swarm.protocol import RPC_PUSH, ChainHop, ChainRoute, InferenceStep, PushStep, check_version
+from swarm.protocol import RPC_PUSH, ChainRoute, InferenceStep, PushStep, check_version
+from swarm.records import ServerRecord
 from swarm.rpc.remote import Remote
 from swarm.rpc.transport import Channel
 
@@ -41,14 +47,29 @@ MAX_INBOX = 64  # steps waiting in one session (a prompt's chunks in flight); a 
 MAX_WAITING = 256  # sessions with pushes that arrived before the route allowing them, all pushers together
 MAX_WAITING_PER_PUSHER = 16  # ...and per pusher (anyone can push before a route is known: these bound them)
 MAX_WAITING_BYTES = 64 << 20  # tensor bytes of the pushes waiting, all together
-QUEUE_FRAMES = 4096  # frames waiting on one push connection
+QUEUE_FRAMES = 4096  # frames waiting on one push connection (their bytes count in the byte budget)
 
 
 class Pushed:
-    """A step pushed by the previous hop, waiting in its session's inbox."""
+    """A step pushed by the previous hop, waiting (for its session's route, or in its session's inbox); its bytes
+    count in the byte budget, as ``holder``'s, until it is handled or dropped (``free``)."""
 
     def __init__(self, push: PushStep, tensors: dict[str, torch.Tensor], nbytes: int = 0) -> None:
         self.push, self.tensors, self.nbytes = push, tensors, nbytes
+        self.placed = False  # in its session's inbox (whose end frees it)
+        self._claim: tuple[wire.ByteBudget, str] | None = None
+
+    def claim(self, budget: wire.ByteBudget | None, holder: str) -> None:
+        self.free()
+        if budget is not None:
+            budget.take(self.nbytes, holder)
+            self._claim = budget, holder
+
+    def free(self) -> None:
+        if self._claim is not None:
+            budget, holder = self._claim
+            self._claim = None
+            budget.give(self.nbytes, holder)
 
 
 def accept_route(session: Session, signed: Signed, caller: str, own_peer_id: str) -> ChainRoute:
@@ -69,38 +90,45 @@ def accept_route(session: Session, signed: Signed, caller: str, own_peer_id: str
 class _PushLink:
     """One kept-open push connection to a next hop, fed by a queue and drained by its own task."""
 
-    def __init__(self, remote: Remote, hop: ChainHop, metrics: PeerMetrics) -> None:
-        self.metrics = metrics
-        self.queue: asyncio.Queue[list[wire.Frame]] = asyncio.Queue()
+    def __init__(
+        self, remote: Remote, target: Hop, metrics: PeerMetrics, budget: wire.ByteBudget | None, timing: Timing
+    ) -> None:
+        self.metrics, self.budget, self.timing = metrics, budget, timing
+        self.queue: asyncio.Queue[tuple[list[wire.Frame], str, int]] = asyncio.Queue()
         self.queued = 0
         self.dead = False
         self.last_used = time.monotonic()
-        self._task = asyncio.create_task(self._run(remote, hop))
+        self._task = asyncio.create_task(self._run(remote, target))
 
-    async def _run(self, remote: Remote, hop: ChainHop) -> None:
+    async def _run(self, remote: Remote, target: Hop) -> None:
         channel: Channel | None = None
         closed: asyncio.Task[wire.Message | None] | None = None
         try:
-            target = Hop(hop.peer_id, 0, 1, tuple(hop.maddrs), direct=hop.direct)
-            channel = await remote.open_channel(target, RPC_PUSH)
+            channel = await asyncio.wait_for(remote.open_channel(target, RPC_PUSH), self.timing.open_timeout)
             ended = closed = asyncio.ensure_future(channel.receive())  # the next hop never answers: ends when it closes
             while True:
-                frames = asyncio.ensure_future(self.queue.get())
-                await asyncio.wait((frames, ended), return_when=asyncio.FIRST_COMPLETED)
+                item = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait((item, ended), return_when=asyncio.FIRST_COMPLETED)
                 if ended.done():
-                    frames.cancel()
-                    log.info("push connection closed by the next hop", extra={"peer": hop.peer_id})
+                    item.cancel()
+                    log.info("push connection closed by the next hop", extra={"peer": target.peer_id})
                     self.metrics.push_failures += 1
                     return
-                self.queued -= len(frames.result())
-                await channel.send(frames.result())
+                frames, holder, nbytes = item.result()
+                try:
+                    async with asyncio.timeout(self.timing.write_timeout):  # a next hop that stops reading loses it
+                        await channel.send(frames)
+                        await channel.flush()
+                finally:
+                    self._done(len(frames), holder, nbytes)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the next hop is gone or unreachable: its client finds out by the missing reply
-            log.info("push connection failed: %s", e, extra={"peer": hop.peer_id})
+        except Exception as e:  # the next hop is gone, unreachable or stopped reading: its client finds out
+            log.info("push connection failed: %s", e, extra={"peer": target.peer_id})
             self.metrics.push_failures += 1
         finally:
             self.dead = True
+            self._drop()
             if closed is not None:
                 if closed.done() and not closed.cancelled():
                     closed.exception()  # retrieved: how the stream ended does not matter here
@@ -108,15 +136,33 @@ class _PushLink:
             if channel is not None:
                 channel.close()
 
-    def send(self, frames: list[wire.Frame]) -> None:
-        if self.queued + len(frames) > QUEUE_FRAMES:
-            log.warning("push queue full: step dropped")
+    def _done(self, nframes: int, holder: str, nbytes: int) -> None:
+        self.queued -= nframes
+        if self.budget is not None:
+            self.budget.give(nbytes, holder)
+
+    def _drop(self) -> None:
+        """Give back what waits in the queue of a connection that ended (its steps are lost: clients repair)."""
+        while not self.queue.empty():
+            frames, holder, nbytes = self.queue.get_nowait()
+            self._done(len(frames), holder, nbytes)
+
+    def send(self, frames: list[wire.Frame], holder: str) -> None:
+        """Queue ``frames`` (a step of ``holder``'s session); dropped when the queue or ``holder``'s budget is full."""
+        nbytes = wire.encoded_size(frames)
+        try:
+            if self.dead or self.queued + len(frames) > QUEUE_FRAMES:
+                raise BusyError("push queue full")
+            if self.budget is not None:
+                self.budget.take(nbytes, holder)
+        except BusyError as e:
+            log.warning("push dropped: %s", e, extra={"peer": holder})
             self.metrics.push_dropped += 1
             return
         self.metrics.sent(frames)
         self.queued += len(frames)
         self.last_used = time.monotonic()
-        self.queue.put_nowait(frames)
+        self.queue.put_nowait((frames, holder, nbytes))
 
     def close(self) -> None:
         self._task.cancel()
@@ -132,6 +178,7 @@ class Relay:
         timing: Timing,
         max_bytes: int,
         admit: Admit,
+        directory: ServerDirectory,
         budget: wire.ByteBudget | None = None,
     ) -> None:
         self.remote = remote
@@ -139,36 +186,48 @@ class Relay:
         self.timing = timing
         self.max_bytes = max_bytes
         self.admit = admit
+        self.directory = directory
         self.budget = budget
         self.peer_id = remote.creds.peer_id
-        self._links: dict[tuple[str, str | None], _PushLink] = {}
+        self._links: dict[str, _PushLink] = {}
         self._waiting: dict[tuple[str, str, str], list[Pushed]] = {}  # (pusher, client, session) -> early pushes
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting_bytes = 0
         self._by_pusher: Counter[str] = Counter()
 
-    def _link(self, hop: ChainHop) -> _PushLink:
-        key = (hop.peer_id, hop.direct)
-        link = self._links.get(key)
+    def _link(self, record: ServerRecord) -> _PushLink:
+        link = self._links.get(record.peer_id)
         # The next hop ends a push stream idle for ``stream_idle`` (``rpc_push``), and this side would not notice: its
         # next push would vanish into the closed stream. So a link idle for half of that is closed and dialled again.
         if link is not None and not link.dead and time.monotonic() - link.last_used > self.timing.stream_idle / 2:
             link.close()
             link = None
         if link is None or link.dead:
-            if len(self._links) >= 1024:  # next hops come from clients: keep this bounded
+            if len(self._links) >= 1024:  # next hops are servers of this model, but their number is still bounded
                 self._prune()
-            link = self._links[key] = _PushLink(self.remote, hop, self.sessions.compute.metrics)
+            # the addresses its own signed record announces, never those a client wrote into its route
+            target = Hop(record.peer_id, 0, 1, record.maddrs, direct=record.direct_address)
+            metrics = self.sessions.compute.metrics
+            link = self._links[record.peer_id] = _PushLink(self.remote, target, metrics, self.budget, self.timing)
         return link
 
     def _prune(self) -> None:
         for key in [k for k, link in self._links.items() if link.dead or link.queue.empty()]:
             self._links.pop(key).close()
 
-    def bind(self, session: Session, signed: Signed) -> None:
+    async def bind(self, session: Session, signed: Signed) -> None:
+        """Take the client's route for ``session``; its next hop must be a server of the blocks after this session's
+        with our weights, by its own signed record (which is where it is dialled)."""
         route = accept_route(session, signed, session.caller, self.peer_id)
+        session.next_hop = None
         if session.index + 1 < len(route.hops):
-            self._link(route.hops[session.index + 1])  # dial now: the first push then finds it open
+            nxt = route.hops[session.index + 1].peer_id
+            record = await self.directory.server_at(nxt, session.sub.end)
+            if record is None:
+                self.sessions.compute.metrics.push_refused += 1
+                raise BadInputError(f"the route's next hop {nxt} announces no record serving block {session.sub.end}")
+            session.next_hop = record
+            self._link(record)  # dial now: the first push then finds it open
 
     def push(
         self,
@@ -181,7 +240,7 @@ class Relay:
         """Pass ``out`` (this hop's output of ``step``) to the next hop, with the step's mask and positions, its
         activation in ``codec`` (the client's choice for the step)."""
         route = session.route
-        if route is None or session.index + step.hops >= len(route.hops):
+        if route is None or session.index + step.hops >= len(route.hops) or session.next_hop is None:
             raise BadInputError(f"a step for {step.hops} more hops, but the route has no such hops after this one")
         nxt = route.hops[session.index + 1]
         push = PushStep(
@@ -192,7 +251,9 @@ class Relay:
             codec=codec,
         )
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}
-        self._link(nxt).send(wire.encode(self.remote.meta(push), carried, codec))
+        record = session.next_hop
+        assert isinstance(record, ServerRecord)
+        self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller)
 
     async def rpc_push(
         self, frames: AsyncIterator[wire.Frame], context: CallerContext | None
@@ -204,13 +265,12 @@ class Relay:
         guarded = GuardedFrames(frames, decoder, self.timing.stream_idle, self.timing.message_timeout)
         try:
             while (message := await wire.read_message(guarded, decoder)) is not None:
+                decoder.release()  # a placed push is counted as its own (``Pushed.claim``)
                 try:
                     await self._place(pusher, *message)
-                except BadInputError as e:
+                except (BadInputError, BusyError) as e:
                     self.sessions.compute.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
-                finally:
-                    decoder.release()  # a placed step's tensors are bounded by the inbox instead
         except StreamIdle:
             return
         except Exception as e:  # malformed frames, a stalled message: the stream ends
@@ -228,23 +288,24 @@ class Relay:
         self.admit(pusher, meta)
         check_version(meta)
         push = PushStep.model_validate(meta)
+        pushed = Pushed(push, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
         key = (pusher, push.client, push.session_id)  # by pusher: another's early pushes never hold these up
         waiting = self._waiting.get(key)
         if waiting is None:
             session = self.sessions.open.get(key[1:])
             if session is not None and session.route is not None and session.route.generation >= push.generation:
-                return self._enqueue(pusher, session, Pushed(push, tensors))
+                return await self._enqueue(pusher, session, pushed)
             if len(self._waiting) >= MAX_WAITING or self._by_pusher[pusher] >= MAX_WAITING_PER_PUSHER:
                 raise BadInputError("too many sessions have pushes waiting for them")
             waiting = self._waiting[key] = []
             self._by_pusher[pusher] += 1
             self._tasks.add(task := asyncio.create_task(self._wait(key, push.generation)))
             task.add_done_callback(self._tasks.discard)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if len(waiting) >= MAX_INBOX or self._waiting_bytes + nbytes > MAX_WAITING_BYTES:
+        if len(waiting) >= MAX_INBOX or self._waiting_bytes + pushed.nbytes > MAX_WAITING_BYTES:
             raise BadInputError(f"too many pushes wait for session {push.session_id}")
-        self._waiting_bytes += nbytes
-        waiting.append(Pushed(push, tensors, nbytes))
+        pushed.claim(self.budget, pusher)  # the pusher's until a session takes it
+        self._waiting_bytes += pushed.nbytes
+        waiting.append(pushed)
 
     async def _wait(self, key: tuple[str, str, str], generation: int) -> None:
         pusher = key[0]
@@ -253,26 +314,32 @@ class Relay:
         except BadInputError as e:
             session, why = None, e
         try:
-            for pushed in self._waiting.get(key, []):
+            for pushed in list(self._waiting.get(key, [])):
                 try:
                     if session is None:
                         raise why
-                    self._enqueue(pusher, session, pushed)
-                except BadInputError as e:
+                    await self._enqueue(pusher, session, pushed)
+                except (BadInputError, BusyError) as e:
                     self.sessions.compute.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
         finally:
-            self._waiting_bytes -= sum(p.nbytes for p in self._waiting.pop(key, []))
+            for pushed in self._waiting.pop(key, []):
+                self._waiting_bytes -= pushed.nbytes
+                if not pushed.placed:
+                    pushed.free()
             self._by_pusher[pusher] -= 1
             if self._by_pusher[pusher] <= 0:
                 del self._by_pusher[pusher]
 
-    @staticmethod
-    def _enqueue(pusher: str, session: Session, pushed: Pushed) -> None:
+    async def _enqueue(self, pusher: str, session: Session, pushed: Pushed) -> None:
         if session.previous != pusher:
             raise BadInputError(f"{pusher} is not the hop before session {session.id} on its route")
+        if await self.directory.server_at(pusher, session.sub.start - 1) is None:
+            raise BadInputError(f"{pusher} announces no record serving block {session.sub.start - 1}")
         if session.inbox.qsize() >= MAX_INBOX:
             raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
+        pushed.claim(self.budget, session.caller)  # the work of the session's client: counted as its own
+        pushed.placed = True
         session.inbox.put_nowait(pushed)
 
     def close(self) -> None:

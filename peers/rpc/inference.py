@@ -43,6 +43,14 @@ class _Ended:
         self.error = error
 
 
+def _drop_inbox(session: Session) -> None:
+    """Free what waits in an ended session's inbox now (pushes count in the byte budget until freed)."""
+    while not session.inbox.empty():
+        item = session.inbox.get_nowait()
+        if isinstance(item, Pushed):
+            item.free()
+
+
 def _frames(reply: Message, tensors: dict[str, torch.Tensor] | None = None) -> list[wire.Frame]:
     return wire.encode(reply.model_dump(mode="json"), tensors)
 
@@ -125,6 +133,7 @@ class InferenceLoop:
             decoder.release()
             if session is not None:
                 await self.sessions.end(session)
+                _drop_inbox(session)
 
     @staticmethod
     async def _read(guarded: GuardedFrames, decoder: wire.Decoder, session: Session) -> None:
@@ -144,6 +153,7 @@ class InferenceLoop:
 
     async def _handle(self, session: Session, item: object) -> list[wire.Frame]:
         if isinstance(item, Pushed):
+            item.free()  # its bytes are the step's now, as a client's own step is once read
             step, tensors = item.push.step, item.tensors
             hidden = tensors.get("hidden")
             if hidden is not None and hidden.is_floating_point():  # the previous hop sent its own dtype
@@ -158,7 +168,7 @@ class InferenceLoop:
         if request.route is not None:
             if self.relay is None:
                 raise BadInputError("this server does not chain steps")
-            self.relay.bind(session, request.route)
+            await self.relay.bind(session, request.route)
             await self.sessions.notify()
         if request.step is None:
             return _frames(self.signer.opening)

@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
 from peers.rpc.chain import Relay
+from peers.rpc.directory import ServerDirectory
 from peers.rpc.inference import InferenceLoop
 from peers.rpc.p2p_server import P2PStreams
 from peers.serving.compute import ComputeService
@@ -98,10 +99,12 @@ class Servicer:
         admit: Admit | None = None,
         budget: wire.ByteBudget | None = None,
         remote: Remote | None = None,
+        directory: ServerDirectory | None = None,
     ) -> None:
-        """``admit``: a private swarm's membership check (None: an open swarm); ``budget``: bytes of requests held,
-        all callers together; ``remote``: this server's own calls, which chaining pushes steps through (None: it
-        answers steps but passes none on)."""
+        """``admit``: a private swarm's membership check (None: an open swarm); ``budget``: bytes held for callers,
+        per caller and in total; ``remote``: this server's own calls, which chaining pushes steps through, and
+        ``directory``: the servers of this model it trusts to chain with (either None: it answers steps but passes
+        none on and takes no pushes)."""
         self.compute = compute
         self.sessions = sessions
         self.info = info
@@ -111,7 +114,11 @@ class Servicer:
         self.training = training
         self.admit = admit
         self.budget = budget
-        self.relay = None if remote is None else Relay(remote, sessions, timing, max_bytes, self._check_member, budget)
+        self.relay = (
+            None
+            if remote is None or directory is None
+            else Relay(remote, sessions, timing, max_bytes, self._check_member, directory, budget)
+        )
         signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
         self.inference = InferenceLoop(
             sessions, self.relay, signer, timing, self._decoder, self._check_member, self._delay, self._error_reply

@@ -37,6 +37,7 @@ class Session:
     last_start: int | None = None  # where the last step began: a step sent again from there redoes it
     route: ChainRoute | None = None  # the client's signed route, once it gave one (``peers.rpc.chain``)
     index: int = 0  # this session's place in it
+    next_hop: object | None = None  # the signed ServerRecord of the hop after it, which pushes are sent to
     # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
     inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
 

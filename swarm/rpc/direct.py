@@ -157,6 +157,10 @@ class TcpChannel:
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
 
+    async def flush(self) -> None:
+        if not self.writer.is_closing():
+            await self.writer.drain()
+
     async def receive(self) -> wire.Message | None:
         return await wire.read_message(self._frames, self.decoder)
 

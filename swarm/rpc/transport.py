@@ -66,6 +66,9 @@ class Channel(Protocol):
 
     async def send(self, frames: list[wire.Frame]) -> None: ...
 
+    async def flush(self) -> None:
+        """Wait until what was sent left this process (a sender that must not buffer without bound waits here)."""
+
     async def receive(self) -> wire.Message | None: ...
 
     def close(self) -> None: ...
@@ -88,10 +91,14 @@ class P2PChannel:
     async def _requests(self) -> AsyncIterator[wire.Frame]:
         while (frame := await self._outbox.get()) is not None:
             yield frame
+            self._outbox.task_done()  # hivemind asks for the next frame once this one was written
 
     async def send(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
             self._outbox.put_nowait(frame)
+
+    async def flush(self) -> None:
+        await self._outbox.join()
 
     async def receive(self) -> wire.Message | None:
         assert self._responses is not None
