@@ -78,6 +78,7 @@ class Timing:
             session_idle=5.0,
             stream_idle=30.0,
             message_timeout=10.0,
+            write_timeout=5.0,
             # a live replica whose announcement a loaded machine delayed is back within a record TTL or two (a peer
             # starved of CPU for longer than one TTL drops out of the view): a client repairing a session waits that
             # long before calling its blocks missing

@@ -121,13 +121,52 @@ class ByteBudget:
             self.by_caller.pop(caller, None)  # a caller holding nothing costs no memory
 
 
+class Reservation:
+    """Room set aside in a ``ByteBudget`` for one established session (taken when it opens, so a full server refuses
+    the newcomer instead): its messages count here first, so callers filling the budget later never starve it. What
+    does not fit the room is claimed from the budget as any request's bytes are."""
+
+    def __init__(self, budget: ByteBudget, caller: str, room: int) -> None:
+        budget.take(room, caller)
+        self.budget, self.caller, self.room = budget, caller, room
+        self.used = 0  # of the room
+        self.over = 0  # claimed from the budget beyond the room
+
+    def take(self, nbytes: int, caller: str = "anonymous") -> None:
+        beyond = max(self.used + nbytes - self.room, 0)
+        if beyond:
+            self.budget.take(beyond, self.caller)
+            self.over += beyond
+        self.used += nbytes - beyond
+
+    def hold(self, nbytes: int, caller: str = "anonymous") -> None:
+        beyond = max(self.used + nbytes - self.room, 0)
+        self.budget.hold(beyond, self.caller)
+        self.over += beyond
+        self.used += nbytes - beyond
+
+    def give(self, nbytes: int, caller: str = "anonymous") -> None:
+        back = min(nbytes, self.over)
+        if back:
+            self.budget.give(back, self.caller)
+            self.over -= back
+        self.used -= nbytes - back
+
+    def close(self) -> None:
+        """Give the room (and anything still claimed beyond it) back: the session ended."""
+        self.budget.give(self.room + self.over, self.caller)
+        self.room = self.used = self.over = 0
+
+
 class Decoder:
     """Feed frames in order; ``feed`` returns a complete message or None while parts are still missing.
 
     With a ``budget``, the bytes of the messages it decoded stay counted there (as ``caller``'s) until ``release``
     (the caller is done with them) or the decoder is dropped by ``release`` at the end of its stream."""
 
-    def __init__(self, max_bytes: int = 1 << 62, budget: ByteBudget | None = None, caller: str = "anonymous") -> None:
+    def __init__(
+        self, max_bytes: int = 1 << 62, budget: ByteBudget | Reservation | None = None, caller: str = "anonymous"
+    ) -> None:
         self.max_bytes = max_bytes
         self.total_bytes = 0  # every frame fed so far (traffic accounting)
         self.budget = budget

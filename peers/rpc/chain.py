@@ -57,9 +57,9 @@ class Pushed:
     def __init__(self, push: PushStep, tensors: dict[str, torch.Tensor], nbytes: int = 0) -> None:
         self.push, self.tensors, self.nbytes = push, tensors, nbytes
         self.placed = False  # in its session's inbox (whose end frees it)
-        self._claim: tuple[wire.ByteBudget, str] | None = None
+        self._claim: tuple[wire.ByteBudget | wire.Reservation, str] | None = None
 
-    def claim(self, budget: wire.ByteBudget | None, holder: str) -> None:
+    def claim(self, budget: wire.ByteBudget | wire.Reservation | None, holder: str) -> None:
         self.free()
         if budget is not None:
             budget.take(self.nbytes, holder)
@@ -338,7 +338,8 @@ class Relay:
             raise BadInputError(f"{pusher} announces no record serving block {session.sub.start - 1}")
         if session.inbox.qsize() >= MAX_INBOX:
             raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
-        pushed.claim(self.budget, session.caller)  # the work of the session's client: counted as its own
+        room = session.room if isinstance(session.room, wire.Reservation) else self.budget
+        pushed.claim(room, session.caller)  # the work of the session's client: counted as its own
         pushed.placed = True
         session.inbox.put_nowait(pushed)
 

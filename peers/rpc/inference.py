@@ -29,6 +29,7 @@ from swarm.rpc.commit import CommitSigner
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
 NO_IDLE = 1e9  # the client's stream may stay silent while pushes feed the session: the session's own clock counts
+ROOM_TOKENS = 64  # a session's room in the byte budget: this many tokens of each sequence, in and out (decode steps)
 
 
 class _FromClient:
@@ -95,6 +96,7 @@ class InferenceLoop:
             if request.open is None:
                 raise BadInputError("the first message of an inference stream must open the session")
             session = await self.sessions.start(request.open, message[1], caller)
+            self._reserve(session, decoder)
             metrics.observe("session_open", None, time.perf_counter() - t0)
             log.info("session opened", extra={"session": session.id, "span": str(session.sub), "peer": caller})
             guarded.idle = NO_IDLE
@@ -134,6 +136,19 @@ class InferenceLoop:
             if session is not None:
                 await self.sessions.end(session)
                 _drop_inbox(session)
+                if isinstance(session.room, wire.Reservation):
+                    session.room.close()
+
+    def _reserve(self, session: Session, decoder: wire.Decoder) -> None:
+        """Set a room aside for the session's steps and pushes, now that it is established (``wire.Reservation``):
+        callers who fill the byte budget later get ``busy``, this session keeps its decode steps."""
+        budget = decoder.budget
+        if not isinstance(budget, wire.ByteBudget):
+            return
+        limits = self.sessions.compute.limits
+        room = min(2 * session.batch * ROOM_TOKENS * limits.hidden_size * 4, budget.per_caller // 16)
+        decoder.release()  # the opening's bytes: from here the room counts what this stream holds
+        session.room = decoder.budget = wire.Reservation(budget, session.caller, room)
 
     @staticmethod
     async def _read(guarded: GuardedFrames, decoder: wire.Decoder, session: Session) -> None:

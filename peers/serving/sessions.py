@@ -38,6 +38,7 @@ class Session:
     route: ChainRoute | None = None  # the client's signed route, once it gave one (``peers.rpc.chain``)
     index: int = 0  # this session's place in it
     next_hop: object | None = None  # the signed ServerRecord of the hop after it, which pushes are sent to
+    room: object | None = None  # its wire.Reservation in the byte budget: its steps and pushes count there first
     # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
     inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
 

@@ -28,8 +28,8 @@ class TokenHistory:
         if history is None:
             return ids, kwargs
         seen = history.shape[1]
-        if ids.shape[1] > seen and torch.equal(ids[:, :seen], history):
-            return ids, kwargs  # already the whole conversation
+        if ids.shape[1] >= seen and torch.equal(ids[:, :seen], history):
+            return ids, kwargs  # already the whole conversation (the last output as it was returned, or more)
         mask = kwargs.get("attention_mask")
         if mask is not None:
             prev = torch.ones_like(history)
