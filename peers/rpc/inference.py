@@ -42,6 +42,14 @@ class _Ended:
     def __init__(self, error: BaseException | None = None) -> None:
         self.error = error
 
+    def take(self) -> BaseException:
+        """The error, no longer held here: raised from ``serve``, whose frame holds this item, an error still held
+        would be a reference cycle (error -> traceback -> frame -> item -> error) keeping the stream's decoder, and
+        the partial message in it, alive until a full garbage collection."""
+        error, self.error = self.error, None
+        assert error is not None
+        return error
+
 
 def _frames(reply: Message, tensors: dict[str, torch.Tensor] | None = None) -> list[wire.Frame]:
     return wire.encode(reply.model_dump(mode="json"), tensors)
@@ -95,7 +103,7 @@ class InferenceLoop:
             while True:
                 if isinstance(item, _Ended):
                     if item.error is not None:
-                        raise item.error
+                        raise item.take()
                     return
                 for f in await self._handle(session, item):
                     yield f
