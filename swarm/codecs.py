@@ -17,9 +17,10 @@ and whose ``dtype`` is the tensor's own dtype (what the receiver gets back), and
   measures all of them).
 
 Every byte of a part is hostile: ``decompress`` checks the exact length for the claimed shape, the codebook size,
-the block size and count, and that scales and codebooks are finite, before it builds anything (so memory stays
-bounded by the message: at most 4 float32 bytes per wire byte), and decodes by itself rather than trusting
-hivemind's decoders with unchecked input. Failures are ``BadInputError``.
+the block size and count, that scales and codebooks are finite, and that the output fits the caller's limit (the
+message's), before it allocates anything; it then decodes by itself, a chunk at a time, rather than trusting
+hivemind's decoders with unchecked input. So a part costs its output and a constant, never more than its limit.
+Failures are ``BadInputError``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -197,8 +198,19 @@ def _block8(x: torch.Tensor, block: int = BLOCK) -> bytes:
 
 
 # ---- decoding ------------------------------------------------------------------------------------------------------
-def decompress(part: TensorPart) -> torch.Tensor:
-    """The tensor a compressed part holds, in the dtype it names; any inconsistency is ``BadInputError``."""
+CHUNK = 1 << 16  # values decoded at a time (whole blocks: a multiple of MAX_BLOCK): what a codec's working buffers,
+# beyond the output, are a few times
+
+
+def decompress(part: TensorPart, max_bytes: int = 1 << 62) -> torch.Tensor:
+    """The tensor a compressed part holds, in the dtype it names; any inconsistency is ``BadInputError``.
+
+    Everything is checked on the header and the buffer's length before anything is allocated: the exact length the
+    codec implies for the claimed shape, the codebook or blocks, and that the output (numel x the dtype's size)
+    stays within ``max_bytes`` (the caller's limit: what its message may hold). Then the output is the one
+    allocation the size of the message: it is decoded ``CHUNK`` values at a time, from views of the buffer (no copy
+    of it, no upcast of the whole). The output lives in a numpy buffer, which ``tracemalloc`` sees (tests measure
+    what decoding allocates)."""
     codec = CODECS_BY_ID.get(part.compression)
     dtype = FLOATS.get(part.dtype)
     if codec is None or dtype is None:
@@ -210,13 +222,27 @@ def decompress(part: TensorPart) -> torch.Tensor:
     buffer = part.buffer
     if codec in (Codec.float16, Codec.bfloat16):
         _expect_length(codec, buffer, 2 * numel, shape)
-        wire_dtype = torch.float16 if codec == Codec.float16 else torch.bfloat16
-        values = torch.frombuffer(bytearray(buffer), dtype=wire_dtype) if numel else torch.empty(0, dtype=wire_dtype)
+        decode = _unhalf(codec, buffer)
     elif codec == Codec.block8:
-        values = _unblock8(buffer, numel, shape)
+        decode = _unblock8(buffer, numel, shape)
     else:
-        values = _uncodebook8(codec, buffer, numel, shape)
-    return values.to(dtype).view(shape)
+        decode = _uncodebook8(codec, buffer, numel, shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes > max_bytes:
+        raise BadInputError(f"malformed {codec} tensor: {nbytes} bytes decoded, over the limit of {max_bytes}")
+    if numel == 0:
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except RuntimeError as e:  # a zero-size dim beside huge ones
+            raise BadInputError(f"malformed {codec} tensor: shape {list(shape)}: {e}") from None
+    out = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype)
+    for start in range(0, numel, CHUNK):
+        stop = min(start + CHUNK, numel)
+        out[start:stop].copy_(decode(start, stop))
+    return out.view(shape)
+
+
+Decode = Callable[[int, int], torch.Tensor]  # values [start, stop), in a float dtype
 
 
 def _expect_length(codec: Codec, buffer: bytes, expected: int, shape: tuple[int, ...]) -> None:
@@ -224,28 +250,38 @@ def _expect_length(codec: Codec, buffer: bytes, expected: int, shape: tuple[int,
         raise BadInputError(f"malformed {codec} tensor: {len(buffer)} bytes for shape {list(shape)}, not {expected}")
 
 
-def _finite_floats(codec: Codec, what: str, raw: bytes) -> torch.Tensor:
-    values = torch.frombuffer(bytearray(raw), dtype=torch.float32)
-    if not bool(torch.isfinite(values).all()):
-        raise BadInputError(f"malformed {codec} tensor: non-finite {what}")
-    return values
+def _floats(buffer: bytes, offset: int, count: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    return np.frombuffer(buffer, dtype="<f4", count=count, offset=offset).astype(np.float32)  # a copy of `count`
 
 
-def _uncodebook8(codec: Codec, buffer: bytes, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+def _unhalf(codec: Codec, buffer: bytes) -> Decode:
+    wire_dtype = torch.float16 if codec == Codec.float16 else torch.bfloat16
+    with warnings.catch_warnings():  # a read-only view of the buffer: decoding only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        halves = torch.frombuffer(buffer, dtype=wire_dtype) if buffer else torch.empty(0, dtype=wire_dtype)
+    return lambda start, stop: halves[start:stop]  # converted by ``copy_`` into the output: no intermediate
+
+
+def _uncodebook8(codec: Codec, buffer: bytes, numel: int, shape: tuple[int, ...]) -> Decode:
     if len(buffer) < 8:
         raise BadInputError(f"malformed {codec} tensor: {len(buffer)} bytes, no codebook size")
     (size,) = struct.unpack_from("<q", buffer)
     if size != _CODEBOOK:
         raise BadInputError(f"malformed {codec} tensor: codebook of {size} values, not {_CODEBOOK}")
-    _expect_length(codec, buffer, 8 + 4 * size + numel, shape)
-    codebook = _finite_floats(codec, "codebook", buffer[8 : 8 + 4 * size])
-    if numel == 0:
-        return torch.empty(0)
-    indices = torch.frombuffer(bytearray(buffer[8 + 4 * size :]), dtype=torch.uint8)
-    return codebook[indices.int()]  # every uint8 index is in range of 256 entries
+    at = 8 + 4 * size
+    _expect_length(codec, buffer, at + numel, shape)
+    codebook = _floats(buffer, 8, size)
+    if not np.isfinite(codebook).all():
+        raise BadInputError(f"malformed {codec} tensor: non-finite codebook")
+
+    def decode(start: int, stop: int) -> torch.Tensor:
+        indices = np.frombuffer(buffer, dtype=np.uint8, count=stop - start, offset=at + start)
+        return torch.from_numpy(codebook[indices])  # every uint8 index is in range of 256 entries
+
+    return decode
 
 
-def _unblock8(buffer: bytes, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+def _unblock8(buffer: bytes, numel: int, shape: tuple[int, ...]) -> Decode:
     codec = Codec.block8
     if len(buffer) < 4:
         raise BadInputError(f"malformed {codec} tensor: {len(buffer)} bytes, no block size")
@@ -254,19 +290,31 @@ def _unblock8(buffer: bytes, numel: int, shape: tuple[int, ...]) -> torch.Tensor
         raise BadInputError(f"malformed {codec} tensor: block size {block} (powers of two {MIN_BLOCK}..{MAX_BLOCK})")
     blocks = -(-numel // block)
     _expect_length(codec, buffer, 4 + 9 * blocks + numel, shape)
-    at = 4 + 4 * blocks
-    scales = _finite_floats(codec, "scales", buffer[4:at])
-    if bool((scales < 0).any()):
-        raise BadInputError(f"malformed {codec} tensor: negative scales")
-    outliers = _finite_floats(codec, "outliers", buffer[at : at + 4 * blocks])
-    at += 4 * blocks
-    index = torch.frombuffer(bytearray(buffer[at : at + blocks]), dtype=torch.uint8).long() if blocks else None
-    if index is None:
-        return torch.empty(0)
-    if bool((index >= block).any()):
-        raise BadInputError(f"malformed {codec} tensor: an outlier index beyond its block of {block}")
-    codes = torch.frombuffer(bytearray(buffer[at + blocks :]), dtype=torch.int8).float()
-    padded = torch.nn.functional.pad(codes, (0, blocks * block - numel)).view(blocks, block)
-    values = padded.abs().div_(127).square_().mul_(padded.sign()).mul_(scales[:, None])
-    values.scatter_(1, index[:, None], outliers[:, None])
-    return values.reshape(-1)[:numel]
+    at_outliers, at_index, at_codes = 4 + 4 * blocks, 4 + 8 * blocks, 4 + 9 * blocks
+    for first in range(0, blocks, CHUNK):  # checked a chunk at a time too: the checks allocate no more than decoding
+        n = min(CHUNK, blocks - first)
+        scales = _floats(buffer, 4 + 4 * first, n)
+        if not np.isfinite(scales).all() or not np.isfinite(_floats(buffer, at_outliers + 4 * first, n)).all():
+            raise BadInputError(f"malformed {codec} tensor: non-finite scales or outliers")
+        if (scales < 0).any():
+            raise BadInputError(f"malformed {codec} tensor: negative scales")
+        if (np.frombuffer(buffer, dtype=np.uint8, count=n, offset=at_index + first) >= block).any():
+            raise BadInputError(f"malformed {codec} tensor: an outlier index beyond its block of {block}")
+
+    def decode(start: int, stop: int) -> torch.Tensor:
+        first, n = start // block, -(-(stop - start) // block)  # ``start`` is a block's first value
+        values = np.zeros(n * block, dtype=np.float32)
+        values[: stop - start] = np.frombuffer(buffer, dtype=np.int8, count=stop - start, offset=at_codes + start)
+        values = values.reshape(n, block)
+        sign = np.sign(values)
+        # as the float32 ops of the encoder's inverse, in this order: (|code| / 127)^2 * sign * scale
+        np.abs(values, out=values)
+        values /= np.float32(127)
+        np.square(values, out=values)
+        values *= sign
+        values *= _floats(buffer, 4 + 4 * first, n)[:, None]
+        index = np.frombuffer(buffer, dtype=np.uint8, count=n, offset=at_index + first)
+        values[np.arange(n), index] = _floats(buffer, at_outliers + 4 * first, n)
+        return torch.from_numpy(values.reshape(-1)[: stop - start])
+
+    return decode

@@ -217,7 +217,7 @@ class Decoder:
                 raise BadInputError(f"malformed tensor: a part of {len(part.buffer)} bytes before its last part")
         if len(self._done) < len(self._names):
             return None
-        message = self._meta, {name: _to_tensor(t) for name, t in zip(self._names, self._done, strict=True)}
+        message = self._meta, _to_tensors(self._names, self._done, self.max_bytes)
         self._reset()
         return message
 
@@ -279,9 +279,19 @@ def _serialize(tensor: torch.Tensor, codec: Codec | None = None) -> TensorPart:
     return TensorPart(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
 
 
-def _to_tensor(serialized: TensorPart) -> torch.Tensor:
+def _to_tensors(names: list[str], parts: list[TensorPart], max_bytes: int) -> dict[str, torch.Tensor]:
+    """A message's tensors, decoded to at most ``max_bytes`` together (its limit on the wire): a compressed tensor
+    may not claim more room than the message could hold uncompressed."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, part in zip(names, parts, strict=True):
+        tensor = tensors[name] = _to_tensor(part, max_bytes)
+        max_bytes -= tensor.numel() * tensor.element_size()
+    return tensors
+
+
+def _to_tensor(serialized: TensorPart, max_bytes: int = 1 << 62) -> torch.Tensor:
     if serialized.compression != runtime_pb2.CompressionType.NONE:
-        return codecs.decompress(serialized)
+        return codecs.decompress(serialized, max_bytes)
     dtype = DTYPES.get(serialized.dtype)
     if dtype is None:
         raise BadInputError(f"tensor dtype {serialized.dtype!r} is not accepted")

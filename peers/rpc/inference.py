@@ -43,6 +43,14 @@ class _Ended:
     def __init__(self, error: BaseException | None = None) -> None:
         self.error = error
 
+    def take(self) -> BaseException:
+        """The error, no longer held here: raised from ``serve``, whose frame holds this item, an error still held
+        would be a reference cycle (error -> traceback -> frame -> item -> error) keeping the stream's decoder, and
+        the partial message in it, alive until a full garbage collection."""
+        error, self.error = self.error, None
+        assert error is not None
+        return error
+
 
 def _drop_inbox(session: Session) -> None:
     """Free what waits in an ended session's inbox now (pushes count in the byte budget until freed)."""
@@ -105,7 +113,7 @@ class InferenceLoop:
             while True:
                 if isinstance(item, _Ended):
                     if item.error is not None:
-                        raise item.error
+                        raise item.take()
                     return
                 for f in await self._handle(session, item):
                     yield f

@@ -57,12 +57,34 @@ class SavedBytes:
 
     @contextmanager
     def measuring(self) -> Iterator[SavedBytes]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            self.add(t)
-            return t  # saved as usual: this only looks
+        """While active, autograd saves through ``_pack``: the tensors it saves are counted (and kept as usual)."""
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def pack(t: torch.Tensor) -> _Saved:
+            self.add(t)
+            return _pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield self
+
+
+# What a saved-tensors hook keeps of a tensor: a detached alias and its version. Not the tensor itself: an op that
+# saves its own output (tanh, exp, softmax, ...) would then hold, through that tensor's ``grad_fn``, the node that
+# holds it, a reference cycle that kept every dropped graph alive until a full garbage collection. The alias shares
+# the storage and the version counter, so ``_unpack`` still sees an in-place change (an optimizer step on the
+# weights since the forward), which autograd checks only for tensors it saves itself, not through hooks.
+_Saved = tuple[torch.Tensor, int]
+INPLACE = "one of the tensors saved for backward has been modified by an inplace operation since the forward"
+
+
+def _pack(t: torch.Tensor) -> _Saved:
+    return t.detach(), t._version
+
+
+def _unpack(saved: _Saved) -> torch.Tensor:
+    tensor, version = saved
+    if tensor._version != version:
+        raise RuntimeError(INPLACE)  # the wording ``ComputeService._backward`` recognises, as autograd's own
+    return tensor
 
 
 def storages(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> set[int]:

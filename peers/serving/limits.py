@@ -101,17 +101,20 @@ class GuardedFrames:
 
     async def __anext__(self) -> wire.Frame:
         loop = asyncio.get_running_loop()
-        error: Exception
-        if self.decoder.in_progress and self._started is not None:
-            timeout, error = self._started + self.read - loop.time(), StreamStalled(self.read)
+        stalled = self.decoder.in_progress and self._started is not None
+        if stalled:
+            assert self._started is not None
+            timeout = self._started + self.read - loop.time()
         else:
             self._started = None
-            timeout, error = self.idle, StreamIdle(self.idle)
+            timeout = self.idle
         try:
             async with asyncio.timeout(max(timeout, 0.0)):  # no task per frame, unlike wait_for: a decode step's cost
                 frame = await anext(self._frames)
         except TimeoutError:
-            raise error from None
+            # built here, never held in a local: an exception in this frame's locals, whose traceback holds the
+            # frame, would be a reference cycle keeping the decoder's partial message alive until a full gc
+            raise (StreamStalled(self.read) if stalled else StreamIdle(self.idle)) from None
         if self._started is None:
             self._started = loop.time()
         return frame

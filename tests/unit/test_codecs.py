@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -227,3 +229,109 @@ def test_link_estimates():
     links.observe("b", 1 << 20, 8 * (1 << 20) / 10e6)  # no prior: the first sample
     assert links.mbps("b") == pytest.approx(10.0)
     assert choose_codec(1 << 20, links.mbps("b")) == Codec.block8
+
+
+# ---- memory: a part costs its output (within the caller's limit) and a constant, checked before allocating ---------
+SLACK = 32 * codecs.CHUNK  # a codec's working buffers: a few chunks of float32
+
+
+def _traced_peak(fn):
+    """``fn()``'s result (or the BadInputError it raised) and the peak bytes it allocated on top of what was there:
+    numpy's allocations included, so the output buffer of ``decompress`` is seen."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        try:
+            result = fn()
+        except BadInputError as e:
+            result = e
+        return result, tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def _honest(codec: Codec, numel: int, dtype: torch.dtype = torch.float64):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    part = codecs.compress(x, codec, str(dtype).removeprefix("torch."))
+    assert part is not None
+    return part
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_a_lying_header_is_refused_before_anything_is_allocated(codec):
+    part = _honest(codec, 4096)
+    del part.size[:]
+    part.size.extend([1 << 20, 1 << 21])  # 2^41 values: 16 TiB of float64 if believed
+    refused, peak = _traced_peak(lambda: codecs.decompress(part))
+    assert isinstance(refused, BadInputError) and "malformed" in str(refused)
+    assert peak < 2 * len(part.buffer) + SLACK  # the buffer read once, nothing the size of the claim
+
+
+@pytest.mark.parametrize("codec", LOSSY)
+def test_a_part_decodes_within_its_limit_or_not_at_all(codec):
+    numel = 3 * codecs.CHUNK + 5  # several chunks and a partial block
+    part = _honest(codec, numel)
+    out_bytes = numel * 8  # float64: 4x to 8x the wire bytes
+    refused, peak = _traced_peak(lambda: codecs.decompress(part, out_bytes - 1))
+    assert isinstance(refused, BadInputError) and "over the limit" in str(refused)
+    assert peak < 2 * len(part.buffer) + SLACK  # no output was allocated
+    out, peak = _traced_peak(lambda: codecs.decompress(part, out_bytes))
+    assert isinstance(out, torch.Tensor) and out.shape == (numel,) and out.dtype == torch.float64
+    assert out_bytes <= peak <= out_bytes + len(part.buffer) + SLACK  # the output, the buffer, chunk buffers
+
+
+def test_a_message_decodes_within_its_limit():
+    tensors = {"hidden": torch.randn(4096).double(), "grad_output": torch.randn(4096).double()}
+    frames = wire.encode({}, tensors, Codec.float16)  # 16 KiB on the wire, 64 KiB decoded
+    assert wire.encoded_size(frames) < 20_000
+    with pytest.raises(BadInputError, match="over the limit"):
+        wire.decode(frames, max_bytes=64 * 1024 - 1)  # each tensor fits, both together do not
+    assert wire.decode(frames, max_bytes=64 * 1024)[1].keys() == tensors.keys()
+
+
+def _consistent(codec: Codec, numel: int, data: bytes, block_log: int) -> bytes:
+    """A buffer of the exact layout ``codec`` implies for ``numel`` values, its fields valid, its values from
+    ``data``."""
+    rng = np.random.default_rng(list(data) or [0])
+    codes = rng.integers(0, 256, numel, dtype=np.uint8).tobytes()
+    if codec in (Codec.float16, Codec.bfloat16):
+        return rng.standard_normal(numel).astype("<f2").tobytes() if codec == Codec.float16 else codes + codes
+    if codec in (Codec.uint8, Codec.quantile8):
+        return np.int64(256).tobytes() + rng.standard_normal(256).astype("<f4").tobytes() + codes
+    block = 1 << block_log
+    blocks = -(-numel // block)
+    scales = np.abs(rng.standard_normal(blocks)).astype("<f4").tobytes()
+    index = rng.integers(0, block, blocks, dtype=np.uint8).tobytes()
+    return struct.pack("<I", block) + scales + rng.standard_normal(blocks).astype("<f4").tobytes() + index + codes
+
+
+def test_fuzzed_headers_decode_within_their_limit_or_are_refused():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=fuzz_examples(200), deadline=None, derandomize=True)
+    @hypothesis.given(
+        codec=st.sampled_from(LOSSY),
+        dtype=st.sampled_from(["float32", "float16", "bfloat16", "float64"]),
+        shape=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+        lie=st.sampled_from([1, 1, 1, 2, 0, 1 << 16, 1 << 24]),  # the shape claimed: the true one, or scaled
+        block_log=st.integers(4, 8),
+        data=st.binary(max_size=8),
+        max_bytes=st.integers(0, 1 << 22),
+    )
+    def check(codec, dtype, shape, lie, block_log, data, max_bytes):
+        numel = math.prod(shape)
+        buffer = _consistent(codec, numel, data, block_log)
+        claimed = [min(shape[0] * lie, (1 << 32) - 1), *shape[1:]]  # (a size is a uint32)
+        part = _part(codecs.WIRE_IDS[codec], buffer, claimed, dtype)[0].tensors[0]
+        result, peak = _traced_peak(lambda: codecs.decompress(part, max_bytes))
+        if isinstance(result, BadInputError):
+            assert peak < 2 * len(buffer) + SLACK  # refused before the output was allocated
+            return
+        out_bytes = result.numel() * result.element_size()
+        assert lie == 1 or numel == 0  # a shape the buffer does not hold is never believed
+        assert result.numel() == numel and out_bytes <= max_bytes
+        assert out_bytes <= peak <= out_bytes + 2 * len(buffer) + SLACK
+
+    check()
