@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 ENDPOINTS = ("chat", "completions", "models", "other")
@@ -27,6 +27,7 @@ OUTCOMES = (
     "timeout",
     "client_closed",
 )
+CUT_REASONS = ("header_timeout", "write_timeout", "evicted", "refused")  # why the server cut a connection
 # Whole requests: a models listing takes milliseconds, a long generation over a WAN swarm minutes.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,6 +68,11 @@ class ApiMetrics:
         self.prompt = Counter("swarm_api_prompt_tokens", "prompt tokens received", ["endpoint"], registry=r)
         self.in_flight = Gauge("swarm_api_requests_in_flight", "API requests being answered now", registry=r)
         self.failovers = Counter("swarm_api_failovers", "times the swarm client replaced a failed peer", registry=r)
+        self.cuts = Counter(
+            "swarm_api_connections_cut", "connections the server cut, by reason", ["reason"], registry=r
+        )
+        for reason in CUT_REASONS:
+            self.cuts.labels(reason)
         if traffic is not None:
             r.register(_TrafficCollector(traffic))
         for endpoint in ENDPOINTS[:3]:  # the series exist from the start: a rate over them needs no first request
@@ -109,6 +115,13 @@ class ApiMetrics:
     def failover(self, count: int = 1) -> None:
         self.failovers.inc(count)
 
+    def connection_cut(self, reason: str) -> None:
+        self.cuts.labels(reason if reason in CUT_REASONS else "refused").inc()
+
+    def watch_connections(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """``counts``: the open connections by state (pending, authenticated), read at scrape time."""
+        self.registry.register(_ConnectionsCollector(counts))
+
     def render(self) -> tuple[bytes, str]:
         """The body and content type of ``GET /metrics``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -133,4 +146,17 @@ class _TrafficCollector(Collector):
         )
         family.add_metric(["sent"], counts.get("sent_bytes", 0))
         family.add_metric(["received"], counts.get("received_bytes", 0))
+        yield family
+
+
+class _ConnectionsCollector(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "swarm_api_connections", "open HTTP connections, by whether they showed an API key", labels=["state"]
+        )
+        for state, n in sorted(self.counts().items()):
+            family.add_metric([state], n)
         yield family

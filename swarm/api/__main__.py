@@ -41,11 +41,14 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
     import uvicorn
 
     from swarm.api.service import Service
+    from swarm.dashboard.guard import Guard
 
     if not cfg.initial_peers:
         raise BadInputError("give --initial-peers of a running swarm")
+    limits, connections = cfg.limits.limits(), cfg.connections.limits(cfg.limits.max_concurrent)
     sock = _listen(cfg.host, cfg.port)
-    service = await asyncio.to_thread(Service.start, cfg, cfg.limits.limits(), cfg.keys(), test_timings)
+    service = await asyncio.to_thread(Service.start, cfg, limits, cfg.keys(), test_timings)
+    service.state.body_timeout = cfg.connections.body_timeout
 
     @contextlib.asynccontextmanager
     async def lifespan(app: object) -> AsyncIterator[None]:
@@ -56,10 +59,20 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
             watcher.cancel()
 
     app = service.app(lifespan)
-    # open connections beyond the generations' slots (streams, dashboards, metrics) get 503 from uvicorn itself
-    connections = cfg.limits.max_concurrent * 4 + 32
+    # Not uvicorn's limit_concurrency: it counts every open connection, idle ones from anyone included, so a few
+    # dozen sockets would get key holders 503. The guard's protocol (uvicorn's h11 one, subclassed) cuts idle and
+    # slow connections and counts key holders' requests apart from everyone else's (swarm.dashboard.guard).
+    guard = Guard(connections, service.state.access, on_cut=service.state.metrics.connection_cut)
+    service.state.metrics.watch_connections(guard.counts)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, limit_concurrency=connections)
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=3,
+            http=guard.protocol(),
+            ws="none",
+            timeout_keep_alive=int(connections.keep_alive_timeout) or 1,
+        )
     )
     if cfg.dashboard:
         service.attach_dashboard(app, lambda: bool(server.should_exit))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import threading
 import time
@@ -45,6 +44,7 @@ from swarm.api.schema import (
     now,
 )
 from swarm.api.sse import Chunks
+from swarm.dashboard.access import Access
 from swarm.metrics import ApiMetrics
 
 log = logging.getLogger(__name__)
@@ -61,20 +61,22 @@ class ApiState:
     pool: ThreadPoolExecutor = field(init=False)
     started: int = field(default_factory=now)
     runs: set[Run] = field(default_factory=set)  # generations running now (cancelled at shutdown)
+    access: Access = field(init=False)
+    body_timeout: float = 30.0  # seconds a request's body may take to arrive
 
     def __post_init__(self) -> None:
+        self.access = Access(self.keys)
         self.slots = Slots(self.limits)
         self.pool = ThreadPoolExecutor(self.limits.max_concurrent, thread_name_prefix="api-generate")
 
     def key_of(self, request: Request) -> str | None:
         """The caller's API key, checked (None when this server needs none)."""
-        if not self.keys:
+        if self.access.open:
             return None
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.keys):
+        key = self.access.header_key(request.headers)  # the header only: a dashboard cookie opens no /v1 route
+        if key is None:
             raise errors.unauthorized()
-        return token
+        return key
 
     def enter(self, caller: str) -> None:
         self.slots.acquire(caller)
@@ -199,8 +201,11 @@ def create_app(state: ApiState, lifespan: Callable[[FastAPI], Any] | None = None
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        kind = "not_found" if e.status_code == 404 else "bad_request"
-        return _error_response(ApiError(e.status_code, str(e.detail), code=kind, outcome=kind))
+        kind = {401: "unauthorized", 404: "not_found", 503: "unavailable"}.get(e.status_code, "bad_request")
+        headers = {"WWW-Authenticate": 'Bearer realm="swarm"'} if e.status_code == 401 else None
+        response = _error_response(ApiError(e.status_code, str(e.detail), code=kind, outcome=kind))
+        response.headers.update(headers or {})
+        return response
 
     @app.get("/health")
     async def health() -> dict[str, object]:
@@ -242,7 +247,7 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     t0 = time.monotonic()
     try:
         key = state.key_of(request)
-        body = await read_body(request, state.limits.max_body_bytes)
+        body = await read_body(request, state.limits.max_body_bytes, state.body_timeout)
         req = _parse(body, ChatRequest if endpoint == "chat" else CompletionRequest)
         served = state.served(req.model)
         if isinstance(req, ChatRequest):

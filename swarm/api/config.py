@@ -8,6 +8,7 @@ from pathlib import Path
 
 from swarm.api.limits import Limits
 from swarm.cli import option
+from swarm.dashboard.guard import ConnectionLimits
 from swarm.errors import BadInputError
 
 
@@ -40,6 +41,53 @@ class ApiLimits:
         return out
 
 
+_C = ConnectionLimits
+
+
+@dataclass(frozen=True)
+class ApiConnections:
+    """How long a connection may take, and how many may be open (``swarm.dashboard.guard``): a caller becomes a key
+    holder by showing a valid key; everyone else shares a small pool."""
+
+    header_timeout: float = option(
+        _C.header_timeout, help="seconds for a request's head to arrive (after connecting or a response); then cut"
+    )
+    body_timeout: float = option(30.0, help="seconds for a request's body to arrive; 400 after")
+    write_timeout: float = option(
+        _C.write_timeout, help="seconds a client may leave a full buffer of response unread; then cut"
+    )
+    keep_alive_timeout: float = option(_C.keep_alive_timeout, help="seconds an idle kept-alive connection stays open")
+    max_connections: int = option(_C.max_connections, help="open connections, all together")
+    max_pending_connections: int = option(
+        _C.max_pending, help="...of which have shown no API key yet (a new one beyond cuts the oldest)"
+    )
+    max_requests: int | None = option(
+        None, help="key holders' requests at once, 503 beyond (default: 4 per --max-concurrent + 32)"
+    )
+    max_public_requests: int = option(
+        _C.max_public_requests, help="requests without a valid API key at once (health, metrics, login); 503 beyond"
+    )
+
+    def limits(self, max_concurrent: int) -> ConnectionLimits:
+        requests = self.max_requests if self.max_requests is not None else max_concurrent * 4 + 32
+        out = ConnectionLimits(
+            self.header_timeout,
+            self.write_timeout,
+            self.keep_alive_timeout,
+            self.max_connections,
+            self.max_pending_connections,
+            requests,
+            self.max_public_requests,
+        )
+        try:
+            out.check()
+            if self.body_timeout <= 0:
+                raise ValueError("--body-timeout must be positive")
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
+        return out
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     """Everything ``python -m swarm.api`` accepts."""
@@ -62,6 +110,7 @@ class ApiConfig:
     codec: str = option("auto", help="activations' codec: 'auto' (per link) or one to force, e.g. 'none'")
     dashboard: bool = option(True, help="do not serve the web dashboard and chat page")
     limits: ApiLimits = field(default_factory=ApiLimits)
+    connections: ApiConnections = field(default_factory=ApiConnections)
 
     def keys(self) -> tuple[str, ...]:
         keys = list(self.api_keys)

@@ -86,7 +86,7 @@ class Service:
         self.on_failover.append(
             lambda model, peer, n: observers[model].note("failover", peer, f"a client failed over from it ({n})")
         )
-        app.include_router(dashboard_router(observers, chat=True, stopping=stopping))
+        app.include_router(dashboard_router(observers, chat=True, stopping=stopping, access=self.state.access))
 
     def poll_failovers(self) -> None:
         """Report peers the clients banned since the last poll (their failure counts grew)."""

@@ -1,7 +1,8 @@
 """Serve an ASGI app (the dashboard, metrics) with uvicorn on a background thread, off the serving path.
 
 The socket is bound here first, so a port of 0 is resolved before the server starts and the caller learns the URL at
-once; ``close`` asks uvicorn to exit and joins its thread."""
+once; ``close`` asks uvicorn to exit and joins its thread. Its connections are guarded (``swarm.dashboard.guard``):
+idle and slow ones are cut, and a flood of them cuts only itself."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from typing import Any
 
 import uvicorn
 
+from swarm.dashboard.access import Access
+from swarm.dashboard.guard import ConnectionLimits, Guard
 from swarm.errors import BadInputError
 
 GRACEFUL_SECONDS = 1.0  # open streams (the dashboard's live events) are cut after this at shutdown
 
 
 class ThreadedServer:
-    def __init__(self, app: Any, host: str, port: int, name: str = "http") -> None:
+    def __init__(self, app: Any, host: str, port: int, name: str = "http", guard: Guard | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -33,6 +36,7 @@ class ThreadedServer:
             self._sock.close()
             raise
         self.host, self.port = host, int(self._sock.getsockname()[1])
+        self.guard = guard or Guard(ConnectionLimits(), Access())
         config = uvicorn.Config(
             app,
             host=host,
@@ -40,6 +44,9 @@ class ThreadedServer:
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=int(GRACEFUL_SECONDS) or 1,
+            http=self.guard.protocol(),
+            ws="none",
+            timeout_keep_alive=int(self.guard.limits.keep_alive_timeout) or 1,
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name=f"{name}-server", daemon=True)
@@ -70,9 +77,10 @@ class ThreadedServer:
         self._sock.close()
 
 
-def serve_in_thread(app: Any, host: str, port: int, name: str = "http") -> ThreadedServer:
-    """Start serving ``app`` on ``host:port`` (0: any free port); ``.url`` says where, ``.close()`` stops it."""
-    server = ThreadedServer(app, host, port, name)
+def serve_in_thread(app: Any, host: str, port: int, name: str = "http", guard: Guard | None = None) -> ThreadedServer:
+    """Start serving ``app`` on ``host:port`` (0: any free port); ``.url`` says where, ``.close()`` stops it.
+    ``guard``: its connections' limits and keys (default: the default limits, no keys)."""
+    server = ThreadedServer(app, host, port, name, guard)
     if not server.wait_started():
         server.close()
         raise RuntimeError(f"the {name} server on {host}:{port} did not start")
