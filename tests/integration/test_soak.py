@@ -27,6 +27,7 @@ CEILING_MB = 192
 # or connection (asyncio's buffer of what the transport already read), here at most 2 x 128 of them
 ALLOWANCE_MB = 64 + 2 * 128 * 128 // 1024
 MIB = 1 << 20
+RESIDUE_MB = 64  # what the C and Python allocators keep of freed small objects (arenas): docs/trust.md
 MAX_LENGTH = 240  # the tiny model's positions: 256
 
 
@@ -69,6 +70,7 @@ class Sampler:
 
 def attack(hop: object, seconds: float, identities: int = 4, p2p_identities: int = 2) -> subprocess.Popen[str]:
     import os
+
     h = {k: getattr(hop, k) for k in ("peer_id", "start", "end", "direct")} | {"maddrs": list(hop.maddrs)}  # type: ignore[attr-defined]
     cmd = [
         sys.executable,
@@ -125,8 +127,11 @@ def test_memory_stays_under_the_ceiling_while_every_attack_runs_at_once(tiny_mod
         )
         # once the attackers left, the server gives its memory back (no collection needed) and serves as before
         deadline = time.monotonic() + 60.0
-        while rss(pid) > baseline + 32 * MIB and time.monotonic() < deadline:
+        while rss(pid) > baseline + RESIDUE_MB * MIB and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert rss(pid) <= baseline + 32 * MIB, f"{rss(pid) / MIB:.0f} MiB after, {baseline / MIB:.0f} before"
+        after = rss(pid)
+        assert after <= baseline + RESIDUE_MB * MIB, (
+            f"{after / MIB:.0f} MiB after, {baseline / MIB:.0f} before, {peak / MIB:.0f} at the peak"
+        )
         again = client.generate(prompt, max_new_tokens=chunk, min_new_tokens=chunk, do_sample=False)
         assert torch.equal(again, expected[:, : prompt.shape[1] + chunk])

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from peers.rpc.chain import Relay
+from peers.rpc.directory import ServerDirectory
 from peers.rpc.servicer import Servicer
 from peers.serving.activations import ActivationStore, Kept, SavedBytes, storages
 from peers.serving.checks import Limits
@@ -164,13 +165,13 @@ def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakr
     decoders: list[weakref.ref[wire.Decoder]] = []
     make = compute.metrics.decoder
 
-    def tracked(max_bytes: int, budget: wire.ByteBudget | None) -> wire.Decoder:
-        decoder = make(max_bytes, budget)
+    def tracked(max_bytes: int, budget: wire.ByteBudget | None, caller: str = "anonymous") -> wire.Decoder:
+        decoder = make(max_bytes, budget, caller)
         decoders.append(weakref.ref(decoder))
         return decoder
 
     async def start(*_: object) -> SimpleNamespace:
-        return SimpleNamespace(id="s", sub=Span(0, 1), inbox=asyncio.Queue())
+        return SimpleNamespace(id="s", sub=Span(0, 1), inbox=asyncio.Queue(), room=None)
 
     async def end(_: object) -> None:
         return None
@@ -178,7 +179,10 @@ def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakr
     compute.metrics.decoder = tracked
     sessions = SimpleNamespace(compute=compute, start=start, end=end, open={})
     servicer = Servicer(compute, sessions, lambda: None, max_bytes=1 << 30, timing=timing)
-    relay = Relay(SimpleNamespace(creds=SimpleNamespace(peer_id="me")), sessions, timing, 1 << 30, lambda *_: None)
+    directory = ServerDirectory(lambda _: [], "fingerprint", 2, 1.0)
+    relay = Relay(
+        SimpleNamespace(creds=SimpleNamespace(peer_id="me")), sessions, timing, 1 << 30, lambda *_: None, directory
+    )
     return compute, servicer, relay, decoders
 
 
