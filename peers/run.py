@@ -183,6 +183,7 @@ async def run_peer(
             await peer.probe_speed()
             await peer.publish(PeerState.JOINING)
         tasks.append(asyncio.create_task(peer.heartbeat(stop)))
+        tasks.append(asyncio.create_task(_expire_kept(compute, cfg.timing.activation_ttl / 4)))
         if cfg.placement.blocks is None:
             tasks.append(asyncio.create_task(run_follower(store, model.name, model.num_blocks, peer, cfg.timing)))
         if cfg.placement.broker:
@@ -213,6 +214,13 @@ async def run_peer(
         store.shutdown()
     if peer is not None and peer.lost_dht:
         raise DhtLostError("this peer lost its DHT (its DHT process died) and left the swarm")
+
+
+async def _expire_kept(compute: ComputeService, period: float) -> None:
+    """Kept forwards whose backward never came are dropped at their ttl even when no request comes to do it."""
+    while True:
+        await asyncio.sleep(period)
+        compute.kept.expire()
 
 
 async def _observe(

@@ -152,6 +152,11 @@ class ActivationStore:
         if self._bytes[kept.caller] <= 0:
             del self._bytes[kept.caller]
 
+    def expire(self) -> None:
+        """Drop what outlived the ttl (also done on every put and pop; ``peers.run`` calls it periodically, so a
+        caller who never comes back holds nothing past the ttl)."""
+        self._expire()
+
     def _expire(self) -> None:
         deadline = self.clock() - self.ttl
         while self._items and next(iter(self._items.values())).created < deadline:
