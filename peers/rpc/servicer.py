@@ -180,8 +180,8 @@ class Servicer:
             return _reply(Reply())
         if self.training is None:
             raise BadInputError(f"{req.kind} request to a peer that holds no trainable stage")
-        if isinstance(req, StateRequest):
-            return _reply(*await self.training.state(req))
+        if isinstance(req, StateRequest):  # a copy of the stage's state, counted until its frames are sent
+            return (await self.training.state(req, caller, self.budget)).frames(_reply)
         await self.training.step(req)
         return _reply(Reply())
 
