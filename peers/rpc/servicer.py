@@ -243,6 +243,7 @@ class Servicer:
                 decoder.release()
                 for f in self._sent(reply):
                     yield f
+                del reply  # sent: not held while the connection waits (a state copy counts until its frames go)
         finally:
             decoder.release()
 
