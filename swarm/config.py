@@ -37,6 +37,7 @@ class Timing:
     notice_timeout: float = 2.0  # best-effort notices (a client releasing its adapters, a trainer's step notice)
     probe_timeout: float = 10.0  # a joining peer's bandwidth probe to one live peer
     state_timeout: float = 60.0  # downloading a trainable stage's state (a joining replica, an export)
+    state_interval: float = 30.0  # a stage gives one caller a copy of its state this often, after 4 (0: no limit)
     cache_wait: float = 2.0  # an inference session waits this long for KV-cache room, then is refused
     view_refresh: float = 5.0  # the client re-reads the swarm view at most this often
     activation_ttl: float = 120.0  # activations kept on a server for a pending backward
@@ -91,6 +92,7 @@ class Timing:
             max_tenure=60.0,
             heartbeat_timeout=3.0,
             step_follow_period=1.0,
+            state_interval=0.0,  # no per-caller rate of state copies: tests read stages' states to check them
             progress_ttl=60.0,
             solo_poll=2.0,
         )

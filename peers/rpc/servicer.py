@@ -190,8 +190,8 @@ class Servicer:
             return _reply(Reply())
         if self.training is None:
             raise BadInputError(f"{req.kind} request to a peer that holds no trainable stage")
-        if isinstance(req, StateRequest):
-            return _reply(*await self.training.state(req))
+        if isinstance(req, StateRequest):  # a copy of the stage's state, counted until its frames are sent
+            return (await self.training.state(req, caller, self.budget)).frames(_reply)
         await self.training.step(req)
         return _reply(Reply())
 
@@ -253,6 +253,7 @@ class Servicer:
                 decoder.release()
                 for f in self._sent(reply):
                     yield f
+                del reply  # sent: not held while the connection waits (a state copy counts until its frames go)
         finally:
             decoder.release()
 

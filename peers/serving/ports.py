@@ -4,12 +4,13 @@ stage implements both (``peers.training``); a serving stage neither."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from swarm.protocol import StateReply, StateRequest, StepNotice, TrainTag
+from swarm import wire
+from swarm.protocol import Message, StateRequest, StepNotice, TrainTag
 
 Tensors = dict[str, torch.Tensor]
 
@@ -36,6 +37,15 @@ class Learner(Protocol):
 class TrainingRpc(Protocol):
     """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""
 
-    async def state(self, req: StateRequest) -> tuple[StateReply, Tensors]: ...
+    async def state(self, req: StateRequest, caller: str, budget: wire.ByteBudget | None) -> StateCopy:
+        """A copy of the stage's state for ``caller``, admitted and counted (``budget``: the server's bytes held)
+        until its reply is sent, or ``BusyError``."""
 
     async def step(self, notice: StepNotice) -> None: ...
+
+
+class StateCopy(Protocol):
+    """An admitted state copy (``peers.training.state_gate``)."""
+
+    def frames(self, encode: Callable[[Message, Tensors], list[wire.Frame]]) -> list[wire.Frame]:
+        """Its reply encoded; the copy counts until these frames are gone."""

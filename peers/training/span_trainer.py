@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from peers.training.proofs import StepProofs
+from peers.training.proofs import StepClaims, StepProofs
 from swarm.dht import OwnedDHT, dht_time
 from swarm.errors import BadInputError, StaleStepError
 from swarm.identity import Signed
@@ -50,7 +50,7 @@ class SpanTrainer:
         self.step = 0
         self.samples = 0  # seen for the current step
         self.by_trainer: Counter[str] = Counter()  # the current step's samples, by the trainer that sent them
-        self.vouched = 0  # the furthest step a trainer of the run signed (its progress, or a step notice)
+        self.claims = StepClaims(run)  # the steps trainers signed, and how far they let this stage go
         self.proofs: StepProofs | None = None  # how signed progress is checked (set by the stage)
         self.clipped = 0  # contributions scaled down to the run's gradient bound
         self.last_round: tuple[int, dict[str, torch.Tensor]] | None = None  # (step, state) of the last averaging
@@ -74,28 +74,44 @@ class SpanTrainer:
             raise StaleStepError(f"step {self.step}'s batch is complete", server_step=self.step + 1)
         if tag.step > self.step:
             self.vouch(tag.proof)
-        self.catch_up(tag.step)
+        self.catch_up(tag.step, work=True)
 
     def vouch(self, proof: Signed | None) -> int:
         """Take note of a trainer's signed progress (refused with a ``BadInputError`` if it proves nothing)."""
         if self.proofs is None:
             raise BadInputError("this stage takes no signed steps yet")
-        step = self.proofs.step_of(proof, dht_time())
-        self.vouched = max(self.vouched, step)
-        return step
+        progress = self.proofs.progress_of(proof, dht_time())
+        self.claims.note(progress.trainer, progress.step)
+        return progress.step
 
-    def check_step(self, step: int) -> None:
-        """A stage steps only as far as a trainer of the run signed."""
-        if step > max(self.step, self.vouched):
+    def note(self, trainer: str, step: int) -> None:
+        """A trainer's progress record, read from the DHT (its signature and freshness checked there)."""
+        self.claims.note(trainer, step)
+
+    def reach(self, work: bool = False) -> int:
+        """The furthest step the trainers' signed word lets this stage go to now (``StepClaims.reach``)."""
+        return self.claims.reach(self.step, work)
+
+    def check_step(self, step: int, work: bool = True) -> None:
+        """A stage steps only as far as a trainer of the run signed, and one trainer's word moves it only so far."""
+        if step <= max(self.step, self.reach(work)):
+            return
+        if step > self.claims.highest:
             raise BadInputError(
                 f"step {step} is ahead of this stage's {self.step}, and no trainer of the run signed it"
             )
+        raise BadInputError(
+            f"step {step} is ahead of this stage's {self.step} by more than one trainer's word moves it "
+            f"({self.claims.bound} steps); further only where two trainers of a closed run agree"
+        )
 
-    def catch_up(self, step: int) -> None:
-        """Take the optimizer steps the swarm has taken (none if already there), and finish the last one. At most
-        ``catch_up_limit`` of them are taken (each is an AdamW update on this peer's only compute thread); a stage
-        further behind skips the rest of the count, as it would have learnt nothing in them anyway."""
-        self.check_step(step)
+    def catch_up(self, step: int, work: bool = False) -> None:
+        """Take the optimizer steps the swarm has taken (none if already there), and finish the last one: as far
+        as ``check_step`` lets ``step`` go (``work``: on a training request's word). A stage further behind than
+        ``catch_up_limit`` (which only two trainers of a closed run agreeing can ask) skips the rest of the count,
+        as it would have learnt nothing in them anyway: each step is an AdamW update on this peer's only compute
+        thread."""
+        self.check_step(step, work)
         if step - self.step > self.run.catch_up_limit:
             log.warning(
                 "%d steps behind the swarm: skipping to step %d",
@@ -158,7 +174,7 @@ class SpanTrainer:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.samples += samples
-        if self.samples >= self.run.target_batch_size and self.vouched > self.step:
+        if self.samples >= self.run.target_batch_size and self.reach(work=True) > self.step:
             self.apply_step(finish=False)
         # Otherwise the step waits for a trainer's signature that it has begun (its next request, step notice or
         # progress): samples alone, which anyone may send under a trainer's name, never make a stage step.
@@ -191,6 +207,8 @@ class SpanTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         log.info("step %d applied (%d samples)", self.step + 1, self.samples, extra={"span": str(self.span)})
+        if self.samples:  # stepped on samples: the stage's own evidence that the run got this far
+            self.claims.reached(self.step + 1)
         self.step, self.samples = self.step + 1, 0
         self.by_trainer.clear()
         set_lr(self.opt, self.run, self.step)
@@ -267,6 +285,7 @@ class SpanTrainer:
                     target.copy_(source)
                 state["step"].fill_(float(step))
         self.step, self.samples = step, 0
+        self.claims.reached(step)  # a checkpoint of its own, or a state the replicas vouched for
         self.by_trainer.clear()
         self.opt.zero_grad(set_to_none=True)
         set_lr(self.opt, self.run, self.step)

@@ -17,10 +17,13 @@ from peers.blocks.loader import load_span
 from peers.broker.planner import PeerInfo, Plan, Policy
 from peers.broker.stages import plan_stages
 from peers.serving.config import ComputeConfig
-from peers.serving.ports import Learner, Tensors
+from peers.serving.ports import Learner
 from peers.serving.stage import ModelInfo, StageEnv
 from peers.training.proofs import StepProofs
 from peers.training.span_trainer import SpanTrainer
+from peers.training.state_gate import StateCopy, StateGate
+from swarm import wire
+from swarm.config import Timing
 from swarm.dht import dht_time
 from swarm.errors import BadInputError
 from swarm.ids import Span
@@ -40,6 +43,7 @@ class TrainableStage:
         self.checkpoint_dir = checkpoint_dir  # None: the run's checkpoint directory / stage-A-B
         self.trainer: SpanTrainer | None = None
         self._env: StageEnv | None = None
+        self.gate = StateGate(Timing().state_interval)  # replaced with the peer's timing on ``attach``
 
     @classmethod
     def from_config(
@@ -73,6 +77,7 @@ class TrainableStage:
 
     def attach(self, env: StageEnv) -> None:
         self._env = env
+        self.gate = StateGate(env.timing.state_interval)
 
     def check_pinned(self, span: Span) -> None:
         self.run.stage_of(span)
@@ -119,7 +124,8 @@ class TrainableStage:
             log.info("starting from the run's initial weights", extra={"span": str(span)})
         trainer.set_replicas([r.peer_id for r in sources.replicas])
         trainer.proofs = StepProofs(self.run, env.timing.trainer_stale, env.timing.clock_skew)
-        trainer.vouched = max(trainer.step, (sources.max_step or 1) - 1)  # the furthest step a trainer published
+        for p in await asyncio.to_thread(self._progress):  # the trainers' signed word on where the run is
+            trainer.note(p.trainer, p.step)
         trainer.on_round = self._sign_round
         trainer.start_averager(env.store.dht)
         trainer.launch_averager()  # on the event loop's thread, the main thread, as hivemind requires
@@ -179,22 +185,25 @@ class TrainableStage:
                 continue
             try:
                 trainer.set_replicas([r.peer_id for r in await asyncio.to_thread(self._replicas, trainer.span)])
-                progress = await asyncio.to_thread(env.store.read, self.run.trainers_key, TrainerProgress)
-                now, timing = dht_time(), env.timing
-                steps = [
-                    p.step
-                    for p in fresh(progress, now, timing.trainer_stale, timing.clock_skew)
-                    if self.run.is_trainer(p.trainer)
-                ]
-                if steps:
-                    trainer.vouched = max(trainer.vouched, max(steps))
-                if steps and max(steps) > trainer.step:
-                    log.info("the swarm is at step %d", max(steps), extra={"span": str(trainer.span)})
-                    await env.compute.run(trainer.catch_up, max(steps))
+                progress = await asyncio.to_thread(self._progress)
+                for p in progress:
+                    trainer.note(p.trainer, p.step)
+                # as far as the trainers' word goes: one trainer's moves it a bounded number of steps
+                target = min(max((p.step for p in progress), default=0), trainer.reach())
+                if target > trainer.step:
+                    log.info("the swarm is at step %d", target, extra={"span": str(trainer.span)})
+                    await env.compute.run(trainer.catch_up, target)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.warning("could not follow the global step: %s", e, extra={"peer": env.peer_id})
+
+    def _progress(self) -> list[TrainerProgress]:
+        """The run's trainers' fresh progress records (blocking: a DHT read)."""
+        progress = self.env.store.read(self.run.trainers_key, TrainerProgress)
+        timing = self.env.timing
+        recent = fresh(progress, dht_time(), timing.trainer_stale, timing.clock_skew)
+        return [p for p in recent if self.run.is_trainer(p.trainer)]
 
     # ---- RPC: state requests and step notices --------------------------------------------------------------------
     @property
@@ -206,32 +215,48 @@ class TrainableStage:
             raise BadInputError("this peer holds no trainable stage yet")
         return self.trainer
 
-    async def state(self, req: StateRequest) -> tuple[StateReply, Tensors]:
-        """The stage's weights and optimizer state, taken between requests on the compute thread."""
+    async def state(self, req: StateRequest, caller: str, budget: wire.ByteBudget | None) -> StateCopy:
+        """The stage's weights and optimizer state, taken between requests on the compute thread: admitted as any
+        compute request is (``ComputeService.queued``), and as a copy of the state (``StateGate``: copies held at
+        once, per caller and in all, their bytes in ``budget``, and how often one caller gets one)."""
         trainer = self._held()
         if (req.start, req.end) != (trainer.span.start, trainer.span.end):
             raise BadInputError(f"this peer holds stage {trainer.span}, not {req.start}:{req.end}")
-        if req.round:
-            if trainer.last_round is None:
-                raise BadInputError("this replica has not ended an averaging round yet")
-            step, tensors = trainer.last_round
-        else:
-            step, tensors = await self.env.compute.run(lambda: (trainer.step, trainer.export_state()))
-        return StateReply(step=step, start=trainer.span.start, end=trainer.span.end), tensors
+        if req.round and trainer.last_round is None:
+            raise BadInputError("this replica has not ended an averaging round yet")
+        release = self.gate.admit(caller, stage_state_bytes(self.run, trainer.span), budget)
+        try:
+            held = trainer.last_round
+            if req.round and held is not None:  # made by the averaging round: admitted, nothing to compute
+                step, tensors = await self.env.compute.run(lambda: held, small=True, caller=caller)
+            else:
+                step, tensors = await self.env.compute.run(
+                    lambda: (trainer.step, trainer.export_state()), caller=caller
+                )
+        except BaseException:
+            release()
+            raise
+        return StateCopy(release, StateReply(step=step, start=trainer.span.start, end=trainer.span.end), tensors)
 
     async def step(self, notice: StepNotice) -> None:
         """A trainer finished a global step: take ours now (a replica that saw none of the step's micro-batches would
         otherwise wait for its next request), without making the trainer wait for it or for an averaging round.
 
         The notice counts only with its proof: the progress record of a trainer of the run at that step, signed by
-        that trainer and recent."""
+        that trainer and recent. Even so, it moves the stage only as far as one trainer's word goes
+        (``peers.training.proofs``): a notice of step 10^12 moves it at most ``catch_up_limit`` steps."""
         trainer = self._held()
         if notice.step > trainer.step:
             signed = trainer.vouch(notice.proof)
             if signed != notice.step:
                 raise BadInputError(f"the notice is of step {notice.step}, its proof of step {signed}")
-            trainer.check_step(notice.step)  # a clear error to the caller; the compute thread checks again
-            self.env.compute.in_background(trainer.catch_up, notice.step)
+            target = min(notice.step, trainer.reach())
+            if target < notice.step:
+                log.info(
+                    "a notice of step %d moves this stage to %d", notice.step, target, extra={"span": str(trainer.span)}
+                )
+            if target > trainer.step:
+                self.env.compute.in_background(trainer.catch_up, target)
 
     def close(self) -> None:
         if self.trainer is not None:

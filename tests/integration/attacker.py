@@ -50,7 +50,7 @@ from swarm.records import (
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 from swarm.rpc.stream import open_session
-from tests.integration.attacker_training import attack_training, errors_of, join_averaging
+from tests.integration.attacker_training import attack_training, errors_of, huge_notice, join_averaging
 
 TIMING = Timing.for_tests()
 
@@ -305,6 +305,7 @@ ATTACKS = {
     "outsider": outsider,
     "broker": seize_broker,
     "training": attack_training,
+    "notice": huge_notice,
     "averaging": join_averaging,
     "push": push_into,
 }
@@ -327,13 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=2, help="averaging: stop once in this many of the replicas' groups")
     p.add_argument("--hop", default="", help="outsider: the JSON of one server's hop (peer_id, span, addresses)")
     p.add_argument("--swarm-key", default="", help="outsider: a key file of its own (default: none)")
+    p.add_argument("--identity", default="", help="the key file of its first identity (default: a new key)")
     args = p.parse_args(argv)
     stores: list[RecordStore] = []
     try:
-        for _ in range({"records": 3, "outsider": 0}.get(args.attack, 1)):
+        for k in range({"records": 3, "training": 3, "outsider": 0}.get(args.attack, 1)):
             stores.append(
                 start_dht(
                     initial_peers=tuple(args.initial_peers),
+                    identity=Path(args.identity) if args.identity and k == 0 else None,
                     timeout=TIMING.dht_start_timeout,
                     call_timeout=TIMING.dht_timeout,
                 )

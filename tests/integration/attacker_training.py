@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from swarm.dht import RecordStore, dht_time, die_with_parent
-from swarm.errors import SwarmError
+from swarm.errors import BusyError, SwarmError
 from swarm.hop import Hop
 from swarm.protocol import RPC_FORWARD, BackwardRequest, ForwardRequest, Reply, StepNotice, TrainTag
 from swarm.records import TrainerProgress
@@ -77,8 +77,50 @@ def attack_training(stores: list[RecordStore], args: argparse.Namespace) -> dict
         ("notice", StepNotice(step=10**12, proof=store.sign(mine)), {}),
         ("notice forged", StepNotice(step=10**12, proof=store.sign(forged)), {}),
     ]
+    remotes = [remote] + [Remote(loop.run(s.replicate_p2p()), s.credentials()) for s in stores[1:]]
     try:
-        return {"target": target.peer_id, "answers": errors_of(loop, remote, hop, calls)}
+        answers = errors_of(loop, remote, hop, calls)
+        return {"target": target.peer_id, "answers": answers, **state_flood(loop, remotes, hop)}
+    finally:
+        for r in remotes:
+            loop.run(r.p2p.shutdown(), 5.0)
+        loop.close(5.0)
+
+
+def state_flood(loop: LoopThread, remotes: list[Remote], hop: Hop, most: int = 12) -> dict[str, Any]:
+    """From each identity, the stage's whole state (weights and Adam moments) over and over, until refused (at most
+    ``most`` times): {identity: [each answer]}, and the seconds the flood took."""
+    flood: dict[str, list[str]] = {}
+    t0 = time.monotonic()
+    for r in remotes:
+        answers = flood[r.creds.peer_id] = []
+        for _ in range(most):
+            try:
+                loop.run(r.state(hop, 30.0, 1 << 30))
+                answers.append("ok")
+            except SwarmError as e:
+                answers.append(f"{type(e).__name__}: {e}")
+                if isinstance(e, BusyError):
+                    break
+    return {"flood": flood, "flood_seconds": time.monotonic() - t0}
+
+
+def huge_notice(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
+    """A trainer of the run gone rogue (the attacker holds its key): step notices of step 10^12, signed by itself,
+    to every server, three times over."""
+    store = stores[0]
+    servers = {r.peer_id: r for rs in store.view(args.model_id, args.num_blocks).values() for r in rs}
+    loop = LoopThread("attacker")
+    remote = Remote(loop.run(store.replicate_p2p()), store.credentials())
+    mine = TrainerProgress(trainer=store.peer_id, step=10**12, samples=1 << 30, updated=dht_time())
+    notice = StepNotice(step=10**12, proof=store.sign(mine))
+    try:
+        answers = {
+            peer_id: [errors_of(loop, remote, Hop.of(r), [("notice", notice, {})])["notice"] for _ in range(3)]
+            for peer_id, r in servers.items()
+            if peer_id != store.peer_id
+        }
+        return {"answers": answers}
     finally:
         loop.run(remote.p2p.shutdown(), 5.0)
         loop.close(5.0)

@@ -213,31 +213,37 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             store.shutdown()
 
 
-def closed_run(tmp_path: Path, identity: Path, **sections: Any) -> Path:
+def closed_run(tmp_path: Path, *identities: Path, **sections: Any) -> Path:
     from tests.integration.test_pretrain import write_run
 
-    trainer_id = peer_id_of_key(load_identity(identity).get_public_key().to_bytes())
-    return write_run(tmp_path, trust={"trainers": [trainer_id]}, **sections)
+    trainers = [peer_id_of_key(load_identity(i).get_public_key().to_bytes()) for i in identities]
+    return write_run(tmp_path, trust={"trainers": trainers}, **sections)
 
 
 def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp_path):
-    """A closed run (the run lists its trainer): the attacker's backward passes with NaN, overflowing or
+    """A closed run (the run lists its trainers): the attacker's backward passes with NaN, overflowing or
     miscounted gradients, its requests as a stranger, its steps far ahead, its step notices and progress records
-    (its own and forged in the trainer's name) are all refused or ignored, and the run's losses are exactly those
-    of the same training in one process."""
+    (its own and forged in the trainer's name) are all refused or ignored; its flood of state requests from three
+    identities is refused as ``busy`` beyond the stage's limits; and the run's losses are exactly those of the
+    same training in one process. Then a second listed trainer gone rogue signs step notices of step 10^12: each
+    stage moves at most ``catch_up_limit`` steps, its schedule far from its end, and still answers."""
+    from peers.training.state_gate import BURST
     from swarm.client.training.local import LocalTraining
     from swarm.client.training.trainer import Trainer
+    from swarm.errors import BusyError
     from swarm.training.data import Samples, corpus_files, tokenize
     from swarm.training.run import load_run
-    from tests.integration.test_pretrain import close_all
+    from tests.integration.test_pretrain import close_all, stage_state
 
-    identity = tmp_path / "trainer.key"
-    run_file = closed_run(tmp_path, identity, checkpoint={"every_steps": 0}, averaging={"every_steps": 0})
+    identity, rogue = tmp_path / "trainer.key", tmp_path / "rogue.key"
+    run_file = closed_run(tmp_path, identity, rogue, checkpoint={"every_steps": 0}, averaging={"every_steps": 0})
     run = load_run(run_file)
     data = Samples(tokenize(corpus_files(None), "bytes", 256), run.seq_len, run.seed)
     local = LocalTraining(run, data)
     expected = [local.train_step() for _ in range(8)]
-    with running_swarm("tiny-llama", [str(s) for s in run.stages], "--train", str(run_file)) as swarm:
+    interval = 60.0  # test timings turn the per-caller rate of state copies off: on here, longer than the test
+    args = ("--train", str(run_file), "--state-interval", str(interval))
+    with running_swarm("tiny-llama", [str(s) for s in run.stages], *args) as swarm:
         with Trainer(run, data, tuple(swarm.initial_peers), timing=TIMING, identity=identity) as trainer:
             losses = [trainer.train_step() for _ in range(4)]
             done = attack(
@@ -263,9 +269,31 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
             assert "NaN" in answers["backward nan"]
             assert "claims 16 samples but holds 8" in answers["backward miscount"]
             assert "not a trainer" in answers["notice"] and "signed by" in answers["notice forged"]
+            # the flood: each identity is refused as busy within its burst (plus one a state_interval, however slow
+            # the machine), before anything is copied
+            allowed = BURST + int(done["flood_seconds"] / interval) + 1
+            for who, got in done["flood"].items():
+                assert got[-1].startswith("BusyError") and len(got) <= allowed + 1, (who, got)
+                assert all(a == "ok" for a in got[:-1]), (who, got)
             assert all(swarm.peer_by_id(p.peer_id).proc.poll() is None for p in swarm.peers)
             assert trainer.step == 8
-    assert close_all(losses, expected), (losses, expected)
+            assert close_all(losses, expected), (losses, expected)
+
+            # a listed trainer gone rogue: its self-signed notices of step 10^12 move each stage a bounded distance
+            rogue_done = attack("notice", swarm, run.model_id, 6, "--identity", str(rogue))
+            assert all(a == "ok" for got in rogue_done["answers"].values() for a in got), rogue_done
+            for p in swarm.peers:
+                stage = next(s for s in run.stages if str(s) == p.span)
+
+                def read(peer_id=p.peer_id, stage=stage):  # an honest export's read: the trainer has its own bucket
+                    try:
+                        return stage_state(trainer, peer_id, stage)
+                    except BusyError:
+                        return None
+
+                step, weights = wait_for(read, 30, "the stage's state")
+                assert 8 <= step <= 8 + run.catch_up_limit, (p.span, step)
+                assert run.lr_factor(step) > 0.5 and all(torch.isfinite(w).all() for w in weights.values())
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import torch
 from swarm.client.training.local import LocalTraining
 from swarm.client.training.trainer import Trainer
 from swarm.config import Timing
+from swarm.errors import BusyError
 from swarm.hop import Hop
 from swarm.records import PeerState, stage_servers
 from swarm.training.data import Samples, corpus_files, tokenize
@@ -108,7 +109,10 @@ def replicas_agree(trainer: Trainer, swarm, run, step: int) -> bool:
     view = trainer.model.connection.store.view(run.model_id, run.stages[-1].end)
     for stage in run.stages:
         ids = [r.peer_id for r in stage_servers(view, stage, run.fingerprint)]
-        states = [stage_state(trainer, pid, stage) for pid in sorted(set(ids))]
+        try:
+            states = [stage_state(trainer, pid, stage) for pid in sorted(set(ids))]
+        except BusyError:  # the previous read's copy not yet given back there: read again at the next poll
+            return False
         if len(states) < 2 or any(s < step for s, _ in states):
             return False
         first = states[0][1]
