@@ -259,7 +259,7 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
     sent = 0
     try:
         p2p = loop.run(stores[0].replicate_p2p())
-        print(json.dumps({"ready": True}), flush=True)
+        print(json.dumps({"ready": True, "peer_id": stores[0].peer_id}), flush=True)
         target = json.loads(sys.stdin.readline())
         h = target["hop"]
         hop = Hop(h["peer_id"], h["start"], h["end"], tuple(h["maddrs"]), direct=h["direct"])

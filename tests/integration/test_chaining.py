@@ -5,6 +5,7 @@ but the previous hop refused (a real malicious process), and a hop that forks wh
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,8 @@ from tests.integration.swarms import connect, counter, patient_timing, running_s
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 THREE = ["0:1", "1:3", "3:4"]
+OPEN_2_4 = OpenSession(session_id="s", start=2, end=4, max_length=8, batch_size=1)
+OPEN_0_2 = OpenSession(session_id="t", start=0, end=2, max_length=8, batch_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +136,7 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
         ]
         try:
             assert attacker.stdout is not None and attacker.stdin is not None
-            assert _said(attacker) == {"ready": True}
+            assert _said(attacker)["ready"]
             with client.inference_session(max_length=64) as session:
                 head = client.generate(ids, max_new_tokens=6, do_sample=False)
                 target = session.hop_states[1]  # the second hop: it takes pushes, from the first one only
@@ -166,6 +169,79 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
         # each push refused, at once or once its wait for a newer route ended (the servers' open_timeout), no other
         wait_for(lambda: refused() >= 8, 60, "every push refused")
         assert refused() == 8
+
+
+def test_a_route_names_only_servers_that_announce_the_blocks_around(folder):
+    """A client is a stranger too: it cannot name another identity of its own (a real attacker process) as the hop
+    before its session and push through it around the byte budget, nor name as its next hop an address of its
+    choosing for the server to dial. Both need a signed server record of the neighbouring blocks."""
+    metrics = ("--metrics-port", "0")
+    with running_swarm(folder, ["0:2", "2:4"], *metrics) as swarm, connect(folder, swarm) as client:
+        conn = client.connection
+        second = conn.view.route(0, 4, mode="inference")[1]  # the 2:4 server
+        first = conn.view.route(0, 4, mode="inference")[0]
+        refused = lambda: counter(swarm, "swarm_peer_push_refused")[second.peer_id]  # noqa: E731
+        received = lambda: scrape(swarm.peer_by_id(second.peer_id).urls["metrics"])[  # noqa: E731
+            ("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))
+        ]
+        cmd = [sys.executable, "-m", "tests.integration.attacker", "push", "--initial-peers", *swarm.initial_peers]
+        cmd += ["--model-id", Path(folder).name, "--num-blocks", "4", "--hidden-size", "64"]
+        attacker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        listener = socket.create_server(("127.0.0.1", 0))  # where a client would have the first hop dial
+        listener.setblocking(False)
+        try:
+            assert attacker.stdout is not None and attacker.stdin is not None
+            accomplice = _said(attacker)["peer_id"]
+            creds = conn.remote.creds
+
+            def signed(hops: tuple[ChainHop, ...]) -> Signed:
+                payload = ChainRoute(client=creds.peer_id, generation=0, hops=hops).model_dump_json()
+                return Signed(public_key=creds.public_key, payload=payload, signature=creds.sign(payload.encode()))
+
+            # 1. its own identity as the hop before its session on the 2:4 server: the route is the client's to give
+            route = signed(
+                (ChainHop(peer_id=accomplice, session_id="x"), ChainHop(peer_id=second.peer_id, session_id="s"))
+            )
+            stream = conn.loop.run(open_session(conn.remote, second, 10.0))
+            conn.loop.run(stream.send(InferenceRequest(open=OPEN_2_4, route=route), {}))
+            conn.loop.run(stream.receive(OpenReply, 10.0))
+            h = second
+            leak = {
+                "hop": dict(peer_id=h.peer_id, start=h.start, end=h.end, maddrs=list(h.maddrs), direct=h.direct),
+                "client": creds.peer_id,
+                "session": "s",
+                "position": 0,
+            }
+            before, refused_before = received(), refused()
+            attacker.stdin.write(json.dumps(leak) + "\n")
+            attacker.stdin.flush()
+            for _plane in ("libp2p", "direct"):
+                before += _said(attacker)["bytes"]
+                wait_for(lambda n=before: received() >= n, 60, "the pushes read")
+                attacker.stdin.write("next\n")
+                attacker.stdin.flush()
+            assert _said(attacker)["pushes"] == 8
+            wait_for(lambda: refused() >= refused_before + 8, 60, "every push refused")  # none reached the session
+            stream.close()
+            # 2. a next hop that is no server of the blocks after, at an address the client chose
+            port = listener.getsockname()[1]
+            route = signed(
+                (
+                    ChainHop(peer_id=first.peer_id, session_id="t"),
+                    ChainHop(peer_id=accomplice, session_id="y", direct=f"127.0.0.1:{port}"),
+                )
+            )
+            stream = conn.loop.run(open_session(conn.remote, first, 10.0))
+            with pytest.raises(SwarmError, match="announces no record"):
+                conn.loop.run(stream.send(InferenceRequest(open=OPEN_0_2, route=route), {}))
+                conn.loop.run(stream.receive(OpenReply, 10.0))
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # the server never dialled the address the route carried
+        finally:
+            listener.close()
+            if attacker.poll() is None:
+                attacker.kill()
+                attacker.wait()
 
 
 def test_a_hop_that_forks_what_it_passes_on_is_caught(folder, ref):
