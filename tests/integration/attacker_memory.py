@@ -6,7 +6,8 @@ both planes (``test_soak.py``, ``scripts/soak.py``):
 - stalled messages: the first frame of a multi-frame message, the rest never sent;
 - stop reading: big forwards on a kept-open connection whose replies are never read; inference sessions whose
   replies are never read;
-- kept forwards whose backward never comes.
+- kept forwards whose backward never comes;
+- compressed activations whose header declares a tensor of 16 TiB.
 
     python -m tests.integration.attacker_memory --hop JSON --seconds S --identities N --hidden-size H
 
@@ -29,6 +30,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import wire
+from swarm.codecs import Codec
 from swarm.hop import Hop
 from swarm.identity import Credentials
 from swarm.protocol import (
@@ -168,6 +170,26 @@ async def kept_forwards(hop: Hop, creds: Credentials, deadline: float, hidden: i
         channel.close()
 
 
+async def lying_codecs(hop: Hop, creds: Credentials, deadline: float, hidden: int) -> None:
+    """Forwards whose compressed activations declare a shape of 2^41 float64 values (16 TiB if believed), in every
+    lossy codec, answered and read, as fast as the server refuses them."""
+    channel = await _direct(hop, creds, RPC_COMPUTE_LOOP)
+    try:
+        while asyncio.get_running_loop().time() < deadline:
+            for codec in (Codec.float16, Codec.uint8, Codec.quantile8, Codec.block8):
+                meta = ForwardRequest(start=hop.start, end=hop.end).model_dump(mode="json")
+                frames = wire.encode(meta, {"hidden": torch.randn(1, 64, hidden).double()}, codec)
+                part = frames[-1].tensors[0]
+                del part.size[:]
+                part.size.extend([1 << 20, 1 << 21])
+                await channel.send(frames)
+                _seen(await asyncio.wait_for(channel.receive(), 60.0))
+    except Exception:
+        outcomes["codec_cut"] += 1
+    finally:
+        channel.close()
+
+
 async def p2p_frames(hop: Hop, deadline: float) -> None:
     """Over libp2p, with an identity of its own: a frame declaring 1 GiB, then frames just under the cap left
     unfinished on as many streams as the server allows."""
@@ -199,7 +221,7 @@ async def p2p_frames(hop: Hop, deadline: float) -> None:
         await p2p.shutdown()
 
 
-DIRECT = ("unfinished", "stalled", "no_read", "no_read_session", "kept")
+DIRECT = ("unfinished", "stalled", "no_read", "no_read_session", "kept", "codecs")
 
 
 async def identity(hop: Hop, deadline: float, hidden: int, which: set[str]) -> None:
@@ -210,6 +232,7 @@ async def identity(hop: Hop, deadline: float, hidden: int, which: set[str]) -> N
         "no_read": no_read_forwards(hop, creds, deadline, hidden),
         "no_read_session": no_read_session(hop, creds, deadline, hidden),
         "kept": kept_forwards(hop, creds, deadline, hidden),
+        "codecs": lying_codecs(hop, creds, deadline, hidden),
     }
     for name, work in attacks.items():
         if name not in which:
