@@ -1,9 +1,10 @@
 """The memory ceiling under every attack at once: a real attacker process (``attacker_memory.py``) with several
 identities on both planes runs every attack on a server's memory (unfinished and oversized frames, stalled messages,
-replies never read, sessions never read, kept forwards never taken back, compressed tensors declaring 16 TiB) while an honest client generates through an
-inference session it opened before. The server's resident memory stays under its ``--max-memory-mb`` plus the fixed
-allowance ``docs/trust.md`` states, the honest tokens equal a local Hugging Face run's, and the server's memory comes
-back down once the attackers leave. ``python scripts/soak.py --minutes N`` is the long run of the same."""
+replies never read, sessions never read, kept forwards never taken back, compressed tensors declaring 16 TiB) while
+an honest client generates through an inference session it opened before. The server's resident memory stays under
+its ``--max-memory-mb`` plus the fixed allowance ``docs/trust.md`` states, the honest tokens equal a local Hugging
+Face run's, and the server's memory comes back down once the attackers leave. ``python scripts/soak.py --minutes N``
+is the long run of the same."""
 
 from __future__ import annotations
 
