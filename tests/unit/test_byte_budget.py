@@ -1,0 +1,106 @@
+"""What a server holds for others, counted per caller and in total (``wire.ByteBudget``), a session's room in it
+(``wire.Reservation``), the budgets one ``--max-memory-mb`` sets, and whom chaining trusts (``ServerDirectory``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from peers.rpc.directory import ServerDirectory
+from peers.serving.config import MIB, ComputeConfig, within_memory
+from swarm import wire
+from swarm.errors import BusyError
+from swarm.protocol import PROTOCOL_VERSION
+from swarm.records import PeerState, ServerRecord
+
+
+def test_a_caller_is_bounded_alone_and_all_together() -> None:
+    budget = wire.ByteBudget(100, per_caller=60)
+    budget.take(60, "a")
+    with pytest.raises(BusyError):
+        budget.take(1, "a")  # its own share is full
+    budget.take(40, "b")
+    with pytest.raises(BusyError):
+        budget.take(1, "c")  # a newcomer, with the total reached
+    assert budget.refused == 2 and budget.used == 100
+    budget.hold(10, "c")  # a reply that exists already is counted, never refused
+    assert budget.used == 110 and budget.by_caller["c"] == 10
+    for caller, n in (("a", 60), ("b", 40), ("c", 10)):
+        budget.give(n, caller)
+    assert budget.used == 0 and budget.by_caller == {}  # a caller holding nothing costs nothing
+
+
+def test_a_session_keeps_its_room_when_others_fill_the_budget() -> None:
+    budget = wire.ByteBudget(100, per_caller=100)
+    room = wire.Reservation(budget, "honest", 20)
+    budget.take(80, "sybil")  # the rest of the budget, taken after the session opened
+    with pytest.raises(BusyError):
+        budget.take(1, "newcomer")
+    room.take(15)  # its steps still fit
+    room.give(15)
+    with pytest.raises(BusyError):
+        room.take(25)  # beyond its room it competes like anyone
+    assert room.used == 0 and room.over == 0
+    budget.give(80, "sybil")
+    room.take(25)  # 20 from the room, 5 from the budget
+    assert (room.used, room.over, budget.used) == (20, 5, 25)
+    room.give(25)
+    room.close()
+    assert budget.used == 0 and budget.by_caller == {}
+
+
+def test_one_ceiling_sets_every_budget_and_keeps_one_request_fitting() -> None:
+    c = within_memory(ComputeConfig(max_memory_bytes=256 * MIB))
+    parts = c.max_held_bytes + c.max_kept_bytes + c.max_adapter_bytes + (c.cache_bytes or 0)
+    assert parts == 256 * MIB
+    assert c.max_caller_held_bytes <= c.max_held_bytes and c.max_message_bytes <= c.max_caller_held_bytes
+    assert c.max_caller_kept_bytes <= c.max_kept_bytes and c.max_caller_adapter_bytes <= c.max_adapter_bytes
+    assert within_memory(ComputeConfig()) == ComputeConfig()  # no ceiling: nothing changes
+
+
+def _record(
+    peer: str, start: int, end: int, fingerprint: str = "fp", state: PeerState = PeerState.ONLINE
+) -> ServerRecord:
+    return ServerRecord(
+        peer_id=peer,
+        state=state,
+        start=start,
+        end=end,
+        model_id="m",
+        num_blocks=4,
+        fingerprint=fingerprint,
+        dtype="float32",
+        device="cpu",
+        forward_tps=1.0,
+        inference_sps=1.0,
+        software_version="0",
+        protocol_version=PROTOCOL_VERSION,
+    )
+
+
+def test_chaining_trusts_only_servers_of_the_block_with_our_weights() -> None:
+    now = [0.0]
+    reads: list[int] = []
+    records = {
+        1: [_record("b", 0, 2), _record("other-weights", 0, 2, "xx"), _record("standby", 1, 2, state=PeerState.STANDBY)]
+    }
+
+    def read(block: int) -> list[ServerRecord]:
+        reads.append(block)
+        return records.get(block, [])
+
+    directory = ServerDirectory(read, "fp", 4, ttl=8.0, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        assert (await directory.server_at("b", 1)) is not None
+        for peer in ("other-weights", "standby", "stranger"):
+            assert (await directory.server_at(peer, 1)) is None
+        assert reads == [1]  # one read served them all: a flood of unknown names costs one read per block and period
+        assert (await directory.server_at("b", 7)) is None and reads == [1]  # no such block: no read
+        now[0] = 3.0
+        records[1].append(_record("late", 1, 3))
+        assert (await directory.server_at("late", 1)) is not None  # a server that just joined is found
+        assert reads == [1, 1]
+
+    asyncio.run(scenario())
