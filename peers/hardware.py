@@ -128,3 +128,13 @@ def return_freed_memory(threshold: int = 128 * 1024) -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
     return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
+
+
+def trim_freed_memory() -> None:
+    """Hand memory that is free inside the C allocator's heaps back to the system (glibc's ``malloc_trim``: the tops
+    of heaps and whole free pages within them, in every thread's arena). Freed small objects leave pages behind that
+    glibc keeps until asked; a server asks now and then, so a burst of attacks leaves no lasting footprint."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do

@@ -15,7 +15,7 @@ from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
 from peers.config import PeerConfig
 from peers.follower import run_follower
-from peers.hardware import estimate_link_mbps, probe_hardware, usable_memory
+from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory, usable_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.rpc.direct_server import DirectLimits, DirectServer
@@ -217,10 +217,12 @@ async def run_peer(
 
 
 async def _expire_kept(compute: ComputeService, period: float) -> None:
-    """Kept forwards whose backward never came are dropped at their ttl even when no request comes to do it."""
+    """Kept forwards whose backward never came are dropped at their ttl even when no request comes to do it, and
+    what the allocator holds free goes back to the system (``trim_freed_memory``)."""
     while True:
         await asyncio.sleep(period)
         compute.kept.expire()
+        trim_freed_memory()
 
 
 async def _observe(
