@@ -131,9 +131,8 @@ def test_memory_stays_under_the_ceiling_while_every_attack_runs_at_once(tiny_mod
         while rss(pid) > baseline + RESIDUE_MB * MIB and time.monotonic() < deadline:
             time.sleep(0.2)
         after = rss(pid)
-        print(
-            f"soak: baseline {baseline / MIB:.0f} MiB, peak +{(peak - baseline) / MIB:.0f}, after +{(after - baseline) / MIB:.0f}"
-        )
+        over = [round((v - baseline) / MIB) for v in (peak, after)]
+        print(f"soak: baseline {baseline / MIB:.0f} MiB, peak +{over[0]} MiB, after +{over[1]} MiB")  # -s shows it
         assert after <= baseline + RESIDUE_MB * MIB, (
             f"{after / MIB:.0f} MiB after, {baseline / MIB:.0f} before, {peak / MIB:.0f} at the peak"
         )
