@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import select
+import socket
 import threading
 import time
 import urllib.request
@@ -287,3 +289,20 @@ class KillWhileServing:
     def join(self) -> list[str]:
         self._thread.join(self.timeout + 5)
         return self.killed
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the far end closed ``sock`` (an orderly close or a reset), reading what it sent meanwhile (poll, not
+    select: a flood's descriptors pass select's 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    if not poller.poll(0):
+        return False
+    try:
+        while sock.recv(1 << 16, socket.MSG_DONTWAIT):
+            pass
+    except BlockingIOError:
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import resource
-import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.local_swarm import ApiProcess
 from tests.conftest import local_reference
-from tests.integration.swarms import running_swarm, wait_for
+from tests.integration.swarms import closed_by_peer, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +77,6 @@ class Flood:
         self._thread.join(HANG_S)
         for sock in self.all:
             sock.close()
-
-
-def _closed(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (poll, not select: the flood's descriptors pass select's 1024)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-    if not poller.poll(0):
-        return False
-    try:
-        while sock.recv(1 << 16, socket.MSG_DONTWAIT):
-            pass
-    except BlockingIOError:
-        return False
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    return True
 
 
 def _status(sock: socket.socket) -> bytes:
@@ -196,9 +179,9 @@ def test_key_holders_are_served_through_a_flood_of_outsiders(stack, reference):
             assert holder.get("/dashboard").status_code == 200
 
         # what the flood cost: the oldest were cut as newer came; the rest go as new connections push them out
-        wait_for(lambda: all(_closed(s) for s in flood.silent), HANG_S, "the oldest to be cut")
+        wait_for(lambda: all(closed_by_peer(s) for s in flood.silent), HANG_S, "the oldest to be cut")
         fresh = [socket.create_connection(flood.address, timeout=HANG_S) for _ in range(PENDING)]
-        wait_for(lambda: all(_closed(s) for s in flood.all), HANG_S, "every flood socket to be cut")
+        wait_for(lambda: all(closed_by_peer(s) for s in flood.all), HANG_S, "every flood socket to be cut")
         cut = sum(_metric(api, "swarm_api_connections_cut_total", reason=r) for r in ("evicted", "header_timeout"))
         assert cut >= SILENT + HALF + TRICKLE + STREAMS
     finally:

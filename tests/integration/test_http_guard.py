@@ -23,7 +23,7 @@ from starlette.routing import Route
 from swarm.dashboard.access import Access
 from swarm.dashboard.guard import ConnectionLimits, Guard
 from swarm.dashboard.server import ThreadedServer, serve_in_thread
-from tests.integration.swarms import wait_for
+from tests.integration.swarms import closed_by_peer, wait_for
 
 KEY = "guard-test-key"
 BEARER = {"Authorization": f"Bearer {KEY}"}
@@ -65,34 +65,19 @@ def _connect(server: ThreadedServer) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=BOUND)
 
 
-def _closed(sock: socket.socket) -> bool:
-    """Whether the server closed ``sock`` (an orderly close or a reset), reading what it sent meanwhile."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
-        return False
-    try:
-        while sock.recv(1 << 20, socket.MSG_DONTWAIT):
-            pass
-    except BlockingIOError:
-        return False
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    return True
-
-
 def test_silent_and_trickling_connections_are_cut_at_their_head_deadline():
     with _serving(header_timeout=1.0) as (server, guard, _):
         silent, trickling = _connect(server), _connect(server)
         head = b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 400
         deadline = time.monotonic() + BOUND
-        while not _closed(trickling) and time.monotonic() < deadline:
+        while not closed_by_peer(trickling) and time.monotonic() < deadline:
             try:
                 trickling.send(head[:1])  # a byte at a time: each one would have reset uvicorn's own timer
             except (BrokenPipeError, ConnectionResetError):
                 break
             head = head[1:] or b"a"
             select.select([trickling], [], [], 0.1)
-        wait_for(lambda: _closed(silent), BOUND, "the silent connection to be cut")
+        wait_for(lambda: closed_by_peer(silent), BOUND, "the silent connection to be cut")
         assert guard.cut["header_timeout"] == 2 and not guard.open
         assert httpx.get(server.url + "/", timeout=BOUND).text == "ok"  # and the server serves on
 
@@ -121,8 +106,8 @@ def test_a_flood_of_idle_connections_cuts_only_its_own_oldest():
         reply = httpx.get(server.url + "/", headers=BEARER, timeout=BOUND)  # a new connection, which shows a key
         assert reply.text == "ok"
         # the key holder's connection, pending until its head arrived, cut one more of the flood
-        wait_for(lambda: all(_closed(s) for s in flood[:23]), BOUND, "the flood's oldest to be cut")
-        assert guard.cut["evicted"] == 23 and not any(_closed(s) for s in flood[23:])
+        wait_for(lambda: all(closed_by_peer(s) for s in flood[:23]), BOUND, "the flood's oldest to be cut")
+        assert guard.cut["evicted"] == 23 and not any(closed_by_peer(s) for s in flood[23:])
         for s in flood:
             s.close()
 
