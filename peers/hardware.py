@@ -115,21 +115,6 @@ async def estimate_link_mbps(
     return None
 
 
-def return_freed_memory(threshold: int = 128 * 1024) -> bool:
-    """Ask glibc to give buffers above ``threshold`` bytes their own mappings, returned to the system when freed.
-
-    By default glibc raises that threshold to the size of the largest buffer freed so far (up to 32 MiB), after which
-    a request's 2-4 MiB frames come from the heap and a burst of them leaves the process's resident memory high
-    long after they are freed: the memory ceiling (docs/trust.md) holds for what the server holds, and this makes
-    the process's footprint follow it back down. False where the C library is not glibc (nothing changes)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
-    return bool(libc.mallopt(m_mmap_threshold, threshold)) and bool(libc.mallopt(m_trim_threshold, threshold))
-
-
 def trim_freed_memory() -> None:
     """Hand memory that is free inside the C allocator's heaps back to the system (glibc's ``malloc_trim``: the tops
     of heaps and whole free pages within them, in every thread's arena). Freed small objects leave pages behind that

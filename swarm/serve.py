@@ -45,14 +45,12 @@ def preload() -> None:
 async def _main(cfg: PeerConfig) -> None:
     # the entry point wires the two sides: the node and the stage it serves
     from peers.blocks.stage import ServingStage
-    from peers.hardware import return_freed_memory
     from peers.run import run_peer
     from peers.serving.stage import Stage
     from peers.training.stage import TrainableStage
     from swarm.dashboard.peer import serve_peer_dashboard
 
     cfg.check()
-    return_freed_memory()
     stage: Stage = (
         TrainableStage.from_config(cfg.train, cfg.compute, cfg.cache_dir, cfg.checkpoint_dir)
         if cfg.train
