@@ -28,7 +28,7 @@ CEILING_MB = 192
 # or connection (asyncio's buffer of what the transport already read), here at most 2 x 128 of them
 ALLOWANCE_MB = 64 + 2 * 128 * 128 // 1024
 MIB = 1 << 20
-RESIDUE_MB = 64  # what the C and Python allocators keep of freed small objects (arenas): docs/trust.md
+RESIDUE_MB = 96  # what the C and Python allocators keep of freed small objects (fragmented arenas): docs/trust.md
 MAX_LENGTH = 240  # the tiny model's positions: 256
 
 
