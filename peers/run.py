@@ -137,7 +137,7 @@ async def run_peer(
     total = c.cache_bytes if c.cache_bytes is not None else cost.budget_for(c.cache_tokens, limit)
     budget = CacheBudget(total, per_caller=int(total * c.caller_cache_share))
     quota = Quota("open sessions", c.max_caller_sessions, c.max_sessions, ("--max-caller-sessions", "--max-sessions"))
-    sessions = Sessions(compute, budget, cfg.timing.cache_wait, c.inline_tokens, quota, cost)
+    sessions = Sessions(compute, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
     tasks: list[asyncio.Task[None]] = []
     direct: DirectServer | None = None
     remote: Remote | None = None

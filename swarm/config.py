@@ -39,6 +39,7 @@ class Timing:
     state_timeout: float = 60.0  # downloading a trainable stage's state (a joining replica, an export)
     state_interval: float = 30.0  # a stage gives one caller a copy of its state this often, after 4 (0: no limit)
     cache_wait: float = 2.0  # an inference session waits this long for KV-cache room, then is refused
+    max_step_wait: float = 0.5  # a waiting inference step runs before fair shares once it has waited this long
     view_refresh: float = 5.0  # the client re-reads the swarm view at most this often
     activation_ttl: float = 120.0  # activations kept on a server for a pending backward
     adapter_ttl: float = 600.0  # a client's cached adapter is dropped after this long unused

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, PretrainedConfig
 
+from peers.blocks import batched
 from peers.serving.adapters import Adapter
+from peers.serving.runtime import Row
 from swarm.errors import BadInputError
 from swarm.families import span as family_span
 from swarm.families.spec import Family
@@ -46,7 +48,7 @@ class SpanBackend:
         self.linears = linear_modules(layers[0]) if len(layers) else {}
         # The adapter of the request being computed. A context variable, not an attribute: small inference steps run
         # on the RPC loop's thread while the compute thread may be running another client's request.
-        self._active: ContextVar[Adapter | None] = ContextVar("adapter", default=None)
+        self._active: ContextVar[Adapter | batched.RowAdapters | None] = ContextVar("adapter", default=None)
         # Hooks exist only while some request with LoRA runs: a hooked module takes torch's slow call path, which
         # would cost every plain decode step ~1 ms per hop. Counted, since requests overlap (see _active).
         self._hooked = [
@@ -74,6 +76,8 @@ class SpanBackend:
     ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor | None]:
         def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
             adapter = self._active.get()
+            if isinstance(adapter, batched.RowAdapters):  # a batch of sessions: each row its own adapter's delta
+                return adapter.delta(key, args[0], output)
             pair = adapter.lora.get(key) if adapter is not None else None
             if adapter is None or pair is None:
                 return None
@@ -81,6 +85,28 @@ class SpanBackend:
             return output + F.linear(F.linear(args[0], a), b) * adapter.scaling
 
         return hook
+
+    def joins(self, cache: object) -> bool:
+        return batched.batchable(cache)
+
+    def run_batch(self, rows: list[Row], sub: Span) -> list[torch.Tensor]:
+        """Several sessions' steps of the same number of tokens through blocks ``sub`` as one forward; each row's
+        output, and each row's cache updated as if it had stepped alone (``peers.blocks.batched``)."""
+        if any(r.adapter is not None and r.adapter.prompt_tokens and r.past < r.adapter.prompt_tokens for r in rows):
+            raise BadInputError("a step inside deep prompts' positions cannot join a batch")  # the scheduler's bug
+        batch = batched.assemble(rows, sub, self.device)
+        adapters = batched.rows_adapters(rows)
+        token = self._active.set(adapters)
+        if adapters is not None:
+            self._hooks(True)
+        try:
+            out = self._layers(batch.hidden, sub, batch.mask, batch.pos, batch.cache, batch.past, None)
+        finally:
+            if adapters is not None:
+                self._hooks(False)
+            self._active.reset(token)
+        batched.scatter(rows, batch, sub)
+        return list(torch.split(out, [r.rows for r in rows]))
 
     def new_cache(self) -> DynamicCache:
         return family_span.new_cache(self.family)
@@ -108,13 +134,13 @@ class SpanBackend:
         if lora:
             self._hooks(True)
         try:
-            return self._run(hidden, sub, attention_mask, position_ids, cache, past, adapter)
+            return self._layers(hidden, sub, attention_mask, position_ids, cache, past, adapter)
         finally:
             if lora:
                 self._hooks(False)
             self._active.reset(token)
 
-    def _run(
+    def _layers(
         self,
         hidden: torch.Tensor,
         sub: Span,

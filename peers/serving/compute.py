@@ -25,6 +25,7 @@ from peers.serving.counters import PeerMetrics
 from peers.serving.limits import Quota
 from peers.serving.ports import Learner, Tensors
 from peers.serving.runtime import SpanRuntime, require
+from peers.serving.scheduler import StepScheduler
 from swarm.config import Timing
 from swarm.errors import ActivationsGoneError, BadInputError
 from swarm.ids import Span
@@ -53,6 +54,15 @@ class ComputeService:
         self.active = 0  # requests the servicer is processing now (reported by info)
         self.metrics = PeerMetrics()  # requests by kind and outcome, latency, bytes (``--metrics-port``)
         self._tasks: set[asyncio.Task[object]] = set()
+        # what runs next on the compute thread: inference steps batched across sessions, fairly, ahead of other work
+        self.scheduler = StepScheduler(
+            self._on_thread,
+            max(1, cfg.max_batch),
+            cfg.max_batch_tokens,
+            timing.max_step_wait,
+            cfg.inline_tokens,
+            self.metrics.batch_rows.observe,
+        )
 
     def set_backend(self, backend: SpanRuntime, learner: Learner | None = None) -> None:
         """Swap in a newly loaded span. Sessions on blocks the new span lacks end at their next step."""
@@ -64,18 +74,23 @@ class ComputeService:
         return self.backend.span if self.backend is not None and self.serving else None
 
     def close(self) -> None:
+        self.scheduler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
+    async def _on_thread(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     async def run(self, fn: Callable[..., T], *args: object, small: bool = False, caller: str | None = None) -> T:
-        """``fn`` on the compute thread; a small request (a few tokens) inline, where two thread hand-offs would
-        cost more than the compute. A caller's request counts toward the queue caps until it is done (``caller``
-        None: the server's own work, such as a trainable stage's catch-up, which no client can multiply)."""
+        """``fn`` on the compute thread, when the scheduler lets it in (after waiting inference steps); a small
+        request (a few tokens) inline, where two thread hand-offs would cost more than the compute. A caller's
+        request counts toward the queue caps until it is done (``caller`` None: the server's own work, such as a
+        trainable stage's catch-up, which no client can multiply)."""
         if caller is not None:
             self.queued.acquire(caller)
         try:
             if small:
                 return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await self.scheduler.other(fn, *args)
         finally:
             if caller is not None:
                 self.queued.release(caller)

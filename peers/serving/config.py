@@ -132,6 +132,12 @@ class ComputeConfig:
     max_queued: int = option(256, help="compute requests waiting for or running on the compute thread, all callers")
     max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
     inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")
+    max_batch: int = option(
+        32, help="rows of one batched forward: steps of different sessions that wait together run as one (1: alone)"
+    )
+    prefill_chunk: int = option(
+        256, help="a longer prompt step runs in chunks of this many tokens, other sessions' steps in between"
+    )
     perturb_weights: float = option(0.0, hidden=True, help="tests: noise added to the weights after fingerprinting")
 
 

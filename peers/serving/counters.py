@@ -70,6 +70,12 @@ class PeerMetrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.batch_rows = Histogram(
+            "swarm_peer_batch_rows",
+            "rows of each inference forward: steps of several sessions run together (continuous batching)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
         for kind in ("forward", "backward", "session_open", "inference_step", "info"):  # a rate needs a series at 0
             self.requests.labels(kind, "ok")
             self.latency.labels(kind)

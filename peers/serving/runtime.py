@@ -9,7 +9,8 @@ without it; a request that needs one anyway (sent by a buggy or hostile client) 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers import PretrainedConfig
@@ -62,6 +63,37 @@ class SpanRuntime(Protocol):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Torch tensors that hold the span's weights (not counted as memory a kept autograd graph adds)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's step in a batch: ``hidden`` [b, n, hidden] entering with ``past`` tokens in ``cache``;
+    ``mask`` [b, past + n] of 0/1 and ``pos`` [b, n] as the client sent them (None: no padding, positions from
+    ``past``)."""
+
+    hidden: torch.Tensor
+    cache: object  # the session's DynamicCache (``batchable``)
+    past: int
+    mask: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    adapter: Adapter | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+@runtime_checkable
+class Batcher(Protocol):
+    """A runtime that runs several sessions' steps as one forward (the torch runtime: ``peers.blocks.batched``)."""
+
+    def joins(self, cache: object) -> bool:
+        """Whether a session with ``cache`` can step in a batch (its layout is one a batch reproduces exactly)."""
+        ...
+
+    def run_batch(self, rows: list[Row], sub: Span) -> list[torch.Tensor]:
+        """Every row's output, each row's cache updated as if it had stepped alone."""
         ...
 
 

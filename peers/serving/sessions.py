@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -15,7 +16,7 @@ from peers.serving.compute import ComputeService
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
-from peers.serving.runtime import require
+from peers.serving.runtime import Batcher, Row, require
 from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import ChainRoute, OpenSession
@@ -54,15 +55,15 @@ class Sessions:
         compute: ComputeService,
         budget: CacheBudget,
         cache_wait: float,
-        inline_tokens: int,
         quota: Quota | None = None,
         cost: KvCost | None = None,
+        prefill_chunk: int = 256,
     ) -> None:
         self.compute = compute
         self.budget = budget
         self.cost = cost  # None (servers built by hand in tests): a token of one sequence costs one unit of budget
         self.cache_wait = cache_wait
-        self.inline_tokens = inline_tokens  # steps of at most this many tokens run inline on the RPC loop
+        self.prefill_chunk = max(1, prefill_chunk)  # a longer step runs in chunks, others' steps in between
         # open sessions per caller and in total (default: unbounded, for a server built without a config)
         self.quota = quota or Quota("open sessions", 1 << 30, 1 << 30, ("--max-caller-sessions", "--max-sessions"))
         self.open: dict[tuple[str, str], Session] = {}  # by (caller, session id)
@@ -168,16 +169,51 @@ class Sessions:
             session.position = position
         else:
             _rewind(session.cache, 0)
-        out = await self.compute.run(
-            self._step, session, hidden, mask, pos, small=batch * n <= self.inline_tokens, caller=session.caller
-        )
+        self.compute.queued.acquire(session.caller)
+        try:
+            out = await self._chunks(session, hidden, mask, pos)
+        finally:
+            self.compute.queued.release(session.caller)
         session.last_start = position
         session.position += n
         self.compute.stats["inference_steps"] += 1
         return {"hidden": out}
 
-    def _step(
+    async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step through the scheduler: a long one (a prompt) in chunks, each its own turn on the compute
+        thread, so other sessions' next tokens are not held up by it (chunked prefill)."""
+        backend = self.compute.backend
+        assert backend is not None
+        n, past = hidden.shape[1], session.position
+        prompts = session.adapter.prompt_tokens if session.adapter is not None else 0
+        size = max(self.prefill_chunk, prompts if past == 0 else 0)  # deep prompts go in one piece
+        if not isinstance(backend, Batcher) or n <= size:  # only the torch runtime's steps are batched or split
+            return await self._turn(session, hidden, mask, pos, past)
+        outs = []
+        for at in range(0, n, size):
+            end = min(n, at + size)
+            m = mask[:, : past + end] if mask is not None else None
+            p = pos[:, at:end] if pos is not None else None
+            outs.append(await self._turn(session, hidden[:, at:end], m, p, past + at))
+        return torch.cat(outs, dim=1)
+
+    async def _turn(
+        self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int
+    ) -> torch.Tensor:
+        backend = self.compute.backend
+        assert backend is not None
+        row = Row(hidden, session.cache, past, mask, pos, session.adapter)
+        prompts = session.adapter.prompt_tokens if session.adapter is not None else 0
+        # a step joins batches when the runtime batches, its cache has the plain layout and no deep prompt is added
+        runtime = backend if isinstance(backend, Batcher) and backend.joins(session.cache) and past >= prompts else None
+        key = (session.sub, int(hidden.shape[1])) if runtime is not None else None
+        alone = partial(self._alone, session, hidden, mask, pos, past)
+        return await self.compute.scheduler.step(session.caller, session.sub, row, alone, runtime, key)
+
+    def _alone(
+        self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int
     ) -> torch.Tensor:
         backend = self.compute.backend
         assert backend is not None
@@ -188,7 +224,7 @@ class Sessions:
                 attention_mask=mask,
                 position_ids=pos,
                 cache=session.cache,
-                past=session.position,
+                past=past,
                 adapter=session.adapter,
             )
 

@@ -97,7 +97,7 @@ def test_a_long_step_goes_in_pieces():
 
 def test_a_push_waits_for_its_session_and_route_then_gives_up():
     async def main() -> None:
-        sessions = Sessions(compute=None, budget=None, cache_wait=0.1, inline_tokens=1)  # type: ignore[arg-type]
+        sessions = Sessions(compute=None, budget=None, cache_wait=0.1)  # type: ignore[arg-type]
         with pytest.raises(BadInputError, match="no session"):
             await sessions.wait_for("client", "s1", 0, 0.05)
         s = session()

@@ -82,7 +82,7 @@ def _fake_compute() -> SimpleNamespace:
 async def test_sessions_capped_per_caller_and_in_total_with_50_identities():
     quota = Quota("open sessions", per_caller=2, total=10, flags=("--max-caller-sessions", "--max-sessions"))
     budget = CacheBudget(10_000, per_caller=5_000)
-    sessions = Sessions(_fake_compute(), budget, cache_wait=0.05, inline_tokens=8, quota=quota)
+    sessions = Sessions(_fake_compute(), budget, cache_wait=0.05, quota=quota)
 
     def msg(i: int) -> OpenSession:
         return OpenSession(session_id=f"{i:032d}", start=0, end=1, max_length=10, batch_size=1)

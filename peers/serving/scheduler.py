@@ -1,0 +1,239 @@
+"""What runs next on a server's compute thread: inference steps of different sessions batched into one forward,
+fair shares per caller, a bounded wait for every step, and inference ahead of other work.
+
+``pick`` is pure (a clock value and the waiting steps in, the next batch out). Steps that have waited ``max_wait``
+or longer go first, oldest first: that bounds every admitted step's wait while the server keeps up. Then fair
+shares: the step that leads the batch is the oldest of the caller that has had the fewest tokens computed (start-time
+fair queueing by authenticated peer id, so a client with 30 sessions gets the same share of a saturated server as a
+client with one that asks as much), and the batch is filled, in the same order, with steps that can share its
+forward (the same blocks and tokens per row). ``StepScheduler`` is its loop: it runs each batch through the
+runtime's ``run_batch`` on the compute thread, while the RPC loop keeps reading the steps that will make up the next
+batch (continuous batching: a session joins or leaves between two forwards and never waits for another to finish).
+
+Other compute (forwards and backwards of fine-tuning and training) goes through the same gate: it runs when no
+inference step waits, or once it has waited ``max_wait``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from peers.serving.runtime import Batcher, Row
+from swarm.ids import Span
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Waiting:
+    """One session's step waiting to run: ``row`` through ``sub`` (``alone`` runs it by itself); steps with equal
+    ``key`` can share a forward through ``runtime`` (None: it runs alone)."""
+
+    caller: str
+    sub: Span
+    row: Row
+    key: Hashable | None
+    since: float
+    alone: Callable[[], torch.Tensor] = field(repr=False)
+    runtime: Batcher | None = field(repr=False)
+    future: asyncio.Future[torch.Tensor] = field(repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.row.hidden.shape[0] * self.row.hidden.shape[1])
+
+
+@dataclass
+class Shares:
+    """Tokens computed per caller, in virtual time: a caller that starts waiting is lifted to the least-served waiting
+    caller's time, so an idle spell banks no credit. Callers that wait no more are forgotten once they are behind."""
+
+    vtime: dict[str, float] = field(default_factory=dict)
+    waiting: frozenset[str] = frozenset()
+    floor: float = 0.0
+
+    def order(self, callers: set[str]) -> None:
+        for caller in callers - self.waiting:
+            self.vtime[caller] = max(self.vtime.get(caller, 0.0), self.floor)
+        self.waiting = frozenset(callers)
+        if callers:
+            self.floor = min(self.vtime[c] for c in callers)
+        for caller in [c for c, v in self.vtime.items() if c not in callers and v <= self.floor]:
+            del self.vtime[caller]
+
+    def charge(self, caller: str, tokens: int) -> None:
+        self.vtime[caller] = self.vtime.get(caller, self.floor) + tokens
+
+
+def pick(
+    waiting: Sequence[Waiting], shares: Shares, now: float, max_rows: int, max_tokens: int, max_wait: float
+) -> list[Waiting]:
+    """The steps to run next, as one batch (see the module's doc); ``shares`` is charged for them."""
+    shares.order({w.caller for w in waiting})
+    overdue = sorted((w for w in waiting if now - w.since >= max_wait), key=lambda w: w.since)
+    rest = [w for w in waiting if now - w.since < max_wait]
+
+    def fairest(steps: list[Waiting]) -> Waiting:
+        return min(steps, key=lambda w: (shares.vtime.get(w.caller, shares.floor), w.since))
+
+    first = overdue[0] if overdue else fairest(rest)
+    batch: list[Waiting] = [first]
+    rows, tokens = first.row.rows, first.tokens
+    shares.charge(first.caller, first.tokens)
+    if first.key is None:
+        return batch
+    overdue = [w for w in overdue if w is not first and w.key == first.key]
+    rest = [w for w in rest if w is not first and w.key == first.key]
+    while overdue or rest:
+        if overdue:
+            nxt = overdue.pop(0)
+        else:
+            nxt = fairest(rest)
+            rest.remove(nxt)
+        if rows + nxt.row.rows > max_rows or tokens + nxt.tokens > max_tokens:
+            continue  # a smaller one may still fit
+        batch.append(nxt)
+        rows, tokens = rows + nxt.row.rows, tokens + nxt.tokens
+        shares.charge(nxt.caller, nxt.tokens)
+    return batch
+
+
+class StepScheduler:
+    """The server's compute gate and inference batcher (see the module's doc)."""
+
+    def __init__(
+        self,
+        run_on_thread: Callable[..., Any],
+        max_rows: int,
+        max_tokens: int,
+        max_wait: float,
+        inline_tokens: int,
+        observe: Callable[[int], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._thread = run_on_thread  # (fn, *args) -> awaitable: fn on the compute thread
+        self.max_rows, self.max_tokens, self.max_wait = max_rows, max_tokens, max_wait
+        self.inline_tokens = inline_tokens
+        self._observe = observe  # rows of each forward run (the batch-size metric)
+        self.clock = clock
+        self.shares = Shares()
+        self.waiting: list[Waiting] = []
+        self._others: list[tuple[float, asyncio.Future[None]]] = []  # other work waiting for the thread
+        self._busy = False  # the compute thread runs something of ours
+        self._batching = False  # ...and it is inference steps (a small step then waits to join the next batch)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def step(
+        self,
+        caller: str,
+        sub: Span,
+        row: Row,
+        alone: Callable[[], torch.Tensor],
+        runtime: Batcher | None = None,
+        key: Hashable | None = None,
+    ) -> torch.Tensor:
+        """``row``'s output: run at once on this loop when no step is waiting or running and it is small (a thread
+        hand-off would cost more than the compute), else in the next batch its ``key`` allows."""
+        tokens = int(row.hidden.shape[0] * row.hidden.shape[1])
+        if not self._batching and not self.waiting and tokens <= self.inline_tokens:
+            self._observe(row.rows)
+            return alone()
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        self.waiting.append(Waiting(caller, sub, row, key, self.clock(), alone, runtime, future))
+        self._start()
+        try:
+            return await future
+        finally:
+            if not future.done():  # the caller went away: it runs no more (unless its batch already started)
+                self.waiting = [w for w in self.waiting if w.future is not future]
+
+    async def other(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn`` on the compute thread, after waiting inference steps (or once it has waited ``max_wait``)."""
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._others.append((self.clock(), gate))
+        self._start()
+        try:
+            await gate
+        except BaseException:
+            self._others = [o for o in self._others if o[1] is not gate]
+            if gate.done() and not gate.cancelled():
+                self._release()  # it was let in: let the next in
+            raise
+        try:
+            result: T = await self._thread(fn, *args)
+            return result
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._busy = False
+        self._wake.set()
+
+    def _start(self) -> None:
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._loop())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while not self._busy and (self.waiting or self._others):
+                now = self.clock()
+                if self._others and (not self.waiting or now - self._others[0][0] >= self.max_wait):
+                    _, gate = self._others.pop(0)
+                    if not gate.done():
+                        self._busy = True  # until ``other`` releases it
+                        gate.set_result(None)
+                    continue
+                batch = pick(self.waiting, self.shares, now, self.max_rows, self.max_tokens, self.max_wait)
+                self.waiting = [w for w in self.waiting if w not in batch]
+                self._busy = self._batching = True
+                try:
+                    await self._run(batch)
+                finally:
+                    self._busy = self._batching = False
+
+    async def _run(self, batch: list[Waiting]) -> None:
+        live = [w for w in batch if not w.future.done()]
+        if not live:
+            return
+        self._observe(sum(w.row.rows for w in live))
+        try:
+            outs = await self._thread(_run_batch, live)
+        except Exception as e:
+            if len(live) == 1:
+                live[0].future.set_exception(e)
+                return
+            # A batch failed: each row again alone, so only the row at fault hears the error (caches are untouched
+            # by a failed batch: rows' own caches get their new tokens only after the forward).
+            log.warning("a batch of %d failed (%s); its rows run alone", len(live), e)
+            for w in live:
+                await self._run([w])
+            return
+        for w, out in zip(live, outs, strict=True):
+            if not w.future.done():
+                w.future.set_result(out)
+
+
+def _run_batch(batch: list[Waiting]) -> list[torch.Tensor]:
+    """On the compute thread: one step alone, or one forward of every row (``pick`` batches only equal keys, which
+    only steps with a runtime that batches have)."""
+    if len(batch) == 1:
+        return [batch[0].alone()]
+    runtime = batch[0].runtime
+    assert runtime is not None
+    with torch.inference_mode():
+        return list(runtime.run_batch([w.row for w in batch], batch[0].sub))

@@ -1,0 +1,157 @@
+"""The server's step scheduler: which waiting steps run together (pure ``pick`` with an injected clock), fair shares
+per caller on a saturated server, the oldest step always first, overdue steps before fair shares, inference ahead
+of other compute, and a failed batch that hurts only the row at fault."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+
+from peers.serving.runtime import Row
+from peers.serving.scheduler import Shares, StepScheduler, Waiting, pick
+from swarm.ids import Span
+
+SUB = Span(0, 4)
+
+
+def _waiting(caller: str, since: float, rows: int = 1, n: int = 1, key: object = "decode") -> Waiting:
+    row = Row(torch.zeros(rows, n, 4), None, 0)
+    return Waiting(caller, SUB, row, key, since, lambda: torch.zeros(0), None, None)  # type: ignore[arg-type]
+
+
+def test_the_first_step_sets_what_joins_it():
+    steps = [_waiting("a", 2.0), _waiting("b", 1.0, n=7, key="prefill"), _waiting("c", 3.0)]
+    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0)
+    assert batch == [steps[1]]  # equal shares: the oldest leads; a prefill chunk runs alone (nothing shares its key)
+    steps.remove(steps[1])
+    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0)
+    assert batch == [steps[0], steps[1]]
+
+
+def test_a_caller_with_thirty_sessions_and_one_with_one_share_a_saturated_server():
+    """Rows of four per forward, caller ``many`` always has 30 steps waiting and ``few`` one of eight rows (its
+    session's batch): over many rounds each gets within 20% of half the rows."""
+    shares, served = Shares(), Counter[str]()
+    clock = 0.0
+    waiting = [_waiting("many", clock) for _ in range(30)] + [_waiting("few", clock, rows=4)]
+    for _ in range(400):
+        clock += 1.0
+        batch = pick(waiting, shares, clock, max_rows=4, max_tokens=64, max_wait=1e9)
+        for w in batch:
+            served[w.caller] += w.row.rows
+            waiting.remove(w)
+            waiting.append(_waiting(w.caller, clock, rows=w.row.rows))  # the session's next step
+    total = served["many"] + served["few"]
+    for caller in ("many", "few"):
+        assert abs(served[caller] / total - 0.5) <= 0.1, served
+
+
+def test_an_overdue_step_goes_before_fair_shares():
+    shares = Shares()
+    shares.vtime.update({"greedy": 1000.0, "fresh": 0.0})
+    shares.waiting = frozenset({"greedy", "fresh"})
+    old = _waiting("greedy", 0.0)
+    late = _waiting("greedy", 1.0)
+    fresh = [_waiting("fresh", 5.0) for _ in range(3)]
+    batch = pick([*fresh, late, old], shares, now=10.0, max_rows=2, max_tokens=64, max_wait=5.0)
+    assert batch == [old, late]  # both waited over 5 s: before fresh, although greedy had far more, oldest first
+    batch = pick([*fresh, late], shares, now=5.5, max_rows=2, max_tokens=64, max_wait=5.0)
+    assert batch == fresh[:2]  # nothing overdue: the least served caller first
+
+
+def test_a_caller_that_was_idle_banks_no_credit():
+    shares = Shares()
+    for _ in range(50):  # only "a" waits for a while
+        pick([_waiting("a", 0.0)], shares, 0.0, 8, 64, 1e9)
+    a_then = shares.vtime["a"]
+    pick([_waiting("a", 1.0), _waiting("b", 1.0)], shares, 1.0, 8, 64, 1e9)
+    assert shares.vtime["b"] >= a_then  # b starts where the least served waiting caller was, not at 0
+
+
+class _Runtime:
+    def __init__(self, fail_row: int | None = None) -> None:
+        self.batches: list[int] = []
+        self.fail_row = fail_row
+
+    def joins(self, cache: object) -> bool:
+        return True
+
+    def run_batch(self, rows: list[Row], sub: Span) -> list[torch.Tensor]:
+        self.batches.append(len(rows))
+        if self.fail_row is not None and any(int(r.hidden[0, 0, 0]) == self.fail_row for r in rows):
+            raise RuntimeError("a bad row")
+        return [r.hidden * 2 for r in rows]
+
+
+def _thread_runner():
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    async def on_thread(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    return pool, on_thread
+
+
+@pytest.mark.parametrize("fail_row", [None, 3])
+def test_steps_waiting_together_run_as_one_batch(fail_row):
+    runtime, sizes = _Runtime(fail_row), []
+    pool, on_thread = _thread_runner()
+
+    async def main():
+        scheduler = StepScheduler(on_thread, 32, 1024, 1.0, 0, sizes.append)
+
+        async def one(i: int):
+            x = torch.full((1, 1, 4), float(i))
+
+            def alone():
+                if i == fail_row:
+                    raise RuntimeError("a bad row")
+                return x * 2
+
+            return await scheduler.step(f"c{i % 3}", SUB, Row(x, None, 0), alone, runtime, "decode")
+
+        steps = [asyncio.ensure_future(one(i)) for i in range(8)]  # all wait before the scheduler's loop runs
+        results = await asyncio.gather(*steps, return_exceptions=True)
+        scheduler.close()
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert runtime.batches[0] == 8  # the eight steps waiting together ran as one forward
+    assert 8 in sizes  # ...and the batch-size metric saw it
+    for i, r in enumerate(results):
+        if i == fail_row:
+            assert isinstance(r, RuntimeError)  # only the row at fault hears the error
+        else:
+            assert torch.equal(r, torch.full((1, 1, 4), 2.0 * i))
+
+
+def test_waiting_inference_goes_before_other_work():
+    order: list[str] = []
+    runtime = _Runtime()
+    pool, on_thread = _thread_runner()
+
+    async def main():
+        scheduler = StepScheduler(on_thread, 32, 1024, 60.0, 0, lambda rows: None)
+        first = asyncio.ensure_future(scheduler.other(lambda: order.append("first")))
+        await asyncio.sleep(0)
+        training = asyncio.ensure_future(scheduler.other(lambda: order.append("training")))
+        x = torch.ones(1, 1, 4)
+        step = asyncio.ensure_future(
+            scheduler.step("c", SUB, Row(x, None, 0), lambda: order.append("step") or x, runtime, "decode")
+        )
+        await asyncio.gather(first, training, step)
+        scheduler.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert order.index("step") < order.index("training")
