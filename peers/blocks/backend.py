@@ -108,8 +108,8 @@ class SpanBackend:
         batched.scatter(rows, batch, sub)
         return list(torch.split(out, [r.rows for r in rows]))
 
-    def new_cache(self) -> DynamicCache:
-        return family_span.new_cache(self.family)
+    def new_cache(self, max_length: int | None = None) -> DynamicCache:
+        return family_span.new_cache(self.family, max_length)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         rotary = [*self.rotary.buffers()] if self.rotary is not None else []

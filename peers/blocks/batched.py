@@ -26,9 +26,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from peers.serving.adapters import Adapter
 from peers.serving.runtime import Row
+from swarm.families.span import GrowingLayer
 from swarm.ids import Span
 
-_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_PLAIN_LAYERS = (GrowingLayer, DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class RowAdapters:
@@ -94,31 +95,36 @@ def assemble(rows: Sequence[Row], sub: Span, device: torch.device) -> Batch:
             positions.append(r.pos.to(device))
         else:
             positions.append(torch.arange(r.past, r.past + n, device=device).unsqueeze(0).expand(r.rows, -1))
-    cache = DynamicCache()  # full layers only: the sliding windows are the masks' business (see the module's doc)
-    if top > 0:
-        for index in range(sub.start, sub.end):
-            keys, values = _padded(rows, index, top)
-            cache.update(keys, values, index)
     hidden = torch.cat([r.hidden.to(device) for r in rows])
+    # full layers only: the sliding windows are the masks' business (see the module's doc)
+    cache = DynamicCache()
+    layers: list[DynamicLayer] = [DynamicLayer() for _ in range(sub.start)]  # type: ignore[no-untyped-call]
+    for index in range(sub.start, sub.end):
+        room = _padded(rows, index, top, n, hidden)
+        layers.append(GrowingLayer(room=room, held=top) if room is not None else GrowingLayer())
+    cache.layers = list(layers)
     return Batch(hidden, torch.cat(masks), torch.cat(positions), cache, top)
 
 
-def _padded(rows: Sequence[Row], index: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``index`` of every row's cache, each ending at ``top`` (zeros before: padding the mask hides)."""
+def _padded(
+    rows: Sequence[Row], index: int, top: int, n: int, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Room for layer ``index`` of the batch: every row's cached keys and values ending at ``top`` (zeros before:
+    padding the mask hides), and ``n`` positions after for the step's own (None: no row has a past)."""
     held = [_held(r.cache, index) for r in rows]
-    like_k, like_v = next(kv for kv in held if kv is not None)
-    keys, values = [], []
+    like = next((kv for kv in held if kv is not None), None)
+    if like is None:
+        return None
+    room = tuple(t.new_empty((hidden.shape[0], *t.shape[1:-2], top + n, t.shape[-1])) for t in like)
+    at = 0
     for r, kv in zip(rows, held, strict=True):
-        if kv is None:
-            k = like_k.new_zeros((r.rows, *like_k.shape[1:-2], top, like_k.shape[-1]))
-            v = like_v.new_zeros((r.rows, *like_v.shape[1:-2], top, like_v.shape[-1]))
-        else:
-            k, v = kv
-            k = F.pad(k, (0, 0, top - k.shape[-2], 0))
-            v = F.pad(v, (0, 0, top - v.shape[-2], 0))
-        keys.append(k)
-        values.append(v)
-    return torch.cat(keys), torch.cat(values)
+        length = kv[0].shape[-2] if kv is not None else 0
+        for buf, src in zip(room, kv or (None, None), strict=True):
+            buf[at : at + r.rows, ..., : top - length, :] = 0
+            if src is not None:
+                buf[at : at + r.rows, ..., top - length : top, :] = src
+        at += r.rows
+    return room[0], room[1]
 
 
 def _held(cache: object, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -76,7 +76,7 @@ class OnnxSpan:
     def linears(self) -> Mapping[str, tuple[int, int]]:
         return {}  # no adapters here
 
-    def new_cache(self) -> OnnxCache:
+    def new_cache(self, max_length: int | None = None) -> OnnxCache:
         return OnnxCache()
 
     def weight_tensors(self) -> list[torch.Tensor]:

@@ -42,8 +42,8 @@ class SpanRuntime(Protocol):
         """LoRA's possible targets in one block: module path -> (in, out) features (empty without adapters)."""
         ...
 
-    def new_cache(self) -> object:
-        """An empty KV cache for one inference session."""
+    def new_cache(self, max_length: int | None = None) -> object:
+        """An empty KV cache for one inference session of at most ``max_length`` positions."""
         ...
 
     def run(

@@ -139,11 +139,15 @@ class StepScheduler:
         alone: Callable[[], torch.Tensor],
         runtime: Batcher | None = None,
         key: Hashable | None = None,
+        lone: bool = False,
     ) -> torch.Tensor:
-        """``row``'s output: run at once on this loop when no step is waiting or running and it is small (a thread
-        hand-off would cost more than the compute), else in the next batch its ``key`` allows."""
+        """``row``'s output: run at once on this loop when it is small (a thread hand-off would cost more than the
+        compute), its session is the only one open (``lone``) and no step waits or runs; else in the next batch its
+        ``key`` allows. With several sessions open, steps go to the compute thread even when they arrive one by one:
+        while one runs there, the loop reads the others, which then run together (run inline, each would block the
+        loop and the next would find nothing waiting, so nothing would ever batch)."""
         tokens = int(row.hidden.shape[0] * row.hidden.shape[1])
-        if not self._batching and not self.waiting and tokens <= self.inline_tokens:
+        if lone and not self._batching and not self.waiting and tokens <= self.inline_tokens:
             self._observe(row.rows)
             return alone()
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()

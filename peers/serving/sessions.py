@@ -95,7 +95,7 @@ class Sessions:
             sub,
             msg.max_length,
             msg.batch_size,
-            backend.new_cache(),
+            backend.new_cache(msg.max_length),
             reserved,
             adapter=adapter,
             pin=pin,
@@ -210,7 +210,8 @@ class Sessions:
         runtime = backend if isinstance(backend, Batcher) and backend.joins(session.cache) and past >= prompts else None
         key = (session.sub, int(hidden.shape[1])) if runtime is not None else None
         alone = partial(self._alone, session, hidden, mask, pos, past)
-        return await self.compute.scheduler.step(session.caller, session.sub, row, alone, runtime, key)
+        lone = len(self.open) == 1
+        return await self.compute.scheduler.step(session.caller, session.sub, row, alone, runtime, key, lone)
 
     def _alone(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int

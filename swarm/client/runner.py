@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from swarm.client.coalesce import Coalescer
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, Executor, Handler, PlanCache, Schedule, Tensors
 from swarm.client.inference_session import InferenceSession
@@ -58,6 +59,7 @@ class ModelOps:
 
     def __init__(self, parts: ModelParts) -> None:
         self.parts = parts
+        self._head = Coalescer(parts.head)  # concurrent decode steps (the API's requests) share one head call
 
     def embed(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
         return self.parts.embed(ids, ctx.positions)
@@ -70,7 +72,7 @@ class ModelOps:
         return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.parts.head(hidden)
+        return self._head(hidden)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, prompts: int) -> torch.Tensor:
         if prompts:  # the prompt positions predict nothing, the last of them the first token

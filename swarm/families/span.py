@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from swarm.families.spec import Family
@@ -29,8 +30,63 @@ class SpanInputs:
     alibi: torch.Tensor | None = None
 
 
-def new_cache(family: Family) -> DynamicCache:
+class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    """A full-attention cache layer that writes each step's keys and values in place, into room it grows ahead
+    (by a quarter, at least 16 tokens, never past ``limit``), where transformers' ``DynamicLayer`` concatenates: a
+    copy of the whole past at every step. ``keys`` and ``values`` are views of what it holds."""
+
+    def __init__(self, limit: int | None = None, room: tuple[torch.Tensor, torch.Tensor] | None = None, held: int = 0):
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.limit = limit
+        self._room = room  # (keys, values) with room for more positions than held
+        self._held = 0
+        if room is not None:  # a batch's layer: its past already in place (``peers.blocks.batched``)
+            self.is_initialized, self.device, self._held = True, room[0].device, held
+            self._view()
+
+    def _view(self) -> None:
+        assert self._room is not None
+        self.keys, self.values = self._room[0][..., : self._held, :], self._room[1][..., : self._held, :]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._held + key_states.shape[-2]
+        room = self._room
+        if room is None or end > room[0].shape[-2] or room[0].shape[:-2] != key_states.shape[:-2]:
+            size = end + max(16, end // 4)
+            size = min(size, max(end, self.limit)) if self.limit is not None else size
+            grown = tuple(s.new_empty((*s.shape[:-2], size, s.shape[-1])) for s in (key_states, value_states))
+            if room is not None and self._held:
+                for new, old in zip(grown, room, strict=True):
+                    new[..., : self._held, :] = old[..., : self._held, :]
+            room = self._room = (grown[0], grown[1])
+        room[0][..., self._held : end, :] = key_states
+        room[1][..., self._held : end, :] = value_states
+        self._held = end
+        self._view()
+        return room[0][..., :end, :], room[1][..., :end, :]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes how many tokens to remove, as a negative number")
+        if tokens_to_remove == 0 or not self.is_initialized or self._room is None:
+            return
+        self._held = max(0, self._held + tokens_to_remove)
+        self._view()
+
+    def reset(self) -> None:
+        super().reset()
+        self._room, self._held = None, 0
+
+
+def new_cache(family: Family, max_length: int | None = None) -> DynamicCache:
+    """A session's cache: transformers' own layers for the family's layer kinds, full-attention layers written in
+    place (``GrowingLayer``: room for ``max_length`` positions at most)."""
     cache = DynamicCache(config=family.config)
+    cache.layers = [GrowingLayer(max_length) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     # Sliding-window layers then keep the last step's tokens beyond their window until the next step settles them
     # (``peers.serving.sessions._rewind``), so a step sent again after a repair upstream can be redone: without it,
     # transformers can crop a sliding layer only before it fills its window.

@@ -74,7 +74,7 @@ def _fake_compute() -> SimpleNamespace:
     return SimpleNamespace(
         sub=lambda start, end: Span(start, end),
         bind_adapter=lambda caller, ref, tensors, sub: (None, None),
-        backend=SimpleNamespace(new_cache=lambda: None, name="torch", capabilities=ALL_CAPABILITIES),
+        backend=SimpleNamespace(new_cache=lambda max_length=None: None, name="torch", capabilities=ALL_CAPABILITIES),
         stats={"sessions": 0},
     )
 
