@@ -95,17 +95,20 @@ class SpanBackend:
         if any(r.adapter is not None and r.adapter.prompt_tokens and r.past < r.adapter.prompt_tokens for r in rows):
             raise BadInputError("a step inside deep prompts' positions cannot join a batch")  # the scheduler's bug
         batch = batched.assemble(rows, sub, self.device)
+        before = batched.lengths(rows, sub)
         adapters = batched.rows_adapters(rows)
         token = self._active.set(adapters)
         if adapters is not None:
             self._hooks(True)
         try:
             out = self._layers(batch.hidden, sub, batch.mask, batch.pos, batch.cache, batch.past, None)
+        except BaseException:
+            batched.undo(rows, sub, before)  # the rows' caches as they were: each can run again alone
+            raise
         finally:
             if adapters is not None:
                 self._hooks(False)
             self._active.reset(token)
-        batched.scatter(rows, batch, sub)
         return list(torch.split(out, [r.rows for r in rows]))
 
     def new_cache(self, max_length: int | None = None) -> DynamicCache:

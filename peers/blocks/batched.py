@@ -6,13 +6,15 @@ keys and values end at the same index ``P`` (the longest past among the rows), t
 past are padding, masked out by the 2D attention mask, and every row carries its real position ids (rotary tables,
 ALiBi and sliding windows then see what they see when the row runs alone). The family's own code builds the masks
 and runs the layers, so every family whose padded batches are exact (the start-up self-check runs one) batches
-exactly. After the forward each row's new keys and values are appended to its own cache through the cache layer's
-own ``update``: a session's cache is the same object, with the same contents, as if it had stepped alone.
+exactly. Each layer appends each row's new keys and values to the row's own cache through that cache layer's own
+``update``: a session's cache is the same object, with the same contents, as if it had stepped alone.
 
-The rows' caches are read once per step into the batch (as transformers' paged cache reads its pages with an
-``index_select``); nothing is written back but the new tokens. Sessions whose cache holds other layer kinds than
-full and sliding-window attention (linear attention, states) are not batched: ``batchable`` says so and they step
-alone."""
+The rows' caches are read once per step and layer into the batch's room for that layer (as transformers' paged
+cache reads its pages with an ``index_select``), which is dropped when the layer is done; nothing is written back
+but the new tokens. A batch that fails half way gives each row's cache back what it added (``undo``).
+
+Sessions whose cache holds other layer kinds than full and sliding-window attention (linear attention, states) are
+not batched: ``batchable`` says so and they step alone."""
 
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def rows_adapters(rows: Sequence[Row]) -> RowAdapters | None:
 
 @dataclass(frozen=True)
 class Batch:
-    """The padded batch of ``rows`` through ``sub``: inputs, 2D mask, positions and a cache holding everyone's past."""
+    """The padded batch of ``rows`` through ``sub``: inputs, 2D mask, positions and a cache over everyone's past."""
 
     hidden: torch.Tensor
     mask: torch.Tensor
@@ -95,36 +97,49 @@ def assemble(rows: Sequence[Row], sub: Span, device: torch.device) -> Batch:
             positions.append(r.pos.to(device))
         else:
             positions.append(torch.arange(r.past, r.past + n, device=device).unsqueeze(0).expand(r.rows, -1))
-    hidden = torch.cat([r.hidden.to(device) for r in rows])
-    # full layers only: the sliding windows are the masks' business (see the module's doc)
     cache = DynamicCache()
-    layers: list[DynamicLayer] = [DynamicLayer() for _ in range(sub.start)]  # type: ignore[no-untyped-call]
-    for index in range(sub.start, sub.end):
-        room = _padded(rows, index, top, n, hidden)
-        layers.append(GrowingLayer(room=room, held=top) if room is not None else GrowingLayer())
-    cache.layers = list(layers)
-    return Batch(hidden, torch.cat(masks), torch.cat(positions), cache, top)
+    skipped: list[DynamicLayer] = [DynamicLayer() for _ in range(sub.start)]  # type: ignore[no-untyped-call]
+    cache.layers = [*skipped, *(_BatchLayer(rows, index, top) for index in range(sub.start, sub.end))]
+    return Batch(torch.cat([r.hidden.to(device) for r in rows]), torch.cat(masks), torch.cat(positions), cache, top)
 
 
-def _padded(
-    rows: Sequence[Row], index: int, top: int, n: int, hidden: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Room for layer ``index`` of the batch: every row's cached keys and values ending at ``top`` (zeros before:
-    padding the mask hides), and ``n`` positions after for the step's own (None: no row has a past)."""
-    held = [_held(r.cache, index) for r in rows]
-    like = next((kv for kv in held if kv is not None), None)
-    if like is None:
-        return None
-    room = tuple(t.new_empty((hidden.shape[0], *t.shape[1:-2], top + n, t.shape[-1])) for t in like)
-    at = 0
-    for r, kv in zip(rows, held, strict=True):
-        length = kv[0].shape[-2] if kv is not None else 0
-        for buf, src in zip(room, kv or (None, None), strict=True):
-            buf[at : at + r.rows, ..., : top - length, :] = 0
-            if src is not None:
-                buf[at : at + r.rows, ..., top - length : top, :] = src
-        at += r.rows
-    return room[0], room[1]
+class _BatchLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    """Layer ``index`` of a batch, seen by the model as one full-attention layer of ``top`` past positions. Its room
+    (every row's past, left-padded) is gathered when the layer runs and dropped once its attention is done, so a batch
+    holds one layer's room at a time; the step's own keys and values go straight to each row's cache, through that
+    cache's own layer (as when the row runs alone, where the layer updates its cache before attending)."""
+
+    def __init__(self, rows: Sequence[Row], index: int, top: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.rows, self.index, self.top = rows, index, top
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.top
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.top + query_length, 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        held = [_held(r.cache, self.index) for r in self.rows]
+        room = tuple(s.new_empty((*s.shape[:-2], self.top + n, s.shape[-1])) for s in (key_states, value_states))
+        at = 0
+        for r, kv in zip(self.rows, held, strict=True):
+            length = kv[0].shape[-2] if kv is not None else 0
+            rows = slice(at, at + r.rows)
+            for buf, src in zip(room, kv or (None, None), strict=True):
+                buf[rows, ..., : self.top - length, :] = 0
+                if src is not None:
+                    buf[rows, ..., self.top - length : self.top, :] = src
+            assert isinstance(r.cache, DynamicCache)
+            r.cache.update(key_states[rows].contiguous(), value_states[rows].contiguous(), self.index)
+            at += r.rows
+        room[0][..., self.top :, :] = key_states
+        room[1][..., self.top :, :] = value_states
+        return room[0], room[1]
 
 
 def _held(cache: object, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -144,15 +159,22 @@ def _kv(cache: object, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     return layer.keys, layer.values
 
 
-def scatter(rows: Sequence[Row], batch: Batch, sub: Span) -> None:
-    """Append each row's new keys and values (the batch's last positions) to the row's own cache."""
-    for index in range(sub.start, sub.end):
-        kv = _kv(batch.cache, index)
-        assert kv is not None  # the forward filled every layer of the span
-        new_k, new_v = kv[0][..., batch.past :, :], kv[1][..., batch.past :, :]
-        at = 0
-        for r in rows:
-            # contiguous copies: a view would keep the whole batch's tensor alive in this session's cache
-            assert isinstance(r.cache, DynamicCache)
-            r.cache.update(new_k[at : at + r.rows].contiguous(), new_v[at : at + r.rows].contiguous(), index)
-            at += r.rows
+def lengths(rows: Sequence[Row], sub: Span) -> list[list[int]]:
+    """What each row's cache holds per layer of ``sub`` (to undo a batch that failed half way: ``undo``)."""
+    return [[_length(r.cache, i) for i in range(sub.start, sub.end)] for r in rows]
+
+
+def undo(rows: Sequence[Row], sub: Span, before: list[list[int]]) -> None:
+    """Give every row's cache back what a failed batch added to it, layer by layer."""
+    for r, held in zip(rows, before, strict=True):
+        assert isinstance(r.cache, DynamicCache)
+        for index, length in zip(range(sub.start, sub.end), held, strict=True):
+            extra = _length(r.cache, index) - length
+            layer = r.cache.layers[index]
+            if extra > 0 and isinstance(layer, DynamicLayer):
+                layer.crop(-extra)
+
+
+def _length(cache: object, index: int) -> int:
+    kv = _kv(cache, index)
+    return int(kv[0].shape[-2]) if kv is not None else 0

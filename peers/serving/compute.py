@@ -62,6 +62,8 @@ class ComputeService:
             timing.max_step_wait,
             cfg.inline_tokens,
             self.metrics.batch_rows.observe,
+            # a batched layer's room, rows x (longest past + new tokens): eight requests' worth of tokens
+            max_room=8 * cfg.max_batch_tokens,
         )
 
     def set_backend(self, backend: SpanRuntime, learner: Learner | None = None) -> None:

@@ -73,9 +73,17 @@ class Shares:
 
 
 def pick(
-    waiting: Sequence[Waiting], shares: Shares, now: float, max_rows: int, max_tokens: int, max_wait: float
+    waiting: Sequence[Waiting],
+    shares: Shares,
+    now: float,
+    max_rows: int,
+    max_tokens: int,
+    max_wait: float,
+    max_room: int | None = None,
 ) -> list[Waiting]:
-    """The steps to run next, as one batch (see the module's doc); ``shares`` is charged for them."""
+    """The steps to run next, as one batch (see the module's doc); ``shares`` is charged for them. A batch holds at
+    most ``max_rows`` rows, ``max_tokens`` new tokens and ``max_room`` positions of past in one layer's room (rows x
+    the longest past, plus the new tokens: what a batched layer gathers, ``peers.blocks.batched``)."""
     shares.order({w.caller for w in waiting})
     overdue = sorted((w for w in waiting if now - w.since >= max_wait), key=lambda w: w.since)
     rest = [w for w in waiting if now - w.since < max_wait]
@@ -85,7 +93,8 @@ def pick(
 
     first = overdue[0] if overdue else fairest(rest)
     batch: list[Waiting] = [first]
-    rows, tokens = first.row.rows, first.tokens
+    rows, tokens, top = first.row.rows, first.tokens, first.row.past
+    n = int(first.row.hidden.shape[1])
     shares.charge(first.caller, first.tokens)
     if first.key is None:
         return batch
@@ -97,10 +106,11 @@ def pick(
         else:
             nxt = fairest(rest)
             rest.remove(nxt)
-        if rows + nxt.row.rows > max_rows or tokens + nxt.tokens > max_tokens:
+        room = (rows + nxt.row.rows) * (max(top, nxt.row.past) + n)
+        if rows + nxt.row.rows > max_rows or tokens + nxt.tokens > max_tokens or room > (max_room or room):
             continue  # a smaller one may still fit
         batch.append(nxt)
-        rows, tokens = rows + nxt.row.rows, tokens + nxt.tokens
+        rows, tokens, top = rows + nxt.row.rows, tokens + nxt.tokens, max(top, nxt.row.past)
         shares.charge(nxt.caller, nxt.tokens)
     return batch
 
@@ -116,10 +126,11 @@ class StepScheduler:
         max_wait: float,
         inline_tokens: int,
         observe: Callable[[int], None],
+        max_room: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._thread = run_on_thread  # (fn, *args) -> awaitable: fn on the compute thread
-        self.max_rows, self.max_tokens, self.max_wait = max_rows, max_tokens, max_wait
+        self.max_rows, self.max_tokens, self.max_wait, self.max_room = max_rows, max_tokens, max_wait, max_room
         self.inline_tokens = inline_tokens
         self._observe = observe  # rows of each forward run (the batch-size metric)
         self.clock = clock
@@ -202,7 +213,9 @@ class StepScheduler:
                         self._busy = True  # until ``other`` releases it
                         gate.set_result(None)
                     continue
-                batch = pick(self.waiting, self.shares, now, self.max_rows, self.max_tokens, self.max_wait)
+                batch = pick(
+                    self.waiting, self.shares, now, self.max_rows, self.max_tokens, self.max_wait, self.max_room
+                )
                 self.waiting = [w for w in self.waiting if w not in batch]
                 self._busy = self._batching = True
                 try:

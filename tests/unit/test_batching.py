@@ -99,3 +99,30 @@ def test_lora_rows_differ_from_plain_rows_in_one_batch():
             backend.run(prompt, span, cache=c, adapter=a)
         plain, tuned = backend.run_batch([Row(x, caches[0], 5), Row(x, caches[1], 5, adapter=adapter)], span)
     assert (plain - tuned).abs().max().item() > 1e-3
+
+
+def test_a_batch_that_fails_half_way_leaves_every_cache_as_it_was():
+    """Layers before the failure already appended the step to the rows' caches: the runtime takes it back, so the
+    scheduler can run each row again alone."""
+    backend = _backend("mistral")  # full and sliding layers
+    span, hidden = backend.span, int(backend.config.hidden_size)
+    with torch.inference_mode():
+        caches = [backend.new_cache() for _ in range(3)]
+        for c, length in zip(caches, (4, 12, 7), strict=True):
+            backend.run(torch.randn(1, length, hidden), span, cache=c)
+        for c in caches:
+            _rewind(c, 0)
+        before = copy.deepcopy(caches)
+
+        def fail(*_: object) -> None:
+            raise RuntimeError("out of memory, say")
+
+        handle = backend.layers[1].register_forward_pre_hook(fail)
+        rows = [Row(torch.randn(1, 1, hidden), c, p) for c, p in zip(caches, (4, 12, 7), strict=True)]
+        with pytest.raises(RuntimeError):
+            backend.run_batch(rows, span)
+        handle.remove()
+    for c, b in zip(caches, before, strict=True):
+        for got, want in zip(c.layers, b.layers, strict=True):
+            if want.is_initialized:
+                assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)

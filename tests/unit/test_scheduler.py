@@ -17,8 +17,8 @@ from swarm.ids import Span
 SUB = Span(0, 4)
 
 
-def _waiting(caller: str, since: float, rows: int = 1, n: int = 1, key: object = "decode") -> Waiting:
-    row = Row(torch.zeros(rows, n, 4), None, 0)
+def _waiting(caller: str, since: float, rows: int = 1, n: int = 1, key: object = "decode", past: int = 0) -> Waiting:
+    row = Row(torch.zeros(rows, n, 4), None, past)
     return Waiting(caller, SUB, row, key, since, lambda: torch.zeros(0), None, None)  # type: ignore[arg-type]
 
 
@@ -60,6 +60,12 @@ def test_an_overdue_step_goes_before_fair_shares():
     assert batch == [old, late]  # both waited over 5 s: before fresh, although greedy had far more, oldest first
     batch = pick([*fresh, late], shares, now=5.5, max_rows=2, max_tokens=64, max_wait=5.0)
     assert batch == fresh[:2]  # nothing overdue: the least served caller first
+
+
+def test_a_batch_room_is_bounded_by_rows_times_the_longest_past():
+    steps = [_waiting("a", 0.0, past=10), _waiting("b", 1.0, past=900), _waiting("c", 2.0, past=20)]
+    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0, max_room=100)
+    assert batch == [steps[0], steps[2]]  # 2 x (900 + 1) would not fit; 2 x (20 + 1) does
 
 
 def test_a_caller_that_was_idle_banks_no_credit():
