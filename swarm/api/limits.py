@@ -17,7 +17,9 @@ from swarm.api import errors
 
 @dataclass(frozen=True)
 class Limits:
-    max_concurrent: int = 8  # generations at once, all callers
+    # generations at once, all callers: their decode steps batch on the servers and share the client's head, and
+    # each is a session on every server of its route (a server takes 16 of one caller by default)
+    max_concurrent: int = 16
     max_client_concurrent: int = 4  # ...and of one caller
     max_tokens: int = 1024  # largest max_tokens a request may ask for
     max_body_bytes: int = 1 << 20
