@@ -1,8 +1,8 @@
 """Many people at once: SmolLM2-135M over 3 peers (0:10, 10:20, 20:30) serving concurrent streams, batched (the
 servers' default flags) and unbatched (``--unbatched-args``) in the same run, on loopback and behind the WAN emulator.
 
-    python scripts/bench_serving.py --quick                 # smoke run: loopback, 1 and 4 streams, few tokens (~3 min)
-    python scripts/bench_serving.py                         # everything below (about 15 min on 2 cores)
+    python scripts/bench_serving.py --quick                 # smoke run: loopback, 1 and 4 streams, 12 tokens (~6 min)
+    python scripts/bench_serving.py                         # everything below: 4 swarms, 30-60 min on 2 cores (*)
     python scripts/bench_serving.py --nets loopback --streams 1 4 16 --processes 1 16 --json out.json
     python scripts/bench_serving.py --unbatched-args ""     # before servers have --max-batch: same flags twice
 
@@ -24,6 +24,11 @@ WAN node and each server in its own, 50 ms one way between any two, 100 Mbit/s p
 root, /dev/net/tun and ``ip``, else the WAN rows are skipped with the reason). Every process uses one torch thread;
 servers start with ``--throughput 100`` (no probe) and per-caller limits raised so the API, one caller to the
 servers, may hold every stream's session. Default timings (not the tests' short ones): a loaded step may be slow.
+
+(*) Measured on 2 cores shared with other work (load average 4-15), before batching: the quick run 6 min; one
+loopback swarm with 1, 4, 16 streams and 1, 16 processes 11 min, of which 4 min went to starting the 16 client
+processes (13 s of CPU each for imports alone) and 2 min to the 16-stream rows. Unbatched rows are the slow ones:
+32 streams of 32 tokens at ~5 tokens/s take over 3 min. ``--nets``, ``--modes``, ``--paths`` run a part.
 """
 
 from __future__ import annotations
