@@ -34,8 +34,11 @@ class ApiProcess:
         test_timings: bool = True,
         log_path: Path | None = None,
         startup_timeout: float = 120.0,
+        prefix: Sequence[str] = (),
     ) -> None:
-        cmd = [sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
+        """``prefix``: run the API under this command, e.g. ``Wan.argv(node, [])`` to put it in a WAN node (it must
+        exec the API, so the PID stays the API's own)."""
+        cmd = [*prefix, sys.executable, "-m", "swarm.api", "--port", "0", *args, "--initial-peers", *initial_peers]
         if test_timings:
             cmd.append("--test-timings")
         # a log folder of its own is removed with the API (``__exit__``); one given is the caller's

@@ -14,6 +14,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from harness.env import child_env
@@ -83,11 +84,19 @@ class ClientJob:
     ``lines()`` yields them. When the spec asks for a pause (a failover drill) it prints ``{"pause": ...}`` and waits
     for a line on its stdin: ``resume()`` sends it."""
 
-    def __init__(self, wan: Wan | None, node: str | None, spec: dict[str, Any], log_path: Any = None) -> None:
-        """``wan`` None: a plain child process on this machine's own network (the loopback reference)."""
+    def __init__(
+        self,
+        wan: Wan | None,
+        node: str | None,
+        spec: dict[str, Any],
+        log_path: Any = None,
+        command: Sequence[str] = (sys.executable, "-m", "harness.wan.client_job"),
+    ) -> None:
+        """``wan`` None: a plain child process on this machine's own network (the loopback reference). ``command``:
+        another program speaking the same protocol (SPEC as its last argument, JSON lines out, stdin for cues)."""
         env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
-        argv = [sys.executable, "-m", "harness.wan.client_job", json.dumps(spec)]
+        argv = [*command, json.dumps(spec)]
         stderr: Any = self._log if self._log is not None else subprocess.DEVNULL
         kwargs: dict[str, Any] = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         if wan is None:

@@ -1,0 +1,69 @@
+"""``scripts/bench_serving.py``'s arithmetic: the percentiles, Jain's index and the row it makes of timed streams, and
+its guard against a server flag argparse would silently take for a longer one."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # only the standard library at import: workers import the rest
+    return module
+
+
+def test_percentile_matches_numpy(bench):
+    rng = random.Random(3)
+    for n in (1, 2, 5, 31, 500):
+        values = [rng.expovariate(10) for _ in range(n)]
+        for q in (0, 10, 50, 95, 100):
+            assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    assert math.isnan(bench.percentile([], 50))
+
+
+def test_jain(bench):
+    assert bench.jain([3.0, 3.0, 3.0, 3.0]) == pytest.approx(1.0)
+    assert bench.jain([5.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)  # one of four gets everything: 1/n
+    assert bench.jain([1.0, 2.0]) == pytest.approx(9 / 10)  # (1+2)^2 / (2 * (1+4))
+    assert math.isnan(bench.jain([]))
+
+
+def test_summarize_two_streams(bench):
+    # stream a: sent at 0, tokens at 1, 2, 3 (3 tokens in 3 s); b: sent at 0.5, tokens at 1.5, 3.5 (2 in 3 s)
+    a = {"start": 10.0, "times": [11.0, 12.0, 13.0], "tokens": 3}
+    b = {"start": 10.5, "times": [11.5, 13.5], "tokens": 2}
+    row = bench.summarize([a, b])
+    assert row["streams"] == 2 and row["tokens"] == 5 and row["fewest_tokens"] == 2
+    assert row["wall_s"] == pytest.approx(3.5)  # first request to last token
+    assert row["tokens_per_s"] == pytest.approx(5 / 3.5)
+    assert row["tbt_p50_s"] == pytest.approx(1.0)  # gaps 1, 1, 2
+    assert row["tbt_p95_s"] == pytest.approx(1.9)
+    assert row["jain"] == pytest.approx(bench.jain([1.0, 2 / 3]))
+    assert row["ttft_p50_s"] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="1 of 2 streams got no token"):
+        bench.summarize([a, {"start": 10.0, "times": [], "tokens": 0}])
+
+
+def test_prompts_differ(bench):
+    prompts = [bench.prompt(i) for i in range(64)]
+    assert len(set(prompts)) == 64
+
+
+def test_unknown_server_flag_is_refused(bench):
+    known = {"--model", "--max-batch-tokens", "--threads"}
+    bench.check_flags("--unbatched-args", ["--threads", "1"], known)
+    with pytest.raises(SystemExit, match="--max-batch"):  # argparse alone would run --max-batch-tokens 1
+        bench.check_flags("--unbatched-args", ["--max-batch", "1"], known)
+    with pytest.raises(SystemExit, match="--max-batch"):
+        bench.check_flags("--unbatched-args", ["--max-batch=1"], known)
