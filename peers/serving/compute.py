@@ -64,6 +64,7 @@ class ComputeService:
             self.metrics.batch_rows.observe,
             # a batched layer's room, rows x (longest past + new tokens): eight requests' worth of tokens
             max_room=8 * cfg.max_batch_tokens,
+            window=cfg.batch_window_ms / 1000,
         )
 
     def set_backend(self, backend: SpanRuntime, learner: Learner | None = None) -> None:

@@ -135,6 +135,9 @@ class ComputeConfig:
     max_batch: int = option(
         32, help="rows of one batched forward: steps of different sessions that wait together run as one (1: alone)"
     )
+    batch_window_ms: float = option(
+        2.0, help="with several sessions open, a step that finds the compute thread idle waits this long for others"
+    )
     prefill_chunk: int = option(
         256, help="a longer prompt step runs in chunks of this many tokens, other sessions' steps in between"
     )

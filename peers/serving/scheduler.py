@@ -127,10 +127,12 @@ class StepScheduler:
         inline_tokens: int,
         observe: Callable[[int], None],
         max_room: int | None = None,
+        window: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._thread = run_on_thread  # (fn, *args) -> awaitable: fn on the compute thread
         self.max_rows, self.max_tokens, self.max_wait, self.max_room = max_rows, max_tokens, max_wait, max_room
+        self.window = window  # how long a step that wakes an idle scheduler waits for companions
         self.inline_tokens = inline_tokens
         self._observe = observe  # rows of each forward run (the batch-size metric)
         self.clock = clock
@@ -205,6 +207,11 @@ class StepScheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self.window > 0 and self.waiting and not self._busy:
+                # Woken from idle by a step: its companions (the rest of a client's round, a burst pushed by the
+                # previous hop's batch) are usually a few hundred microseconds behind it. Without this wait the first
+                # would run alone and the rest in the next batch: twice the forwards for the same rows.
+                await asyncio.sleep(self.window)
             while not self._busy and (self.waiting or self._others):
                 now = self.clock()
                 if self._others and (not self.waiting or now - self._others[0][0] >= self.max_wait):
