@@ -78,6 +78,7 @@ TARGETS = {  # (net, path) -> least aggregate tokens/s of 16 streams over one st
     ("wan", "processes"): 8.0,
 }
 MANY = 16  # the number of streams the targets are about
+WARMUP_TRIES = 4
 
 
 def prompt(i: int) -> str:
@@ -210,8 +211,18 @@ def client_worker(spec: dict[str, Any]) -> None:
     n = spec["tokens"]
     gen: dict[str, Any] = dict(do_sample=False, pad_token_id=tokenizer.eos_token_id)
     with connect(spec, {}) as model:
-        model.generate(**inputs, max_new_tokens=2, **gen)  # warm-up: connections, sessions, allocator
-        emit(ready=True)
+        failures: list[str] = []
+        while True:  # warm-up: connections, sessions, allocator; not measured, so a failure (a session open
+            try:  # timing out while 16 clients start at once on a loaded machine) is retried after the peer's ban
+                model.generate(**inputs, max_new_tokens=2, **gen)
+                break
+            except Exception as e:
+                failures.append(f"{type(e).__name__}: {e}")
+                if len(failures) == WARMUP_TRIES:
+                    raise
+                print(f"warm-up failed ({failures[-1]}); again in {20 * len(failures)} s", file=sys.stderr, flush=True)
+                time.sleep(20 * len(failures))
+        emit(ready=True, warmup_failures=failures)
         for line in sys.stdin:
             if line.strip() != "go":
                 break
@@ -371,11 +382,14 @@ class Bench:
                 spec = dict(kind="client", model=MODEL, initial_peers=peers, index=i, tokens=a.tokens)
                 log = logs / f"client-{i}.log"
                 jobs.append(stack.enter_context(ClientJob(wan, node, spec, log_path=log, command=WORKER)))
+            retried = 0
             for job in jobs:
                 while not (item := job.next(a.timeout) or {}).get("ready"):
                     if not item:
                         raise RuntimeError(f"a client process exited before it was ready; log: {job.log_path}")
-            self.log(f"  {len(jobs)} client processes connected and warm in {time.perf_counter() - t0:.0f} s")
+                retried += bool(item["warmup_failures"])
+            also = f" ({retried} after a failed warm-up: see their logs)" if retried else ""
+            self.log(f"  {len(jobs)} client processes connected and warm in {time.perf_counter() - t0:.0f} s{also}")
             rounds = self.plan(a.processes)
             done: dict[int, list[list[dict[str, Any]]]] = {}
             for n in rounds:
@@ -387,7 +401,7 @@ class Bench:
                 done.setdefault(n, []).append([r for r in records if r is not None])
                 if len(done[n]) == rounds.count(n):
                     failovers = sum(r["failovers"] for streams in done[n] for r in streams)
-                    self.record(net, mode, "processes", done[n], failovers=failovers)
+                    self.record(net, mode, "processes", done[n], failovers=failovers, warmups_retried=retried)
             for job in jobs:  # end of input: each leaves its sessions and DHT normally
                 assert job.proc.stdin is not None
                 job.proc.stdin.close()
