@@ -228,7 +228,11 @@ def client_worker(spec: dict[str, Any]) -> None:
                 break
             stamps = Stamps()
             start = time.perf_counter()
-            model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, streamer=stamps, **gen)
+            try:
+                model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, streamer=stamps, **gen)
+            except Exception as e:  # the row fails and says why; this client stays for the next round
+                emit(error=f"{type(e).__name__}: {e}")
+                continue
             times = stamps.times[1:]  # the first put is the prompt
             emit(start=start, times=times, tokens=len(times), failovers=model.failovers)
     emit(done=True)
@@ -330,8 +334,24 @@ class Bench:
         """The rounds to run: each count once, one stream ``--one-repeats`` times (every target divides by it)."""
         return [n for n in counts for _ in range(self.args.one_repeats if n == 1 else 1)]
 
-    def record(self, net: str, mode: str, path: str, repeats: list[list[dict[str, Any]]], **extra: Any) -> None:
-        """A row from one or more repeats of a round: the repeat of median aggregate tokens/s."""
+    def record(
+        self,
+        net: str,
+        mode: str,
+        path: str,
+        n: int,
+        repeats: list[list[dict[str, Any]]],
+        errors: list[str],
+        **extra: Any,
+    ) -> None:
+        """A row from one or more repeats of a round: the repeat of median aggregate tokens/s; or, where any stream
+        failed (a step timing out on an overloaded server, say), a failed row that says why, and the run goes on."""
+        if errors:
+            self.rows.append(dict(net=net, mode=mode, path=path, streams=n, failed=len(errors), errors=errors[:3]))
+            self.log(f"  {path} x{n}: {len(errors)} streams failed, e.g. {errors[0]}")
+            if self.args.json:
+                self.save()
+            return
         rows = sorted((summarize(streams) for streams in repeats), key=lambda r: r["tokens_per_s"])
         row = dict(net=net, mode=mode, path=path, **rows[(len(rows) - 1) // 2], **extra)
         if len(rows) > 1:
@@ -358,17 +378,17 @@ class Bench:
         prefix = wan.argv("c", []) if wan is not None else []
         node = "c" if wan is not None else None
         done: dict[int, list[list[dict[str, Any]]]] = {}
+        failed: dict[int, list[str]] = {}
         with ApiProcess(peers, *api_args, test_timings=False, log_path=logs / "api.log", prefix=prefix) as api:
             rounds = self.plan(a.streams)
             spec = dict(kind="api", url=api.url, model=MODEL, rounds=rounds, tokens=a.tokens, timeout=a.timeout)
             with ClientJob(wan, node, spec, log_path=logs / "api-load.log", command=WORKER) as job:
                 while (item := job.next(a.timeout)) is not None and not item.get("done"):
-                    if item["errors"]:
-                        raise RuntimeError(f"{net}/{mode}: {len(item['errors'])} streams failed: {item['errors'][:3]}")
                     n = item["round"]
                     done.setdefault(n, []).append(item["records"])
+                    failed.setdefault(n, []).extend(item["errors"])
                     if len(done[n]) == rounds.count(n):
-                        self.record(net, mode, "api", done[n])
+                        self.record(net, mode, "api", n, done[n], failed[n])
 
     def process_rounds(self, wan: Any, net: str, mode: str, peers: list[str], logs: Path) -> None:
         from harness.wan.nodes import ClientJob
@@ -392,16 +412,21 @@ class Bench:
             self.log(f"  {len(jobs)} client processes connected and warm in {time.perf_counter() - t0:.0f} s{also}")
             rounds = self.plan(a.processes)
             done: dict[int, list[list[dict[str, Any]]]] = {}
+            failed: dict[int, list[str]] = {}
             for n in rounds:
                 for job in jobs[:n]:
                     job.resume()  # "go": the cues go out within microseconds of each other
                 records = [job.next(a.timeout) for job in jobs[:n]]
                 if any(r is None for r in records):
                     raise RuntimeError(f"a client process exited mid-run; logs in {logs}")
-                done.setdefault(n, []).append([r for r in records if r is not None])
+                done.setdefault(n, []).append([r for r in records if r is not None and "error" not in r])
+                failed.setdefault(n, []).extend(
+                    f"process {i}: {r['error']}" for i, r in enumerate(records) if r and "error" in r
+                )
                 if len(done[n]) == rounds.count(n):
                     failovers = sum(r["failovers"] for streams in done[n] for r in streams)
-                    self.record(net, mode, "processes", done[n], failovers=failovers, warmups_retried=retried)
+                    extra = dict(failovers=failovers, warmups_retried=retried)
+                    self.record(net, mode, "processes", n, done[n], failed[n], **extra)
             for job in jobs:  # end of input: each leaves its sessions and DHT normally
                 assert job.proc.stdin is not None
                 job.proc.stdin.close()
@@ -506,13 +531,18 @@ class Bench:
                     line = f"| {path:<9} | {n:>7} | " + " | ".join(cells)
                     if len(modes) == 2:
                         b, u = (self.row(net, mode, path, n) for mode in modes)
-                        ratio = f"{b['tokens_per_s'] / u['tokens_per_s']:.2f}x" if b and u else "-"
+                        ratio = "-"
+                        if b is not None and u is not None and measured(b) and measured(u):
+                            ratio = f"{b['tokens_per_s'] / u['tokens_per_s']:.2f}x"
                         line += f" | {ratio:>9}"
                     print(line + " |")
             for mode in modes:
                 for text in self.targets(net, mode) or [f"[{net} {mode}] targets need the 1- and {MANY}-stream rows"]:
                     print(text)
-        short = [r for r in self.rows if r["fewest_tokens"] < self.args.tokens]
+        for r in self.rows:
+            if not measured(r):
+                print(f"failed: {r['net']}/{r['mode']}/{r['path']} x{r['streams']}: {'; '.join(r['errors'])}")
+        short = [r for r in self.rows if measured(r) and r["fewest_tokens"] < self.args.tokens]
         for r in short:
             print(
                 f"note: {r['net']}/{r['mode']}/{r['path']} x{r['streams']}: a stream ended after {r['fewest_tokens']} "
@@ -527,6 +557,9 @@ class Bench:
             if many is None or one is None:
                 continue
             tag = f"[{net} {mode} {path}]"
+            if not (measured(many) and measured(one)):
+                out.append(f"FAIL {tag} streams failed at {MANY if not measured(many) else 1}: no ratio")
+                continue
             x = many["tokens_per_s"] / one["tokens_per_s"]
             least = TARGETS[(net, path)]
             out.append(f"{verdict(x >= least)} {tag} {MANY} streams: {x:.2f}x one stream's tokens/s (>= {least:g}x)")
@@ -541,10 +574,17 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def measured(r: dict[str, Any] | None) -> bool:
+    return r is not None and "failed" not in r
+
+
 def cell(r: dict[str, Any] | None, one: dict[str, Any] | None, width: int) -> str:
     if r is None:
         return f"{'-':>{width}}"
-    x = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}" if one else "-"
+    if "failed" in r:
+        text = f"{r['failed']} of {r['streams']} streams failed"
+        return f"{text:>{width}}"
+    x = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}" if one is not None and measured(one) else "-"
     text = (
         f"{r['tokens_per_s']:.1f} {x:>5} {r['tbt_p50_s'] * 1000:>7.0f} {r['tbt_p95_s'] * 1000:>7.0f} "
         f"{r['jain']:>6.3f} {r['ttft_p50_s']:>7.2f}"
