@@ -132,8 +132,11 @@ class Chain:
                 await state.stream.send(InferenceRequest(route=signed), {})
             state.generation = self.generation
 
-        results = await asyncio.gather(*(one(s) for s in states), return_exceptions=True)
-        for state, result in zip(states, results, strict=True):
+        todo = [s for s in states if s.stream is None or s.generation < self.generation]
+        if not todo:
+            return  # the usual decode step: every hop open under the current route, no task to make
+        results = await asyncio.gather(*(one(s) for s in todo), return_exceptions=True)
+        for state, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 state.broken = True
                 raise result
