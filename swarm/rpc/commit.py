@@ -32,8 +32,10 @@ SIGN_EVERY = 8  # a server signs its chain's head on every this many steps of a 
 
 def digest(tensor: torch.Tensor) -> str:
     """sha-256 (hex) of a tensor's bytes as the receiver decodes them: its dtype's raw little-endian values."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
+    data = tensor.detach().contiguous()
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes through a byte view
+        return hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().data).hexdigest()
+    return hashlib.sha256(data.numpy().data).hexdigest()
 
 
 def cert_message(commit_key: str, peer_id: str) -> bytes:
