@@ -17,7 +17,8 @@ from swarm.errors import SwarmError, VersionMismatchError, error_from_code
 from swarm.identity import Signed
 from swarm.records import Record
 
-PROTOCOL_VERSION = 5  # 5: inference steps chained server to server (signed routes, pushes, output commitments)
+PROTOCOL_VERSION = 6  # 6: commitments in a hash chain per session, its head signed every few steps and on a seal
+# 5: inference steps chained server to server (signed routes, pushes, output commitments)
 # 4: an authenticated, encrypted direct plane, membership tokens
 # 3: signed step notices, training tags that name their trainer, averaging-round states
 # (2: one typed model per request kind, typed replies, no placeholder spans or extras)
@@ -190,15 +191,17 @@ class PushStep(Request):
 
 class StepReply(Message):
     """What a server says of each step it ran (beside tensor ``hidden``, its output): the step's ``position`` and
-    ``tag``, sha-256 digests of its input and of its output as sent, and its Ed25519 signature over them with the
-    key it certified at the session's opening (``commit_key``/``commit_cert``: its identity key's signature)."""
+    ``tag`` and sha-256 digests of its input and of its output as sent: its commitment, which extends the session's
+    hash chain of commitments (``swarm.rpc.commit``). Every few steps, ``signature`` is its Ed25519 signature over
+    the chain's head with the key it certified at the session's opening (``commit_key``/``commit_cert``: its
+    identity key's signature); empty otherwise."""
 
     ok: Literal[True] = True
     position: int = Field(ge=0)
     tag: int = Field(default=0, ge=0)
     input_digest: str = Field(max_length=64)
     digest: str = Field(max_length=64)
-    signature: str = Field(max_length=128)
+    signature: str = Field(default="", max_length=128)
 
 
 class InferenceRequest(Request):
@@ -254,12 +257,16 @@ class Reply(Message):
 
 
 class OpenReply(Reply):
-    """A session's opening (or route update): the key that signs this server's step commitments, certified by its
-    identity key (``commit_cert``: its signature over ``swarm.rpc.commit.cert_message``)."""
+    """The answer to an inference message without a step (the opening, a route update, a seal): the key that signs
+    this server's step commitments, certified by its identity key (``commit_cert``: its signature over
+    ``swarm.rpc.commit.cert_message``), and once the session has steps, that key's signature over the head of their
+    chain of ``chain_length`` commitments."""
 
     commit_key: str = Field(max_length=128)
     public_key: str = Field(max_length=1024)
     commit_cert: str = Field(max_length=1024)
+    chain_length: int = Field(default=0, ge=0)
+    chain_signature: str = Field(default="", max_length=128)
 
 
 class StateReply(Reply):

@@ -15,6 +15,7 @@ from swarm.cli import add_flags, from_args
 from swarm.config import Timing
 from swarm.errors import run_command
 from swarm.logs import add_log_flags, configure_logging
+from swarm.rpc.loop import run as run_loop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ async def _main(cfg: PeerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
-    return run_command(lambda: asyncio.run(_main(config_from_args(args))))
+    return run_command(lambda: run_loop(_main(config_from_args(args))))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the shapes of hivemind's generated protobuf messages, which
 else:
     Frame = runtime_pb2.ExpertRequest
 
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 Meta = dict[str, object]  # decoded metadata: hostile until a pydantic model has validated it
 Message = tuple[Meta, dict[str, torch.Tensor]]
 
@@ -58,7 +59,12 @@ def encode(meta: Meta, tensors: dict[str, torch.Tensor] | None = None, codec: Co
     size = 0
     for name, tensor in tensors.items():
         serialized = _serialize(tensor, codec if codec is not None and name in codecs.ACTIVATIONS else None)
-        for part in split_for_streaming(serialized, FRAME_BYTES):
+        if len(serialized.buffer) <= FRAME_BYTES:  # one part (a decode step's): as split_for_streaming makes it
+            serialized.chunks = 1 if serialized.buffer else 0
+            parts: Iterable[TensorPart] = (serialized,)
+        else:
+            parts = split_for_streaming(serialized, FRAME_BYTES)
+        for part in parts:
             if size + len(part.buffer) > FRAME_BYTES and len(frames[-1].tensors) > 0:
                 frames.append(Frame())
                 size = 0
@@ -209,7 +215,7 @@ class Decoder:
         for part in frame.tensors:
             self._parts.append(part)
             if len(self._parts) >= max(self._parts[0].chunks, 1):
-                self._done.append(_combine(self._parts))
+                self._done.append(self._parts[0] if len(self._parts) == 1 else _combine(self._parts))
                 self._parts = []
                 if len(self._done) > len(self._names):  # checked per part: a flood of empty parts stops here
                     raise BadInputError("message holds more tensors than its metadata names")
@@ -268,15 +274,22 @@ def _serialize(tensor: torch.Tensor, codec: Codec | None = None) -> TensorPart:
     """Raw little-endian bytes of a contiguous tensor (hivemind's Tensor message, no compression), or ``codec``'s
     form of a float tensor. Our own serializer: hivemind's generic one costs ~0.5 ms per small tensor, which is most
     of a decode step's overhead."""
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise BadInputError(f"tensor dtype {name!r} cannot be sent")
+    name = _NAMES.get(tensor.dtype)
+    if name is None:
+        raise BadInputError(f"tensor dtype {str(tensor.dtype).removeprefix('torch.')!r} cannot be sent")
     if codec is not None and codec != Codec.none and tensor.is_floating_point():
         part = codecs.compress(tensor, codec, name)
         if part is not None:
             return part
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return TensorPart(buffer=flat.view(torch.uint8).numpy().tobytes(), size=list(tensor.shape), dtype=name)
+    return TensorPart(buffer=raw_bytes(tensor), size=list(tensor.shape), dtype=name)
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's values as little-endian bytes, in its dtype (what travels, and what a commitment digests)."""
+    data = tensor.detach().cpu().contiguous()
+    if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes through a byte view
+        return data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return data.numpy().tobytes()
 
 
 def _to_tensors(names: list[str], parts: list[TensorPart], max_bytes: int) -> dict[str, torch.Tensor]:

@@ -94,9 +94,11 @@ class _PushLink:
         self, remote: Remote, target: Hop, metrics: PeerMetrics, budget: wire.ByteBudget | None, timing: Timing
     ) -> None:
         self.metrics, self.budget, self.timing = metrics, budget, timing
-        self.queue: asyncio.Queue[tuple[list[wire.Frame], str, int]] = asyncio.Queue()
+        # frames, their holder and bytes, and whether ``send`` already wrote them (then they wait here to be flushed)
+        self.queue: asyncio.Queue[tuple[list[wire.Frame], str, int, bool]] = asyncio.Queue()
         self.queued = 0
         self.dead = False
+        self.channel: Channel | None = None  # once open: ``send`` writes to it at once when nothing waits before
         self.last_used = time.monotonic()
         self._task = asyncio.create_task(self._run(remote, target))
 
@@ -106,6 +108,7 @@ class _PushLink:
         try:
             channel = await asyncio.wait_for(remote.open_channel(target, RPC_PUSH), self.timing.open_timeout)
             ended = closed = asyncio.ensure_future(channel.receive())  # the next hop never answers: ends when it closes
+            self.channel = channel
             while True:
                 item = asyncio.ensure_future(self.queue.get())
                 await asyncio.wait((item, ended), return_when=asyncio.FIRST_COMPLETED)
@@ -114,10 +117,11 @@ class _PushLink:
                     log.info("push connection closed by the next hop", extra={"peer": target.peer_id})
                     self.metrics.push_failures += 1
                     return
-                frames, holder, nbytes = item.result()
+                frames, holder, nbytes, written = item.result()
                 try:
                     async with asyncio.timeout(self.timing.write_timeout):  # a next hop that stops reading loses it
-                        await channel.send(frames)
+                        if not written:
+                            await channel.send(frames)
                         await channel.flush()
                 finally:
                     self._done(len(frames), holder, nbytes)
@@ -128,6 +132,7 @@ class _PushLink:
             self.metrics.push_failures += 1
         finally:
             self.dead = True
+            self.channel = None
             self._drop()
             if closed is not None:
                 if closed.done() and not closed.cancelled():
@@ -144,11 +149,14 @@ class _PushLink:
     def _drop(self) -> None:
         """Give back what waits in the queue of a connection that ended (its steps are lost: clients repair)."""
         while not self.queue.empty():
-            frames, holder, nbytes = self.queue.get_nowait()
+            frames, holder, nbytes, _ = self.queue.get_nowait()
             self._done(len(frames), holder, nbytes)
 
     def send(self, frames: list[wire.Frame], holder: str) -> None:
-        """Queue ``frames`` (a step of ``holder``'s session); dropped when the queue or ``holder``'s budget is full."""
+        """Send ``frames`` (a step of ``holder``'s session): written to the connection at once when it is open and
+        nothing waits before them (the next hop starts computing before this server answers its client), else
+        queued; either way the task waits until they left (the write deadline). Dropped when the queue or
+        ``holder``'s budget is full."""
         nbytes = wire.encoded_size(frames)
         try:
             if self.dead or self.queued + len(frames) > QUEUE_FRAMES:
@@ -160,9 +168,13 @@ class _PushLink:
             self.metrics.push_dropped += 1
             return
         self.metrics.sent(frames)
+        written = self.channel is not None and self.queued == 0  # nothing queued, sending or flushing before them
+        if written:
+            assert self.channel is not None
+            self.channel.write(frames)
         self.queued += len(frames)
         self.last_used = time.monotonic()
-        self.queue.put_nowait((frames, holder, nbytes))
+        self.queue.put_nowait((frames, holder, nbytes, written))
 
     def close(self) -> None:
         self._task.cancel()

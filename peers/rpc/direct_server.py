@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from swarm.rpc.secure import ServerTls, client_author, server_tls
 log = logging.getLogger(__name__)
 Handler = Callable[[AsyncIterator[wire.Frame], CallerContext], AsyncIterator[wire.Frame]]
 HANDSHAKE_FRAME = 16384  # the caller's DirectCall: a key, a signature and a token (before the caller is known)
+LISTEN_BACKLOG = 100  # as asyncio's servers
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class DirectServer:
         self.streams = streams or StreamLimits()
         self.budget = servicer.budget
         self.metrics = servicer.compute.metrics
-        self.server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._acceptor: asyncio.Task[None] | None = None
         self.tls: ServerTls | None = None
         self.open = 0
         self.by_caller: Counter[str] = Counter()
@@ -76,23 +79,48 @@ class DirectServer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int) -> int:
+        """Listen on ``host``:``port`` (0: any free port); returns the port. Connections are accepted here, one by
+        one, and TLS starts on each only once it is counted (``_accept``)."""
         self.tls = server_tls(self.creds)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Accepted(self._accepted), host, port)
-        port_used: int = self.server.sockets[0].getsockname()[1]
+        family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's servers do
+            listener.bind(address)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._acceptor = loop.create_task(self._accept(listener))
+        port_used: int = listener.getsockname()[1]
         return port_used
 
-    def _accepted(self, transport: asyncio.Transport) -> None:
-        if self.open >= self.limits.max_connections:  # before any TLS work: a flood costs us an accept and a close
-            self.refused["connections"] += 1
-            transport.abort()
-            return
-        self.open += 1
-        task = asyncio.get_running_loop().create_task(self._serve(transport))
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                connection, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors, or a connection reset before it was taken: go on
+                log.warning("direct accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if self.open >= self.limits.max_connections:  # before any TLS work: a flood costs us an accept and a close
+                self.refused["connections"] += 1
+                connection.close()
+                continue
+            self.open += 1
+            task = loop.create_task(self._serve(connection))
+            self._tasks.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, transport: asyncio.Transport) -> None:
+    async def _serve(self, connection: socket.socket) -> None:
+        """One accepted connection: TLS (on the socket as accepted, so no byte the client sent meanwhile is lost),
+        the handshake, then the RPC it calls."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(loop=loop)
         protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
@@ -103,10 +131,9 @@ class DirectServer:
         try:
             deadline = loop.time() + self.limits.handshake_timeout
             async with asyncio.timeout_at(deadline):
-                secure = await loop.start_tls(transport, protocol, tls.context, server_side=True)
-            if secure is None:
-                return
-            protocol.connection_made(secure)  # start_tls leaves that to us
+                secure, _ = await loop.connect_accepted_socket(
+                    lambda: protocol, connection, ssl=tls.context, ssl_handshake_timeout=self.limits.handshake_timeout
+                )
             writer = asyncio.StreamWriter(secure, protocol, reader, loop)
             admitted = await self._handshake(reader, frames_of(reader, HANDSHAKE_FRAME), writer, deadline)
             if admitted is None:
@@ -133,7 +160,7 @@ class DirectServer:
                 if self.by_caller[caller] <= 0:
                     del self.by_caller[caller]
             if writer is None:
-                transport.abort()
+                connection.close()  # TLS never started, or failed (which closed its transport)
             else:
                 writer.close()
                 with contextlib.suppress(Exception):
@@ -188,23 +215,14 @@ class DirectServer:
 
     async def close(self) -> None:
         """Stop accepting connections (open ones end with their handlers)."""
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-
-
-class _Accepted(asyncio.Protocol):
-    """A new TCP connection, its reading paused at once until TLS takes it over: a ClientHello read by a plain
-    stream before ``start_tls`` (which a fast client sends right after connecting) would be lost, and the handshake
-    would hang."""
-
-    def __init__(self, accepted: Callable[[asyncio.Transport], None]) -> None:
-        self.accepted = accepted
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # a TCP connection's
-        transport.pause_reading()
-        self.accepted(transport)
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._acceptor
+            self._acceptor = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 async def _linger(reader: asyncio.StreamReader, seconds: float = 1.0, limit: int = 1 << 20) -> None:

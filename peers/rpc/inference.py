@@ -2,8 +2,9 @@
 own messages on this stream, and steps the previous hop of the client's route pushed (``peers.rpc.chain``).
 
 The first message opens the session (and may carry the client's signed route and a first step). Every step is
-answered on the client's stream with its output and this server's signed commitment (``swarm.rpc.commit``); a step
-for further hops is also pushed to the next one. The session and its cache room end with the stream, at the first
+answered on the client's stream with its output and this server's commitment (``swarm.rpc.commit``: chained, its
+head signed every few steps and in the answer to a message without a step); a step for further hops is pushed to the
+next one first. The session and its cache room end with the stream, at the first
 error, or after ``Timing.session_idle`` with neither a message nor a push (the client then hears
 ``SessionExpiredError`` when it comes back: the reply waits in the stream)."""
 
@@ -143,6 +144,7 @@ class InferenceLoop:
             decoder.release()
             if session is not None:
                 await self.sessions.end(session)
+                self.signer.end((session.caller, session.id))
                 _drop_inbox(session)
                 if isinstance(session.room, wire.Reservation):
                     session.room.close()
@@ -194,7 +196,7 @@ class InferenceLoop:
             await self.relay.bind(session, request.route)
             await self.sessions.notify()
         if request.step is None:
-            return _frames(self.signer.opening)
+            return _frames(self.signer.sealed((session.caller, session.id)))
         return await self._step(session, request.step, tensors, tensors.get("hidden"), request.codec)
 
     async def _step(
@@ -225,5 +227,6 @@ class InferenceLoop:
                 raise BadInputError("this server does not chain steps")
             self.relay.push(session, step, out, tensors, codec)
         assert received is not None  # the step's checks required it
-        reply = self.signer.reply(step.position, step.tag, received, wire.as_received(out, codec))
+        sent = wire.as_received(out, codec)
+        reply = self.signer.reply((session.caller, session.id), step.position, step.tag, received, sent)
         return wire.encode(reply.model_dump(mode="json"), result, codec)

@@ -16,6 +16,7 @@ from swarm.api.config import ApiConfig
 from swarm.cli import add_flags, from_args
 from swarm.errors import BadInputError, run_command
 from swarm.logs import add_log_flags, configure_logging
+from swarm.rpc.loop import run as run_loop
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     cfg = from_args(ApiConfig, args)
-    return run_command(lambda: asyncio.run(serve(cfg, args.test_timings)))
+    return run_command(lambda: run_loop(serve(cfg, args.test_timings)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.identity import Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
-from swarm.rpc.commit import CommitKey, digest
+from swarm.rpc.commit import ChainCopy, CommitKey, digest
 from swarm.rpc.remote import Remote, Tensors, unavailable
 from swarm.rpc.stream import InferenceStream, open_session
 
@@ -50,8 +50,11 @@ class HopState:
     commit: CommitKey | None = None  # checks its commitments (from its opening reply)
     generation: int = -1  # the route generation it was given
     acks: list[float] = field(default_factory=list)  # when each opening/route message still unanswered was sent
-    commitments: list[StepReply] = field(default_factory=list)  # its signed commitments, oldest first
-    verified: int = 0  # how many of them had their signature checked (``Chain.audit``)
+    commitments: list[StepReply] = field(default_factory=list)  # every commitment it sent, oldest first
+    chain: ChainCopy = field(init=False)  # their hash chain, and the latest signature over it (``Chain.audit``)
+
+    def __post_init__(self) -> None:
+        self.chain = ChainCopy(self.session_id)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -129,8 +132,11 @@ class Chain:
                 await state.stream.send(InferenceRequest(route=signed), {})
             state.generation = self.generation
 
-        results = await asyncio.gather(*(one(s) for s in states), return_exceptions=True)
-        for state, result in zip(states, results, strict=True):
+        todo = [s for s in states if s.stream is None or s.generation < self.generation]
+        if not todo:
+            return  # the usual decode step: every hop open under the current route, no task to make
+        results = await asyncio.gather(*(one(s) for s in todo), return_exceptions=True)
+        for state, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 state.broken = True
                 raise result
@@ -258,6 +264,8 @@ class Chain:
             self.rtt[hop.peer_id] = rtt if old is None else 0.7 * old + 0.3 * rtt
             if state.commit is None:
                 state.commit = CommitKey(opening, hop.peer_id)
+            if not state.chain.seal(opening):
+                raise unavailable(hop.peer_id, "signed a chain of commitments other than the one it sent")
         outs: list[torch.Tensor] = []
         digests: list[str] = []
         for c, expected_in in zip(pieces, inputs, strict=True):
@@ -265,6 +273,8 @@ class Chain:
             bound = replies.Expect({"hidden": (want, getattr(torch, hop.dtype))}, True).max_bytes
             for _ in range(MAX_STALE):
                 reply, tensors, _ = await stream.receive(StepReply, timeout, bound)
+                state.chain.fold(reply)  # every commitment the hop sent, a stale one too, is in its chain
+                state.commitments.append(reply)
                 if reply.tag == tag:
                     break
             else:
@@ -275,22 +285,37 @@ class Chain:
             self._check(state, reply, out, position + c.start, expected_in)
             outs.append(out)
             digests.append(reply.digest)
-            state.commitments.append(reply)
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], digests
 
     @staticmethod
     def audit(states: list[HopState]) -> list[HopState]:
-        """Check the signatures of every commitment not yet checked; the hops with one that does not hold. Off the
-        decode path (an Ed25519 check costs about 150 µs): what a step needs at once, that each output matches its
-        digest and each hop took in what the one before gave out, is checked as replies arrive; the signatures make
-        the commitments evidence for later, and are checked when a session ends or a hop is replaced."""
-        bad = []
-        for state in states:
-            pending = state.commitments[state.verified :]
-            state.verified = len(state.commitments)
-            if pending and (state.commit is None or not all(state.commit.verify(c) for c in pending)):
-                bad.append(state)
-        return bad
+        """Check each hop's latest signature over its chain of commitments, if not yet checked; the hops whose
+        signature does not hold. Off the decode path (an Ed25519 check costs about 150 µs, one per hop covers all its
+        steps): what a step needs at once, that each output matches its digest and each hop took in what the one
+        before gave out, is checked as replies arrive; the signatures make the commitments evidence for later, and
+        are checked when a session ends or a hop is replaced."""
+        return [state for state in states if not state.chain.audit(state.commit)]
+
+    @staticmethod
+    async def seal(states: list[HopState], timeout: float) -> list[HopState]:
+        """Ask every live hop whose last steps are not yet signed to sign the head of its chain (the answer to a
+        message without a step), so that every commitment of a session that ends well is signed; the hops that
+        signed another chain than the one they sent. Best effort: a hop that does not answer in time keeps its last
+        steps unsigned (and is not blamed: it may just be gone)."""
+
+        async def one(state: HopState) -> bool:
+            stream = state.stream
+            if stream is None or state.broken or state.acks or state.chain.length <= state.chain.signed_length:
+                return True
+            try:
+                await stream.send(InferenceRequest(), {})
+                opening, _, _ = await stream.receive(OpenReply, timeout, 1 << 16)
+            except SwarmError:
+                return True
+            return state.chain.seal(opening)
+
+        results = await asyncio.gather(*(one(s) for s in states))
+        return [s for s, ok in zip(states, results, strict=True) if not ok]
 
     @staticmethod
     def _check(state: HopState, reply: StepReply, out: torch.Tensor, position: int, expected_in: str) -> None:

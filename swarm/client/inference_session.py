@@ -353,12 +353,27 @@ class InferenceSession:
         replaced at the next step (``Chain.audit``)."""
         for state in Chain.audit(list(self._states.values())):
             state.broken = True
-            error = unavailable(state.hop.peer_id, "signed a commitment with a key it did not certify")
+            error = unavailable(state.hop.peer_id, "signed its commitments with a key it did not certify")
             self.conn.retrier.note_failure(error, "commitment audit")
+
+    def seal(self) -> None:
+        """Have every live hop sign the head of its chain of commitments, so the session's last steps are signed too
+        (``Chain.seal``); a hop that signs another chain than the one it sent is banned."""
+        timeout = self.conn.timing.notice_timeout
+        try:
+            bad = self.conn.loop.run(Chain.seal(list(self._states.values()), timeout), timeout + 1.0)
+        except Exception as e:  # noqa: BLE001 - best effort at the session's end: its tokens are already out
+            log.info("sealing the session's commitments failed: %s", e, extra={"session": self.session_id})
+            return
+        for state in bad:
+            error = unavailable(state.hop.peer_id, "signed a chain of commitments other than the one it sent")
+            self.conn.retrier.note_failure(error, "commitment seal")
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.conn.cfg.chain:
+                self.seal()
             self.audit()
             for state in self._states.values():
                 state.close()

@@ -152,10 +152,14 @@ class TcpChannel:
         the read buffer, so ``receive`` tells what happened (the reply, or the end of the stream)."""
         if self.writer.is_closing():
             return
-        for frame in frames:
-            write_frame(self.writer, frame)
+        self.write(frames)
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
+
+    def write(self, frames: list[wire.Frame]) -> None:
+        if not self.writer.is_closing():
+            for frame in frames:
+                write_frame(self.writer, frame)
 
     async def flush(self) -> None:
         if not self.writer.is_closing():

@@ -1,5 +1,7 @@
-"""A private asyncio loop on a background thread, owned by one object (no process-wide state), so synchronous code
-(the torch API, the node's loader threads) can drive hivemind's async P2P calls."""
+"""Every event loop of the project: uvloop's (libuv; its transports, TLS and timers are C, not Python, which a decode
+step's messages go through a dozen times per hop), made by ``new_loop``; ``run`` for a process's main loop, and a
+private loop on a background thread (``LoopThread``), owned by one object (no process-wide state), so synchronous
+code (the torch API, the node's loader threads) can drive hivemind's async P2P calls."""
 
 from __future__ import annotations
 
@@ -8,12 +10,24 @@ import threading
 from collections.abc import Coroutine
 from typing import TypeVar
 
+import uvloop
+
 T = TypeVar("T")
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    return uvloop.new_event_loop()
+
+
+def run(main: Coroutine[object, None, T]) -> T:
+    """``asyncio.run`` on a new loop of ``new_loop``'s (a server's, the HTTP API's main loop)."""
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        return runner.run(main)
 
 
 class LoopThread:
     def __init__(self, name: str = "swarm-rpc") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

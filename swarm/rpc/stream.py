@@ -47,7 +47,8 @@ class InferenceStream:
             self.channel.decoder.max_bytes = min(max_bytes, self.remote.max_reply_bytes)
         try:
             received = self.channel.decoder.total_bytes
-            message = await asyncio.wait_for(self.channel.receive(), timeout)
+            async with asyncio.timeout(timeout):  # no task per reply, unlike wait_for: a decode step's cost
+                message = await self.channel.receive()
             received = self.channel.decoder.total_bytes - received
             self.remote.traffic["received_bytes"] += received
         except Exception as e:

@@ -66,6 +66,10 @@ class Channel(Protocol):
 
     async def send(self, frames: list[wire.Frame]) -> None: ...
 
+    def write(self, frames: list[wire.Frame]) -> None:
+        """Hand ``frames`` to the transport now, without waiting (``flush`` waits until they left): a sender on the
+        step path writes before it does anything else."""
+
     async def flush(self) -> None:
         """Wait until what was sent left this process (a sender that must not buffer without bound waits here)."""
 
@@ -94,6 +98,9 @@ class P2PChannel:
             self._outbox.task_done()  # hivemind asks for the next frame once this one was written
 
     async def send(self, frames: list[wire.Frame]) -> None:
+        self.write(frames)
+
+    def write(self, frames: list[wire.Frame]) -> None:
         for frame in frames:
             self._outbox.put_nowait(frame)
 

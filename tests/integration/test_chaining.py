@@ -19,6 +19,7 @@ from harness.local_swarm import Disturber
 from swarm.errors import SwarmError
 from swarm.identity import Credentials, Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
+from swarm.rpc.commit import SIGN_EVERY, ChainCopy
 from swarm.rpc.stream import open_session
 from tests.conftest import local_reference
 from tests.integration.liar import start_liar
@@ -79,12 +80,24 @@ def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, re
                 # the 21-token prompt went in 3 pipelined pieces, then 11 single-token steps
                 for state in states:
                     assert len(state.commitments) == 3 + 11
-                    assert state.verified == len(state.commitments)  # the session's end audited every signature
-                    assert all(state.commit is not None and state.commit.verify(c) for c in state.commitments)
+                    # the session's end sealed each hop's chain and checked the signature: it covers every step
+                    assert state.chain.length == state.chain.signed_length == state.chain.verified == 3 + 11
+                    assert sum(bool(c.signature) for c in state.commitments) == (3 + 11) // SIGN_EVERY
                 for before, after in zip(states, states[1:], strict=False):
                     assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
-                forged = states[0].commitments[0].model_copy(update={"digest": "0" * 64})
-                assert not states[0].commit.verify(forged)
+                forged = ChainCopy(states[0].session_id)
+                for i, c in enumerate(states[0].commitments):
+                    forged.fold(c.model_copy(update={"digest": "0" * 64}) if i == 0 else c)
+                assert forged.seal(
+                    OpenReply(
+                        commit_key="",
+                        public_key="",
+                        commit_cert="",
+                        chain_length=3 + 11,
+                        chain_signature=states[0].chain.signed[2],
+                    )
+                )
+                assert not forged.audit(states[0].commit)
         # the client sends each step once instead of once per hop
         assert sent[True] < 0.6 * sent[False], sent
 

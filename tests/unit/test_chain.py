@@ -16,7 +16,7 @@ from swarm.errors import BadInputError
 from swarm.identity import Credentials, Signed
 from swarm.ids import Span
 from swarm.protocol import ChainHop, ChainRoute, StepReply
-from swarm.rpc.commit import CommitKey, CommitSigner, digest
+from swarm.rpc.commit import ChainCopy, CommitKey, CommitSigner, digest
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +62,57 @@ def test_a_route_binds_only_when_its_owner_signed_it_and_it_names_this_session(k
 
 def test_commitments_are_believed_only_under_a_certified_key(keys):
     client, server, other = keys
-    signer = CommitSigner(server)
+    signer = CommitSigner(server, sign_every=2)
     x, y = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-    reply = signer.reply(5, 2, x, y)
-    assert reply.input_digest == digest(x) and reply.digest == digest(y)
+    first = signer.reply(("c", "s1"), 5, 2, x, y)
+    assert first.input_digest == digest(x) and first.digest == digest(y)
+    assert first.signature == ""  # the chain's head is signed every second step here
+    second = signer.reply(("c", "s1"), 8, 2, y, x)
+    assert second.signature
     key = CommitKey(signer.opening, server.peer_id)
-    assert key.verify(reply)
-    for change in ({"digest": digest(x)}, {"position": 6}, {"tag": 3}, {"signature": "00" * 64}):
-        assert not key.verify(reply.model_copy(update=change))
+
+    def audited(*replies: StepReply, session_id: str = "s1") -> bool:
+        copy = ChainCopy(session_id)
+        for reply in replies:
+            copy.fold(reply)
+        return copy.audit(key)
+
+    assert audited(first, second)
+    # the one signature covers both commitments: changing either, in any field, breaks it
+    for change in ({"digest": "0" * 64}, {"input_digest": "0" * 64}, {"position": 6}, {"tag": 3}):
+        assert not audited(first.model_copy(update=change), second)
+        assert not audited(first, second.model_copy(update=change))
+    assert not audited(second, first)  # nor can they be reordered
+    assert not audited(first, second, session_id="s2")  # or moved to another session
+    assert not audited(first, second.model_copy(update={"signature": "00" * 64}))
+    assert not audited(first, second.model_copy(update={"signature": "zz"}))
     with pytest.raises(BadInputError, match="not certified"):  # another peer's certificate
         CommitKey(signer.opening, other.peer_id)
     stolen = CommitSigner(other).opening.model_copy(update={"public_key": server.public_key})
     with pytest.raises(BadInputError, match="not certified"):  # a key certified by someone else, in its name
         CommitKey(stolen, server.peer_id)
-    assert not key.verify(
-        StepReply(position=5, tag=2, input_digest=reply.input_digest, digest=reply.digest, signature="zz")
-    )
+
+
+def test_a_seal_signs_the_steps_since_the_last_signature(keys):
+    _, server, _ = keys
+    signer = CommitSigner(server, sign_every=8)
+    key = CommitKey(signer.opening, server.peer_id)
+    x = torch.randn(1, 1, 8)
+    assert signer.sealed(("c", "s1")).chain_signature == ""  # an opening: nothing to sign yet
+    copy = ChainCopy("s1")
+    for position in range(3):
+        copy.fold(signer.reply(("c", "s1"), position, 1, x, x))
+    assert copy.signed_length == 0 and copy.audit(key)  # nothing signed, nothing to check yet
+    sealed = signer.sealed(("c", "s1"))
+    assert sealed.chain_length == 3
+    assert copy.seal(sealed) and copy.signed_length == 3 and copy.audit(key) and copy.verified == 3
+    assert not ChainCopy("s1").seal(sealed)  # a seal of a chain of another length than the copy's
+    forged = ChainCopy("s1")
+    for position in (0, 1, 9):
+        forged.fold(signer.reply(("c", "other"), position, 1, x, x))
+    assert forged.seal(sealed) and not forged.audit(key)  # the right length, not the commitments it signed
+    signer.end(("c", "s1"))
+    assert signer.sealed(("c", "s1")).chain_length == 0  # a session that ended is forgotten
 
 
 def test_digests_see_every_byte_and_the_dtype():

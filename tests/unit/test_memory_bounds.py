@@ -171,7 +171,7 @@ def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakr
         return decoder
 
     async def start(*_: object) -> SimpleNamespace:
-        return SimpleNamespace(id="s", sub=Span(0, 1), inbox=asyncio.Queue(), room=None)
+        return SimpleNamespace(id="s", caller="c", sub=Span(0, 1), inbox=asyncio.Queue(), room=None)
 
     async def end(_: object) -> None:
         return None
