@@ -160,7 +160,9 @@ class StepScheduler:
         while one runs there, the loop reads the others, which then run together (run inline, each would block the
         loop and the next would find nothing waiting, so nothing would ever batch)."""
         tokens = int(row.hidden.shape[0] * row.hidden.shape[1])
-        if lone and not self._batching and not self.waiting and tokens <= self.inline_tokens:
+        # unbatched (``--max-batch 1``), every small step runs inline as before batching existed
+        alone_anyway = lone or self.max_rows == 1
+        if alone_anyway and not self._batching and not self.waiting and tokens <= self.inline_tokens:
             self._observe(row.rows)
             return alone()
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
