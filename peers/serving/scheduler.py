@@ -16,6 +16,7 @@ inference step waits, or once it has waited ``max_wait``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -44,6 +45,7 @@ class Waiting:
     alone: Callable[[], torch.Tensor] = field(repr=False)
     runtime: Batcher | None = field(repr=False)
     future: asyncio.Future[torch.Tensor] = field(repr=False)
+    session: Hashable = None
 
     @property
     def tokens(self) -> int:
@@ -115,6 +117,78 @@ def pick(
     return batch
 
 
+CONTENDED = 0.85  # of a core: below it, the device is shared with other work (see ``hold``)
+CONTENDED_FORWARDS = 8  # ... and a batch may wait this many forwards' price for companions
+
+
+@dataclass
+class Rhythm:
+    """When each session's steps arrive: the last arrival and the gap before it, so the scheduler can tell which
+    sessions are busy elsewhere in their chain and about to come back (``hold``), and what a forward costs."""
+
+    last: dict[Hashable, tuple[float, float | None]] = field(default_factory=dict)  # session -> (arrival, gap)
+    forwards: list[float] = field(default_factory=list)  # the last few forwards' durations
+    batch_of: dict[Hashable, int] = field(default_factory=dict)  # session -> the last forward it ran in
+    share: float = 1.0  # of a core the compute thread got during recent forwards (CPU time over wall time)
+    count: int = 0  # forwards run
+
+    def arrived(self, session: Hashable, now: float) -> None:
+        before = self.last.get(session)
+        self.last[session] = (now, now - before[0] if before is not None else None)
+        if len(self.last) > 4096:  # sessions that stopped stepping (closed ones are forgotten at once)
+            self.last = {k: v for k, v in self.last.items() if v[1] is not None and now - v[0] < 2 * v[1]}
+
+    def forgot(self, session: Hashable) -> None:
+        self.last.pop(session, None)
+        self.batch_of.pop(session, None)
+
+    def ran(self, seconds: float, sessions: Sequence[Hashable], cpu: float | None = None) -> None:
+        """A forward of ``sessions`` took ``seconds`` (``cpu`` of them on the compute thread's core, where the
+        device is the CPU)."""
+        self.forwards = [*self.forwards[-15:], seconds]
+        if cpu is not None and seconds > 0:
+            self.share = 0.8 * self.share + 0.2 * min(1.0, cpu / seconds)
+        self.count += 1
+        for session in sessions:
+            if session is not None:
+                self.batch_of[session] = self.count
+
+    @property
+    def price(self) -> float:
+        """What one more forward costs: the quickest of the last few (the smallest batches' time, its fixed part)."""
+        return min(self.forwards, default=0.0)
+
+
+def hold(waiting: Sequence[Waiting], rhythm: Rhythm, now: float, max_rows: int, max_wait: float) -> float:
+    """How long to hold the waiting steps for companions before running them (0: run now).
+
+    Companions are sessions computing elsewhere in their chains that will be back soon: those that ran in the same
+    forward as a waiting step last time and have not come back yet (a round of a client's streams, split by the
+    client's own work between steps), and those whose rhythm (the gap between their last two steps) makes them due.
+    Running now and again when they come costs a whole extra forward, so the steps wait for them, at most one
+    forward's price after the oldest arrived (the ski-rental bound: never more than the wait may save). Where this
+    server's compute thread gets less than ``CONTENDED`` of a core (its device shared with other work: stages of a
+    chain on one machine's cores, say), every forward saved is compute the others get back, and the bound grows to
+    ``CONTENDED_FORWARDS`` prices (at most half of ``max_wait``), long enough for rounds that drifted apart to merge.
+    A lone session, a full batch or a step that has waited long enough never waits."""
+    if not waiting or max_rows <= 1 or sum(w.row.rows for w in waiting) >= max_rows:
+        return 0.0
+    price = rhythm.price * (CONTENDED_FORWARDS if rhythm.share < CONTENDED else 1)
+    limit = min(w.since for w in waiting) + min(price, max_wait / 2)
+    if limit <= now:
+        return 0.0
+    here = {w.session for w in waiting}
+    theirs = {rhythm.batch_of.get(w.session) for w in waiting} - {None}
+    if any(b in theirs and session not in here for session, b in rhythm.batch_of.items()):
+        return limit - now  # a step that ran with these last time is still on its way (its arrival wakes the loop)
+    due = [
+        t + gap
+        for session, (t, gap) in rhythm.last.items()
+        if session not in here and gap is not None and now - t < 2 * gap and t + gap <= limit
+    ]
+    return max(0.0, max(due) - now) if due else 0.0
+
+
 class StepScheduler:
     """The server's compute gate and inference batcher (see the module's doc)."""
 
@@ -137,6 +211,7 @@ class StepScheduler:
         self._observe = observe  # rows of each forward run (the batch-size metric)
         self.clock = clock
         self.shares = Shares()
+        self.rhythm = Rhythm()
         self.waiting: list[Waiting] = []
         self._others: list[tuple[float, asyncio.Future[None]]] = []  # other work waiting for the thread
         self._busy = False  # the compute thread runs something of ours
@@ -153,6 +228,7 @@ class StepScheduler:
         runtime: Batcher | None = None,
         key: Hashable | None = None,
         lone: bool = False,
+        session: Hashable = None,
     ) -> torch.Tensor:
         """``row``'s output: run at once on this loop when it is small (a thread hand-off would cost more than the
         compute), its session is the only one open (``lone``) and no step waits or runs; else in the next batch its
@@ -160,13 +236,15 @@ class StepScheduler:
         while one runs there, the loop reads the others, which then run together (run inline, each would block the
         loop and the next would find nothing waiting, so nothing would ever batch)."""
         tokens = int(row.hidden.shape[0] * row.hidden.shape[1])
+        if session is not None:
+            self.rhythm.arrived(session, self.clock())
         # unbatched (``--max-batch 1``), every small step runs inline as before batching existed
         alone_anyway = lone or self.max_rows == 1
         if alone_anyway and not self._batching and not self.waiting and tokens <= self.inline_tokens:
             self._observe(row.rows)
             return alone()
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        self.waiting.append(Waiting(caller, sub, row, key, self.clock(), alone, runtime, future))
+        self.waiting.append(Waiting(caller, sub, row, key, self.clock(), alone, runtime, future, session))
         self._start()
         try:
             return await future
@@ -216,6 +294,12 @@ class StepScheduler:
                 await asyncio.sleep(self.window)
             while not self._busy and (self.waiting or self._others):
                 now = self.clock()
+                wait = 0.0 if self._others else hold(self.waiting, self.rhythm, now, self.max_rows, self.max_wait)
+                if wait > 0:  # companions are due: a step that arrives wakes the loop, which looks again
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
+                    continue
                 if self._others and (not self.waiting or now - self._others[0][0] >= self.max_wait):
                     _, gate = self._others.pop(0)
                     if not gate.done():
@@ -238,7 +322,8 @@ class StepScheduler:
             return
         self._observe(sum(w.row.rows for w in live))
         try:
-            outs = await self._thread(_run_batch, live)
+            outs, seconds, cpu = await self._thread(_run_batch, live)
+            self.rhythm.ran(seconds, [w.session for w in live], cpu)
         except Exception as e:
             if len(live) == 1:
                 live[0].future.set_exception(e)
@@ -254,7 +339,16 @@ class StepScheduler:
                 w.future.set_result(out)
 
 
-def _run_batch(batch: list[Waiting]) -> list[torch.Tensor]:
+def _run_batch(batch: list[Waiting]) -> tuple[list[torch.Tensor], float, float | None]:
+    """The batch's outputs, the seconds it took and, on the CPU, the seconds of CPU the compute thread got meanwhile
+    (measured here, on the thread: the hand-off to it is not the device's doing)."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    outs = _forward(batch)
+    on_cpu = batch[0].row.hidden.device.type == "cpu"
+    return outs, time.perf_counter() - wall, time.thread_time() - cpu if on_cpu else None
+
+
+def _forward(batch: list[Waiting]) -> list[torch.Tensor]:
     """On the compute thread: one step alone, or one forward of every row (``pick`` batches only equal keys, which
     only steps with a runtime that batches have)."""
     if len(batch) == 1:

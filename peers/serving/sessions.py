@@ -141,6 +141,7 @@ class Sessions:
     async def end(self, session: Session) -> None:
         if self.open.pop((session.caller, session.id), None) is not None:
             session.cache = None
+            self.compute.scheduler.rhythm.forgot((session.caller, session.id))
             self.quota.release(session.caller)
             if session.pin is not None:
                 session.pin.release()
@@ -211,7 +212,10 @@ class Sessions:
         key = (session.sub, int(hidden.shape[1])) if runtime is not None else None
         alone = partial(self._alone, session, hidden, mask, pos, past)
         lone = len(self.open) == 1
-        return await self.compute.scheduler.step(session.caller, session.sub, row, alone, runtime, key, lone)
+        scheduler = self.compute.scheduler
+        return await scheduler.step(
+            session.caller, session.sub, row, alone, runtime, key, lone, (session.caller, session.id)
+        )
 
     def _alone(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peers.serving.runtime import Row
-from peers.serving.scheduler import Shares, StepScheduler, Waiting, pick
+from peers.serving.scheduler import Rhythm, Shares, StepScheduler, Waiting, hold, pick
 from swarm.ids import Span
 
 SUB = Span(0, 4)
@@ -161,3 +161,83 @@ def test_waiting_inference_goes_before_other_work():
     finally:
         pool.shutdown()
     assert order.index("step") < order.index("training")
+
+
+def _at(session: str, since: float, rows: int = 1) -> Waiting:
+    w = _waiting("c", since, rows=rows)
+    w.session = session
+    return w
+
+
+def _rhythm(price: float, share: float = 1.0) -> Rhythm:
+    rhythm = Rhythm(share=share)
+    rhythm.forwards = [price, 2 * price]  # the price is the quickest recent forward
+    return rhythm
+
+
+def test_a_lone_session_or_a_full_batch_never_waits():
+    rhythm = _rhythm(0.05)
+    rhythm.arrived("a", 0.0)
+    rhythm.arrived("a", 1.0)
+    assert hold([_at("a", 1.0)], rhythm, 1.0, max_rows=8, max_wait=1.0) == 0.0  # nobody else keeps a rhythm here
+    rhythm.ran(0.05, ["a", "b"])  # b ran with a last time and is not back
+    assert hold([_at("a", 1.0)], rhythm, 1.0, max_rows=8, max_wait=1.0) > 0
+    assert hold([_at("a", 1.0, rows=8)], rhythm, 1.0, max_rows=8, max_wait=1.0) == 0.0  # full: nothing can join
+    assert hold([_at("a", 1.0)], rhythm, 1.0, max_rows=1, max_wait=1.0) == 0.0  # unbatched
+
+
+def test_steps_wait_for_their_last_companions_at_most_one_forward():
+    rhythm = _rhythm(0.04)
+    rhythm.ran(0.04, ["a", "b", "c"])
+    waiting = [_at("a", 10.0)]
+    assert hold(waiting, rhythm, 10.0, 8, 1.0) == pytest.approx(0.04)  # b and c are on their way: one price at most
+    assert hold(waiting, rhythm, 10.03, 8, 1.0) == pytest.approx(0.01)  # counted from the oldest step's arrival
+    assert hold(waiting, rhythm, 10.05, 8, 1.0) == 0.0  # the price is spent: run without them
+    waiting += [_at("b", 10.01), _at("c", 10.02)]
+    assert hold(waiting, rhythm, 10.02, 8, 1.0) == 0.0  # all back: run at once
+    rhythm.forgot("b")
+    rhythm.forgot("c")
+    assert hold(waiting[:1], rhythm, 10.0, 8, 1.0) == 0.0  # ended sessions are no one's companions
+
+
+def test_a_session_due_by_its_rhythm_is_waited_for_only_if_due_within_the_price():
+    rhythm = _rhythm(0.04)
+    for t in (0.0, 0.5, 1.0):  # b steps every 0.5 s, last at 1.0: due at 1.5
+        rhythm.arrived("b", t)
+    assert hold([_at("a", 1.48)], rhythm, 1.48, 8, 1.0) == pytest.approx(0.02)  # due before the price is spent
+    assert hold([_at("a", 1.40)], rhythm, 1.40, 8, 1.0) == 0.0  # due after it: not worth a forward's wait
+    assert hold([_at("a", 3.40)], rhythm, 3.40, 8, 1.0) == 0.0  # b stopped stepping (silent for 2 gaps)
+
+
+def test_on_a_shared_device_rounds_wait_longer_so_they_merge():
+    rhythm = _rhythm(0.04, share=0.5)  # the compute thread got half a core during its forwards
+    for t in (0.0, 0.5, 1.0):
+        rhythm.arrived("b", t)
+    assert hold([_at("a", 1.40)], rhythm, 1.40, 8, 1.0) == pytest.approx(0.10)  # due within 8 prices
+    assert hold([_at("a", 1.40)], rhythm, 1.40, 8, 0.1) == 0.0  # ...but never past half of max_wait
+    rhythm.ran(0.04, ["a", "c"], cpu=0.04)
+    assert rhythm.share > 0.5  # measured again with every forward
+
+
+def test_a_held_round_runs_as_one_forward():
+    """Session b ran with a last time and comes back 20 ms after it: they run together, not as two forwards."""
+    runtime, sizes = _Runtime(), []
+    pool, on_thread = _thread_runner()
+
+    async def main():
+        scheduler = StepScheduler(on_thread, 32, 1024, 20.0, 0, sizes.append)
+        scheduler.rhythm.ran(5.0, [("c", "a"), ("c", "b")])  # a forward costs far more than b's lateness; b ends the wait
+
+        async def one(name: str, delay: float):
+            await asyncio.sleep(delay)
+            x = torch.ones(1, 1, 4)
+            return await scheduler.step("c", SUB, Row(x, None, 0), lambda: x, runtime, "decode", session=("c", name))
+
+        await asyncio.gather(one("a", 0.0), one("b", 0.02))
+        scheduler.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert sizes == [2] and runtime.batches == [2]
