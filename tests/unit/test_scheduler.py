@@ -226,7 +226,8 @@ def test_a_held_round_runs_as_one_forward():
 
     async def main():
         scheduler = StepScheduler(on_thread, 32, 1024, 20.0, 0, sizes.append)
-        scheduler.rhythm.ran(5.0, [("c", "a"), ("c", "b")])  # a forward costs far more than b's lateness; b ends the wait
+        # a forward costs far more than b's lateness (b's arrival ends the wait, not the price)
+        scheduler.rhythm.ran(5.0, [("c", "a"), ("c", "b")])
 
         async def one(name: str, delay: float):
             await asyncio.sleep(delay)
