@@ -138,6 +138,11 @@ class Rhythm:
         if len(self.last) > 4096:  # sessions that stopped stepping (closed ones are forgotten at once)
             self.last = {k: v for k, v in self.last.items() if v[1] is not None and now - v[0] < 2 * v[1]}
 
+    def alive(self, session: Hashable, now: float) -> bool:
+        """It still steps: it came back within twice its last gap (a session whose client vanished stops counting)."""
+        t, gap = self.last.get(session, (now, None))
+        return gap is None or now - t < 2 * gap
+
     def forgot(self, session: Hashable) -> None:
         self.last.pop(session, None)
         self.batch_of.pop(session, None)
@@ -179,12 +184,13 @@ def hold(waiting: Sequence[Waiting], rhythm: Rhythm, now: float, max_rows: int, 
         return 0.0
     here = {w.session for w in waiting}
     theirs = {rhythm.batch_of.get(w.session) for w in waiting} - {None}
-    if any(b in theirs and session not in here for session, b in rhythm.batch_of.items()):
+    mates = (s for s, b in rhythm.batch_of.items() if b in theirs and s not in here)
+    if any(rhythm.alive(s, now) for s in mates):
         return limit - now  # a step that ran with these last time is still on its way (its arrival wakes the loop)
     due = [
         t + gap
         for session, (t, gap) in rhythm.last.items()
-        if session not in here and gap is not None and now - t < 2 * gap and t + gap <= limit
+        if session not in here and gap is not None and rhythm.alive(session, now) and t + gap <= limit
     ]
     return max(0.0, max(due) - now) if due else 0.0
 

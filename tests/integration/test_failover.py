@@ -133,7 +133,9 @@ def test_bootstrap_peer_death_does_not_stop_anyone(folder, ref):
 
 @pytest.mark.slow
 def test_all_replicas_gone_is_a_clear_error_in_bounded_time(folder):
-    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm) as client:
+    # the client waits 2 s for the blocks to come back, not the tests' 12: what is checked here is the error
+    timing = dataclasses.replace(Timing.for_tests(), missing_blocks_wait=2.0)
+    with running_swarm(folder, REPLICATED) as swarm, connect(folder, swarm, timing=timing) as client:
         client(torch.tensor([[1, 2, 3]]))
         assert [(h.start, h.end) for h in client.route] == [(0, 2), (2, 4)]  # one of the victims is on the route
         for peer in swarm.peers:

@@ -4,9 +4,12 @@ backward, a forward kept for one, an adapter) with a clear error while it keeps 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from swarm.config import Timing
 from swarm.errors import BadInputError, MissingBlocksError
 from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION
@@ -120,7 +123,9 @@ def test_without_a_backward_capable_server_a_forward_runs_and_its_backward_fails
     with pytest.raises(BadInputError, match="cannot run a backward pass.*onnx"):
         out.loss.backward()
 
-    with connect(str(tiny_models["llama"]), swarm, tuning="lora") as tuned:
+    # the client waits 2 s for capable servers to appear, not the tests' 12: what is checked here is the error
+    timing = dataclasses.replace(Timing.for_tests(), missing_blocks_wait=2.0)
+    with connect(str(tiny_models["llama"]), swarm, tuning="lora", timing=timing) as tuned:
         with pytest.raises(MissingBlocksError) as info:
             tuned(ids, labels=ids)
         assert info.value.blocks == [2, 3]

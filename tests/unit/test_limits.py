@@ -19,6 +19,7 @@ from peers.serving.compute import ComputeService
 from peers.serving.config import ComputeConfig
 from peers.serving.kv_cache import CacheBudget
 from peers.serving.limits import ANONYMOUS, GuardedFrames, Quota, StreamIdle, StreamStalled, caller_of
+from peers.serving.scheduler import Rhythm
 from peers.serving.sessions import Sessions
 from swarm import wire
 from swarm.config import Timing
@@ -76,6 +77,7 @@ def _fake_compute() -> SimpleNamespace:
         bind_adapter=lambda caller, ref, tensors, sub: (None, None),
         backend=SimpleNamespace(new_cache=lambda max_length=None: None, name="torch", capabilities=ALL_CAPABILITIES),
         stats={"sessions": 0},
+        scheduler=SimpleNamespace(rhythm=Rhythm()),  # what the scheduler knows of a session is forgotten at its end
     )
 
 
