@@ -179,7 +179,6 @@ class Chain:
         codec = self.codec(states, xs[0])
         digests: list[str] = []
         for c, x in zip(pieces, xs, strict=True):
-            digests.append(digest(wire.as_received(x, codec)))  # what the first hop decodes and commits to
             tensors: Tensors = {"hidden": x}
             if mask is not None:
                 tensors["attention_mask"] = mask[:, : position + c.end]
@@ -187,6 +186,8 @@ class Chain:
                 tensors["position_ids"] = positions[:, c.start : c.end]
             step = InferenceStep(position=position + c.start, hops=len(states) - 1, tag=tag)
             await first.stream.send(InferenceRequest(step=step), tensors, codec)
+            # what the first hop decodes and commits to: worked out while it computes, not before it can start
+            digests.append(digest(wire.as_received(x, codec)))
         inputs = hidden
         before = time.perf_counter()
         for k, state in enumerate(states):

@@ -9,6 +9,7 @@ it came from, so the retry helper knows whom to ban."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -73,6 +74,7 @@ def _parse(message: wire.Message | None, cls: type[R], peer_id: str) -> tuple[R,
         raise unavailable(peer_id, "sent a malformed reply", e) from None
 
 
+@functools.lru_cache(maxsize=1024)  # asked for every hop of every step: a hop's addresses never change
 def _on_loopback(hop: Hop) -> bool:
     """Every address ``hop`` announces is a loopback one (``127.0.0.0/8`` or ``::1``)."""
     addresses = [hop.direct.rsplit(":", 1)[0]] if hop.direct else []
