@@ -21,9 +21,12 @@ over the same path's one-stream row. Targets (issue 29) print as PASS/FAIL lines
 
 Nets: ``loopback`` (127.0.0.1) and ``wan``: the client side (the API and its load, or the client processes) in one
 WAN node and each server in its own, 50 ms one way between any two, 100 Mbit/s per node (``harness.wan``; needs
-root, /dev/net/tun and ``ip``, else the WAN rows are skipped with the reason). Every process uses one torch thread;
-servers start with ``--throughput 100`` (no probe) and per-caller limits raised so the API, one caller to the
-servers, may hold every stream's session. Default timings (not the tests' short ones): a loaded step may be slow.
+root, /dev/net/tun and ``ip``, else the WAN rows are skipped with the reason). Servers and the API use ``--threads``
+torch threads (1 by default; 2 lets a server's batched forward use both cores of this machine while the others wait),
+each client process one (16 of them share the cores: with 2 threads in every process, 16 processes gave 1.65x one
+process's tokens/s, against 2.9x with 1 thread everywhere in an earlier run). Servers start with ``--throughput 100``
+(no probe) and per-caller limits raised so the API, one caller to the servers, may hold every stream's session.
+Default timings (not the tests' short ones): a loaded step may be slow.
 
 (*) Measured on 2 cores shared with other work (load average 4-15), before batching: the quick run 6 min; one
 loopback swarm with 1, 4, 16 streams and 1, 16 processes 11 min, of which 4 min went to starting the 16 client
@@ -203,7 +206,7 @@ def client_worker(spec: dict[str, Any]) -> None:
     from harness.wan.client_job import Stamps, connect
     from swarm import load_tokenizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # 16 of them share the cores: more threads each only contend (measured)
     tokenizer = load_tokenizer(spec["model"])
     chat = [{"role": "user", "content": prompt(spec["index"])}]
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -319,10 +322,10 @@ class Bench:
         from harness.wan.nodes import WanSwarm
         from swarm.launch import LocalSwarm
 
-        extra = (*self.server_args(), *self.modes[mode])
+        extra = (*self.server_args(), *self.modes[mode], "--threads", str(self.args.threads))
         t0 = time.perf_counter()
         if wan is None:
-            with LocalSwarm(MODEL, list(SPANS.values()), extra_args=(*extra, "--threads", "1"), log_dir=logs) as sw:
+            with LocalSwarm(MODEL, list(SPANS.values()), extra_args=extra, log_dir=logs) as sw:
                 self.log(f"  3 servers up in {time.perf_counter() - t0:.0f} s")
                 yield sw.initial_peers
         else:
@@ -373,7 +376,7 @@ class Bench:
 
         a = self.args
         most = max(a.streams)
-        api_args = ["--model", MODEL, "--threads", "1", "--max-concurrent", str(most)]
+        api_args = ["--model", MODEL, "--threads", str(a.threads), "--max-concurrent", str(most)]
         api_args += ["--max-client-concurrent", str(most)]
         prefix = wan.argv("c", []) if wan is not None else []
         node = "c" if wan is not None else None
@@ -467,6 +470,7 @@ class Bench:
         c = data["config"]
         args = argparse.Namespace(
             tokens=c["tokens"],
+            threads=c.get("threads", 1),
             nets=list(dict.fromkeys(r["net"] for r in data["rows"])) + list(data["skipped"]),
             batched_args=shlex.join(c["modes"]["batched"]),
             unbatched_args=shlex.join(c["modes"]["unbatched"]),
@@ -482,6 +486,7 @@ class Bench:
             model=MODEL,
             spans=list(SPANS.values()),
             tokens=a.tokens,
+            threads=a.threads,
             server_args=self.server_args(),
             modes=self.modes,
             wan=dict(delay_ms=WAN_DELAY_MS, mbit=WAN_MBIT),
@@ -505,8 +510,9 @@ class Bench:
             "work on this machine included)."
         )
         print(
-            f"{MODEL} over 3 peers ({' '.join(SPANS.values())}), {self.args.tokens} tokens a stream, greedy, one torch "
-            "thread per process. Server flags: batched = defaults"
+            f"{MODEL} over 3 peers ({' '.join(SPANS.values())}), {self.args.tokens} tokens a stream, greedy, "
+            f"{self.args.threads} torch thread(s) per server and API, 1 per client process. Server flags: "
+            "batched = defaults"
             + (f" + {self.args.batched_args}" if self.args.batched_args.strip() else "")
             + f", unbatched = {self.args.unbatched_args.strip() or 'defaults (the same as batched)'}."
         )
@@ -615,6 +621,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="loopback, 1 and 4 streams and processes, 12 tokens")
     p.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16, 32], help="concurrent API streams per row")
     p.add_argument("--processes", type=int, nargs="*", default=[1, 16], help="client processes generating at once")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of every server and the API")
     p.add_argument("--tokens", type=int, default=32, help="tokens each stream generates")
     p.add_argument("--one-repeats", type=int, default=3, help="one-stream rounds, the median kept (the baseline)")
     p.add_argument("--nets", nargs="+", choices=["loopback", "wan"], default=["loopback", "wan"])
@@ -629,6 +636,8 @@ def main(argv: list[str]) -> int:
     if args.report:
         Bench.saved(args.report).report()
         return 0
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
     if args.quick:
         args.streams, args.processes, args.tokens, args.nets = [1, 4], [1, 4], 12, ["loopback"]
     known = server_flags()
