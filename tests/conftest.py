@@ -169,6 +169,9 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"] * 2,
         perturb=0.02,
     ),
+    # not rows of the family table: inferred from the class and proven by the self-check (swarm.families.infer)
+    "phi3": dict(model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2, perturb=0.02),  # fused qkv
+    "olmo2": dict(model_type="olmo2", pad_token_id=0, bos_token_id=1, eos_token_id=2, perturb=0.02),  # q/k norms
 }
 
 

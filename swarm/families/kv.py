@@ -23,6 +23,9 @@ def _head_dim(config: PretrainedConfig) -> int:
 
 def elements_per_token(family: Family, index: int) -> int:
     """Cached elements (keys and values together) per token of layer ``index``."""
+    measured = dict(family.kv_per_kind)  # an inferred family: what its layers were seen to cache
+    if measured:
+        return measured[family.layer_kind(index)]
     config, kv = family.config, family.spec.kv
     hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
     if kv == "latent":

@@ -48,7 +48,10 @@ def restore_buffers(family: Family, base: PreTrainedModel) -> None:
     small.vocab_size = 8
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if hasattr(small, key):
-            setattr(small, key, None)
+            try:
+                setattr(small, key, None)
+            except (TypeError, ValueError):  # a strict config that wants a token id: one inside the tiny vocabulary
+                setattr(small, key, 0)
     with torch.device("cpu"):
         twin = base_of(family, family.lm_class(small))
     persistent = set(base.state_dict())
@@ -102,13 +105,21 @@ def finish_embedding(
         hidden = hidden + getattr(base, spec.positions)(position_ids.to(hidden.device))
     if spec.embed_norm is not None:
         hidden = getattr(base, spec.embed_norm)(hidden)
+    if spec.embedding_multiplier is not None:
+        hidden = hidden * float(getattr(family.config, spec.embedding_multiplier))
     return hidden
 
 
 def head(family: Family, base: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's hidden states: final norm, LM head, then the final soft-cap if configured."""
-    norm = getattr(base, family.spec.norm)
-    logits: torch.Tensor = lm_head(norm(hidden))
+    if family.spec.norm:  # a family without a final norm (inferred: none among its base model's modules)
+        hidden = getattr(base, family.spec.norm)(hidden)
+    logits: torch.Tensor = lm_head(hidden)
+    spec = family.spec
+    if spec.logits_multiplier is not None:
+        logits = logits * float(getattr(family.config, spec.logits_multiplier))
+    if spec.logits_divisor is not None:
+        logits = logits / float(getattr(family.config, spec.logits_divisor))
     cap = getattr(family.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

@@ -43,6 +43,14 @@ _SIZES = {  # attribute -> twin value, set only where the config has the attribu
 }
 
 
+def _set(config: PretrainedConfig, key: str, value: object) -> None:
+    """Set ``key`` on the twin where the config lets it (a derived attribute is a property without a setter)."""
+    try:
+        setattr(config, key, value)
+    except (AttributeError, TypeError, ValueError):
+        pass
+
+
 def shrink(config: PretrainedConfig) -> PretrainedConfig:
     """A small twin of ``config`` with the same family settings: 4 layers repeating its layer types, hidden 64."""
     twin = copy.deepcopy(config)
@@ -53,34 +61,45 @@ def shrink(config: PretrainedConfig) -> PretrainedConfig:
             kinds.append(kind)
     for key, value in _SIZES.items():
         if getattr(config, key, None) is not None:
-            setattr(twin, key, value)
+            _set(twin, key, value)
     heads, kv = int(config.num_attention_heads), getattr(config, "num_key_value_heads", None)
     if kv is not None:  # keep multi-head, grouped or multi-query as it was
-        twin.num_key_value_heads = 4 if int(kv) == heads else (1 if int(kv) == 1 else 2)
+        _set(twin, "num_key_value_heads", 4 if int(kv) == heads else (1 if int(kv) == 1 else 2))
     if getattr(config, "num_kv_heads", None) is not None:  # Falcon
-        twin.num_kv_heads = 4 if int(config.num_kv_heads) == heads else (1 if int(config.num_kv_heads) == 1 else 2)
+        _set(
+            twin,
+            "num_kv_heads",
+            4 if int(config.num_kv_heads) == heads else (1 if int(config.num_kv_heads) == 1 else 2),
+        )
     if getattr(config, "head_dim", None) is not None and not isinstance(
         type(config).__dict__.get("head_dim"), property
     ):
-        twin.head_dim = 8 if getattr(config, "kv_lora_rank", None) is not None else 16
+        _set(twin, "head_dim", 8 if getattr(config, "kv_lora_rank", None) is not None else 16)
+    if getattr(config, "rotary_dim", None):  # GPT-J's rotary width: within the twin's heads of 16
+        _set(twin, "rotary_dim", 8)
     if getattr(config, "num_experts_per_tok", None) is not None:
-        twin.num_experts_per_tok = min(int(config.num_experts_per_tok), 2)
+        _set(twin, "num_experts_per_tok", min(int(config.num_experts_per_tok), 2))
     if getattr(config, "n_shared_experts", None):
-        twin.n_shared_experts = 1
+        _set(twin, "n_shared_experts", 1)
     if getattr(config, "first_k_dense_replace", None):
-        twin.first_k_dense_replace = 1
+        _set(twin, "first_k_dense_replace", 1)
     if getattr(config, "mlp_only_layers", None):
-        twin.mlp_only_layers = [0]
-    twin.num_hidden_layers = LAYERS
+        _set(twin, "mlp_only_layers", [0])
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    _set(twin, "num_hidden_layers", LAYERS)
     if layer_types:
-        twin.layer_types = [kinds[i % len(kinds)] for i in range(LAYERS)]
+        _set(twin, "layer_types", [kinds[i % len(kinds)] for i in range(LAYERS)])
+    for key, value in vars(config).items():  # other per-layer lists (``mlp_layer_types``): their pattern, 4 long
+        if key != "layer_types" and isinstance(value, list) and layers > LAYERS and len(value) == layers:
+            pattern = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else value
+            _set(twin, key, [pattern[i % len(pattern)] for i in range(LAYERS)])
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         token: object = getattr(config, key, None)
         if isinstance(token, int) and token >= VOCAB:
-            setattr(twin, key, 0)
+            _set(twin, key, 0)
         elif isinstance(token, list):
-            setattr(twin, key, [v if v < VOCAB else 0 for v in token])
-    twin._attn_implementation = getattr(config, "_attn_implementation_internal", None)
+            _set(twin, key, [v if v < VOCAB else 0 for v in token])
+    _set(twin, "_attn_implementation", getattr(config, "_attn_implementation_internal", None))
     return twin
 
 
@@ -194,13 +213,18 @@ def _check(
     seed: int,
     spans: Sequence[tuple[int, int]],
 ) -> CheckReport:
-    small = shrink(config) if twin else copy.deepcopy(config)
     try:
+        small = shrink(config) if twin else copy.deepcopy(config)
         family = family_of(small, spec, attn)
-    except BadInputError as e:
-        return CheckReport(getattr(config, "model_type", "?"), problems=[str(e)])
+    except Exception as e:  # noqa: BLE001 - a config the family layer or transformers cannot take is refused
+        why = str(e) if isinstance(e, BadInputError) else f"{type(e).__name__}: {e}"
+        return CheckReport(getattr(config, "model_type", "?"), problems=[why])
     report = CheckReport(family.label)
-    ref = _reference(family, small, seed)
+    try:
+        ref = _reference(family, small, seed)
+    except Exception as e:  # noqa: BLE001 - transformers' own model fails on this config: nothing to prove against
+        report.problems.append(f"Hugging Face's own model fails on this config: {type(e).__name__}: {e}")
+        return report
     try:
         split = _Split(family, ref, spans)
     except Exception as e:  # a layer or local part the family layer builds differently from Hugging Face
@@ -212,7 +236,11 @@ def _check(
     mask[1, :3] = 0  # row 1 left-padded
     keep = mask.bool()
     with torch.no_grad():
-        plain, padded = ref(ids).logits, ref(ids, attention_mask=mask).logits
+        try:
+            plain, padded = ref(ids).logits, ref(ids, attention_mask=mask).logits
+        except Exception as e:  # noqa: BLE001 - transformers' own forward fails on the twin: nothing to prove against
+            report.problems.append(f"Hugging Face's own forward fails on this config: {type(e).__name__}: {e}")
+            return report
         passes: dict[str, Callable[[], torch.Tensor]] = {
             "full forward": lambda: (split.run(ids, None, None, 0) - plain).abs().max(),
             "left-padded batch": lambda: (split.run(ids, mask, None, 0) - padded)[keep].abs().max(),
@@ -239,6 +267,56 @@ def _decode(split: _Split, ids: torch.Tensor, mask: torch.Tensor, prefill: int =
     return torch.cat(steps, dim=1)
 
 
+def check_saved(config: PretrainedConfig, seed: int = 3) -> str | None:
+    """For an inferred family: the twin saved as ``save_pretrained`` writes checkpoints, its layers read back by the
+    server's loader and its local parts as the client reads them, run as two spans (prefill, then cached steps, a
+    padded batch) against Hugging Face's logits. None when they match; else why not (tensor names on disk that
+    transformers converts on load, which the loader does not know, are the usual reason)."""
+    import tempfile
+    from pathlib import Path
+
+    from swarm.families import weights
+    from swarm.model_files import load_config, read_tensors, weight_map
+
+    try:
+        small = shrink(config)
+        with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=[]), torch.no_grad():
+            folder = Path(tmp)
+            ref = _reference(family_of(small), small, seed)
+            ref.save_pretrained(folder)
+            family = family_of(load_config(folder))
+            layers = [weights.load_layer(family, folder, i, torch.float32, "cpu") for i in range(family.num_layers)]
+            lm = local.local_model(family)
+            names = local.disk_to_local(family, weight_map(folder), lm)
+            local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})
+            base, head, rotary = local.base_of(family, lm), local.head_of(lm), family.new_rotary("cpu")
+            ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(seed))
+            mask = torch.ones(2, 14, dtype=torch.long)
+            mask[1, :3] = 0
+            want = ref(ids, attention_mask=mask).logits
+            halves = [range(0, 2), range(2, family.num_layers)]
+            caches = [span.new_cache(family, 64) for _ in halves]
+            outs = []
+            for start, end in [(0, 10), *((t, t + 1) for t in range(10, 14))]:
+                hidden = local.embed(family, base, ids[:, start:end], past=start)
+                for indices, cache in zip(halves, caches, strict=True):
+                    hidden = span.run_span(
+                        family,
+                        [layers[i] for i in indices],
+                        indices,
+                        hidden,
+                        rotary,
+                        attention_mask=mask[:, :end],
+                        cache=cache,
+                        past=start,
+                    )
+                outs.append(local.head(family, base, head, hidden))
+            diff = float((torch.cat(outs, dim=1) - want)[mask.bool()].abs().max())
+    except Exception as e:  # noqa: BLE001 - whatever fails here is the reason the model is refused
+        return f"loading its saved weights: {e}" if isinstance(e, BadInputError) else f"{type(e).__name__}: {e}"
+    return None if diff <= TOLERANCE else f"from its saved weights, logits off by {diff:.1e}"
+
+
 # Configs whose twin matched in this process: the check is a pure function of the config and of code that does not
 # change while the process runs, so a process that loads the same model again (a client per model object, a test
 # process of many clients) pays it once; a twin costs seconds for the larger families.
@@ -253,6 +331,10 @@ def require_exact(config: PretrainedConfig) -> Family:
     if key in _MATCHED:
         return family
     report = check_split(config)
+    if report.ok and family.spec.inferred:  # read off the class: its weights' names on disk are not proven yet
+        saved = check_saved(config)
+        if saved is not None:
+            report.problems.append(saved)
     if not report.ok:
         import transformers
 

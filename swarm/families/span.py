@@ -15,9 +15,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from swarm.families.spec import Family
+from swarm.families.family import Family
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass
@@ -119,6 +120,11 @@ def span_inputs(
         kinds.setdefault(family.layer_kind(i), i)
     masks: dict[str, object] = {}
     for kind, first in kinds.items():
+        if kind not in _ATTENTION_KINDS:  # linear attention, convolutions, state-space layers: the padding mask only,
+            # while the prompt is read (what transformers' hybrid models pass such layers; None once cached)
+            padded = attention_mask is not None and past == 0 and not bool(attention_mask.all())
+            masks[kind] = attention_mask if padded else None
+            continue
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
         masks[kind] = make(
             config=config,

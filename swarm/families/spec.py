@@ -8,49 +8,15 @@ type's name, so ``gemma3_text`` (defined in ``modeling_gemma3``) is found like a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Literal
+import dataclasses
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from swarm.errors import BadInputError
+from swarm.families.family import CallStyle, Experts, Family, FamilySpec, KvLayout, Rotary
 
-# How the model calls its decoder layers (transformers 5.24): the keyword the cache goes under, what else they take.
-CallStyle = Literal["decoder", "gpt2", "neox", "falcon", "bloom"]
-# Rotary tables a span computes: none (learned positions or ALiBi), one for all layers, or one per layer type.
-Rotary = Literal["none", "shared", "per_layer_type"]
-# How a layer's keys and values are cached (what a token costs): grouped-query heads, hidden-sized (multi-head),
-# Falcon's three layouts, or DeepSeek's compressed latent.
-KvLayout = Literal["gqa", "hidden", "falcon", "latent"]
-# How expert weights are stored on disk versus held by the 5.x module.
-Experts = Literal["none", "mixtral", "per_expert", "fused"]
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    label: str  # for messages and the README ("llama", "gemma3_text", ...): never used to find code
-    call: CallStyle = "decoder"
-    rotary: Rotary = "shared"
-    kv: KvLayout = "gqa"
-    experts: Experts = "none"
-    norm: str = "norm"  # the final norm, an attribute of the base model
-    positions: str | None = None  # learned absolute positions added to the embeddings (GPT-2's ``wpe``)
-    embed_norm: str | None = None  # a norm right after the embeddings (BLOOM's ``word_embeddings_layernorm``)
-    needs_eager: bool = False  # soft-capping, sinks or additive ALiBi masks: sdpa would fail or silently differ
-    materialize_mask: bool = False  # Falcon folds ALiBi into a 4D mask: never skip it as "causal"
-    disk_renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> module prefix (NeoX: embed_out -> lm_head)
-    lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
-    refuse: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when the attribute is truthy
-
-    @property
-    def after_embedding(self) -> str | None:
-        """What the model applies to the token embeddings before its first layer (None: nothing). PEFT's input
-        prompts pass through it; the swarm prepends prompts after it, so prompt tuning is refused for such families."""
-        if self.positions is not None:
-            return f"learned positions ({self.positions!r})"
-        return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
-
+__all__ = ["SPECS", "CallStyle", "Experts", "Family", "FamilySpec", "KvLayout", "Rotary", "family_of", "spec_of"]
 
 _LLAMA_LIKE = FamilySpec("llama")
 SPECS: dict[str, FamilySpec] = {
@@ -133,13 +99,14 @@ def lm_class_of(config: PretrainedConfig) -> type[PreTrainedModel]:
     return mapped
 
 
-def spec_of(lm_class: type[PreTrainedModel]) -> FamilySpec:
+def spec_of(lm_class: type[PreTrainedModel], config: PretrainedConfig) -> FamilySpec:
+    """The table's row for ``lm_class``, else what ``swarm.families.infer`` reads off the class (BadInputError with
+    the reason where it cannot): either way a hypothesis until the self-check has proven it."""
     spec = SPECS.get(lm_class.__name__)
     if spec is None:
-        raise BadInputError(
-            f"{lm_class.__name__} (in {lm_class.__module__}) is not a family this swarm serves "
-            f"exactly; supported: {', '.join(supported_labels())}"
-        )
+        from swarm.families.infer import infer_spec
+
+        return infer_spec(lm_class, config)
     return spec
 
 
@@ -156,77 +123,43 @@ def declared_problems(config: PretrainedConfig, spec: FamilySpec) -> list[str]:
     return problems
 
 
-@dataclass(frozen=True)
-class Family:
-    """A family bound to one config: ``config`` is a copy carrying the attention and experts implementations the
-    family runs (both server layers and client masks are made from it)."""
-
-    spec: FamilySpec
-    lm_class: type[PreTrainedModel]
-    config: PretrainedConfig
-    base_prefix: str  # "model", "transformer", "gpt_neox"
-    layers_attr: str  # "layers" or "h", under the base model
-    layer_classes: tuple[type[torch.nn.Module], ...] = field(repr=False)
-    rotary_class: type[torch.nn.Module] | None = field(repr=False)
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    @property
-    def layers_path(self) -> str:
-        return f"{self.base_prefix}.{self.layers_attr}"
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    def layer_kind(self, index: int) -> str:
-        """``full_attention`` or ``sliding_attention``: which mask (and, per layer type, which rotary) layer
-        ``index`` takes; the rule DynamicCache sizes its layers by."""
-        layer_types = getattr(self.config, "layer_types", None)
-        if layer_types:
-            return str(layer_types[index])
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
-
-    def build_layer(self, index: int) -> torch.nn.Module:
-        """Layer ``index`` on the current default device (``meta`` to fill with ``load_state_dict(assign=True)``)."""
-        return self.layer_classes[index](self.config, layer_idx=index)
-
-    def new_rotary(self, device: torch.device | str) -> torch.nn.Module | None:
-        """The rotary module (weightless: built on ``device`` from the config, never loaded)."""
-        if self.spec.rotary == "none" or self.rotary_class is None:
-            return None
-        return self.rotary_class(config=self.config).to(device)
-
-
 def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: str | None = None) -> Family:
     """The family of ``config`` (``spec``/``attn``: override what the family layer would choose; tests do, to prove
     that the self-check catches a wrong choice)."""
     lm_class = lm_class_of(config)
-    spec = spec or spec_of(lm_class)
+    spec = spec or spec_of(lm_class, config)
     problems = declared_problems(config, spec)
     if problems:
         raise BadInputError(f"{spec.label}: cannot serve this model exactly: {'; '.join(problems)}")
     config = copy.deepcopy(config)
     if spec.needs_eager:
         config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = lm_class(config)  # resolves the attention and experts implementations into ``config``
+    try:
+        with torch.device("meta"):
+            model = lm_class(config)  # resolves the attention and experts implementations into ``config``
+    except Exception as e:  # transformers' own code refusing this config: a refusal with its reason, not a crash
+        raise BadInputError(f"{lm_class.__name__} cannot be built from this config: {type(e).__name__}: {e}") from None
     if attn is not None:  # after the class's own checks, as a server that forced it on its layers would
         config._attn_implementation = attn
     base = getattr(model, lm_class.base_model_prefix)
     attr = next((a for a in ("layers", "h") if isinstance(getattr(base, a, None), torch.nn.ModuleList)), None)
+    if attr is None:  # an inferred family's layers may go under another name (MPT's ``blocks``)
+        attr = next((n for n, c in base.named_children() if isinstance(c, torch.nn.ModuleList)), None)
     if attr is None:
         raise BadInputError(f"{lm_class.__name__}: no decoder layers found under {lm_class.base_model_prefix}")
     layers = getattr(base, attr)
     rotary = getattr(base, "rotary_emb", None)
-    return Family(
+    family = Family(
         spec=spec,
         lm_class=lm_class,
         config=config,
         base_prefix=lm_class.base_model_prefix,
         layers_attr=attr,
         layer_classes=tuple(type(layer) for layer in layers),
-        rotary_class=type(rotary) if rotary is not None else None,
+        rotary_class=type(rotary) if isinstance(rotary, torch.nn.Module) else None,
     )
+    if spec.inferred:
+        from swarm.families.infer import measure_kv
+
+        family = dataclasses.replace(family, kv_per_kind=measure_kv(family))
+    return family

@@ -90,7 +90,10 @@ def load_layer(
         for k, v in file_to_module(family, state).items()
         if not _ignored(family, k, expected)
     }
-    layer.load_state_dict(state, strict=True, assign=True)
+    try:
+        layer.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # names or shapes on disk unlike the module's (a conversion transformers makes on load)
+        raise BadInputError(f"block {index}: the checkpoint's tensors do not fit its module: {str(e)[:600]}") from None
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:
         raise BadInputError(f"block {index}: no weights for {left}")

@@ -21,8 +21,9 @@ from tests.integration.swarms import (
 
 # The fast subset's families (the full suite runs them all): a Llama over libp2p alone, GPT-2's other layout (fused
 # attention, learned positions, tied head) over the direct plane, and DeepSeek-V3's latent attention and routed
-# experts. Each family's local math is checked without a swarm in tests/unit/test_family_layer.py.
-FAST = ("llama", "gpt2", "deepseek_v3")
+# experts; and Phi-3, which no row of the family table lists. Each family's local math is checked without a swarm
+# in tests/unit/test_family_layer.py (inferred families: tests/unit/test_family_infer.py).
+FAST = ("llama", "gpt2", "deepseek_v3", "phi3")  # Phi-3: a family inferred from its class, not a row of the table
 
 
 @pytest.fixture(
@@ -113,7 +114,7 @@ def test_scoring_and_hidden_states_match_local(family_swarm):
 @pytest.mark.parametrize(
     "model_type, edit, why",
     [
-        ("phi", {}, "PhiForCausalLM .* is not a family this swarm serves exactly; supported: bloom, deepseek_v3"),
+        ("mpt", {}, "MptForCausalLM: its layers need position_bias, which its model computes around them"),
         pytest.param(
             "llama",
             {"architectures": ["NoSuchForCausalLM"]},

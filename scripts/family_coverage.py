@@ -1,0 +1,207 @@
+"""Which of the installed transformers' decoder-only causal-LM architectures the swarm serves exactly, and why the
+others are refused.
+
+    python scripts/family_coverage.py                 # the table, then the counts and the refusals grouped
+    python scripts/family_coverage.py --json out.json
+
+For each causal-LM class transformers maps a config to (one row per class), a tiny random config from the config
+class's defaults: the self-check's shrunk twin (``swarm.families.selfcheck``: hidden 64, 4 layers), with every
+multiplier or scale the defaults leave at 1.0 moved to 0.75 (a model that multiplies its embeddings or logits by
+one would pass without the split path knowing it does). Then:
+1. the self-check (full pass, padded batch, prefill plus cached steps, through two spans), which decides;
+2. for those it serves, the real split execution: the tiny model saved to disk with perturbed weights, its layers
+   loaded by the server's loader into two spans of the server's runtime (``SpanBackend``, its own caches), its
+   embeddings and head loaded as the client loads them, a prefill and cached steps compared with Hugging Face's
+   logits of the same folder (fp32, tolerance 1e-4).
+
+Not counted as decoder-only causal LMs: encoders that can act as decoders (a masked-LM class exists for the model
+type: BERT and kin), decoders of encoder-decoder models (a sequence-to-sequence class exists: BART, Marian, ...),
+and composite configs (a text model inside a vision or audio one; their text models are rows of their own)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TOLERANCE = 1e-4
+
+
+@dataclass
+class Row:
+    model_type: str
+    lm_class: str
+    served: bool
+    why: str = ""  # the refusal, or the largest difference of the real split execution
+    split_diff: float | None = None
+
+
+def architectures() -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(model type, causal-LM class) of every decoder-only architecture, one per class; and what was left out, why."""
+    from transformers.models.auto import modeling_auto as ma
+
+    masked, s2s = set(ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES), set(ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    seen: dict[str, list[str]] = {}
+    left: dict[str, str] = {}
+    for model_type, name in sorted(ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        name = name[0] if isinstance(name, list | tuple) else name
+        if model_type in masked:
+            left[model_type] = "an encoder (it has a masked-LM class)"
+        elif model_type in s2s:
+            left[model_type] = "the decoder of an encoder-decoder model"
+        elif _composite(model_type):
+            left[model_type] = "a composite (vision or audio) config"
+        else:
+            seen.setdefault(name, []).append(model_type)
+    return sorted((_owner(name, types), name) for name, types in seen.items()), left
+
+
+def _owner(lm_class: str, model_types: list[str]) -> str:
+    """The model type whose config class is the class's own (Llama's, not EXAONE's, which maps to it too)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    config_class = getattr(getattr(transformers, lm_class, None), "config_class", None)
+    return next((t for t in model_types if CONFIG_MAPPING[t] is config_class), model_types[0])
+
+
+def _composite(model_type: str) -> bool:
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001 - a config that cannot be built is a row (refused), not left out
+        return False
+    return bool(getattr(config, "is_encoder_decoder", False)) or any(
+        k in (getattr(type(config), "sub_configs", None) or {}) for k in ("text_config", "vision_config")
+    )
+
+
+def default_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and value == 1.0 and re.search(r"multiplier|scale|scaling", key):
+            setattr(config, key, 0.75)
+    return config
+
+
+def check(model_type: str, lm_class: str) -> Row:
+    from swarm.errors import BadInputError
+    from swarm.families.selfcheck import check_split
+
+    try:
+        config = default_config(model_type)
+    except Exception as e:  # noqa: BLE001
+        return Row(model_type, lm_class, False, f"its default config cannot be built: {type(e).__name__}: {e}")
+    report = check_split(config)
+    if not report.ok:
+        return Row(model_type, lm_class, False, report.problems[0])
+    try:
+        diff = split_execution(config)
+    except Exception as e:  # noqa: BLE001 - the twin passed, the real path did not (what ``require_exact`` also finds
+        # for an inferred family with ``check_saved``, through the server's loader and runtime here)
+        why = str(e) if isinstance(e, BadInputError) else f"{type(e).__name__}: {e}"
+        return Row(model_type, lm_class, False, f"real split execution failed: {why}")
+    ok = diff <= TOLERANCE
+    return Row(model_type, lm_class, ok, "" if ok else f"real split execution off by {diff:.1e}", diff)
+
+
+def split_execution(config) -> float:
+    """The largest logit difference between Hugging Face and the server's and client's own code over a saved tiny
+    model of ``config``'s twin (two spans, prefill of 10 then 4 cached steps, a left-padded batch of 2)."""
+    from peers.blocks.backend import SpanBackend
+    from peers.blocks.loader import load_span
+    from swarm.families import local
+    from swarm.families.selfcheck import VOCAB, _reference, shrink
+    from swarm.families.spec import family_of
+    from swarm.ids import Span
+    from swarm.model_files import load_config, read_tensors, weight_map
+
+    small = shrink(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        ref = _reference(family_of(small), small, seed=3)
+        ref.save_pretrained(folder)
+        saved = load_config(folder)
+        family = family_of(saved)
+        spans = [Span(0, 2), Span(2, family.num_layers)]
+        backends = [
+            SpanBackend(
+                family.config, family, load_span(folder, family, s, torch.float32, "cpu"), s, "cpu", torch.float32
+            )
+            for s in spans
+        ]
+        lm = local.local_model(family)
+        names = local.disk_to_local(family, weight_map(folder), lm)
+        local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})
+        base, head = local.base_of(family, lm), local.head_of(lm)
+        gen = torch.Generator().manual_seed(4)
+        ids = torch.randint(1, VOCAB, (2, 14), generator=gen)
+        mask = torch.ones(2, 14, dtype=torch.long)
+        mask[1, :3] = 0
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask).logits
+            caches = [b.new_cache(64) for b in backends]
+            outs = []
+            for start, end in [(0, 10), *((t, t + 1) for t in range(10, 14))]:
+                hidden = local.embed(family, base, ids[:, start:end], past=start)
+                for backend, s, cache in zip(backends, spans, caches, strict=True):
+                    hidden = backend.run(hidden, s, attention_mask=mask[:, :end], cache=cache, past=start)
+                outs.append(local.head(family, base, head, hidden))
+            got = torch.cat(outs, dim=1)
+    return float((got - want)[mask.bool()].abs().max())
+
+
+def walk() -> tuple[list[Row], dict[str, str]]:
+    rows = []
+    found, left = architectures()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type, lm_class in found:
+            with torch.random.fork_rng(devices=[]):
+                rows.append(check(model_type, lm_class))
+    return rows, left
+
+
+def _reason(why: str) -> str:
+    """A refusal's kind, for grouping (the class names and numbers in it taken out)."""
+    why = re.sub(r"^\w+(ForCausalLM|LMHeadModel|Model)\b:? ?", "", why)
+    why = re.sub(r"off by [0-9.e+-]+", "off by ...", why)
+    why = re.sub(r"\(first at block \d+ \([^)]*\)\)", "(first at a block)", why)
+    return why[:110]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    rows, left = walk()
+    print("| model type | class | served | refusal |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r.model_type} | {r.lm_class} | {'yes' if r.served else 'no'} | {r.why[:160]} |")
+    served = sum(r.served for r in rows)
+    print(
+        f"\ntransformers {transformers.__version__}: {len(rows)} decoder-only causal-LM architectures, "
+        f"{served} served exactly ({100 * served / max(len(rows), 1):.0f}%), {len(rows) - served} refused; "
+        f"{len(left)} model types left out (encoders, decoders of encoder-decoders, composites)"
+    )
+    for reason, n in collections.Counter(_reason(r.why) for r in rows if not r.served).most_common():
+        print(f"  {n:3d}  {reason}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "left_out": left}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""What a family is, as data: a ``FamilySpec`` (one per causal-LM class: a row of ``swarm.families.spec.SPECS``, or
+what ``swarm.families.infer`` reads off the class) and a ``Family`` (a spec bound to one config and to the classes
+transformers builds for it). Kept apart from ``spec.py`` so the modules that work out a family (``spec``,
+``infer``) and those that use one (``span``, ``kv``, ``local``) import it without importing each other."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+# How the model calls its decoder layers (transformers 5.24): the keyword the cache goes under, what else they take.
+CallStyle = Literal["decoder", "gpt2", "neox", "falcon", "bloom"]
+# Rotary tables a span computes: none (learned positions or ALiBi), one for all layers, or one per layer type.
+Rotary = Literal["none", "shared", "per_layer_type"]
+# How a layer's keys and values are cached (what a token costs): grouped-query heads, hidden-sized (multi-head),
+# Falcon's three layouts, or DeepSeek's compressed latent.
+KvLayout = Literal["gqa", "hidden", "falcon", "latent"]
+# How expert weights are stored on disk versus held by the 5.x module.
+Experts = Literal["none", "mixtral", "per_expert", "fused"]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    label: str  # for messages and the README ("llama", "gemma3_text", ...): never used to find code
+    call: CallStyle = "decoder"
+    rotary: Rotary = "shared"
+    kv: KvLayout = "gqa"
+    experts: Experts = "none"
+    norm: str = "norm"  # the final norm, an attribute of the base model ("": none, the head reads the last layer)
+    positions: str | None = None  # learned absolute positions added to the embeddings (GPT-2's ``wpe``)
+    embed_norm: str | None = None  # a norm right after the embeddings (BLOOM's ``word_embeddings_layernorm``)
+    needs_eager: bool = False  # soft-capping, sinks or additive ALiBi masks: sdpa would fail or silently differ
+    materialize_mask: bool = False  # Falcon folds ALiBi into a 4D mask: never skip it as "causal"
+    disk_renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> module prefix (NeoX: embed_out -> lm_head)
+    lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
+    refuse: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when the attribute is truthy
+    inferred: bool = False  # read off the class (``swarm.families.infer``), not a row of ``SPECS``
+    # config attributes the model applies around its layers (inferred from the config: Granite's, Cohere's)
+    embedding_multiplier: str | None = None  # embeddings x config.<this>
+    logits_divisor: str | None = None  # logits / config.<this>
+    logits_multiplier: str | None = None  # logits x config.<this>
+
+    @property
+    def after_embedding(self) -> str | None:
+        """What the model applies to the token embeddings before its first layer (None: nothing). PEFT's input
+        prompts pass through it; the swarm prepends prompts after it, so prompt tuning is refused for such families."""
+        if self.positions is not None:
+            return f"learned positions ({self.positions!r})"
+        return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family bound to one config: ``config`` is a copy carrying the attention and experts implementations the
+    family runs (both server layers and client masks are made from it)."""
+
+    spec: FamilySpec
+    lm_class: type[PreTrainedModel]
+    config: PretrainedConfig
+    base_prefix: str  # "model", "transformer", "gpt_neox"
+    layers_attr: str  # "layers" or "h", under the base model
+    layer_classes: tuple[type[torch.nn.Module], ...] = field(repr=False)
+    rotary_class: type[torch.nn.Module] | None = field(repr=False)
+    kv_per_kind: tuple[tuple[str, int], ...] = ()  # measured cached elements per token by layer kind (inferred)
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def layers_path(self) -> str:
+        return f"{self.base_prefix}.{self.layers_attr}"
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def layer_kind(self, index: int) -> str:
+        """``full_attention`` or ``sliding_attention``: which mask (and, per layer type, which rotary) layer
+        ``index`` takes; the rule DynamicCache sizes its layers by."""
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types:
+            return str(layer_types[index])
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+
+    def build_layer(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` on the current default device (``meta`` to fill with ``load_state_dict(assign=True)``)."""
+        cls = self.layer_classes[index]
+        params = list(inspect.signature(cls.__init__).parameters)[1:]  # after self
+        if "layer_idx" in params:
+            return cls(self.config, layer_idx=index)
+        return cls(self.config, index) if len(params) > 1 else cls(self.config)  # GPT-Neo's ``layer_id``
+
+    def new_rotary(self, device: torch.device | str) -> torch.nn.Module | None:
+        """The rotary module (weightless: built on ``device`` from the config, never loaded)."""
+        if self.spec.rotary == "none" or self.rotary_class is None:
+            return None
+        return self.rotary_class(config=self.config).to(device)

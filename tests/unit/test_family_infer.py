@@ -1,0 +1,109 @@
+"""Families read off the class (``swarm.families.infer``) for architectures the table does not list: the proof, not
+the list, decides. Phi-3 and OLMo-2 (exact in earlier releases, refused by the table alone) are inferred, proven on
+their twins and from their saved weights; a wrong inference is caught by the same proof; whatever goes wrong inside
+the check is a refusal with its reason; the KV bytes an inferred family counts are what its layers cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, DynamicCache
+
+from swarm.errors import BadInputError
+from swarm.families import kv, span
+from swarm.families.selfcheck import check_saved, check_split, require_exact
+from swarm.families.spec import SPECS, family_of
+
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=320, pad_token_id=0
+)
+TOKENS = dict(bos_token_id=1, eos_token_id=2)
+
+
+def _config(model_type: str, **extra):
+    return AutoConfig.for_model(model_type, **{**SMALL, **TOKENS, "num_key_value_heads": 2, **extra})
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_an_unlisted_family_is_inferred_and_proven(model_type):
+    config = _config(model_type)
+    family = family_of(config)
+    assert family.spec.inferred and family.lm_class.__name__ not in SPECS
+    report = check_split(config, twin=False)
+    assert report.ok, report.problems
+    assert max(report.diffs.values()) <= 1e-4
+    assert check_saved(config) is None  # its saved weights load into the layers and reproduce the logits
+    assert require_exact(config).spec == family.spec
+
+
+def test_a_wrong_inference_is_refused_by_the_proof():
+    """The same class with its final norm left out (what a wrong reading of its modules would give): refused, and the
+    refusal names the head stage."""
+    config = _config("phi3")
+    wrong = dataclasses.replace(family_of(config).spec, norm="")
+    report = check_split(config, spec=wrong)
+    assert not report.ok
+    assert "client's head" in report.problems[0]
+
+
+def test_a_model_whose_layers_need_what_its_model_computes_is_refused_with_the_names():
+    config = AutoConfig.for_model("mpt", d_model=64, n_heads=4, n_layers=4, vocab_size=320)
+    with pytest.raises(BadInputError, match="its layers need position_bias"):
+        require_exact(config)
+
+
+def test_a_failure_inside_transformers_is_a_refusal_with_its_reason():
+    """DeepSeek-V2's defaults leave its routed experts' top-k unset, so Hugging Face's own forward raises: the check
+    refuses with the reason instead of letting the exception out."""
+    config = AutoConfig.for_model("deepseek_v2")
+    report = check_split(config)
+    assert not report.ok
+    assert "Hugging Face's own forward fails on this config: TypeError" in report.problems[0]
+    with pytest.raises(BadInputError, match="is refused"):
+        require_exact(config)
+
+
+def test_granite_scales_are_applied_and_proven():
+    """Granite multiplies its embeddings and divides its logits by config values: inferred from the config, and
+    proven (with both far from 1: applied the wrong way round, or not at all, the logits would differ)."""
+    config = _config("granite", embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22)
+    spec = family_of(config).spec
+    assert (spec.embedding_multiplier, spec.logits_divisor) == ("embedding_multiplier", "logits_scaling")
+    assert check_split(config, twin=False).ok
+    assert not check_split(config, twin=False, spec=dataclasses.replace(spec, logits_divisor=None)).ok
+
+
+def test_an_inferred_family_counts_the_kv_its_layers_cache():
+    config = _config("phi3")
+    family = family_of(config)
+    assert family.kv_per_kind  # measured on the meta device
+    layer = family.build_layer(0).eval()
+    cache = DynamicCache(config=family.config)
+    hidden = torch.randn(1, 3, 64)
+    with torch.no_grad():
+        span.call_layer(
+            family, layer, 0, hidden, span.span_inputs(family, family.new_rotary("cpu"), hidden, [0]), cache
+        )
+    held = cache.layers[0]
+    assert kv.elements_per_token(family, 0) == (held.keys.numel() + held.values.numel()) // 3
+
+
+@pytest.mark.slow  # the whole walk: every decoder-only architecture of the installed transformers (~2 minutes)
+def test_the_coverage_walk_serves_nothing_beyond_tolerance():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "family_coverage.py"
+    spec = importlib.util.spec_from_file_location("family_coverage", path)
+    assert spec is not None and spec.loader is not None
+    coverage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage)
+    rows, _ = coverage.walk()
+    served = {r.model_type for r in rows if r.served}
+    assert {"phi3", "olmo2", "llama", "qwen2", "mistral", "gemma2"} <= served
+    for row in rows:
+        if row.served:  # through the server's loader and runtime, not only the twin
+            assert row.split_diff is not None and row.split_diff <= 1e-4, row
+        else:
+            assert row.why, row  # every refusal says why
