@@ -9,10 +9,10 @@ class's defaults: the self-check's shrunk twin (``swarm.families.selfcheck``: hi
 multiplier or scale the defaults leave at 1.0 moved to 0.75 (a model that multiplies its embeddings or logits by
 one would pass without the split path knowing it does). Then:
 1. the self-check (full pass, padded batch, prefill plus cached steps, through two spans), which decides;
-2. for those it serves, the real split execution: the tiny model saved to disk with perturbed weights, its layers
-   loaded by the server's loader into two spans of the server's runtime (``SpanBackend``, its own caches), its
-   embeddings and head loaded as the client loads them, a prefill and cached steps compared with Hugging Face's
-   logits of the same folder (fp32, tolerance 1e-4).
+2. for those it serves, the real split execution (``selfcheck.saved_diff``): the tiny model saved to disk with
+   perturbed weights, its layers read back by the server's loader and run as two spans with their own caches, the
+   span path the server's runtime runs, its embeddings and head loaded as the client loads them, a prefill and
+   cached steps on a left-padded batch compared with Hugging Face's logits (fp32, tolerance 1e-4).
 
 Not counted as decoder-only causal LMs: encoders that can act as decoders (a masked-LM class exists for the model
 type: BERT and kin), decoders of encoder-decoder models (a sequence-to-sequence class exists: BART, Marian, ...),
@@ -24,7 +24,6 @@ import argparse
 import collections
 import json
 import re
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,7 +95,7 @@ def default_config(model_type: str):
 
 def check(model_type: str, lm_class: str) -> Row:
     from swarm.errors import BadInputError
-    from swarm.families.selfcheck import check_split
+    from swarm.families.selfcheck import check_split, saved_diff
 
     try:
         config = default_config(model_type)
@@ -106,59 +105,13 @@ def check(model_type: str, lm_class: str) -> Row:
     if not report.ok:
         return Row(model_type, lm_class, False, report.problems[0])
     try:
-        diff = split_execution(config)
-    except Exception as e:  # noqa: BLE001 - the twin passed, the real path did not (what ``require_exact`` also finds
-        # for an inferred family with ``check_saved``, through the server's loader and runtime here)
+        diff = saved_diff(config)
+    except Exception as e:  # noqa: BLE001 - the twin passed, its saved weights did not (``require_exact`` refuses an
+        # inferred family for this with ``check_saved``; the walk asks it of every family)
         why = str(e) if isinstance(e, BadInputError) else f"{type(e).__name__}: {e}"
         return Row(model_type, lm_class, False, f"real split execution failed: {why}")
     ok = diff <= TOLERANCE
     return Row(model_type, lm_class, ok, "" if ok else f"real split execution off by {diff:.1e}", diff)
-
-
-def split_execution(config) -> float:
-    """The largest logit difference between Hugging Face and the server's and client's own code over a saved tiny
-    model of ``config``'s twin (two spans, prefill of 10 then 4 cached steps, a left-padded batch of 2)."""
-    from peers.blocks.backend import SpanBackend
-    from peers.blocks.loader import load_span
-    from swarm.families import local
-    from swarm.families.selfcheck import VOCAB, _reference, shrink
-    from swarm.families.spec import family_of
-    from swarm.ids import Span
-    from swarm.model_files import load_config, read_tensors, weight_map
-
-    small = shrink(config)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        ref = _reference(family_of(small), small, seed=3)
-        ref.save_pretrained(folder)
-        saved = load_config(folder)
-        family = family_of(saved)
-        spans = [Span(0, 2), Span(2, family.num_layers)]
-        backends = [
-            SpanBackend(
-                family.config, family, load_span(folder, family, s, torch.float32, "cpu"), s, "cpu", torch.float32
-            )
-            for s in spans
-        ]
-        lm = local.local_model(family)
-        names = local.disk_to_local(family, weight_map(folder), lm)
-        local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})
-        base, head = local.base_of(family, lm), local.head_of(lm)
-        gen = torch.Generator().manual_seed(4)
-        ids = torch.randint(1, VOCAB, (2, 14), generator=gen)
-        mask = torch.ones(2, 14, dtype=torch.long)
-        mask[1, :3] = 0
-        with torch.no_grad():
-            want = ref(ids, attention_mask=mask).logits
-            caches = [b.new_cache(64) for b in backends]
-            outs = []
-            for start, end in [(0, 10), *((t, t + 1) for t in range(10, 14))]:
-                hidden = local.embed(family, base, ids[:, start:end], past=start)
-                for backend, s, cache in zip(backends, spans, caches, strict=True):
-                    hidden = backend.run(hidden, s, attention_mask=mask[:, :end], cache=cache, past=start)
-                outs.append(local.head(family, base, head, hidden))
-            got = torch.cat(outs, dim=1)
-    return float((got - want)[mask.bool()].abs().max())
 
 
 def walk() -> tuple[list[Row], dict[str, str]]:

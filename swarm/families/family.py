@@ -39,6 +39,7 @@ class FamilySpec:
     lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
     refuse: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when the attribute is truthy
     inferred: bool = False  # read off the class (``swarm.families.infer``), not a row of ``SPECS``
+    layers: str | None = None  # the base model's attribute holding the layers (None: ``layers`` or ``h``)
     # config attributes the model applies around its layers (inferred from the config: Granite's, Cohere's)
     embedding_multiplier: str | None = None  # embeddings x config.<this>
     logits_divisor: str | None = None  # logits / config.<this>

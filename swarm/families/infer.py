@@ -22,7 +22,6 @@ that only padding fills (left-padded batches) then come out as Hugging Face's do
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -35,17 +34,6 @@ _CALLS = {"cache": "decoder", "layer_past": "neox"}  # the cache keyword -> the 
 _PASSED = {"attention_mask", "position_ids", "position_embeddings", "use_cache", *_CALLS}  # what those styles pass
 _LAYER_LISTS = ("layers", "h", "blocks")  # the usual names, for a base model that holds other lists too
 _LORA_NAMES = ("q_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack")
-
-
-def _built(lm_class: type[PreTrainedModel], config: PretrainedConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The model on the meta device and its base model."""
-    config = copy.deepcopy(config)
-    with torch.device("meta"):
-        model = lm_class(config)
-    base = getattr(model, lm_class.base_model_prefix, None)
-    if not isinstance(base, torch.nn.Module):
-        raise BadInputError(f"{lm_class.__name__} has no base model under {lm_class.base_model_prefix!r}")
-    return model, base
 
 
 def _layers(lm_class: type[PreTrainedModel], base: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
@@ -142,15 +130,13 @@ def _experts(layers: torch.nn.ModuleList) -> str:
     return "none"
 
 
-def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig) -> FamilySpec:
-    """The family of an unlisted class, as far as its modules and signatures tell (``BadInputError`` with the reason
-    where they cannot tell); the self-check then proves it or refuses it."""
-    try:
-        model, base = _built(lm_class, config)
-    except BadInputError:
-        raise
-    except Exception as e:  # transformers' own code on this config
-        raise BadInputError(f"{lm_class.__name__} cannot be built from this config: {type(e).__name__}: {e}") from None
+def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model: torch.nn.Module) -> FamilySpec:
+    """The family of an unlisted class, from ``model`` (the class built on the meta device from ``config``) as far as
+    its modules and signatures tell (``BadInputError`` with the reason where they cannot tell); the self-check then
+    proves it or refuses it."""
+    base = getattr(model, lm_class.base_model_prefix, None)
+    if not isinstance(base, torch.nn.Module):
+        raise BadInputError(f"{lm_class.__name__} has no base model under {lm_class.base_model_prefix!r}")
     attr, layers = _layers(lm_class, base)
     layer = layers[0]
     if not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
@@ -169,6 +155,7 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig) -> Fam
         embed_norm=embed_norm,
         lora_defaults=_lora_targets(layer),
         inferred=True,
+        layers=attr,
         embedding_multiplier=scales.get("embedding_multiplier"),
         logits_divisor=scales.get("logits_divisor"),
         logits_multiplier=scales.get("logits_multiplier"),

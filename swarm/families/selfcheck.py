@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -19,6 +20,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from swarm.errors import BadInputError
 from swarm.families import local, span
 from swarm.families.spec import Family, FamilySpec, family_of
+from swarm.model_files import load_config
 
 TOLERANCE = 1e-4
 VOCAB, HIDDEN, LAYERS = 320, 64, 4
@@ -115,21 +117,41 @@ class CheckReport:
 
 
 class _Split:
-    """The split path over a reference model's own weights: local parts, and layers rebuilt by the family layer."""
+    """The split path: the client's local parts and the layers, as the family layer builds them, run in spans."""
 
-    def __init__(self, family: Family, ref: PreTrainedModel, spans: Sequence[tuple[int, int]]) -> None:
-        self.family, self.spans = family, spans
-        self.local = local.local_model(family)
+    def __init__(
+        self, family: Family, lm: PreTrainedModel, layers: list[torch.nn.Module], spans: Sequence[tuple[int, int]]
+    ) -> None:
+        self.family, self.spans, self.local, self.layers = family, spans, lm, layers
+        self.rotary = family.new_rotary("cpu")
+
+    @classmethod
+    def of_reference(cls, family: Family, ref: PreTrainedModel, spans: Sequence[tuple[int, int]]) -> _Split:
+        """Over a reference model's own weights (module names: what the family layer builds is what is checked)."""
+        lm = local.local_model(family)
         ref_state = ref.state_dict()
-        local.load_local(family, self.local, {k: ref_state[k] for k in local.local_names(self.local) if k in ref_state})
+        local.load_local(family, lm, {k: ref_state[k] for k in local.local_names(lm) if k in ref_state})
         ref_layers = getattr(getattr(ref, family.base_prefix), family.layers_attr)
-        self.layers: list[torch.nn.Module] = []
+        layers: list[torch.nn.Module] = []
         for i in range(family.num_layers):
             with torch.device("meta"):
                 layer = family.build_layer(i)
             layer.load_state_dict(ref_layers[i].state_dict(), strict=True, assign=True)
-            self.layers.append(layer.eval())
-        self.rotary = family.new_rotary("cpu")
+            layers.append(layer.eval())
+        return cls(family, lm, layers, spans)
+
+    @classmethod
+    def of_folder(cls, family: Family, folder: Path, spans: Sequence[tuple[int, int]]) -> _Split:
+        """Over a saved checkpoint, read as a server reads its blocks and a client its local parts (on-disk names:
+        what the loaders make of a checkpoint is what is checked)."""
+        from swarm.families import weights
+        from swarm.model_files import read_tensors, weight_map
+
+        layers = [weights.load_layer(family, folder, i, torch.float32, "cpu") for i in range(family.num_layers)]
+        lm = local.local_model(family)
+        names = local.disk_to_local(family, weight_map(folder), lm)
+        local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})
+        return cls(family, lm, layers, spans)
 
     def caches(self) -> list[DynamicCache]:
         return [span.new_cache(self.family) for _ in self.spans]
@@ -226,7 +248,7 @@ def _check(
         report.problems.append(f"Hugging Face's own model fails on this config: {type(e).__name__}: {e}")
         return report
     try:
-        split = _Split(family, ref, spans)
+        split = _Split.of_reference(family, ref, spans)
     except Exception as e:  # a layer or local part the family layer builds differently from Hugging Face
         report.problems.append(f"building the split path failed: {type(e).__name__}: {e}")
         return report
@@ -267,51 +289,31 @@ def _decode(split: _Split, ids: torch.Tensor, mask: torch.Tensor, prefill: int =
     return torch.cat(steps, dim=1)
 
 
-def check_saved(config: PretrainedConfig, seed: int = 3) -> str | None:
-    """For an inferred family: the twin saved as ``save_pretrained`` writes checkpoints, its layers read back by the
-    server's loader and its local parts as the client reads them, run as two spans (prefill, then cached steps, a
-    padded batch) against Hugging Face's logits. None when they match; else why not (tensor names on disk that
-    transformers converts on load, which the loader does not know, are the usual reason)."""
+def saved_diff(config: PretrainedConfig, seed: int = 3) -> float:
+    """The twin of ``config`` saved as ``save_pretrained`` writes checkpoints, read back as servers and clients read
+    checkpoints (``_Split.of_folder``), a left-padded batch prefilled then stepped through two spans' caches: the
+    largest logit difference from Hugging Face's. Raises what reading or running it raised."""
     import tempfile
-    from pathlib import Path
 
-    from swarm.families import weights
-    from swarm.model_files import load_config, read_tensors, weight_map
+    small = shrink(config)
+    with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=[]), torch.no_grad():
+        ref = _reference(family_of(small), small, seed)
+        ref.save_pretrained(tmp)
+        family = family_of(load_config(Path(tmp)))
+        split = _Split.of_folder(family, Path(tmp), ((0, 2), (2, family.num_layers)))
+        ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones(2, 14, dtype=torch.long)
+        mask[1, :3] = 0
+        want = ref(ids, attention_mask=mask).logits
+        return float((_decode(split, ids, mask) - want)[mask.bool()].abs().max())
 
+
+def check_saved(config: PretrainedConfig, seed: int = 3) -> str | None:
+    """For an inferred family (``saved_diff``): None when its saved weights reproduce Hugging Face's logits; else why
+    not (tensor names on disk that transformers converts on load, which the loaders do not know, are the usual
+    reason)."""
     try:
-        small = shrink(config)
-        with tempfile.TemporaryDirectory() as tmp, torch.random.fork_rng(devices=[]), torch.no_grad():
-            folder = Path(tmp)
-            ref = _reference(family_of(small), small, seed)
-            ref.save_pretrained(folder)
-            family = family_of(load_config(folder))
-            layers = [weights.load_layer(family, folder, i, torch.float32, "cpu") for i in range(family.num_layers)]
-            lm = local.local_model(family)
-            names = local.disk_to_local(family, weight_map(folder), lm)
-            local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})
-            base, head, rotary = local.base_of(family, lm), local.head_of(lm), family.new_rotary("cpu")
-            ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(seed))
-            mask = torch.ones(2, 14, dtype=torch.long)
-            mask[1, :3] = 0
-            want = ref(ids, attention_mask=mask).logits
-            halves = [range(0, 2), range(2, family.num_layers)]
-            caches = [span.new_cache(family, 64) for _ in halves]
-            outs = []
-            for start, end in [(0, 10), *((t, t + 1) for t in range(10, 14))]:
-                hidden = local.embed(family, base, ids[:, start:end], past=start)
-                for indices, cache in zip(halves, caches, strict=True):
-                    hidden = span.run_span(
-                        family,
-                        [layers[i] for i in indices],
-                        indices,
-                        hidden,
-                        rotary,
-                        attention_mask=mask[:, :end],
-                        cache=cache,
-                        past=start,
-                    )
-                outs.append(local.head(family, base, head, hidden))
-            diff = float((torch.cat(outs, dim=1) - want)[mask.bool()].abs().max())
+        diff = saved_diff(config, seed)
     except Exception as e:  # noqa: BLE001 - whatever fails here is the reason the model is refused
         return f"loading its saved weights: {e}" if isinstance(e, BadInputError) else f"{type(e).__name__}: {e}"
     return None if diff <= TOLERANCE else f"from its saved weights, logits off by {diff:.1e}"

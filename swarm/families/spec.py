@@ -16,7 +16,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from swarm.errors import BadInputError
 from swarm.families.family import CallStyle, Experts, Family, FamilySpec, KvLayout, Rotary
 
-__all__ = ["SPECS", "CallStyle", "Experts", "Family", "FamilySpec", "KvLayout", "Rotary", "family_of", "spec_of"]
+__all__ = ["SPECS", "CallStyle", "Experts", "Family", "FamilySpec", "KvLayout", "Rotary", "family_of"]
 
 _LLAMA_LIKE = FamilySpec("llama")
 SPECS: dict[str, FamilySpec] = {
@@ -99,17 +99,6 @@ def lm_class_of(config: PretrainedConfig) -> type[PreTrainedModel]:
     return mapped
 
 
-def spec_of(lm_class: type[PreTrainedModel], config: PretrainedConfig) -> FamilySpec:
-    """The table's row for ``lm_class``, else what ``swarm.families.infer`` reads off the class (BadInputError with
-    the reason where it cannot): either way a hypothesis until the self-check has proven it."""
-    spec = SPECS.get(lm_class.__name__)
-    if spec is None:
-        from swarm.families.infer import infer_spec
-
-        return infer_spec(lm_class, config)
-    return spec
-
-
 def declared_problems(config: PretrainedConfig, spec: FamilySpec) -> list[str]:
     """What the family layer says it cannot serve exactly in this config, as sentences (empty: nothing)."""
     problems = []
@@ -127,24 +116,29 @@ def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: st
     """The family of ``config`` (``spec``/``attn``: override what the family layer would choose; tests do, to prove
     that the self-check catches a wrong choice)."""
     lm_class = lm_class_of(config)
-    spec = spec or spec_of(lm_class, config)
-    problems = declared_problems(config, spec)
+    spec = spec or SPECS.get(lm_class.__name__)  # None: not a row of the table, inferred from the class below
+    label = spec.label if spec is not None else str(getattr(config, "model_type", lm_class.__name__))
+    problems = declared_problems(config, spec or FamilySpec(label))
     if problems:
-        raise BadInputError(f"{spec.label}: cannot serve this model exactly: {'; '.join(problems)}")
+        raise BadInputError(f"{label}: cannot serve this model exactly: {'; '.join(problems)}")
     config = copy.deepcopy(config)
-    if spec.needs_eager:
+    if spec is not None and spec.needs_eager:
         config._attn_implementation = "eager"
     try:
         with torch.device("meta"):
             model = lm_class(config)  # resolves the attention and experts implementations into ``config``
     except Exception as e:  # transformers' own code refusing this config: a refusal with its reason, not a crash
         raise BadInputError(f"{lm_class.__name__} cannot be built from this config: {type(e).__name__}: {e}") from None
+    if spec is None:  # what its modules and signatures tell, a hypothesis the self-check proves or refuses
+        from swarm.families.infer import infer_spec
+
+        spec = infer_spec(lm_class, config, model)
     if attn is not None:  # after the class's own checks, as a server that forced it on its layers would
         config._attn_implementation = attn
     base = getattr(model, lm_class.base_model_prefix)
-    attr = next((a for a in ("layers", "h") if isinstance(getattr(base, a, None), torch.nn.ModuleList)), None)
-    if attr is None:  # an inferred family's layers may go under another name (MPT's ``blocks``)
-        attr = next((n for n, c in base.named_children() if isinstance(c, torch.nn.ModuleList)), None)
+    attr = spec.layers or next(
+        (a for a in ("layers", "h") if isinstance(getattr(base, a, None), torch.nn.ModuleList)), None
+    )
     if attr is None:
         raise BadInputError(f"{lm_class.__name__}: no decoder layers found under {lm_class.base_model_prefix}")
     layers = getattr(base, attr)
