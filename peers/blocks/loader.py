@@ -20,9 +20,7 @@ def load_span(folder: Path, family: Family, span: Span, dtype: torch.dtype, devi
     the layouts the family's modules hold (fused experts, ...)."""
     if span.end > family.num_layers:
         raise BadInputError(f"blocks {span} exceed the model's {family.num_layers} blocks")
-    return torch.nn.ModuleList(
-        weights.load_layer(family, folder, i, dtype, device) for i in range(span.start, span.end)
-    )
+    return torch.nn.ModuleList(weights.load_layers(family, folder, range(span.start, span.end), dtype, device))
 
 
 def block_bytes(folder: Path, family: Family, dtype: torch.dtype) -> int:

@@ -51,6 +51,8 @@ class FamilySpec:
         prompts pass through it; the swarm prepends prompts after it, so prompt tuning is refused for such families."""
         if self.positions is not None:
             return f"learned positions ({self.positions!r})"
+        if self.embedding_multiplier is not None:
+            return f"an embedding multiplier ({self.embedding_multiplier!r})"
         return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
 
 

@@ -111,7 +111,8 @@ def finish_embedding(
 
 
 def head(family: Family, base: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits from the last layer's hidden states: final norm, LM head, then the final soft-cap if configured."""
+    """Logits from the last layer's hidden states: final norm, LM head, the family's logit scale (Cohere's, Granite's),
+    then the final soft-cap if configured."""
     if family.spec.norm:  # a family without a final norm (inferred: none among its base model's modules)
         hidden = getattr(base, family.spec.norm)(hidden)
     logits: torch.Tensor = lm_head(hidden)

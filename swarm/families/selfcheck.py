@@ -147,7 +147,7 @@ class _Split:
         from swarm.families import weights
         from swarm.model_files import read_tensors, weight_map
 
-        layers = [weights.load_layer(family, folder, i, torch.float32, "cpu") for i in range(family.num_layers)]
+        layers = weights.load_layers(family, folder, range(family.num_layers), torch.float32, "cpu")
         lm = local.local_model(family)
         names = local.disk_to_local(family, weight_map(folder), lm)
         local.load_local(family, lm, {names[k]: v for k, v in read_tensors(folder, list(names)).items()})

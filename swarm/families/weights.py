@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -99,6 +100,46 @@ def load_layer(
         raise BadInputError(f"block {index}: no weights for {left}")
     layer.requires_grad_(False)
     return layer.eval()
+
+
+def load_layers(
+    family: Family, folder: Path, indices: Iterable[int], dtype: torch.dtype, device: str | torch.device
+) -> list[torch.nn.Module]:
+    """Layers ``indices``, filled from the folder: for a family of the table by ``load_layer``; for an inferred one by
+    transformers' own loading (``convert_and_load_state_dict_in_model`` with the class's conversion mapping: renamed
+    routers, moved biases, per-expert files fused), into the class built on meta, only these layers' tensors read.
+    Whatever a layer's module holds that the files did not fill is refused with its names."""
+    wanted = list(indices)
+    if not family.spec.inferred:
+        return [load_layer(family, folder, i, dtype, device) for i in wanted]
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    from swarm.errors import BadInputError
+    from swarm.model_files import read_tensors, weight_map
+
+    disk = list(weight_map(folder))
+    names = [n for i in wanted for n in layer_tensor_names(family, i, disk)[1]]
+    with torch.device("meta"):
+        model = family.lm_class(family.config)
+    mapping = cast(list[Any], get_model_conversion_mapping(model))  # renamings and converters, as it loads them
+    config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
+    try:
+        convert_and_load_state_dict_in_model(model, read_tensors(folder, names), config)
+    except Exception as e:  # a conversion transformers cannot make of these files
+        raise BadInputError(
+            f"blocks {wanted}: transformers cannot load these tensors: {type(e).__name__}: {e}"
+        ) from None
+    held = getattr(getattr(model, family.base_prefix), family.layers_attr)
+    out = []
+    for i in wanted:
+        layer = held[i]
+        left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
+        if left:
+            raise BadInputError(f"block {i}: the checkpoint's tensors leave {left[:8]} without values")
+        out.append(layer.to(dtype=dtype, device=device).requires_grad_(False).eval())
+    return out
 
 
 def block_bytes(family: Family, folder: Path, dtype: torch.dtype, indices: Iterable[int] | None = None) -> list[int]:

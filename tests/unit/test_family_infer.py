@@ -74,6 +74,7 @@ def test_granite_scales_are_applied_and_proven():
     config = _config("granite", embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22)
     spec = family_of(config).spec
     assert (spec.embedding_multiplier, spec.logits_divisor) == ("embedding_multiplier", "logits_scaling")
+    assert spec.after_embedding is not None  # prompts would pass through the multiplier: prompt tuning is refused
     assert check_split(config, twin=False).ok
     assert not check_split(config, twin=False, spec=dataclasses.replace(spec, logits_divisor=None)).ok
 
