@@ -2,7 +2,8 @@
 about 8 s of every peer's start on a 2-core machine), then forks a peer per request. Each child runs
 ``python -m swarm.serve``'s ``main`` with its own arguments and environment, writes its stdout to a file the parent
 reads line by line and its stderr to its log, and is stopped by its PID like any other peer; the fork server reaps
-the children and reports each exit code.
+the children and reports each exit code. When its parent goes (stdin closed, or the test process died) it stops the
+children still running, by their PIDs, before it exits; a child whose fork server is killed gets SIGTERM.
 
 The integration tests start about 160 peers, so they spawn through one (``LocalSwarm(spawner=...)``); everything else
 starts peers with ``subprocess``. Before a fork nothing but imports has run: no torch op (its thread pools would not
@@ -18,6 +19,7 @@ Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import json
 import os
@@ -26,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +37,8 @@ from typing import IO, Any
 from harness.env import child_env
 
 _POLL_S = 0.05  # how often the server reaps and a reader looks for new output
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_STOP_GRACE_S = 20.0  # a peer's clean shutdown (DHT, p2pd) takes a few seconds on 2 busy cores
 
 
 class ForkedPeer:
@@ -180,9 +185,9 @@ class ForkServer:
         """Stop the fork server (its children are stopped by their owners, by PID)."""
         if self._proc.poll() is None:
             assert self._proc.stdin is not None
-            self._proc.stdin.close()  # end of requests: it exits
+            self._proc.stdin.close()  # end of requests: it stops any child still running, then exits
             try:
-                self._proc.wait(10)
+                self._proc.wait(3 * _STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(10)
@@ -191,9 +196,10 @@ class ForkServer:
 
 
 # ---- the fork server process ---------------------------------------------------------------------------------------
-def _child(request: dict[str, Any]) -> int:
+def _child(request: dict[str, Any], server: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+    _term_with_parent(server)
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
         (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
@@ -209,12 +215,22 @@ def _child(request: dict[str, Any]) -> int:
     return code
 
 
-def _fork(request: dict[str, Any], out: IO[str]) -> None:
+def _term_with_parent(server: int) -> None:
+    """SIGTERM this child when the fork server dies (killed, it cannot stop its children itself)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != server:  # the server died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _fork(request: dict[str, Any], out: IO[str], running: set[int]) -> None:
     out.flush()
+    server = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
-            code = _child(request)
+            code = _child(request, server)
         except SystemExit as e:  # argparse's errors: leave as any child does, never through the server's loop
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
@@ -223,6 +239,7 @@ def _fork(request: dict[str, Any], out: IO[str]) -> None:
             traceback.print_exc()
             code = 1
         _exit(code)
+    running.add(pid)
     out.write(json.dumps({"pid": pid}) + "\n")
     out.flush()
 
@@ -241,7 +258,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _reap(out: IO[str]) -> None:
+def _reap(out: IO[str], running: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -249,8 +266,27 @@ def _reap(out: IO[str]) -> None:
             return
         if pid == 0:
             return
+        running.discard(pid)
         out.write(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n")
         out.flush()
+
+
+def _stop_left(running: set[int], out: IO[str]) -> None:
+    """Stop the children still running when the parent is gone (it closed stdin, or died: a test process that crashed
+    never stops its peers, and they and their p2pd would outlive it). SIGTERM is a peer's clean shutdown (its DHT
+    and p2pd stop with it); one still running after the grace is killed. Only this server's own children, by PID."""
+    for sig, grace in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, _STOP_GRACE_S)):
+        for pid in list(running):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                running.discard(pid)
+        deadline = time.monotonic() + grace
+        while running and time.monotonic() < deadline:
+            _reap(out, running)
+            time.sleep(_POLL_S)
+        if not running:
+            return
 
 
 def serve() -> None:
@@ -265,6 +301,7 @@ def serve() -> None:
     out.flush()
     stdin = sys.stdin
     buffered = ""
+    running: set[int] = set()
     while True:
         readable, _, _ = select.select([stdin], [], [], _POLL_S)
         if readable:
@@ -274,8 +311,9 @@ def serve() -> None:
             buffered += data
             while "\n" in buffered:
                 line, buffered = buffered.split("\n", 1)
-                _fork(json.loads(line), out)
-        _reap(out)
+                _fork(json.loads(line), out, running)
+        _reap(out, running)
+    _stop_left(running, out)
 
 
 if __name__ == "__main__":

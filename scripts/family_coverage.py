@@ -83,6 +83,17 @@ def _composite(model_type: str) -> bool:
     )
 
 
+# Sizes every checkpoint of a class sets, which some config classes leave None by default (Ministral's head_dim,
+# Nemotron's KV heads, Dots1's experts): the walk fills them as a checkpoint would, then the twin shrinks them.
+_CHECKPOINT_SIZES = {
+    "head_dim": lambda c: int(c.hidden_size) // int(c.num_attention_heads),
+    "num_key_value_heads": lambda c: int(c.num_attention_heads),
+    "n_routed_experts": lambda c: 8,
+    "num_experts_per_tok": lambda c: 2,
+    "n_shared_experts": lambda c: 1,
+}
+
+
 def default_config(model_type: str):
     from transformers import CONFIG_MAPPING
 
@@ -90,6 +101,12 @@ def default_config(model_type: str):
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and value == 1.0 and re.search(r"multiplier|scale|scaling", key):
             setattr(config, key, 0.75)
+    for key, size in _CHECKPOINT_SIZES.items():
+        if key in vars(config) and vars(config)[key] is None:
+            try:
+                setattr(config, key, size(config))
+            except Exception:  # noqa: BLE001 - a config without the sizes this derives from keeps its None
+                pass
     return config
 
 

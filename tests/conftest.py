@@ -172,6 +172,9 @@ FAMILY_CONFIGS = {
     # not rows of the family table: inferred from the class and proven by the self-check (swarm.families.infer)
     "phi3": dict(model_type="phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2, perturb=0.02),  # fused qkv
     "olmo2": dict(model_type="olmo2", pad_token_id=0, bos_token_id=1, eos_token_id=2, perturb=0.02),  # q/k norms
+    # OPT: its layers under ``model.decoder``, positions counted along the attention mask from an offset, and
+    # projections in and out of a narrower embedding: embeddings and head run through its own forward
+    "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=32, perturb=0.02),
 }
 
 

@@ -37,6 +37,7 @@ class Context:
     mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     train: TrainTag | None = None
+    past: int = 0  # tokens of the session cached before this call (where positions continue from)
 
 
 class LocalOps(Protocol):

@@ -179,8 +179,13 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
         prefix = self.family.base_prefix + "."
         lm = local.local_model(self.family, device="meta")
+        head = local.head_name(lm) + "."  # ``lm_head`` here whatever the family calls it
         return {
-            k: "model." + v[len(prefix) :] if v.startswith(prefix) else v
+            k: "model." + v[len(prefix) :]
+            if v.startswith(prefix)
+            else "lm_head." + v[len(head) :]
+            if v.startswith(head)
+            else v
             for k, v in local.disk_to_local(self.family, disk, lm).items()
         }
 
@@ -387,7 +392,9 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         ctx = Context(attention_mask if padded else None, position_ids, train)
         inputs = {"input_ids": input_ids} if input_ids is not None else {}
         if inputs_embeds is not None:  # what the model adds to them (GPT-2's positions, BLOOM's norm), as HF's does
-            inputs["inputs_embeds"] = local.finish_embedding(self.family, self.model, inputs_embeds, position_ids)
+            inputs["inputs_embeds"] = local.finish_embedding(
+                self.family, self.model, inputs_embeds, position_ids, mask=attention_mask if padded else None
+            )
         if labels is not None:
             inputs["labels"] = labels
         keep = torch.is_grad_enabled() and (

@@ -138,9 +138,16 @@ class Procedures:
         return logits
 
     # ---- the client's own modules, for the executor ---------------------------------------------------------------
-    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Embeddings, plus learned positions (GPT-2: ``position_ids``, by default 0 onwards)."""
-        return local.embed(self.family, self.model, ids, position_ids)
+    def embed(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embeddings, plus learned positions (GPT-2: ``position_ids``, by default ``past`` onwards); ``mask`` over
+        every position of the session (None: no padding), for a family whose model counts positions along it."""
+        return local.embed(self.family, self.model, ids, position_ids, past, mask)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return local.head(self.family, self.model, self.lm_head, hidden)  # final norm, head, logit soft-cap

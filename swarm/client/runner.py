@@ -28,7 +28,13 @@ from swarm.records import Capability
 class ModelParts(Protocol):
     """What the runner uses of the model: its local modules and trainable prompts."""
 
-    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+    def embed(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -62,7 +68,7 @@ class ModelOps:
         self._head = Coalescer(parts.head)  # concurrent decode steps (the API's requests) share one head call
 
     def embed(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
-        return self.parts.embed(ids, ctx.positions)
+        return self.parts.embed(ids, ctx.positions, ctx.past, ctx.mask)
 
     def prompts(self, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         vectors = self.parts.prompt_vectors()
@@ -209,6 +215,7 @@ class PlanRunner:
         self, session: InferenceSession, input_ids: torch.Tensor, ctx: Context, prompts: int
     ) -> torch.Tensor:
         plan, sched = session.plan_for(prompts)
+        ctx.past = session.position  # every caller's step continues the session's positions (the API's too)
         return self.executor.run(plan, sched, {"input_ids": input_ids}, ctx, session.segment)["logits"]
 
     def update(self, handlers: Mapping[str, Handler]) -> None:

@@ -56,6 +56,12 @@ def build_adapters(
             f"{extra}, the swarm's do not; use LoRA"
         )
     paths = resolve_targets(spec.lora_targets, block_linears) if spec.mode == "lora" else ()
+    if paths and family.spec.inferred:  # read off the class: LoRA through its split path is proven first
+        from swarm.families.lora_check import check_lora
+
+        problem = check_lora(family.config, paths, spec.lora_rank, spec.lora_alpha)
+        if problem is not None:
+            raise BadInputError(f"LoRA on {label} is refused: on a twin, PEFT's LoRA and the swarm's differ: {problem}")
     adapters = ClientAdapters(spec, {p: block_linears[p] for p in paths}, num_blocks, hidden)
     if folder is not None:
         peft_format.load_into(adapters, Path(folder), family.layers_path)

@@ -34,6 +34,11 @@ class FamilySpec:
     positions: str | None = None  # learned absolute positions added to the embeddings (GPT-2's ``wpe``)
     embed_norm: str | None = None  # a norm right after the embeddings (BLOOM's ``word_embeddings_layernorm``)
     needs_eager: bool = False  # soft-capping, sinks or additive ALiBi masks: sdpa would fail or silently differ
+    # the embeddings stage: from the modules the base model holds, or through the model's own forward
+    # (``swarm.families.stage``); None: not decided yet (an inferred family, until ``family_of`` compares the two)
+    embed: Literal["modules", "forward"] | None = "modules"
+    head: Literal["modules", "forward"] | None = "modules"  # the head stage, the same way
+    base: str | None = None  # the base model's attribute where it is not the class's ``base_model_prefix``
     materialize_mask: bool = False  # Falcon folds ALiBi into a 4D mask: never skip it as "causal"
     disk_renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> module prefix (NeoX: embed_out -> lm_head)
     lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
@@ -49,6 +54,8 @@ class FamilySpec:
     def after_embedding(self) -> str | None:
         """What the model applies to the token embeddings before its first layer (None: nothing). PEFT's input
         prompts pass through it; the swarm prepends prompts after it, so prompt tuning is refused for such families."""
+        if self.embed == "forward":
+            return "its model's own embeddings stage (run through its forward)"
         if self.positions is not None:
             return f"learned positions ({self.positions!r})"
         if self.embedding_multiplier is not None:

@@ -14,6 +14,7 @@ What is read, and where from:
   positions when the base model holds a second embedding table;
 - the head stage: the base model's one remaining module with weights, as the final norm (none: the head reads the
   last layer's output), the LM head (tied or not, by the config), and ``final_logit_softcapping``;
+- masks: built in full where the base model's forward turns off transformers' "plain causal" shortcut;
 - the KV bytes per token: measured by running one layer of the real config on the meta device (no memory) and
   reading what it put in its cache (``measure_kv``).
 
@@ -23,6 +24,7 @@ that only padding fills (left-padded batches) then come out as Hugging Face's do
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -50,6 +52,25 @@ def _layers(lm_class: type[PreTrainedModel], base: torch.nn.Module) -> tuple[str
     layers = lists[0][1]
     assert isinstance(layers, torch.nn.ModuleList)
     return lists[0][0], layers
+
+
+def _base_attr(lm_class: type[PreTrainedModel], model: torch.nn.Module) -> str:
+    """The attribute holding the base model: the class's ``base_model_prefix``, or else its one child that is a
+    model of its own (Llama-4's text model names its prefix ``language_model`` and holds ``model``)."""
+    if isinstance(getattr(model, lm_class.base_model_prefix, None), torch.nn.Module):
+        found = lm_class.base_model_prefix
+    else:
+        models = [name for name, child in model.named_children() if isinstance(child, PreTrainedModel)]
+        if len(models) != 1:
+            raise BadInputError(f"{lm_class.__name__} has no base model under {lm_class.base_model_prefix!r}")
+        found = models[0]
+    base = model.get_submodule(found)
+    if not any(isinstance(child, torch.nn.ModuleList) for child in base.children()):
+        # OPT's and TrOCR's base models wrap one decoder, a model of its own that holds the layers and embeddings
+        inner = [n for n, c in base.named_children() if isinstance(c, PreTrainedModel)]
+        if len(inner) == 1:
+            found = f"{found}.{inner[0]}"
+    return found
 
 
 def _call_style(lm_class: type[PreTrainedModel], layer: torch.nn.Module) -> str:
@@ -104,11 +125,9 @@ def _stages(lm_class: type[PreTrainedModel], base: torch.nn.Module, layers: str)
         if len(first) == 1:
             embed_norm = first[0]
             norms.remove(embed_norm)
-    if len(norms) > 1:
-        raise BadInputError(
-            f"{lm_class.__name__}: modules with weights its model runs beside its layers, of which the split path "
-            f"knows none: {', '.join(norms)}"
-        )
+    if len(norms) > 1:  # which runs where is not told by the modules: the model's own forward runs them
+        # (``swarm.families.stage``: the modules' way, without them, then differs from it)
+        return "", None, None
     return (norms[0] if norms else ""), (positions[0] if positions else None), embed_norm
 
 
@@ -134,13 +153,16 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model:
     """The family of an unlisted class, from ``model`` (the class built on the meta device from ``config``) as far as
     its modules and signatures tell (``BadInputError`` with the reason where they cannot tell); the self-check then
     proves it or refuses it."""
-    base = getattr(model, lm_class.base_model_prefix, None)
-    if not isinstance(base, torch.nn.Module):
-        raise BadInputError(f"{lm_class.__name__} has no base model under {lm_class.base_model_prefix!r}")
+    base_attr = _base_attr(lm_class, model)
+    base = model.get_submodule(base_attr)
     attr, layers = _layers(lm_class, base)
     layer = layers[0]
-    if not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
-        raise BadInputError(f"{lm_class.__name__}: its LM head is not under ``lm_head`` (not inferred)")
+    head = getattr(model, "get_output_embeddings")()  # noqa: B009 - typed as a module, it is the LM's method
+    if not isinstance(head, torch.nn.Module):
+        raise BadInputError(f"{lm_class.__name__}: it names no output embeddings (its LM head is not inferred)")
+    beside = [n for n, c in model.named_children() if n != base_attr.split(".")[0] and c is not head and _weighted(c)]
+    if beside:  # the client keeps the base model and the head only
+        raise BadInputError(f"{lm_class.__name__}: modules with weights beside its base model and head: {beside}")
     call = _call_style(lm_class, layer)
     norm, positions, embed_norm = _stages(lm_class, base, attr)
     scales = _scales(config)
@@ -155,11 +177,25 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model:
         embed_norm=embed_norm,
         lora_defaults=_lora_targets(layer),
         inferred=True,
+        embed=None,  # decided by ``family_of`` (``swarm.families.stage``)
+        head=None,
         layers=attr,
+        base=base_attr if base_attr != lm_class.base_model_prefix else None,
+        materialize_mask=_forces_mask(base),
         embedding_multiplier=scales.get("embedding_multiplier"),
         logits_divisor=scales.get("logits_divisor"),
         logits_multiplier=scales.get("logits_multiplier"),
     )
+
+
+def _forces_mask(base: torch.nn.Module) -> bool:
+    """Whether the base model always builds its 4D causal mask (``allow_is_causal_skip`` off: DeepSeek-V3.2's indexer
+    reads the mask even where attention could run as plain causal), as its forward's source says."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"allow_is_causal_skip\W{1,4}False", source) is not None
 
 
 def _scales(config: PretrainedConfig) -> dict[str, str]:

@@ -2,103 +2,58 @@
 learned positions, an embedding norm) and after the last (the final norm under its family's name, the LM head, a
 final-logit soft-cap).
 
-They are the family's own causal-LM class with zero layers, built on the meta device (no memory: tensors are assigned
-when loaded). Its non-persistent buffers (Gemma's ``embed_scale``; rotary tables the client never uses) are not in
-any checkpoint, so ``restore_buffers`` takes them from the same class built for real with a tiny vocabulary: left on
-meta they would crash, left empty they would silently scale embeddings by garbage."""
+They are the family's own causal-LM class with zero layers (``swarm.families.shell``); an inferred family whose model
+does more around its layers than its modules tell runs those stages through the model's own forward
+(``swarm.families.stage``)."""
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Mapping
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from swarm.errors import BadInputError
-from swarm.families.spec import Family
+from swarm.families import stage
+from swarm.families.family import Family
+from swarm.families.shell import base_of, head_name, head_of, local_model, restore_buffers
 
-
-def _zero_layers(config: PretrainedConfig) -> PretrainedConfig:
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = 0
-    config._attn_implementation = None  # no attention runs here: the class's own default, never a refused one
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = []
-    return config
-
-
-def local_model(family: Family, device: str | torch.device = "cpu") -> PreTrainedModel:
-    """The family's causal LM without decoder layers: embeddings, final norm and head. On ``meta`` as built; on a
-    real device with its parameters uninitialised (fill them with ``load_local``) and its buffers restored."""
-    with torch.device("meta"):
-        model = family.lm_class(_zero_layers(family.config))
-    model.train(False)
-    if torch.device(device).type != "meta":
-        model.to_empty(device=device)
-        restore_buffers(family, base_of(family, model))
-    return model
-
-
-def restore_buffers(family: Family, base: PreTrainedModel) -> None:
-    """Give ``base``'s non-persistent buffers their values, computed by the class itself (on a tiny-vocabulary twin:
-    no buffer depends on the vocabulary), on the device of ``base``'s embeddings."""
-    small = _zero_layers(family.config)
-    small.vocab_size = 8
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if hasattr(small, key):
-            try:
-                setattr(small, key, None)
-            except (TypeError, ValueError):  # a strict config that wants a token id: one inside the tiny vocabulary
-                setattr(small, key, 0)
-    with torch.device("cpu"):
-        twin = base_of(family, family.lm_class(small))
-    persistent = set(base.state_dict())
-    weight = _embedding_weight(base)
-    for name, value in twin.named_buffers():
-        if name in persistent:
-            continue
-        path, _, leaf = name.rpartition(".")
-        owner = base.get_submodule(path)
-        owner._buffers[leaf] = value.to(weight.device if not weight.is_meta else "cpu")  # in the class's own dtype
-
-
-def base_of(family: Family, model: torch.nn.Module) -> PreTrainedModel:
-    """The base model (embeddings and final norm) of a causal LM of the family."""
-    base = getattr(model, family.base_prefix)
-    assert isinstance(base, PreTrainedModel)
-    return base
-
-
-def head_of(model: PreTrainedModel) -> torch.nn.Module:
-    """The LM head (``lm_head`` in every family served: NeoX's ``embed_out`` is renamed on load)."""
-    return model.get_submodule("lm_head")
-
-
-def _embedding_weight(model: PreTrainedModel) -> torch.Tensor:
-    weight = model.get_input_embeddings().weight
-    assert isinstance(weight, torch.Tensor)
-    return weight
+__all__ = ["base_of", "head_name", "head_of", "local_model", "restore_buffers"]  # built in ``shell``
 
 
 def embed(
-    family: Family, base: PreTrainedModel, ids: torch.Tensor, position_ids: torch.Tensor | None = None, past: int = 0
+    family: Family,
+    base: PreTrainedModel,
+    ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    past: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What enters the first layer, from the base model's modules: token embeddings (scaled inside Gemma's module),
     plus learned positions (GPT-2; ``position_ids`` default to ``past`` onwards, as Hugging Face's), then BLOOM's
-    embedding norm."""
+    embedding norm. Or, for a family whose model does more there, through its own forward (``stage``; ``mask``:
+    [batch, past + n], None without padding)."""
+    if family.spec.embed == "forward":
+        return stage.forward_embed(family, base, ids=ids, position_ids=position_ids, mask=mask, past=past)
     embedding = base.get_input_embeddings()
     assert isinstance(embedding, torch.nn.Module)
     return finish_embedding(family, base, embedding(ids), position_ids, past)
 
 
 def finish_embedding(
-    family: Family, base: PreTrainedModel, hidden: torch.Tensor, position_ids: torch.Tensor | None = None, past: int = 0
+    family: Family,
+    base: PreTrainedModel,
+    hidden: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    past: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the model adds to token embeddings (or to a caller's ``inputs_embeds``, as Hugging Face's model does):
     learned positions, then an embedding norm. The identity for most families."""
     spec = family.spec
+    if spec.embed == "forward":
+        return stage.forward_embed(family, base, inputs_embeds=hidden, position_ids=position_ids, mask=mask, past=past)
     if spec.positions is not None:
         if position_ids is None:
             position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -112,7 +67,10 @@ def finish_embedding(
 
 def head(family: Family, base: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from the last layer's hidden states: final norm, LM head, the family's logit scale (Cohere's, Granite's),
-    then the final soft-cap if configured."""
+    then the final soft-cap if configured; or, for a family whose model does more there, through its own forward."""
+    if family.spec.head == "forward":
+        assert isinstance(base, PreTrainedModel)
+        return stage.forward_head(family, base, lm_head, hidden)
     if family.spec.norm:  # a family without a final norm (inferred: none among its base model's modules)
         hidden = getattr(base, family.spec.norm)(hidden)
     logits: torch.Tensor = lm_head(hidden)

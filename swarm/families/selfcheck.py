@@ -20,89 +20,12 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from swarm.errors import BadInputError
 from swarm.families import local, span
 from swarm.families.spec import Family, FamilySpec, family_of
+from swarm.families.twin import VOCAB, shrink
 from swarm.model_files import load_config
 
+__all__ = ["VOCAB", "shrink"]  # the twin's, from ``swarm.families.twin``
+
 TOLERANCE = 1e-4
-VOCAB, HIDDEN, LAYERS = 320, 64, 4
-_SIZES = {  # attribute -> twin value, set only where the config has the attribute (and it is not None)
-    "hidden_size": HIDDEN,
-    "num_attention_heads": 4,
-    "intermediate_size": 128,
-    "n_inner": 128,
-    "moe_intermediate_size": 32,
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "n_routed_experts": 8,
-    "n_group": 2,
-    "topk_group": 1,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "sliding_window": 8,
-    "vocab_size": VOCAB,
-}
-
-
-def _set(config: PretrainedConfig, key: str, value: object) -> None:
-    """Set ``key`` on the twin where the config lets it (a derived attribute is a property without a setter)."""
-    try:
-        setattr(config, key, value)
-    except (AttributeError, TypeError, ValueError):
-        pass
-
-
-def shrink(config: PretrainedConfig) -> PretrainedConfig:
-    """A small twin of ``config`` with the same family settings: 4 layers repeating its layer types, hidden 64."""
-    twin = copy.deepcopy(config)
-    kinds: list[str] = []
-    layer_types = getattr(config, "layer_types", None)
-    for kind in layer_types or []:
-        if kind not in kinds:
-            kinds.append(kind)
-    for key, value in _SIZES.items():
-        if getattr(config, key, None) is not None:
-            _set(twin, key, value)
-    heads, kv = int(config.num_attention_heads), getattr(config, "num_key_value_heads", None)
-    if kv is not None:  # keep multi-head, grouped or multi-query as it was
-        _set(twin, "num_key_value_heads", 4 if int(kv) == heads else (1 if int(kv) == 1 else 2))
-    if getattr(config, "num_kv_heads", None) is not None:  # Falcon
-        _set(
-            twin,
-            "num_kv_heads",
-            4 if int(config.num_kv_heads) == heads else (1 if int(config.num_kv_heads) == 1 else 2),
-        )
-    if getattr(config, "head_dim", None) is not None and not isinstance(
-        type(config).__dict__.get("head_dim"), property
-    ):
-        _set(twin, "head_dim", 8 if getattr(config, "kv_lora_rank", None) is not None else 16)
-    if getattr(config, "rotary_dim", None):  # GPT-J's rotary width: within the twin's heads of 16
-        _set(twin, "rotary_dim", 8)
-    if getattr(config, "num_experts_per_tok", None) is not None:
-        _set(twin, "num_experts_per_tok", min(int(config.num_experts_per_tok), 2))
-    if getattr(config, "n_shared_experts", None):
-        _set(twin, "n_shared_experts", 1)
-    if getattr(config, "first_k_dense_replace", None):
-        _set(twin, "first_k_dense_replace", 1)
-    if getattr(config, "mlp_only_layers", None):
-        _set(twin, "mlp_only_layers", [0])
-    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    _set(twin, "num_hidden_layers", LAYERS)
-    if layer_types:
-        _set(twin, "layer_types", [kinds[i % len(kinds)] for i in range(LAYERS)])
-    for key, value in vars(config).items():  # other per-layer lists (``mlp_layer_types``): their pattern, 4 long
-        if key != "layer_types" and isinstance(value, list) and layers > LAYERS and len(value) == layers:
-            pattern = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else value
-            _set(twin, key, [pattern[i % len(pattern)] for i in range(LAYERS)])
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        token: object = getattr(config, key, None)
-        if isinstance(token, int) and token >= VOCAB:
-            _set(twin, key, 0)
-        elif isinstance(token, list):
-            _set(twin, key, [v if v < VOCAB else 0 for v in token])
-    _set(twin, "_attn_implementation", getattr(config, "_attn_implementation_internal", None))
-    return twin
 
 
 @dataclass
@@ -128,15 +51,18 @@ class _Split:
     @classmethod
     def of_reference(cls, family: Family, ref: PreTrainedModel, spans: Sequence[tuple[int, int]]) -> _Split:
         """Over a reference model's own weights (module names: what the family layer builds is what is checked)."""
+        from swarm.families import weights
+
         lm = local.local_model(family)
         ref_state = ref.state_dict()
         local.load_local(family, lm, {k: ref_state[k] for k in local.local_names(lm) if k in ref_state})
-        ref_layers = getattr(getattr(ref, family.base_prefix), family.layers_attr)
+        ref_layers = getattr(ref.get_submodule(family.base_prefix), family.layers_attr)
         layers: list[torch.nn.Module] = []
         for i in range(family.num_layers):
             with torch.device("meta"):
                 layer = family.build_layer(i)
             layer.load_state_dict(ref_layers[i].state_dict(), strict=True, assign=True)
+            weights.fill_buffers(family, i, layer, "cpu")
             layers.append(layer.eval())
         return cls(family, lm, layers, spans)
 
@@ -165,7 +91,7 @@ class _Split:
         trace: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         family = self.family
-        hidden = local.embed(family, local.base_of(family, self.local), ids, past=past)
+        hidden = local.embed(family, local.base_of(family, self.local), ids, past=past, mask=mask)
         if trace is not None:
             trace.append(hidden)
         for k, (start, end) in enumerate(self.spans):

@@ -18,7 +18,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from swarm.families.family import Family
 
 Rotary = tuple[torch.Tensor, torch.Tensor]
-_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# layer kinds of softmax attention over a causal mask (the others: linear attention, convolutions, state spaces)
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
 
 
 @dataclass
@@ -120,7 +121,7 @@ def span_inputs(
         kinds.setdefault(family.layer_kind(i), i)
     masks: dict[str, object] = {}
     for kind, first in kinds.items():
-        if kind not in _ATTENTION_KINDS:  # linear attention, convolutions, state-space layers: the padding mask only,
+        if kind not in ATTENTION_KINDS:  # linear attention, convolutions, state-space layers: the padding mask only,
             # while the prompt is read (what transformers' hybrid models pass such layers; None once cached)
             padded = attention_mask is not None and past == 0 and not bool(attention_mask.all())
             masks[kind] = attention_mask if padded else None
@@ -137,8 +138,14 @@ def span_inputs(
         )
     tables: dict[str, Rotary | None] = {kind: None for kind in kinds}
     if rotary is not None:
-        if spec.rotary == "per_layer_type":
-            tables = {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+        if spec.rotary == "per_layer_type":  # a kind whose RoPE parameters are None has no positions (Beam's NoPE)
+            ropes = getattr(config, "rope_parameters", None)
+            tables = {
+                kind: None
+                if isinstance(ropes, dict) and kind in ropes and ropes[kind] is None
+                else rotary(hidden, position_ids, kind)
+                for kind in kinds
+            }
         else:
             shared = rotary(hidden, position_ids)
             tables = {kind: shared for kind in kinds}

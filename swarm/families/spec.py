@@ -135,19 +135,20 @@ def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: st
         spec = infer_spec(lm_class, config, model)
     if attn is not None:  # after the class's own checks, as a server that forced it on its layers would
         config._attn_implementation = attn
-    base = getattr(model, lm_class.base_model_prefix)
+    base_prefix = spec.base or lm_class.base_model_prefix
+    base = model.get_submodule(base_prefix)
     attr = spec.layers or next(
         (a for a in ("layers", "h") if isinstance(getattr(base, a, None), torch.nn.ModuleList)), None
     )
     if attr is None:
-        raise BadInputError(f"{lm_class.__name__}: no decoder layers found under {lm_class.base_model_prefix}")
+        raise BadInputError(f"{lm_class.__name__}: no decoder layers found under {base_prefix}")
     layers = getattr(base, attr)
     rotary = getattr(base, "rotary_emb", None)
     family = Family(
         spec=spec,
         lm_class=lm_class,
         config=config,
-        base_prefix=lm_class.base_model_prefix,
+        base_prefix=base_prefix,
         layers_attr=attr,
         layer_classes=tuple(type(layer) for layer in layers),
         rotary_class=type(rotary) if isinstance(rotary, torch.nn.Module) else None,
@@ -156,4 +157,8 @@ def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: st
         from swarm.families.infer import measure_kv
 
         family = dataclasses.replace(family, kv_per_kind=measure_kv(family))
+    if spec.embed is None or spec.head is None:  # inferred: the modules' way, or the model's own where it differs
+        from swarm.families.choose import decide
+
+        family = decide(family)
     return family

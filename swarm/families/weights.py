@@ -74,6 +74,22 @@ def layer_tensor_names(family: Family, index: int, disk_names: Iterable[str]) ->
     return prefix, [n for n in names if n.startswith(prefix)]
 
 
+def fill_buffers(family: Family, index: int, layer: torch.nn.Module, device: str | torch.device) -> None:
+    """Give layer ``index``'s non-persistent buffers that are still on meta (no checkpoint holds them: GPT-Neo's causal
+    mask) the values the layer's constructor computes. Rare, so the one layer built on CPU to compute them (its
+    weights left uninitialised) costs a layer's memory for a moment."""
+    missing = [n for n, b in layer.named_buffers() if b.is_meta]
+    if not missing:
+        return
+    from transformers.initialization import no_init_weights
+
+    with torch.device("cpu"), no_init_weights():
+        built = dict(family.build_layer(index).named_buffers())
+    for name in missing:
+        path, _, leaf = name.rpartition(".")
+        layer.get_submodule(path)._buffers[leaf] = built[name].to(device)
+
+
 def load_layer(
     family: Family, folder: Path, index: int, dtype: torch.dtype, device: str | torch.device
 ) -> torch.nn.Module:
@@ -95,6 +111,7 @@ def load_layer(
         layer.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # names or shapes on disk unlike the module's (a conversion transformers makes on load)
         raise BadInputError(f"block {index}: the checkpoint's tensors do not fit its module: {str(e)[:600]}") from None
+    fill_buffers(family, index, layer, device)
     left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
     if left:
         raise BadInputError(f"block {index}: no weights for {left}")
@@ -131,10 +148,11 @@ def load_layers(
         raise BadInputError(
             f"blocks {wanted}: transformers cannot load these tensors: {type(e).__name__}: {e}"
         ) from None
-    held = getattr(getattr(model, family.base_prefix), family.layers_attr)
+    held = getattr(model.get_submodule(family.base_prefix), family.layers_attr)
     out = []
     for i in wanted:
         layer = held[i]
+        fill_buffers(family, i, layer, "cpu")
         left = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
         if left:
             raise BadInputError(f"block {i}: the checkpoint's tensors leave {left[:8]} without values")

@@ -23,7 +23,9 @@ from tests.integration.swarms import (
 # attention, learned positions, tied head) over the direct plane, and DeepSeek-V3's latent attention and routed
 # experts; and Phi-3, which no row of the family table lists. Each family's local math is checked without a swarm
 # in tests/unit/test_family_layer.py (inferred families: tests/unit/test_family_infer.py).
-FAST = ("llama", "gpt2", "deepseek_v3", "phi3")  # Phi-3: a family inferred from its class, not a row of the table
+# Phi-3 and OPT: families inferred from their class, not rows of the table (OPT's embeddings and head run through its
+# own forward: ``swarm.families.stage``)
+FAST = ("llama", "gpt2", "deepseek_v3", "phi3", "opt")
 
 
 @pytest.fixture(

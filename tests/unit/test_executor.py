@@ -24,7 +24,13 @@ class Parts:
         self.lm_head = torch.nn.Linear(SHAPE.hidden_size, SHAPE.vocab_size, bias=False)
         self.vectors = torch.randn(prompts, SHAPE.hidden_size) if prompts else None
 
-    def embed(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.embed_tokens(ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

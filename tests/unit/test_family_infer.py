@@ -29,6 +29,12 @@ def _config(model_type: str, **extra):
     return AutoConfig.for_model(model_type, **{**SMALL, **TOKENS, "num_key_value_heads": 2, **extra})
 
 
+def _opt():
+    """OPT with a narrower embedding than its hidden states (projections in and out)."""
+    opt_sizes = dict(hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=320)
+    return AutoConfig.for_model("opt", word_embed_proj_dim=32, **opt_sizes)
+
+
 @pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
 def test_an_unlisted_family_is_inferred_and_proven(model_type):
     config = _config(model_type)
@@ -113,3 +119,40 @@ def test_the_coverage_walk_serves_nothing_beyond_tolerance():
             assert row.split_diff is not None and row.split_diff <= 1e-4, row
         else:
             assert row.why, row  # every refusal says why
+
+
+def test_an_embeddings_or_head_stage_the_modules_do_not_tell_runs_through_the_models_forward():
+    """CTRL scales its embeddings inline and OPT offsets its positions along the mask and projects in and out of a
+    narrower embedding: the modules' way would be wrong there, so their stages run through the class's own forward
+    (``swarm.families.stage``), and the proof passes; Phi-3's modules tell all, and keep the direct way."""
+    ctrl = AutoConfig.for_model("ctrl", n_embd=64, dff=128, n_layer=4, n_head=4, vocab_size=320)
+    opt = _opt()
+    for config, embed, head in (
+        (ctrl, "forward", "modules"),
+        (opt, "forward", "forward"),
+        (_config("phi3"), "modules", "modules"),
+    ):
+        family = family_of(config)
+        assert (family.spec.embed, family.spec.head) == (embed, head), config.model_type
+        report = check_split(config, twin=False)
+        assert report.ok, (config.model_type, report.problems)
+        assert check_saved(config) is None, config.model_type
+    assert family_of(opt).base_prefix == "model.decoder"  # its layers are nested one model deeper
+    # the direct way on CTRL is wrong (its inline scale left out), and the proof says where
+    wrong = dataclasses.replace(family_of(ctrl).spec, embed="modules")
+    assert "client's embeddings" in check_split(ctrl, spec=wrong, twin=False).problems[0]
+
+
+def test_lora_on_an_inferred_family_is_proven_against_peft_and_a_wrong_delta_is_caught(monkeypatch):
+    """LoRA through the split path of an inferred family (OPT: both stages through its forward, tuple-returning
+    layers) equals PEFT's on the twin: logits and every A and B gradient; a delta without its scale is caught."""
+    from swarm.families import lora_check
+
+    opt = _opt()
+    targets = ("self_attn.q_proj", "self_attn.v_proj", "fc1")
+    assert lora_check.check_lora(opt, targets) is None
+    unscaled = lora_check._delta
+    monkeypatch.setattr(lora_check, "_delta", lambda a, b, scaling: unscaled(a, b, 1.0))
+    lora_check._PROVEN.clear()
+    problem = lora_check.check_lora(opt, targets)
+    assert problem is not None and "off by" in problem
