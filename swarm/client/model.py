@@ -179,15 +179,12 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
         prefix = self.family.base_prefix + "."
         lm = local.local_model(self.family, device="meta")
-        head = local.head_name(lm) + "."  # ``lm_head`` here whatever the family calls it
-        return {
-            k: "model." + v[len(prefix) :]
-            if v.startswith(prefix)
-            else "lm_head." + v[len(head) :]
-            if v.startswith(head)
-            else v
-            for k, v in local.disk_to_local(self.family, disk, lm).items()
-        }
+        renames = ((prefix, "model."), (local.head_name(lm) + ".", "lm_head."))  # here whatever the family calls them
+        out = {}
+        for k, v in local.disk_to_local(self.family, disk, lm).items():
+            old, new = next(((o, n) for o, n in renames if v.startswith(o)), ("", ""))
+            out[k] = new + v[len(old) :]
+        return out
 
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))

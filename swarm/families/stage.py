@@ -77,15 +77,19 @@ def _staged_base(family: Family, base: PreTrainedModel, stand_in: torch.nn.Modul
     return staged
 
 
-# base model -> its copy ending at the stand-in (weak: the copy goes with the client's model)
-_STAGES: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+# base model -> its copy ending at the stand-in, and the keywords its forward takes (read once, not per token;
+# weak: the copy goes with the client's model)
+_STAGES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Module, frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _stage(family: Family, base: PreTrainedModel) -> torch.nn.Module:
-    stage = _STAGES.get(base)
-    if stage is None:
-        stage = _STAGES[base] = _staged_base(family, base, _FirstLayer(family.layer_kind(0)))
-    return stage
+def _stage(family: Family, base: PreTrainedModel) -> tuple[torch.nn.Module, frozenset[str]]:
+    held = _STAGES.get(base)
+    if held is None:
+        keywords = frozenset(inspect.signature(type(base).forward).parameters)
+        held = _STAGES[base] = (_staged_base(family, base, _FirstLayer(family.layer_kind(0))), keywords)
+    return held
 
 
 def _past_cache(family: Family, batch: int, past: int, like: torch.Tensor) -> DynamicCache:
@@ -109,8 +113,7 @@ def forward_embed(
 ) -> torch.Tensor:
     """What the class hands its first layer for ``ids`` (or ``inputs_embeds``) with ``past`` tokens cached before
     them; ``mask`` [batch, past + n] of 0/1 (None: no padding)."""
-    stage = _stage(family, base)
-    params = inspect.signature(type(base).forward).parameters
+    stage, params = _stage(family, base)
     given = ids if ids is not None else inputs_embeds
     assert given is not None
     kwargs: dict[str, object] = {"input_ids": ids} if ids is not None else {"inputs_embeds": inputs_embeds}
