@@ -11,6 +11,7 @@ from swarm.cli import option
 from swarm.config import Timing, default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
+from swarm.relay import REACHABILITY, RelayPolicy
 
 
 def _port_or_off(text: str) -> int | None:
@@ -23,6 +24,12 @@ def _port_or_off(text: str) -> int | None:
     if not 0 <= port < 65536:
         raise BadInputError(f"a port lies in 0..65535, got {port}")
     return port
+
+
+def _reachability(text: str) -> str:
+    if text not in REACHABILITY:
+        raise BadInputError(f"--reachability is one of {', '.join(REACHABILITY)}, got {text!r}")
+    return text
 
 
 @dataclass(frozen=True)
@@ -53,11 +60,31 @@ class NetworkConfig:
         512, help="open connections (direct plane) and open streams (libp2p), each, all callers together"
     )
     max_caller_connections: int = option(64, help="...and of one caller identity")
+    reachability: str = option(
+        "auto",
+        parse=_reachability,
+        help="auto (other peers dial back to find out), public, or private (behind NAT: reached through relays)",
+    )
+    relay: bool = option(False, help="offer relaying to peers behind NAT (public peers), within the bounds below")
+    relay_max_reservations: int = option(16, help="...peers that may hold a relay slot here at once")
+    relay_max_circuits: int = option(4, help="...relayed connections per peer")
+    relay_mb: int = option(64, help="...MiB relayed each way per connection before it is reset")
+    relay_time_s: int = option(600, help="...seconds a relayed connection may last")
     added_latency_ms: float = option(0.0, help="delay every request, to emulate a distant peer (benchmarks, tests)")
     handshake_timeout: float | None = option(
         None, hidden=True, help="tests: seconds a direct connection may take to be called (default: the timing's)"
     )
     probe_bytes: int = 4 * MIB  # the payload a joining peer times to estimate its link
+
+    def relay_policy(self) -> RelayPolicy:
+        return RelayPolicy(
+            reachability=self.reachability,  # type: ignore[arg-type]  # checked by ``_reachability``
+            offer=self.relay,
+            max_reservations=self.relay_max_reservations,
+            max_circuits=self.relay_max_circuits,
+            data_bytes=self.relay_mb * MIB,
+            time_s=self.relay_time_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,10 @@ class PeerConfig:
         net = self.network
         if net.new_swarm == bool(net.initial_peers):
             raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one (not both)")
+        try:
+            net.relay_policy()
+        except ValueError as e:  # a relay bound that is not positive
+            raise BadInputError(f"--relay-*: {e}") from None
         if not 0 < self.compute.caller_cache_share <= 1:
             raise BadInputError(f"--caller-cache-share must lie in (0, 1], got {self.compute.caller_cache_share}")
         c = self.compute

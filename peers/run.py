@@ -122,6 +122,7 @@ async def run_peer(
         timeout=cfg.timing.dht_start_timeout,
         call_timeout=cfg.timing.dht_timeout,
         swarm_key=swarm_key,
+        relay=net.relay_policy(),
     )
     positions = getattr(model.config, "max_position_embeddings", None)
     limits = Limits(

@@ -94,6 +94,44 @@ _CHECKPOINT_SIZES = {
 }
 
 
+def _with_attention(config) -> None:
+    """A hybrid whose defaults hold no attention layer at all (Bamba's, Granite-4.0-H's: Hugging Face's own forward
+    fails on them, its masks need one) gets one every 4th layer from the 4th, as its checkpoints have."""
+    n = int(getattr(config, "num_hidden_layers", 0) or 0)
+    if "attn_layer_indices" in vars(config) and config.attn_layer_indices is None:
+        config.attn_layer_indices = [i for i in range(n) if i % 4 == 3]
+    kinds = vars(config).get("layer_types") or vars(config).get("layers_block_type")
+    if isinstance(kinds, list) and kinds and set(kinds) == {"linear_attention"}:
+        key = "layer_types" if "layer_types" in vars(config) else "layers_block_type"
+        setattr(config, key, ["full_attention" if i % 4 == 3 else k for i, k in enumerate(kinds)])
+
+
+def _rope_per_layer_type(config) -> None:
+    theta = float(getattr(config, "rope_theta", None) or 10000.0)
+    config.rope_parameters = {k: {"rope_type": "default", "rope_theta": theta} for k in set(config.layer_types)}
+
+
+def _qsa_indexer(config) -> None:
+    config.indexer_n_heads, config.indexer_kv_heads, config.indexer_head_dim = 4, 1, int(config.head_dim)
+    config.indexer_budget, config.indexer_compress_ratio = 8, 4
+
+
+# What the published checkpoints of a class set that its defaults leave unset, where Hugging Face's own code fails
+# on the defaults: LFM2-MoE's layer pattern (convolutions, attention every 4th), DBRX's rotary base and clipping in its
+# attention config, Cohere Compass's rotary per layer type, Qwen4-Exp's token indexer for its indexed layers.
+_CHECKPOINT_FILLS = {
+    "lfm2_moe": lambda c: setattr(
+        c, "layer_types", ["full_attention" if i % 4 == 3 else "conv" for i in range(c.num_hidden_layers)]
+    ),
+    "dbrx": lambda c: (
+        setattr(c.attn_config, "rope_theta", c.rope_parameters["rope_theta"]),
+        setattr(c.attn_config, "clip_qkv", c.attn_config.clip_qkv or 8.0),
+    ),
+    "cohere_compass_text": lambda c: not c.rope_parameters and _rope_per_layer_type(c),
+    "qwen4_exp_text": lambda c: c.indexer_n_heads is None and _qsa_indexer(c),
+}
+
+
 def default_config(model_type: str):
     from transformers import CONFIG_MAPPING
 
@@ -101,6 +139,9 @@ def default_config(model_type: str):
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and value == 1.0 and re.search(r"multiplier|scale|scaling", key):
             setattr(config, key, 0.75)
+    _with_attention(config)
+    if model_type in _CHECKPOINT_FILLS:
+        _CHECKPOINT_FILLS[model_type](config)
     for key, size in _CHECKPOINT_SIZES.items():
         if key in vars(config) and vars(config)[key] is None:
             try:

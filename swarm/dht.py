@@ -35,6 +35,7 @@ from swarm.ids import block_key, broker_key
 from swarm.lease import LeaseRules, LeaseView
 from swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from swarm.records import Lease, Record, ServerRecord, View, parse_as
+from swarm.relay import RelayPolicy
 
 R = TypeVar("R", bound=Record)
 T = TypeVar("T")
@@ -91,10 +92,20 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class OwnedDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind ships no type information
-    """A hivemind DHT whose child process (and its p2pd) never outlives the process that created it."""
+    """A hivemind DHT whose child process (and its p2pd) never outlives the process that created it, its p2pd
+    started with the flags ``p2pd_flags`` adds to hivemind's (``RelayPolicy.p2pd_flags``: hivemind passes none of
+    the relay service's)."""
+
+    def __init__(self, *args: Any, p2pd_flags: dict[str, int | str] | None = None, **kwargs: Any) -> None:
+        self._p2pd_flags = dict(p2pd_flags or {})
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        if self._p2pd_flags:  # in the DHT's own (forked) process only, where its one p2pd is started
+            plain = P2P._make_process_args
+            flags = self._p2pd_flags
+            P2P._make_process_args = staticmethod(lambda *a, **kw: plain(*a, **{**kw, **flags}))
         super().run()
 
 
@@ -257,6 +268,7 @@ def start_dht(
     timeout: float = 30.0,
     call_timeout: float = 30.0,
     swarm_key: SwarmKey | None = None,
+    relay: RelayPolicy | None = None,
 ) -> RecordStore:
     """Start this process's DHT peer (a forked child with its own p2pd) and wait until it has joined. Without an
     ``identity`` file a fresh one is made (and removed once p2pd has read it): p2pd's peer id and the key that signs
@@ -279,6 +291,8 @@ def start_dht(
     )
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
+    relay = relay or RelayPolicy()
+    kwargs.update(relay.hivemind_kwargs())
     kwargs["identity_path"] = str(Path(path).expanduser())
     if identity is None:  # a key made a moment ago is nobody else's: skip hivemind's check (a second p2pd start)
         kwargs["check_if_identity_free"] = False
@@ -286,7 +300,7 @@ def start_dht(
     if swarm_key is not None:
         authorizer = kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
         log.info("private swarm: DHT requests are signed with swarm key %s", swarm_key.fingerprint)
-    dht = OwnedDHT(**kwargs)
+    dht = OwnedDHT(p2pd_flags=relay.p2pd_flags(), **kwargs)
     try:
         dht.wait_until_ready(timeout)
     except BaseException as e:

@@ -175,6 +175,40 @@ FAMILY_CONFIGS = {
     # OPT: its layers under ``model.decoder``, positions counted along the attention mask from an offset, and
     # projections in and out of a narrower embedding: embeddings and head run through its own forward
     "opt": dict(model_type="opt", ffn_dim=128, word_embed_proj_dim=32, perturb=0.02),
+    # inferred: a prediction head beside the LM head (held by the client), token ids inside the tiny vocabulary
+    "modernbert-decoder": dict(
+        model_type="modernbert-decoder",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sep_token_id=2,
+        cls_token_id=1,
+        perturb=0.02,
+    ),
+    # inferred: Mamba-2, attention, MoE and MLP layers, saved under the legacy ``backbone.`` names
+    "nemotron_h": dict(
+        model_type="nemotron_h",
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=4,
+        head_dim=16,
+        ssm_state_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        perturb=0.02,
+    ),
+    # inferred: attention and Mamba side by side in each layer, each with its own mask keyword
+    "falcon_h1": dict(
+        model_type="falcon_h1",
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_ssm=128,
+        mamba_d_state=16,
+        head_dim=16,
+        perturb=0.02,
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """``python -m harness.wan``: ``up`` runs a WAN in the foreground until SIGINT/SIGTERM, ``down`` removes what a crashed
-``up`` left (from its state file), ``measure`` starts a WAN, reports a path's RTT and throughput, and removes it."""
+``up`` left (from its state file), ``measure`` starts a WAN, reports a path's RTT and throughput, and removes it.
+``--nat`` puts nodes behind emulated home routers or carrier NATs (``harness.wan.nat``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from harness.wan.config import WanConfig
+from harness.wan.config import NatConfig, WanConfig
 from harness.wan.emulator import Wan
 from harness.wan.measure import measure_rtt, throughput
 from harness.wan.netns import State, WanError, tear_down
@@ -44,7 +45,19 @@ def _config(args: argparse.Namespace) -> WanConfig:
         fields["node_mbit"] = {k: v for text in args.node_mbit for k, v in _pairs(text).items()}
     if args.prefix:
         fields["prefix"] = args.prefix
+    if args.nat:
+        fields["nats"] = tuple(_nat(text) for text in args.nat)
     return WanConfig(**fields)
+
+
+def _nat(text: str) -> NatConfig:
+    """``home=port-restricted:a,b`` (a NAT named home of that kind in front of nodes a and b), with ``@30`` for a
+    30 s mapping timeout; the inside may name other NATs: ``cgn=symmetric:home`` puts home behind a carrier NAT."""
+    name, _, rest = text.partition("=")
+    kind, _, inside = rest.partition(":")
+    inside, _, timeout = inside.partition("@")
+    extra: dict[str, Any] = {"timeout_s": float(timeout)} if timeout else {}
+    return NatConfig(name=name.strip(), kind=kind.strip(), inside=tuple(i for i in inside.split(",") if i), **extra)
 
 
 def describe(wan: Wan) -> dict[str, Any]:
@@ -53,7 +66,11 @@ def describe(wan: Wan) -> dict[str, Any]:
     return {
         "prefix": cfg.prefix,
         "router_pid": wan.router_pid,
-        "nodes": {n: {"namespace": cfg.namespace(n), "address": cfg.address(n)} for n in cfg.nodes},
+        "nodes": {
+            n: {"namespace": cfg.namespace(n), "address": cfg.address(n), "public_address": cfg.public_address(n)}
+            for n in cfg.nodes
+        },
+        "nats": {n.name: {"kind": n.kind, "address": cfg.nat_address(n.name), "inside": n.inside} for n in cfg.nats},
         "delay_ms": cfg.delay_ms,
         "mbit": cfg.mbit,
     }
@@ -143,6 +160,12 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--subnet", default="10.77.0.0/16")
         s.add_argument("--seed", type=int, default=None, help="seed of jitter and loss")
         s.add_argument("--state", default=None, help="state file, for `down` after a crash")
+        s.add_argument(
+            "--nat",
+            action="append",
+            help="a NAT in front of nodes or NATs: 'home=port-restricted:a,b@60' (kinds: full-cone, "
+            "restricted-cone, port-restricted, symmetric; repeatable, 'cgn=symmetric:home' for a double NAT)",
+        )
     sub.choices["measure"].add_argument("--path", default=None, help="'a,b': measure from a to b (default: first two)")
     sub.choices["measure"].add_argument("--mbytes", type=float, default=16.0, help="throughput transfer size (MiB)")
     d = sub.add_parser("down", help="remove what a crashed `up` left, by its state file")

@@ -21,6 +21,27 @@ def random_prefix() -> str:
     return "wan" + secrets.token_hex(3)
 
 
+class NatConfig(BaseModel):
+    """A home router (or a carrier's NAT) in front of ``inside``: nodes, or other NATs (a double NAT). Its outside
+    address is allocated after the nodes'; the kinds are ``harness.wan.nat.KINDS``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    kind: str
+    inside: tuple[str, ...]
+    timeout_s: float = Field(60.0, gt=0.0, le=86_400.0)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        from harness.wan.nat import KINDS
+
+        if value not in KINDS:
+            raise ValueError(f"NAT kind {value!r} is not one of {', '.join(KINDS)}")
+        return value
+
+
 class WanConfig(BaseModel):
     """A WAN of ``nodes``, each in its own network namespace with one address in ``subnet``.
 
@@ -45,6 +66,7 @@ class WanConfig(BaseModel):
     prefix: str = Field(default_factory=random_prefix)
     subnet: str = "10.77.0.0/16"
     seed: int | None = None  # of jitter and loss, for reproducible runs
+    nats: tuple[NatConfig, ...] = ()  # home routers and carrier NATs in front of some nodes
 
     @field_validator("pair_delay_ms", mode="before")
     @classmethod
@@ -78,9 +100,53 @@ class WanConfig(BaseModel):
             if node not in known or (mbit is not None and mbit <= 0):
                 raise ValueError(f"bad node bandwidth {node}={mbit}")
         net = ipaddress.IPv4Network(self.subnet)
-        if net.num_addresses - 2 < len(self.nodes):
-            raise ValueError(f"subnet {self.subnet} has too few addresses for {len(self.nodes)} nodes")
+        if net.num_addresses - 2 < len(self.nodes) + len(self.nats):
+            raise ValueError(f"subnet {self.subnet} has too few addresses for {len(self.nodes)} nodes and the NATs")
+        self._check_nats(known)
         return self
+
+    def _check_nats(self, nodes: set[str]) -> None:
+        names = [n.name for n in self.nats]
+        if len(set(names)) != len(names) or set(names) & nodes:
+            raise ValueError(f"NAT names repeat or name nodes: {names}")
+        parent: dict[str, str] = {}
+        for nat in self.nats:
+            for inner in nat.inside:
+                if inner not in nodes and inner not in names:
+                    raise ValueError(f"NAT {nat.name}: {inner!r} is neither a node nor a NAT")
+                if inner in parent or inner == nat.name:
+                    raise ValueError(f"{inner!r} is behind two NATs (or itself)")
+                parent[inner] = nat.name
+        for start in names:  # no NAT behind itself, however far round
+            seen, at = {start}, parent.get(start)
+            while at is not None:
+                if at in seen:
+                    raise ValueError(f"NATs in a loop through {at!r}")
+                seen.add(at)
+                at = parent.get(at)
+
+    def nat_address(self, name: str) -> str:
+        """A NAT's outside address (after the nodes' in the subnet)."""
+        index = [n.name for n in self.nats].index(name)
+        return str(ipaddress.IPv4Network(self.subnet).network_address + 1 + len(self.nodes) + index)
+
+    def public_address(self, node: str) -> str:
+        """Where others on the WAN see ``node``'s packets come from: its outermost NAT's address, or its own."""
+        outer, at = self.address(node), node
+        while (nat := next((n for n in self.nats if at in n.inside), None)) is not None:
+            outer, at = self.nat_address(nat.name), nat.name
+        return outer
+
+    def nat_tables(self) -> tuple[list[tuple[str, str, float]], list[tuple[str, str]]]:
+        """(outside address, kind, timeout) of each NAT, and (inside address, its NAT's outside address) pairs."""
+        boxes = [(self.nat_address(n.name), n.kind, n.timeout_s) for n in self.nats]
+        names = {n.name for n in self.nats}
+        behind = [
+            (self.nat_address(i) if i in names else self.address(i), self.nat_address(n.name))
+            for n in self.nats
+            for i in n.inside
+        ]
+        return boxes, behind
 
     def index(self, node: str) -> int:
         try:

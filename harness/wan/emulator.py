@@ -110,6 +110,8 @@ class Wan:
             jitter_ms=cfg.jitter_ms,
             loss=cfg.loss,
             seed=cfg.seed,
+            nat_boxes=cfg.nat_tables()[0],
+            nat_behind=cfg.nat_tables()[1],
         )
         self.router = subprocess.Popen(
             [self.python, "-m", "harness.wan.router", spec.to_json()],
@@ -182,6 +184,11 @@ class Wan:
     def address(self, node: str) -> str:
         """``node``'s IPv4 address: other nodes reach it there; listen on it (or 0.0.0.0) inside ``node``."""
         return self.config.address(node)
+
+    def public_address(self, node: str) -> str:
+        """Where other nodes see ``node``'s packets come from (its outermost NAT's address, if it is behind one).
+        Nodes behind a NAT are reached only through the mappings their own traffic opened."""
+        return self.config.public_address(node)
 
     def namespace(self, node: str) -> str:
         self.config.index(node)

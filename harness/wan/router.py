@@ -2,8 +2,9 @@
 destination's TUN. Run as ``python -m harness.wan.router SPEC_JSON`` with the TUN fds inherited (``Wan`` starts it).
 
 It is a process of its own, not a thread of the caller, so a busy caller (a test, a benchmark, a client holding the
-GIL) never delays packets. Packets are forwarded untouched, so the TCP connection stays end to end between the two
-programs: slow start, losses and retransmissions happen as over a real path, unlike with a relay per listener.
+GIL) never delays packets. Packets are forwarded untouched (but for the address translation of emulated NATs,
+``harness.wan.nat``), so the TCP connection stays end to end between the two programs: slow start, losses and
+retransmissions happen as over a real path, unlike with a relay per listener.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from types import FrameType
 
 from harness.wan.links import Link, Topology
+from harness.wan.nat import Nat, NatBox
 from harness.wan.tun import MAX_READ, ipv4_dst, wire_cost
 
 INITIAL_LEAD_S = 0.0001  # how early timers are set, until the router has seen how late they fire here
@@ -44,6 +46,8 @@ class RouterSpec:
     jitter_ms: float = 0.0
     loss: float = 0.0
     seed: int | None = None
+    nat_boxes: list[tuple[str, str, float]] = field(default_factory=list)  # (outside address, kind, timeout)
+    nat_behind: list[tuple[str, str]] = field(default_factory=list)  # (inside address, its NAT's outside address)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -51,6 +55,12 @@ class RouterSpec:
     @classmethod
     def from_json(cls, text: str) -> RouterSpec:
         return cls(**json.loads(text))
+
+    def nat(self) -> Nat | None:
+        if not self.nat_boxes:
+            return None
+        boxes = {socket.inet_aton(a): NatBox(socket.inet_aton(a), kind, t) for a, kind, t in self.nat_boxes}
+        return Nat(boxes, {socket.inet_aton(i): socket.inet_aton(o) for i, o in self.nat_behind})
 
     def topology(self) -> Topology:
         def link(mbit: float | None, queue_ms: float) -> Link:
@@ -75,6 +85,7 @@ class Counters:
     queue_drops: list[int] = field(default_factory=list)
     random_losses: list[int] = field(default_factory=list)
     unroutable: int = 0
+    nat_drops: int = 0  # packets a NAT box let not in (or out: no hairpinning, a protocol it does not map)
 
 
 class _Stop(Exception):
@@ -103,6 +114,7 @@ def route(spec: RouterSpec) -> Counters:
     of the last ones) and sets them that much early; what is due within that lead is sent at once, since waking
     again for it would make it later still."""
     topo = spec.topology()
+    nat = spec.nat()
     n = len(spec.fds)
     node_of = {socket.inet_aton(a): i for i, a in enumerate(spec.addresses)}
     fd_node = {fd: i for i, fd in enumerate(spec.fds)}
@@ -149,6 +161,12 @@ def route(spec: RouterSpec) -> Counters:
                         frame = os.read(fd, MAX_READ)
                     except (BlockingIOError, InterruptedError):
                         break
+                    if nat is not None:  # NAT boxes rewrite at the edge; timing is by the two nodes' link
+                        translated = nat.translate(frame, now)
+                        if translated is None:
+                            counters.nat_drops += 1
+                            continue
+                        frame = translated
                     target = node_of.get(ipv4_dst(frame) or b"")
                     if target is None or target == src:  # IPv6 router solicitations and the like
                         counters.unroutable += 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from peers.serving.adapters import Adapter, Pin
 from peers.serving.checks import check_aux, check_finite, check_hidden, check_names
@@ -17,7 +18,7 @@ from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
 from peers.serving.runtime import Batcher, Row, require
-from swarm.errors import BadInputError, PeerUnavailableError, SessionLengthError
+from swarm.errors import BadInputError, PeerUnavailableError, SessionExpiredError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import ChainRoute, OpenSession
 from swarm.records import Capability
@@ -165,6 +166,9 @@ class Sessions:
             )
         mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
         if position < session.position:  # redo the last step (sent again after a repair upstream): forget it first
+            if _recurrent(session.cache):  # a state-space state cannot be taken back: the client replays elsewhere
+                await self.end(session)
+                raise SessionExpiredError("this span's recurrent states cannot redo a step: reopen it and replay")
             _rewind(session.cache, session.position - position)
             self.compute.metrics.step_replays += 1
             session.position = position
@@ -240,5 +244,16 @@ def _rewind(cache: object | None, drop: int) -> None:
     never filled and are skipped (transformers' sliding layer cannot crop an empty layer). The ONNX runtime's cache
     is read up to the session's position whatever it holds beyond, so it has nothing to crop."""
     for layer in getattr(cache, "layers", ()):
-        if layer.is_initialized:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # convolution states: back to the kernel's width
+            if any(layer.is_conv_states_initialized.values()):
+                layer.crop(-drop)
+        elif layer.is_initialized:
             layer.crop(-drop)
+
+
+def _recurrent(cache: object | None) -> bool:
+    """Whether ``cache`` holds recurrent (state-space, linear-attention) states: a step folded into them is final."""
+    return any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.is_recurrent_states_initialized.values())
+        for layer in getattr(cache, "layers", ())
+    )

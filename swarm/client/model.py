@@ -55,6 +55,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         lm = local.local_model(self.family, device="meta")
         self.model: PreTrainedModel = local.base_of(self.family, lm)
         self.lm_head: torch.nn.Module = local.head_of(lm)
+        self.beside = torch.nn.ModuleDict(local.beside_of(self.model))  # the LM's other modules (ModernBERT-decoder)
         with torch.device("meta"):  # LoRA's possible targets, with their shapes
             self._block_linears = linear_modules(self.family.build_layer(0))
         self.adapters: ClientAdapters | None = None
@@ -179,7 +180,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
         prefix = self.family.base_prefix + "."
         lm = local.local_model(self.family, device="meta")
-        renames = ((prefix, "model."), (local.head_name(lm) + ".", "lm_head."))  # here whatever the family calls them
+        beside = ((f"{n}.", f"beside.{n}.") for n in local.beside_of(local.base_of(self.family, lm)))
+        renames = ((prefix, "model."), (local.head_name(lm) + ".", "lm_head."), *beside)  # whatever the family says
         out = {}
         for k, v in local.disk_to_local(self.family, disk, lm).items():
             old, new = next(((o, n) for o, n in renames if v.startswith(o)), ("", ""))

@@ -13,7 +13,7 @@ from swarm.client import peft_format
 from swarm.client.adapters import ClientAdapters
 from swarm.errors import BadInputError
 from swarm.families.spec import Family
-from swarm.tuning import TuningSpec, resolve_targets
+from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 
 def tuning_spec(
@@ -55,6 +55,8 @@ def build_adapters(
             f"{spec.mode} tuning is not supported for {label}: PEFT's prompts pass through its "
             f"{extra}, the swarm's do not; use LoRA"
         )
+    if spec.mode == "lora" and family.spec.inferred:
+        _in_every_block(family, spec.lora_targets)
     paths = resolve_targets(spec.lora_targets, block_linears) if spec.mode == "lora" else ()
     if paths and family.spec.inferred:  # read off the class: LoRA through its split path is proven first
         from swarm.families.lora_check import check_lora
@@ -66,6 +68,29 @@ def build_adapters(
     if folder is not None:
         peft_format.load_into(adapters, Path(folder), family.layers_path)
     return adapters
+
+
+def _in_every_block(family: Family, targets: tuple[str, ...]) -> None:
+    """The swarm's LoRA (as PEFT's format holds it here) has each target in every block, of one shape: a family
+    whose blocks differ there (a hybrid's state-space, attention and MLP blocks: Nemotron-H's) is refused for LoRA,
+    with the blocks that differ, before any training. Read off the class built on meta (no memory)."""
+    with torch.device("meta"):
+        model = family.lm_class(family.config)
+    layers = getattr(model.get_submodule(family.base_prefix), family.layers_attr)
+    seen: dict[tuple[tuple[str, tuple[int, int]], ...], int] = {}
+    for index, layer in enumerate(layers):
+        linears = linear_modules(layer)
+        try:
+            paths = resolve_targets(targets, linears)
+        except BadInputError:
+            paths = ()
+        seen.setdefault(tuple((p, linears[p]) for p in paths), index)
+    if len(seen) > 1:
+        blocks = ", ".join(f"block {i}: {', '.join(p for p, _ in key) or 'none'}" for key, i in seen.items())
+        raise BadInputError(
+            f"LoRA on {family.label} is refused: its blocks hold different targets for {list(targets)} ({blocks}); "
+            "LoRA here needs the same targets in every block"
+        )
 
 
 def save_adapters(adapters: ClientAdapters, family: Family, folder: Path, base_model: str, num_heads: int) -> None:

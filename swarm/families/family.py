@@ -40,6 +40,10 @@ class FamilySpec:
     head: Literal["modules", "forward"] | None = "modules"  # the head stage, the same way
     base: str | None = None  # the base model's attribute where it is not the class's ``base_model_prefix``
     materialize_mask: bool = False  # Falcon folds ALiBi into a 4D mask: never skip it as "causal"
+    # keyword -> layer kind whose mask the model passes under it whatever the layer's own kind (Falcon-H1's layers,
+    # "hybrid", take the full mask as ``attention_mask`` and the recurrent one as ``mamba_attention_mask``)
+    mask_keywords: tuple[tuple[str, str], ...] = ()
+    window_masks: bool = True  # a ``sliding_window`` in the config means sliding masks (Moshi's model never builds any)
     disk_renames: tuple[tuple[str, str], ...] = ()  # on-disk prefix -> module prefix (NeoX: embed_out -> lm_head)
     lora_defaults: tuple[str, ...] = ("q_proj", "v_proj")  # PEFT 0.21's default targets for the family
     refuse: tuple[tuple[str, str], ...] = ()  # (config attribute, why) refused when the attribute is truthy
@@ -61,6 +65,19 @@ class FamilySpec:
         if self.embedding_multiplier is not None:
             return f"an embedding multiplier ({self.embedding_multiplier!r})"
         return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
+
+
+def rotary_attr(base: torch.nn.Module) -> str | None:
+    """The base model's rotary module: ``rotary_emb``, or its one weightless child named a rotary embedding by its
+    class (LFM2-MoE's ``pos_emb``); None where it has none."""
+    if isinstance(getattr(base, "rotary_emb", None), torch.nn.Module):
+        return "rotary_emb"
+    found = [
+        name
+        for name, child in base.named_children()
+        if type(child).__name__.endswith("RotaryEmbedding") and not any(True for _ in child.parameters())
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -95,15 +112,65 @@ class Family:
         layer_types = getattr(self.config, "layer_types", None)
         if layer_types:
             return str(layer_types[index])
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+        windowed = self.spec.window_masks and getattr(self.config, "sliding_window", None) is not None
+        return "sliding_attention" if windowed else "full_attention"
 
     def build_layer(self, index: int) -> torch.nn.Module:
         """Layer ``index`` on the current default device (``meta`` to fill with ``load_state_dict(assign=True)``)."""
         cls = self.layer_classes[index]
-        params = list(inspect.signature(cls.__init__).parameters)[1:]  # after self
+        signature = inspect.signature(cls.__init__)
+        params = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)][1:]
+        required = [n for n in params if signature.parameters[n].default is inspect.Parameter.empty]
+        if self.spec.inferred or not params or params[0] != "config" or len(required) > 2 or len(params) > 2:
+            return self._layer_of_model(index)
         if "layer_idx" in params:
             return cls(self.config, layer_idx=index)
         return cls(self.config, index) if len(params) > 1 else cls(self.config)  # GPT-Neo's ``layer_id``
+
+    def _layer_of_model(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` as the model's own constructor builds it, for an inferred family (its model may give its
+        layers buffers: Falcon-H1's multipliers) and for layers built from more than the config (Bamba's layer type):
+        a copy of the layer of the whole model built once with its weights on meta (no memory) and its buffers on
+        CPU; on meta, all of it there; elsewhere, its weights allocated and initialised as the model initialises
+        them, its buffers moved there as the constructor computed them."""
+        import copy
+
+        model = self._built()
+        layer: torch.nn.Module = copy.deepcopy(getattr(model.get_submodule(self.base_prefix), self.layers_attr)[index])
+        device = torch.get_default_device()
+        if device.type == "meta":
+            return layer.to("meta")
+        buffers = {n: b.to(device) for n, b in layer.named_buffers()}
+        layer.to_empty(device=device)
+        for name, buffer in buffers.items():
+            path, _, leaf = name.rpartition(".")
+            layer.get_submodule(path)._buffers[leaf] = buffer
+        with torch.no_grad():
+            for module in layer.modules():
+                model._init_weights(module)  # type: ignore[no-untyped-call]  # transformers' initialiser
+        return layer
+
+    def layer_buffers(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s buffers as its constructor computes them (on CPU), without allocating its weights."""
+        if self.spec.inferred:
+            layer = getattr(self._built().get_submodule(self.base_prefix), self.layers_attr)[index]
+            return dict(layer.named_buffers())
+        from accelerate import init_empty_weights  # type: ignore[import-untyped]  # accelerate ships no stubs
+
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):  # weights on meta, buffers computed
+            return dict(self.build_layer(index).named_buffers())
+
+    def _built(self) -> PreTrainedModel:
+        """The model, weights on meta and buffers on CPU, built once for this family (every layer, every check)."""
+        held = self.__dict__.get("_model_on_meta")
+        if held is None:
+            from accelerate import init_empty_weights
+
+            with torch.device("cpu"), init_empty_weights(include_buffers=False):
+                held = self.lm_class(self.config)
+            object.__setattr__(self, "_model_on_meta", held)  # a cache on a frozen instance: not a field
+        assert isinstance(held, PreTrainedModel)
+        return held
 
     def new_rotary(self, device: torch.device | str) -> torch.nn.Module | None:
         """The rotary module (weightless: built on ``device`` from the config, never loaded)."""

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from swarm.errors import BadInputError
-from swarm.families.family import Family, FamilySpec
+from swarm.families.family import Family, FamilySpec, rotary_attr
 
 _CALLS = {"cache": "decoder", "layer_past": "neox"}  # the cache keyword -> the call style that passes it
 _PASSED = {"attention_mask", "position_ids", "position_embeddings", "use_cache", *_CALLS}  # what those styles pass
@@ -94,9 +94,10 @@ def _call_style(lm_class: type[PreTrainedModel], layer: torch.nn.Module) -> str:
 
 
 def _rotary(base: torch.nn.Module) -> str:
-    rotary = getattr(base, "rotary_emb", None)
-    if not isinstance(rotary, torch.nn.Module):
+    named = rotary_attr(base)
+    if named is None:
         return "none"
+    rotary = getattr(base, named)
     params = inspect.signature(rotary.forward).parameters
     return "per_layer_type" if "layer_type" in params else "shared"
 
@@ -111,7 +112,7 @@ def _stages(lm_class: type[PreTrainedModel], base: torch.nn.Module, layers: str)
     rest = [
         (name, child)
         for name, child in base.named_children()
-        if name not in (layers, "rotary_emb")
+        if name not in (layers, rotary_attr(base))
         and child is not embeddings
         and (_weighted(child) or "norm" in type(child).__name__.lower())  # OLMo's norm has no weights
     ]
@@ -131,8 +132,15 @@ def _stages(lm_class: type[PreTrainedModel], base: torch.nn.Module, layers: str)
     return (norms[0] if norms else ""), (positions[0] if positions else None), embed_norm
 
 
-def _lora_targets(layer: torch.nn.Module) -> tuple[str, ...]:
-    leaves = {path.rsplit(".", 1)[-1] for path, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+def _lora_targets(layers: torch.nn.ModuleList, model_type: str) -> tuple[str, ...]:
+    """PEFT's default targets for the model type where it has them, else the attention's query and value over all
+    layers (a hybrid's first may be a state-space layer, whose projections PEFT refuses), else a likely fused one."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    leaves = {path.rsplit(".", 1)[-1] for path, m in layers.named_modules() if isinstance(m, torch.nn.Linear)}
+    known = PEFT_TARGETS.get(model_type)
+    if known and set(known) <= leaves:
+        return tuple(known)
     for pair in (("q_proj", "v_proj"),):
         if set(pair) <= leaves:
             return pair
@@ -160,9 +168,9 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model:
     head = getattr(model, "get_output_embeddings")()  # noqa: B009 - typed as a module, it is the LM's method
     if not isinstance(head, torch.nn.Module):
         raise BadInputError(f"{lm_class.__name__}: it names no output embeddings (its LM head is not inferred)")
-    beside = [n for n, c in model.named_children() if n != base_attr.split(".")[0] and c is not head and _weighted(c)]
-    if beside:  # the client keeps the base model and the head only
-        raise BadInputError(f"{lm_class.__name__}: modules with weights beside its base model and head: {beside}")
+    # Modules with weights beside the base model and the head (ModernBERT-decoder's prediction head before its
+    # decoder) are the client's too: its local model is the whole LM without layers, and ``family_of`` finds the
+    # stage they change differing between the modules' way and the model's own, which it then takes.
     call = _call_style(lm_class, layer)
     norm, positions, embed_norm = _stages(lm_class, base, attr)
     scales = _scales(config)
@@ -175,17 +183,40 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model:
         norm=norm,
         positions=positions,
         embed_norm=embed_norm,
-        lora_defaults=_lora_targets(layer),
+        lora_defaults=_lora_targets(layers, str(getattr(config, "model_type", ""))),
         inferred=True,
         embed=None,  # decided by ``family_of`` (``swarm.families.stage``)
         head=None,
         layers=attr,
         base=base_attr if base_attr != lm_class.base_model_prefix else None,
         materialize_mask=_forces_mask(base),
+        mask_keywords=_mask_keywords(base, layer),
+        window_masks=_source_has(base, "sliding_window"),
         embedding_multiplier=scales.get("embedding_multiplier"),
         logits_divisor=scales.get("logits_divisor"),
         logits_multiplier=scales.get("logits_multiplier"),
     )
+
+
+def _mask_keywords(base: torch.nn.Module, layer: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """The masks the base model's forward passes its layers by a fixed layer kind (``conv_mask=
+    causal_mask_mapping["linear_attention"]``), as its source says; a layer's own-kind mask is the default."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return ()
+    # ``kw=mapping["kind"]``, or through a variable of the keyword's name (``conv_mask = mapping.get("kind")``)
+    found = re.findall(r"(\w+)\s*=\s*\w*mask\w*(?:\[|\.get\()\s*[\"'](\w+)[\"']\s*[\])]", source)
+    takes = inspect.signature(layer.forward).parameters
+    return tuple(dict.fromkeys((k, v) for k, v in found if k.endswith("mask") and k in takes))
+
+
+def _source_has(base: torch.nn.Module, word: str) -> bool:
+    """Whether the base model's forward names ``word`` (where its source cannot be read: assume it does)."""
+    try:
+        return word in inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _forces_mask(base: torch.nn.Module) -> bool:

@@ -17,9 +17,9 @@ from transformers import PreTrainedModel
 from swarm.errors import BadInputError
 from swarm.families import stage
 from swarm.families.family import Family
-from swarm.families.shell import base_of, head_name, head_of, local_model, restore_buffers
+from swarm.families.shell import base_of, beside_of, head_name, head_of, local_model, restore_buffers
 
-__all__ = ["base_of", "head_name", "head_of", "local_model", "restore_buffers"]  # built in ``shell``
+__all__ = ["base_of", "beside_of", "head_name", "head_of", "local_model", "restore_buffers"]  # built in ``shell``
 
 
 def embed(
@@ -94,11 +94,17 @@ def disk_to_local(family: Family, disk_names: Iterable[str], model: torch.nn.Mod
     """Which on-disk tensor fills which local tensor: the family's renames (NeoX's ``embed_out``), and checkpoints
     saved without the base prefix (the original GPT-2 and BLOOM files: ``wte.weight``, ``ln_f.weight``)."""
     wanted = set(local_names(model))
+    names = list(disk_names)
+    loaded = {n: n for n in names}
+    if family.spec.inferred:  # as transformers loads them (``renames``: Bailing's ``word_embeddings``)
+        from swarm.families.renames import loaded_names
+
+        loaded = loaded_names(model, names)
     out: dict[str, str] = {}
-    for disk in disk_names:
-        if re.match(rf"^(?:{re.escape(family.base_prefix)}\.)?{family.layers_attr}\.\d+\.", disk):
+    for disk in names:
+        name = loaded[disk]
+        if re.match(rf"^(?:{re.escape(family.base_prefix)}\.)?{family.layers_attr}\.\d+\.", name):
             continue  # a layer's tensor: never read by the client
-        name = disk
         for old, new in family.spec.disk_renames:
             if name.startswith(old):
                 name = new + name[len(old) :]

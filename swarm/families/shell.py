@@ -7,6 +7,7 @@ meta they would crash, left empty they would silently scale embeddings by garbag
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -26,6 +27,11 @@ def _zero_layers(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+# A local model's modules with weights beside its base model and head (ModernBERT-decoder's prediction head), by
+# its base model: the head stage run through the model's own forward (``stage``) is given only base and head.
+_BESIDE: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]] = weakref.WeakKeyDictionary()
+
+
 def local_model(family: Family, device: str | torch.device = "cpu") -> PreTrainedModel:
     """The family's causal LM without decoder layers: embeddings, final norm and head. On ``meta`` as built; on a
     real device with its parameters uninitialised (fill them with ``load_local``) and its buffers restored."""
@@ -35,7 +41,19 @@ def local_model(family: Family, device: str | torch.device = "cpu") -> PreTraine
     if torch.device(device).type != "meta":
         model.to_empty(device=device)
         restore_buffers(family, base_of(family, model))
+    top = family.base_prefix.split(".")[0]
+    head = head_of(model)
+    beside = {
+        n: c for n, c in model.named_children() if n != top and c is not head and any(True for _ in c.parameters())
+    }
+    if beside:
+        _BESIDE[base_of(family, model)] = beside
     return model
+
+
+def beside_of(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules with weights its local model holds beside ``base`` and its head (none for most families)."""
+    return dict(_BESIDE.get(base, {}))
 
 
 def restore_buffers(family: Family, base: PreTrainedModel) -> None:

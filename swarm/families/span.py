@@ -12,8 +12,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 
 from swarm.families.family import Family
 
@@ -88,7 +92,9 @@ def new_cache(family: Family, max_length: int | None = None) -> DynamicCache:
     """A session's cache: transformers' own layers for the family's layer kinds, full-attention layers written in
     place (``GrowingLayer``: room for ``max_length`` positions at most)."""
     cache = DynamicCache(config=family.config)
-    cache.layers = [GrowingLayer(max_length) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    # where the model masks every layer in full whatever its config's window (Moshi's), every layer keeps all tokens
+    full = (DynamicLayer,) if family.spec.window_masks else (DynamicLayer, DynamicSlidingWindowLayer)
+    cache.layers = [GrowingLayer(max_length) if type(layer) in full else layer for layer in cache.layers]
     # Sliding-window layers then keep the last step's tokens beyond their window until the next step settles them
     # (``peers.serving.sessions._rewind``), so a step sent again after a repair upstream can be redone: without it,
     # transformers can crop a sliding layer only before it fills its window.
@@ -119,12 +125,14 @@ def span_inputs(
     kinds: dict[str, int] = {}
     for i in indices:
         kinds.setdefault(family.layer_kind(i), i)
+    layer_kinds = list(kinds)
+    for _, kind in spec.mask_keywords:  # masks passed by a fixed kind (Falcon-H1's recurrent mask)
+        kinds.setdefault(kind, indices[0])
     masks: dict[str, object] = {}
     for kind, first in kinds.items():
-        if kind not in ATTENTION_KINDS:  # linear attention, convolutions, state-space layers: the padding mask only,
-            # while the prompt is read (what transformers' hybrid models pass such layers; None once cached)
-            padded = attention_mask is not None and past == 0 and not bool(attention_mask.all())
-            masks[kind] = attention_mask if padded else None
+        if kind not in ATTENTION_KINDS:  # linear attention, convolutions, state-space layers: the 2D padding mask
+            # of the new tokens where there is padding, as transformers' hybrid models pass them
+            masks[kind] = create_recurrent_attention_mask(config, hidden, attention_mask, cache)
             continue
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
         masks[kind] = make(
@@ -136,19 +144,21 @@ def span_inputs(
             layer_idx=first,
             allow_is_causal_skip=not spec.materialize_mask,
         )
-    tables: dict[str, Rotary | None] = {kind: None for kind in kinds}
+    tables: dict[str, Rotary | None] = {kind: None for kind in layer_kinds}  # by the layers' own kinds
     if rotary is not None:
         if spec.rotary == "per_layer_type":  # a kind whose RoPE parameters are None has no positions (Beam's NoPE)
             ropes = getattr(config, "rope_parameters", None)
+            known = getattr(rotary, "rope_type", None)  # the kinds it holds tables for (LFM3's convolutions: none)
             tables = {
                 kind: None
-                if isinstance(ropes, dict) and kind in ropes and ropes[kind] is None
+                if (isinstance(ropes, dict) and kind in ropes and ropes[kind] is None)
+                or (isinstance(known, dict) and kind not in known)
                 else rotary(hidden, position_ids, kind)
-                for kind in kinds
+                for kind in layer_kinds
             }
         else:
             shared = rotary(hidden, position_ids)
-            tables = {kind: shared for kind in kinds}
+            tables = {kind: shared for kind in layer_kinds}
     alibi = None
     if spec.call == "bloom":
         alibi = _bloom_alibi(family, hidden, attention_mask, past)
@@ -208,9 +218,9 @@ def call_layer(
     use = cache is not None
     style = family.spec.call
     if style == "decoder":
-        out = layer(
-            hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=use, position_embeddings=rotary
-        )
+        fixed = {keyword: inputs.masks[k] for keyword, k in family.spec.mask_keywords}
+        fixed.setdefault("attention_mask", mask)
+        out = layer(hidden, position_ids=pos, cache=cache, use_cache=use, position_embeddings=rotary, **fixed)
     elif style == "gpt2":
         out = layer(hidden, cache=cache, attention_mask=mask, use_cache=use, position_ids=pos)
     elif style == "neox":

@@ -14,7 +14,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from swarm.errors import BadInputError
-from swarm.families.family import CallStyle, Experts, Family, FamilySpec, KvLayout, Rotary
+from swarm.families.family import CallStyle, Experts, Family, FamilySpec, KvLayout, Rotary, rotary_attr
 
 __all__ = ["SPECS", "CallStyle", "Experts", "Family", "FamilySpec", "KvLayout", "Rotary", "family_of"]
 
@@ -143,7 +143,8 @@ def family_of(config: PretrainedConfig, spec: FamilySpec | None = None, attn: st
     if attr is None:
         raise BadInputError(f"{lm_class.__name__}: no decoder layers found under {base_prefix}")
     layers = getattr(base, attr)
-    rotary = getattr(base, "rotary_emb", None)
+    named = rotary_attr(base)
+    rotary = getattr(base, named) if named is not None else None
     family = Family(
         spec=spec,
         lm_class=lm_class,

@@ -30,7 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from swarm.errors import BadInputError
 from swarm.families import shell, span
-from swarm.families.family import Family
+from swarm.families.family import Family, rotary_attr
 from swarm.families.twin import twin_of
 
 
@@ -70,10 +70,11 @@ def _staged_base(family: Family, base: PreTrainedModel, stand_in: torch.nn.Modul
     layers, and its rotary module, built for no layer types, lacks the tables of each: weightless, built again)."""
     staged = _replaced(base, family.layers_attr, torch.nn.ModuleList([stand_in]))
     staged.__dict__["config"] = family.config
-    if isinstance(base._modules.get("rotary_emb"), torch.nn.Module) and family.rotary_class is not None:
+    named = rotary_attr(base)
+    if named is not None and family.rotary_class is not None:
         weight = base.get_input_embeddings().weight
         assert isinstance(weight, torch.Tensor)
-        staged._modules["rotary_emb"] = family.rotary_class(config=family.config).to(weight.device)
+        staged._modules[named] = family.rotary_class(config=family.config).to(weight.device)
     return staged
 
 
@@ -162,6 +163,8 @@ def _head_stage(family: Family, base: PreTrainedModel, lm_head: torch.nn.Module)
     injected = _Injected(family.layer_kind(family.num_layers - 1), returns_tuple(family))
     lm = _replaced(outer, family.base_prefix, _staged_base(family, base, injected))
     lm = _replaced(lm, shell.head_name(outer), lm_head)
+    for name, module in shell.beside_of(base).items():  # the local model's own, loaded with its weights
+        lm = _replaced(lm, name, module)
     lm.__dict__["config"] = family.config
     _HEADS[base] = (lm_head, lm, injected)
     return lm, injected

@@ -28,6 +28,10 @@ _SIZES = {  # attribute -> twin value, set only where the config has the attribu
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
     "sliding_window": 8,
+    "mamba_d_state": 16,  # state-space state widths: the twin's run time grows with them
+    "ssm_state_size": 16,
+    "state_size": 16,
+    "linear_head_dim": 16,  # linear attention's heads (Kimi-Linear's): the same
     "vocab_size": VOCAB,
 }
 
@@ -88,14 +92,97 @@ def shrink(config: PretrainedConfig) -> PretrainedConfig:
         if key != "layer_types" and isinstance(value, list) and layers > LAYERS and len(value) == layers:
             pattern = list(dict.fromkeys(value)) if all(isinstance(v, str) for v in value) else value
             _set(twin, key, [pattern[i % len(pattern)] for i in range(LAYERS)])
+    for key, value in vars(config).items():  # layer indices (Bamba's attention layers): spread over the twin's 4
+        if "layer" in key and _indices(value, layers) and layers > LAYERS and key != "mlp_only_layers":
+            _set(twin, key, _spread(value, layers))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         token: object = getattr(config, key, None)
         if isinstance(token, int) and token >= VOCAB:
             _set(twin, key, 0)
         elif isinstance(token, list):
             _set(twin, key, [v if v < VOCAB else 0 for v in token])
+    _mamba_heads(config, twin)
+    _follow_derived(config, twin)
     _set(twin, "_attn_implementation", getattr(config, "_attn_implementation_internal", None))
     return twin
+
+
+def _indices(value: object, layers: int) -> bool:
+    return (  # not a per-layer list (one entry a layer: Llama-4's ``no_rope_layers`` flags), set as those above
+        isinstance(value, list) and 0 < len(value) < layers and all(type(v) is int and 0 <= v < layers for v in value)
+    )
+
+
+def _spread(value: list[int], layers: int) -> list[int]:
+    """Layer indices of a ``layers``-deep model at the same relative depths of the twin's, one layer kept out of the
+    set where the set does not hold every layer (both kinds stay)."""
+    spread = sorted({min(LAYERS - 1, v * LAYERS // layers) for v in value})
+    if len(value) < layers and len(spread) == LAYERS:
+        spread = spread[1:]
+    return spread
+
+
+# State-space mixers (Mamba-2 and the hybrids around it) split ``expand * hidden`` into heads: (heads, head width,
+# expansion) under each spelling transformers uses. The twin keeps the product: 8 heads over the twin's width.
+_MAMBA_HEADS = (
+    ("num_heads", "head_dim", "expand"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("mamba_num_heads", "mamba_head_dim", "expand"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+)
+
+
+def _mamba_heads(config: PretrainedConfig, twin: PretrainedConfig) -> None:
+    hidden = getattr(config, "hidden_size", None)
+    for heads, width, expand in _MAMBA_HEADS:
+        values = [vars(config).get(k) for k in (heads, width, expand)]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values) or hidden is None:
+            continue
+        n, d, e = (float(v) for v in values)  # type: ignore[arg-type]  # numbers, checked above
+        ssm = vars(config).get("mamba_d_ssm")  # Falcon-H1's mixer width, set apart from the expansion
+        if int(n) * int(d) != (int(ssm) if isinstance(ssm, int) else int(e * int(hidden))):  # attention heads
+            continue
+        n_twin = min(int(n), 8)
+        _set(twin, heads, n_twin)
+        _set(twin, width, (128 if isinstance(ssm, int) else int(e * HIDDEN)) // n_twin)
+        if isinstance(ssm, int):
+            _set(twin, "mamba_d_ssm", 128)
+
+
+def _follow_derived(config: PretrainedConfig, twin: PretrainedConfig) -> None:
+    """Sizes the config class derives in its constructor from those the twin changes (Zamba's head widths and hybrid
+    layer ids, a Mamba rank from the hidden size) take the values the class's own rules give at the twin's sizes: the
+    config rebuilt from its values with and without the twin's changes, and whatever else differs follows."""
+    cls = type(config)
+    held = {k: v for k, v in vars(config).items() if not k.startswith("_")}
+    # the class's own fields; what else the config holds its constructor set (and a keyword would override it)
+    own = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(held)
+    fields = {k: v for k, v in held.items() if k in own}
+    changed = {k: v for k, v in vars(twin).items() if k in fields and fields[k] != v}
+    if not changed:
+        return
+    try:
+        # sizes left unset ("auto" or None) that the class fills from others (Zamba's attention width, twice the
+        # hidden size): those the class gives the same value for when they are unset again
+        unset = {
+            f.name: f.default
+            for f in (dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ())
+            if f.default in (None, "auto") and f.name not in changed and isinstance(fields.get(f.name), int | float)
+        }
+        filled = vars(_build(cls, {**fields, **unset}))
+        derived = {k: v for k, v in unset.items() if filled.get(k) == fields[k]}
+        before, after = _build(cls, fields), _build(cls, {**fields, **changed, **derived})
+    except Exception:  # noqa: BLE001 - a class that cannot be rebuilt from its own values: the twin as set
+        return
+    for key, value in vars(after).items():
+        if key in changed or key.startswith("_") or key not in held:
+            continue
+        if vars(before).get(key) != value or key in derived:
+            _set(twin, key, value)
+
+
+def _build(cls: type[PretrainedConfig], values: dict[str, object]) -> PretrainedConfig:
+    return cls(**copy.deepcopy(values))  # type: ignore[arg-type]  # its own copies: constructors write into sub-configs (DBRX's experts')
 
 
 def twin_of(family: Family) -> Family:

@@ -76,15 +76,12 @@ def layer_tensor_names(family: Family, index: int, disk_names: Iterable[str]) ->
 
 def fill_buffers(family: Family, index: int, layer: torch.nn.Module, device: str | torch.device) -> None:
     """Give layer ``index``'s non-persistent buffers that are still on meta (no checkpoint holds them: GPT-Neo's causal
-    mask) the values the layer's constructor computes. Rare, so the one layer built on CPU to compute them (its
-    weights left uninitialised) costs a layer's memory for a moment."""
+    mask) the values the layer's constructor computes: the layer built again, its buffers on CPU, its weights on
+    meta."""
     missing = [n for n, b in layer.named_buffers() if b.is_meta]
     if not missing:
         return
-    from transformers.initialization import no_init_weights
-
-    with torch.device("cpu"), no_init_weights():
-        built = dict(family.build_layer(index).named_buffers())
+    built = family.layer_buffers(index)
     for name in missing:
         path, _, leaf = name.rpartition(".")
         layer.get_submodule(path)._buffers[leaf] = built[name].to(device)
@@ -137,9 +134,9 @@ def load_layers(
     from swarm.model_files import read_tensors, weight_map
 
     disk = list(weight_map(folder))
-    names = [n for i in wanted for n in layer_tensor_names(family, i, disk)[1]]
     with torch.device("meta"):
         model = family.lm_class(family.config)
+    names = _by_loaded_name(family, model, disk, wanted)
     mapping = cast(list[Any], get_model_conversion_mapping(model))  # renamings and converters, as it loads them
     config = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
     try:
@@ -160,6 +157,15 @@ def load_layers(
     return out
 
 
+def _by_loaded_name(family: Family, model: torch.nn.Module, disk: list[str], wanted: list[int]) -> list[str]:
+    """The on-disk names of layers ``wanted``'s tensors, found by the names they load as (``renames``)."""
+    from swarm.families.renames import loaded_names
+
+    loaded = loaded_names(model, disk)
+    prefixes = tuple(f"{family.layers_path}.{i}." for i in wanted)
+    return [n for n in disk if loaded[n].startswith(prefixes) and not _ignored(family, n)]
+
+
 def block_bytes(family: Family, folder: Path, dtype: torch.dtype, indices: Iterable[int] | None = None) -> list[int]:
     """Bytes each block takes in ``dtype``, from the safetensors headers alone, block by block (MoE models mix dense
     and expert blocks: DeepSeek-V3's first are dense)."""
@@ -170,12 +176,21 @@ def block_bytes(family: Family, folder: Path, dtype: torch.dtype, indices: Itera
     mapping = weight_map(folder)
     wanted = list(range(family.num_layers)) if indices is None else list(indices)
     prefixes = {i: layer_prefix(family, i, mapping) for i in wanted}
+    loaded = {n: n for n in mapping}
+    if family.spec.inferred:  # by the names they load as (several files' tensors may load as one: fused experts)
+        from swarm.families.renames import loaded_names
+
+        with torch.device("meta"):
+            loaded = loaded_names(family.lm_class(family.config), mapping)
+        prefixes = {i: f"{family.layers_path}.{i}." for i in wanted}
     sizes = dict.fromkeys(wanted, 0)
     by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        hits = [(i, n) for n in names for i, p in prefixes.items() if n.startswith(p) and not _ignored(family, n)]
+        hits = [
+            (i, n) for n in names for i, p in prefixes.items() if loaded[n].startswith(p) and not _ignored(family, n)
+        ]
         if not hits:
             continue
         with safe_open(str(folder / file), "pt") as f:

@@ -1,0 +1,59 @@
+"""What a peer's p2p daemon is started with about relaying, read from the running ``p2pd``'s own command line: no
+relay service by default (p2pd's defaults would relay for anyone, unbounded here), the bounds given when a
+volunteer offers one (``--relay``), and the reachability forced when one is given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarm.dht import start_dht
+from swarm.relay import RelayPolicy
+from tests.integration.swarms import descendants
+
+
+def _p2pd_args(store) -> list[str]:
+    pids = [p for p in descendants(store.dht.pid) if Path(f"/proc/{p}/exe").resolve().name == "p2pd"]
+    argvs = [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0") for p in pids]
+    assert len(argvs) == 1, argvs  # the DHT's own p2pd
+    return [x.decode() for x in argvs[0] if x]
+
+
+@pytest.mark.parametrize(
+    "policy, present, absent",
+    [
+        (None, ["-relayService=0", "-autoRelay=0"], ["-relayMaxCircuits", "-forceReachability"]),
+        (
+            RelayPolicy(offer=True, max_reservations=3, max_circuits=2, data_bytes=1 << 20, time_s=60),
+            [
+                "-relayService=1",
+                "-relayMaxReservations=3",
+                "-relayMaxCircuits=2",
+                "-relayDataLimit=1048576",
+                "-relayTimeLimit=60s",
+                "-relayBufferSize=65536",
+            ],
+            [],
+        ),
+        (RelayPolicy(reachability="public"), ["-forceReachabilityPublic=1", "-autoRelay=0"], []),
+        (RelayPolicy(reachability="private"), ["-forceReachabilityPrivate=1", "-autoRelay=1"], []),
+    ],
+)
+def test_the_daemon_relays_only_within_the_bounds_it_was_given(policy, present, absent):
+    store = start_dht(relay=policy)
+    try:
+        args = _p2pd_args(store)
+        for flag in present:
+            assert flag in args, (flag, args)
+        for flag in absent:
+            assert not any(a.startswith(flag) for a in args), (flag, args)
+    finally:
+        store.shutdown()
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ValueError, match="max_circuits must be positive"):
+        RelayPolicy(offer=True, max_circuits=0)
+    with pytest.raises(ValueError, match="reachability is one of"):
+        RelayPolicy(reachability="sometimes")  # type: ignore[arg-type]
