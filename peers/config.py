@@ -11,7 +11,7 @@ from swarm.cli import option
 from swarm.config import Timing, default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
-from swarm.relay import REACHABILITY, RelayPolicy
+from swarm.relay import CIRCUIT, MAX_RELAYS, REACHABILITY, RelayPolicy
 
 
 def _port_or_off(text: str) -> int | None:
@@ -70,11 +70,19 @@ class NetworkConfig:
     relay_max_circuits: int = option(4, help="...relayed connections per peer")
     relay_mb: int = option(64, help="...MiB relayed each way per connection before it is reset")
     relay_time_s: int = option(600, help="...seconds a relayed connection may last")
+    relay_via: tuple[str, ...] = option(
+        (), metavar="MADDR", help="private peers: hold relay slots on these peers (default: the --initial-peers)"
+    )
     added_latency_ms: float = option(0.0, help="delay every request, to emulate a distant peer (benchmarks, tests)")
     handshake_timeout: float | None = option(
         None, hidden=True, help="tests: seconds a direct connection may take to be called (default: the timing's)"
     )
     probe_bytes: int = 4 * MIB  # the payload a joining peer times to estimate its link
+
+    def _relays(self) -> tuple[str, ...]:
+        """Where a private peer reserves: ``--relay-via``, else the initial peers reached directly (a relayed one's
+        relay is already among them, or was not told to this peer), the first ``MAX_RELAYS``."""
+        return self.relay_via or tuple(p for p in self.initial_peers if CIRCUIT not in p)[:MAX_RELAYS]
 
     def relay_policy(self) -> RelayPolicy:
         return RelayPolicy(
@@ -84,6 +92,7 @@ class NetworkConfig:
             max_circuits=self.relay_max_circuits,
             data_bytes=self.relay_mb * MIB,
             time_s=self.relay_time_s,
+            relays=self._relays() if self.reachability == "private" else (),
         )
 
 
@@ -138,7 +147,7 @@ class PeerConfig:
             raise BadInputError("give --initial-peers of a running swarm, or --new-swarm to start one (not both)")
         try:
             net.relay_policy()
-        except ValueError as e:  # a relay bound that is not positive
+        except ValueError as e:  # a relay bound that is not positive, a relay that is no full address
             raise BadInputError(f"--relay-*: {e}") from None
         if not 0 < self.compute.caller_cache_share <= 1:
             raise BadInputError(f"--caller-cache-share must lie in (0, 1], got {self.compute.caller_cache_share}")

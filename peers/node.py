@@ -20,7 +20,7 @@ from peers.serving.stage import Stage
 from swarm.dht import RecordStore, dht_time
 from swarm.ids import Span, peers_key
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
-from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, ServerRecord
+from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, Reached, ServerRecord
 from swarm.version import __version__
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Peer:
         self.span_loads = 0  # spans loaded (a standby promoted in place loads nothing)
         self.maddrs: list[str] = []
         self.direct_address: str | None = None
+        self.reached: Reached = "unmeasured"
         self.network_mbps = cfg.network.network_mbps  # declared, or estimated once at start
         self.lost_dht = False
         self._lock = asyncio.Lock()
@@ -140,6 +141,8 @@ class Peer:
             runtime=backend.name if backend is not None else "torch",
             capabilities=backend.capabilities if backend is not None else ALL_CAPABILITIES,
             network_mbps=self.network_mbps if self.network_mbps and self.network_mbps > 0 else None,
+            reached=self.reached,
+            relays_for_others=self.cfg.network.relay,
         )
 
     async def publish(self, state: PeerState | None = None) -> None:

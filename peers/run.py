@@ -13,11 +13,12 @@ import torch
 
 from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
-from peers.config import PeerConfig
+from peers.config import NetworkConfig, PeerConfig
 from peers.follower import run_follower
 from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory, usable_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
+from peers.reach import reachable
 from peers.rpc.direct_server import DirectLimits, DirectServer
 from peers.rpc.directory import ServerDirectory
 from peers.rpc.framing import StreamLimits
@@ -36,6 +37,7 @@ from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import block_key
 from swarm.membership import swarm_key_for
 from swarm.records import PeerState, ServerRecord, servers
+from swarm.relay import RelayPolicy
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ def _direct_address(cfg: PeerConfig, port: int) -> str | None:
             return None  # nobody could dial a wildcard address; libp2p only
         host = announced[0]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _maddrs(net: NetworkConfig, relay: RelayPolicy, store: RecordStore) -> list[str]:
+    """The addresses this peer's records announce: those given, its relayed ones when private (what p2pd listens
+    on is unreachable then), else what p2pd reports."""
+    if relay.reached == "relayed" and not net.announce_maddrs:
+        return list(relay.relayed_maddrs(store.peer_id))
+    return [m if "/p2p/" in m else f"{m}/p2p/{store.peer_id}" for m in (net.announce_maddrs or store.visible_maddrs())]
 
 
 def _admit(store: RecordStore) -> Admit | None:
@@ -113,6 +123,7 @@ async def run_peer(
     net = cfg.network
     swarm_key = swarm_key_for(net.swarm_key, new_swarm=net.new_swarm)
     # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
+    relay = net.relay_policy()
     store = start_dht(
         initial_peers=net.initial_peers,
         host=net.host,
@@ -122,7 +133,8 @@ async def run_peer(
         timeout=cfg.timing.dht_start_timeout,
         call_timeout=cfg.timing.dht_timeout,
         swarm_key=swarm_key,
-        relay=net.relay_policy(),
+        relay=relay,
+        client_mode=relay.dht_client,
     )
     positions = getattr(model.config, "max_position_embeddings", None)
     limits = Limits(
@@ -150,9 +162,8 @@ async def run_peer(
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
         stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
         peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
-        peer.maddrs = [
-            m if "/p2p/" in m else f"{m}/p2p/{peer.peer_id}" for m in (net.announce_maddrs or store.visible_maddrs())
-        ]
+        peer.maddrs = _maddrs(net, relay, store)
+        peer.reached = relay.reached
         servicer = Servicer(
             compute,
             sessions,
@@ -170,7 +181,10 @@ async def run_peer(
         flags = ("--max-caller-connections", "--max-connections")
         quota = Quota("open streams", net.max_caller_connections, net.max_connections, flags)
         await servicer.register(p2p, P2PStreams(servicer.budget, streams, quota))
-        if net.direct_port is not None:
+        if relay.reached == "relayed" and not net.announce_maddrs:  # announce only relayed addresses that work
+            peer.maddrs = await reachable(peer.peer_id, tuple(peer.maddrs), cfg.timing.dht_start_timeout)
+            log.info("reachable through relays", extra={"peer": peer.peer_id, "maddrs": peer.maddrs})
+        if net.direct_port is not None and relay.reached != "relayed":  # nobody outside could dial it
             limits_direct = DirectLimits(
                 net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
             )

@@ -85,7 +85,9 @@ class Timing:
             # starved of CPU for longer than one TTL drops out of the view): a client repairing a session waits that
             # long before calling its blocks missing
             missing_blocks_wait=12.0,
-            retry_budget=20.0,
+            # more than one attempt's longest wait (open_timeout + request_timeout: a hop that hangs in a replay), so
+            # a call still fails over from a hung replacement as it would under the default timings
+            retry_budget=45.0,
             ban_base=5.0,
             leave_grace=3.0,
             broker_period=0.5,

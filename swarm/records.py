@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serial
 
 from swarm.ids import Span
 
+# how a peer is reached: told public, through relays (behind NAT), or not known (not yet measured)
+Reached = Literal["public", "relayed", "unmeasured"]
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 2: leases, trainer progress and typed placements became records
@@ -80,6 +83,10 @@ class ServerRecord(Record):
     runtime: str = Field(default="torch", pattern=r"^[a-z0-9_.-]{1,32}$")  # printed by swarm.status: a plain name
     capabilities: frozenset[Capability] = ALL_CAPABILITIES
     network_mbps: float | None = Field(default=None, gt=0)  # its link (as in PeerRecord): clients' codec prior
+    # how it is reached (``swarm.relay``): told public, only through the relays its maddrs name, or not measured;
+    # and whether it offers relaying to peers behind NAT (a claim: relays are dialled, never believed)
+    reached: Reached = "unmeasured"
+    relays_for_others: bool = False
 
     @property
     def author(self) -> str:

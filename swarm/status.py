@@ -15,7 +15,7 @@ from swarm.hop import Hop
 from swarm.logs import add_log_flags, configure_logging
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
-from swarm.records import ALL_CAPABILITIES, Lease, PeerState, View, servers
+from swarm.records import ALL_CAPABILITIES, Lease, PeerState, ServerRecord, View, servers
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 
@@ -32,6 +32,11 @@ def coverage(view: View, num_blocks: int) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _reached(record: ServerRecord) -> str:
+    """How the peer is reached (``swarm.relay``), ``+relay`` where it relays for others."""
+    return record.reached + ("+relay" if record.relays_for_others else "")
+
+
 def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease | None = None, dropped: int = 0) -> str:
     recs = sorted(servers(view).values(), key=lambda r: (r.start, r.end, r.peer_id))
     if not recs:
@@ -45,7 +50,7 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
     ]
     header = (
         f"{'peer':<14} {'state':<8} {'blocks':<8} {'fwd tok/s':>10} {'inf step/s':>10} {'cache free':>11} "
-        f"{'requests':>9}  {'dtype':<8} {'runtime':<8} device"
+        f"{'requests':>9}  {'dtype':<8} {'runtime':<8} {'reached':<10} device"
     )
     lines += ["", header, "-" * len(header)]
     for r in recs:
@@ -55,8 +60,12 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
         cache = f"{free}/{r.cache_tokens_total}"
         lines.append(
             f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
-            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.runtime:<8} {r.device}"
+            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.runtime:<8} {_reached(r):<10} "
+            f"{r.device}"
         )
+    relays = [r for r in recs if r.relays_for_others]
+    if relays:
+        lines.append(f"relaying for peers behind NAT: {', '.join('..' + r.peer_id[-12:] for r in relays)}")
     lines += ["", "coverage: " + ", ".join(f"{a}:{b} x{n}" for a, b, n in runs)]
     partial = {(r.runtime, ", ".join(sorted(r.capabilities))) for r in recs if r.capabilities != ALL_CAPABILITIES}
     lines += [f"runtime {name} serves only: {caps} (routes needing more skip it)" for name, caps in sorted(partial)]

@@ -23,7 +23,7 @@ from swarm.dht import RecordStore, current_broker
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import InfoReply
-from swarm.records import MAX_COUNT, PeerState, ServerRecord, View, servers
+from swarm.records import MAX_COUNT, PeerState, Reached, ServerRecord, View, servers
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class PeerView(_Frozen):
     active: int = 0  # requests being processed right now
     served: int = 0
     reachable: bool | None = None  # None: not polled this round
+    reached: Reached = "unmeasured"  # how it is reached (``swarm.relay``): public, through relays, or not known
+    relays_for_others: bool = False
 
 
 class BrokerView(_Frozen):
@@ -120,6 +122,8 @@ def peer_view(r: ServerRecord, info: InfoReply | None, polled: bool) -> PeerView
         active=_count(info.active) if info is not None else 0,
         served=_count(sum(info.stats.values()) if info is not None else r.requests_served),
         reachable=(info is not None) if polled else None,
+        reached=r.reached,
+        relays_for_others=r.relays_for_others,
     )
 
 

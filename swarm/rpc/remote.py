@@ -16,7 +16,6 @@ from collections import Counter
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
 
 from swarm import wire
 from swarm.codecs import ACTIVATIONS, Codec, choose_codec
@@ -45,6 +44,7 @@ from swarm.protocol import (
     StepNotice,
     parse_reply,
 )
+from swarm.relay import dial_addr
 from swarm.rpc.direct import DirectDialError, TcpChannel
 from swarm.rpc.links import Links
 from swarm.rpc.secure import client_context
@@ -151,7 +151,7 @@ class Remote:
         peer = PeerID.from_base58(hop.peer_id)
         if hop.peer_id not in self._dialled and hop.maddrs:
             try:
-                await self.p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in hop.maddrs])
+                await self.p2p._client.connect(peer, [dial_addr(m) for m in hop.maddrs])
             except Exception as e:
                 raise unavailable(hop.peer_id, "cannot be reached", e) from None
             self._dialled.add(hop.peer_id)

@@ -44,7 +44,17 @@ def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any
         spawner=SPAWNERS[0] if SPAWNERS else None,
     )
     with swarm:
-        yield swarm
+        try:
+            yield swarm
+        except Exception:
+            print_log_tails(swarm)  # the peers' side of a failure, in pytest's report (their logs go with the swarm)
+            raise
+
+
+def print_log_tails(swarm: LocalSwarm, lines: int = 40) -> None:
+    for path in sorted(swarm.log_dir.glob("peer-*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"---- {path.name} (last {len(tail)} lines)", *tail, sep="\n")
 
 
 def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:

@@ -40,8 +40,8 @@ def peft_reference(folder, adapter_folder):
 
 
 def batch(seed: int = 5, size: int = 3, seq: int = 12):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, 320, (size, seq))
+    # a generator of its own: clients in threads draw their batches at once, and the global one is shared
+    ids = torch.randint(0, 320, (size, seq), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding in one row
     labels = ids.masked_fill(mask == 0, -100)

@@ -12,6 +12,8 @@ from swarm.dht import start_dht
 from swarm.relay import RelayPolicy
 from tests.integration.swarms import descendants
 
+RELAY = "/ip4/127.0.0.1/tcp/9/p2p/QmQJ8QnNsJdRrw9YQ8NikgevHeXB1yCpvg7oKenzAHp8ic"  # named, never dialled here
+
 
 def _p2pd_args(store) -> list[str]:
     pids = [p for p in descendants(store.dht.pid) if Path(f"/proc/{p}/exe").resolve().name == "p2pd"]
@@ -37,7 +39,12 @@ def _p2pd_args(store) -> list[str]:
             [],
         ),
         (RelayPolicy(reachability="public"), ["-forceReachabilityPublic=1", "-autoRelay=0"], []),
-        (RelayPolicy(reachability="private"), ["-forceReachabilityPrivate=1", "-autoRelay=1"], []),
+        (RelayPolicy(reachability="private"), ["-forceReachabilityPrivate=1", "-autoRelay=1"], ["-trustedRelays"]),
+        (
+            RelayPolicy(reachability="private", relays=(RELAY,)),
+            ["-forceReachabilityPrivate=1", "-autoRelay=1", f"-trustedRelays={RELAY}"],
+            [],
+        ),
     ],
 )
 def test_the_daemon_relays_only_within_the_bounds_it_was_given(policy, present, absent):
@@ -57,3 +64,17 @@ def test_bounds_are_checked():
         RelayPolicy(offer=True, max_circuits=0)
     with pytest.raises(ValueError, match="reachability is one of"):
         RelayPolicy(reachability="sometimes")  # type: ignore[arg-type]
+
+
+def test_a_private_peer_no_stranger_reaches_is_told_what_to_do():
+    """``peers.reach``: a real probe daemon dials the relayed address (a relay nobody runs) until the deadline, and
+    the volunteer gets the error that says what to change, not an announced address nobody can use."""
+    import asyncio
+
+    from peers.reach import reachable
+    from swarm.errors import BadInputError
+
+    me = "QmbTghmKayfByLZqY4eUqwERKtLM1tR5fJPj96J8GVTdhy"
+    circuit = f"{RELAY}/p2p-circuit/p2p/{me}"
+    with pytest.raises(BadInputError, match="not reachable through its relays .*--relay-via"):
+        asyncio.run(reachable(me, (circuit,), timeout=1.0, period=0.5))

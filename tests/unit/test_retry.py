@@ -185,3 +185,21 @@ def test_a_servers_session_length_claim_is_confirmed_too():
     servers = Servers(view, {"liar": refusal("liar", "session_length"), "honest": None})
     assert retrier.run(servers, confirm=True) == "ok from honest"
     assert view.banned == {"liar"} and isinstance(refusal("x", "session_length"), SessionLengthError)
+
+
+@pytest.mark.parametrize("timing", [Timing(), Timing.for_tests()], ids=["default", "tests"])
+def test_budget_outlasts_one_hung_attempt(timing):
+    """A hop that hangs costs an attempt its open and request timeouts; the budget must leave a failover after it
+    (under the test timings too, or a hung replacement in a failure drill ends the user's call)."""
+    now = [0.0]
+    retrier = Retrier(FakeView(), timing, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    calls = []
+
+    def attempt():
+        calls.append(now[0])
+        if len(calls) == 1:
+            now[0] += timing.open_timeout + timing.request_timeout  # hung until both timeouts ran out
+            raise failing("hung")
+        return "ok"
+
+    assert retrier.run(attempt) == "ok" and len(calls) == 2

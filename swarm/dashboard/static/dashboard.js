@@ -95,7 +95,8 @@ function renderPeers(s, snap) {
     const load = p.reachable === null ? "-" : p.active + " active, " + p.open_sessions + " sessions";
     tr.append(
       id, stateTd, el("td", "mono", p.start + ":" + p.end), el("td", "", p.device), el("td", "", p.dtype),
-      el("td", "", p.runtime), el("td", "num", num(p.forward_tps)), el("td", "num", num(p.inference_sps)),
+      el("td", "", p.runtime), el("td", "", p.reached + (p.relays_for_others ? " +relay" : "")),
+      el("td", "num", num(p.forward_tps)), el("td", "num", num(p.inference_sps)),
       el("td", "num", load), el("td", "num", p.cache_free + " / " + p.cache_total), el("td", "num", p.served),
     );
     return tr;
