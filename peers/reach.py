@@ -3,18 +3,24 @@
 p2pd reports no relayed address and no reservation (``swarm.relay``), so a private peer cannot read from its daemon
 whether others get through. It asks as a stranger would: a throwaway p2p daemon of its own, listening nowhere, dials
 each relayed address and opens a stream to this peer's inference handler (what a client opens first), until one
-gets through or ``timeout`` passes. Only the addresses that worked are announced; none working is an error the
-volunteer can act on (a relay that offers no relaying, or none reachable)."""
+gets through or ``timeout`` passes. The probe runs in a child process that dies with this one, and its daemon
+with it (``swarm.dht.die_with_parent``): a peer killed mid-check leaves no daemon behind. Only the addresses that
+worked are announced; none working is an error the volunteer can act on (a relay that offers no relaying, or none
+reachable)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import os
 import time
+from multiprocessing.connection import Connection
 
 from hivemind.p2p import P2P, PeerID
 
+from swarm.dht import die_with_parent
 from swarm.errors import BadInputError
 from swarm.protocol import RPC_INFERENCE
 from swarm.relay import dial_addr
@@ -25,6 +31,37 @@ TRY_S = 5.0  # one dial and stream through a relay (a few round trips over the i
 
 async def reachable(peer_id: str, maddrs: tuple[str, ...], timeout: float, period: float = 1.0) -> list[str]:
     """The addresses of ``maddrs`` through which a stranger opens a stream to ``peer_id``, once any does."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this process's loop or threads
+    mine, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(os.getpid(), theirs, peer_id, maddrs, timeout, period), daemon=True)
+    child.start()
+    theirs.close()
+    try:
+        got = await asyncio.to_thread(lambda: mine.recv() if mine.poll(timeout + 30.0) else ("error", "no answer"))
+    except EOFError:
+        got = ("error", "the probe process died")
+    finally:
+        mine.close()
+        if child.is_alive():
+            child.kill()  # by the PID this process started
+        child.join(5)
+    kind, value = got
+    if kind == "error":
+        raise BadInputError(str(value))
+    return list(value)
+
+
+def _child(parent: int, out: Connection, peer_id: str, maddrs: tuple[str, ...], timeout: float, period: float) -> None:
+    die_with_parent(parent)
+    try:
+        out.send(("ok", asyncio.run(_probe(peer_id, maddrs, timeout, period))))
+    except Exception as e:
+        out.send(("error", str(e)))
+    finally:
+        out.close()
+
+
+async def _probe(peer_id: str, maddrs: tuple[str, ...], timeout: float, period: float) -> list[str]:
     probe = await P2P.create(no_listen=True, use_relay=True, auto_nat=False, nat_port_map=False, dht_mode="client")
     peer = PeerID.from_base58(peer_id)
     deadline = time.monotonic() + timeout

@@ -78,3 +78,35 @@ def test_a_private_peer_no_stranger_reaches_is_told_what_to_do():
     circuit = f"{RELAY}/p2p-circuit/p2p/{me}"
     with pytest.raises(BadInputError, match="not reachable through its relays .*--relay-via"):
         asyncio.run(reachable(me, (circuit,), timeout=1.0, period=0.5))
+
+
+def test_a_peer_killed_mid_check_leaves_no_probe_daemon():
+    """The probe's daemon dies with the peer that started it, even when that peer is killed (SIGKILL, by PID)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.integration.swarms import alive, wait_for
+
+    me = "QmbTghmKayfByLZqY4eUqwERKtLM1tR5fJPj96J8GVTdhy"
+    code = (
+        "import asyncio; from peers.reach import reachable; "
+        f"asyncio.run(reachable({me!r}, ({RELAY + '/p2p-circuit/p2p/' + me!r},), timeout=120.0))"
+    )
+    peer = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        daemons: list[int] = []
+
+        def probing() -> bool:
+            daemons[:] = [p for p in descendants(peer.pid) if Path(f"/proc/{p}/exe").resolve().name == "p2pd"]
+            return bool(daemons)
+
+        wait_for(probing, 60, "the probe's daemon to start")
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(10)
+        wait_for(lambda: not any(alive(p) for p in daemons), 20, "the probe's daemon to exit")
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(10)
