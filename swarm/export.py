@@ -85,24 +85,28 @@ def export(
     swarm_key: Path | None = None,
 ) -> Path:
     from swarm.model_files import new_model
+    from swarm.training.init import hf_names
 
     folder = trainer_dir or run.checkpoint_dir / "trainer"
     trainer = checkpoints.load_latest(folder, TrainerCheckpoint)
     if trainer is None:
         raise BadInputError(f"no trainer checkpoint in {folder}")
-    state = dict(trainer.model)
+    config = run.hf_config()
+    theirs = hf_names(config)  # the trainer's tensors by the client's names -> the family's checkpoint names
+    state = {theirs.get(name, name): t for name, t in trainer.model.items()}
     if initial_peers:
         stages = stages_from_swarm(run, initial_peers, timing or Timing(), swarm_key)
     else:
         stages = {str(s): stage_from_checkpoint(run, s) for s in run.stages}
     for _step, params in stages.values():
         state.update(params)
-    config = run.hf_config()
     with torch.device("meta"):
         model = new_model(config)
     missing = sorted(set(model.state_dict()) - set(state))
     if getattr(config, "tie_word_embeddings", False):
-        missing = [k for k in missing if k != "lm_head.weight"]
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        tied = {f"{n}.weight" for n, m in model.named_modules() if m is head}
+        missing = [k for k in missing if k not in tied]
     if missing:
         raise BadInputError(f"the run's checkpoints lack {missing[:4]}")
     model.load_state_dict(state, strict=False, assign=True)

@@ -1,12 +1,15 @@
 """What runs next on a server's compute thread: inference steps of different sessions batched into one forward,
 fair shares per caller, a bounded wait for every step, and inference ahead of other work.
 
-``pick`` is pure (a clock value and the waiting steps in, the next batch out). Steps that have waited ``max_wait``
-or longer go first, oldest first: that bounds every admitted step's wait while the server keeps up. Then fair
-shares: the step that leads the batch is the oldest of the caller that has had the fewest tokens computed (start-time
-fair queueing by authenticated peer id, so a client with 30 sessions gets the same share of a saturated server as a
-client with one that asks as much), and the batch is filled, in the same order, with steps that can share its
-forward (the same blocks and tokens per row). ``StepScheduler`` is its loop: it runs each batch through the
+``pick`` is pure (the waiting steps and the callers' shares in, the next batch out). The step that leads the batch is
+the oldest of the caller that has had the fewest tokens computed (start-time fair queueing by authenticated peer id,
+so a client with 30 sessions gets the same share of a saturated server as a client with one that asks as much), and
+the batch is filled, in the same order, with steps that can share its forward (the same blocks and tokens per row).
+That is also the starvation bound: a waiting caller's virtual time stays while the others' grows, so it leads within
+a few forwards, and its oldest step (a prompt chunk, a step too long to share a batch) leads for it. Steps that had
+waited ``max_wait`` used to go first, oldest first across callers; on a saturated server every step has, which made
+it first come first served: a real-process drill (``scripts/bench_fairness.py``) gave the caller with one session
+11% of the rows instead of half. ``StepScheduler`` is its loop: it runs each batch through the
 runtime's ``run_batch`` on the compute thread, while the RPC loop keeps reading the steps that will make up the next
 batch (continuous batching: a session joins or leaves between two forwards and never waits for another to finish).
 
@@ -77,37 +80,29 @@ class Shares:
 def pick(
     waiting: Sequence[Waiting],
     shares: Shares,
-    now: float,
     max_rows: int,
     max_tokens: int,
-    max_wait: float,
     max_room: int | None = None,
 ) -> list[Waiting]:
     """The steps to run next, as one batch (see the module's doc); ``shares`` is charged for them. A batch holds at
     most ``max_rows`` rows, ``max_tokens`` new tokens and ``max_room`` positions of past in one layer's room (rows x
     the longest past, plus the new tokens: what a batched layer gathers, ``peers.blocks.batched``)."""
     shares.order({w.caller for w in waiting})
-    overdue = sorted((w for w in waiting if now - w.since >= max_wait), key=lambda w: w.since)
-    rest = [w for w in waiting if now - w.since < max_wait]
 
     def fairest(steps: list[Waiting]) -> Waiting:
         return min(steps, key=lambda w: (shares.vtime.get(w.caller, shares.floor), w.since))
 
-    first = overdue[0] if overdue else fairest(rest)
+    first = fairest(list(waiting))
     batch: list[Waiting] = [first]
     rows, tokens, top = first.row.rows, first.tokens, first.row.past
     n = int(first.row.hidden.shape[1])
     shares.charge(first.caller, first.tokens)
     if first.key is None:
         return batch
-    overdue = [w for w in overdue if w is not first and w.key == first.key]
-    rest = [w for w in rest if w is not first and w.key == first.key]
-    while overdue or rest:
-        if overdue:
-            nxt = overdue.pop(0)
-        else:
-            nxt = fairest(rest)
-            rest.remove(nxt)
+    rest = [w for w in waiting if w is not first and w.key == first.key]
+    while rest:
+        nxt = fairest(rest)
+        rest.remove(nxt)
         room = (rows + nxt.row.rows) * (max(top, nxt.row.past) + n)
         if rows + nxt.row.rows > max_rows or tokens + nxt.tokens > max_tokens or room > (max_room or room):
             continue  # a smaller one may still fit
@@ -312,9 +307,7 @@ class StepScheduler:
                         self._busy = True  # until ``other`` releases it
                         gate.set_result(None)
                     continue
-                batch = pick(
-                    self.waiting, self.shares, now, self.max_rows, self.max_tokens, self.max_wait, self.max_room
-                )
+                batch = pick(self.waiting, self.shares, self.max_rows, self.max_tokens, self.max_room)
                 self.waiting = [w for w in self.waiting if w not in batch]
                 self._busy = self._batching = True
                 try:

@@ -33,11 +33,15 @@ STATE_PARTS = ("param.", "exp_avg.", "exp_avg_sq.")  # a state's tensors: weight
 
 
 class SpanTrainer:
-    def __init__(self, run: RunConfig, layers: torch.nn.ModuleList, span: Span, checkpoint_dir: Path) -> None:
+    def __init__(
+        self, run: RunConfig, layers: torch.nn.ModuleList, span: Span, checkpoint_dir: Path, path: str = "model.layers"
+    ) -> None:
+        """``path``: where the family's causal LM keeps its blocks (``transformer.h``): the state's tensor names are
+        those of a Hugging Face checkpoint of the run."""
         self.run, self.layers, self.span, self.checkpoint_dir = run, layers, span, checkpoint_dir
         layers.requires_grad_(True)
         self.names = [
-            f"model.layers.{span.start + i}.{n}" for i, layer in enumerate(layers) for n, _ in layer.named_parameters()
+            f"{path}.{span.start + i}.{n}" for i, layer in enumerate(layers) for n, _ in layer.named_parameters()
         ]
         self.params: list[torch.nn.Parameter] = list(layers.parameters())
         self.opt = make_optimizer(self.params, run)

@@ -30,7 +30,7 @@ from swarm.ids import Span
 from swarm.protocol import StateReply, StateRequest, StepNotice
 from swarm.records import RoundRecord, ServerRecord, TrainerProgress, fresh, stage_servers
 from swarm.training.checkpoints import state_digest
-from swarm.training.init import init_module, stage_state_bytes
+from swarm.training.init import block_prefix, init_module, layers_path, stage_state_bytes
 from swarm.training.run import RunConfig, load_run
 from swarm.training.state import stage_sources, stage_state
 
@@ -100,9 +100,9 @@ class TrainableStage:
             with torch.device(self.device):
                 layers = torch.nn.ModuleList(m.family.build_layer(i) for i in span)
             for i, layer in enumerate(layers):
-                init_module(layer, f"model.layers.{span.start + i}.", m.config, run.seed)
+                init_module(layer, block_prefix(m.config, span.start + i), m.config, run.seed)
         folder = self.checkpoint_dir or run.checkpoint_dir / f"stage-{span.start}-{span.end}"
-        return SpanTrainer(run, layers, span, folder)
+        return SpanTrainer(run, layers, span, folder, layers_path(m.config))
 
     async def load(self, span: Span) -> tuple[SpanBackend, Learner | None]:
         """Build the stage, then take the freshest state that can be believed: the live replicas' (see

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,11 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         self._conn: SwarmConnection | None = None
         self._blocks: RemoteChain | None = None
         self._runner: PlanRunner | None = None
-        self._session: InferenceSession | None = None
+        # Each thread's open inference session: threads of one process generate at once, each in its own session
+        # (their steps batch on the servers and their heads coalesce here), never in another thread's.
+        self._open = threading.local()
+        self._all_open: set[InferenceSession] = set()  # every thread's, so that ``close`` ends them all
+        self._all_lock = threading.Lock()
         self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
 
     # ---- loading ------------------------------------------------------------------------------------------------
@@ -119,7 +124,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         config = load_config(folder)
         require_exact(config)  # the family's local parts and spans reproduce Hugging Face, or this is refused
         model = cls(config)
-        names = model._disk_names(weight_map(folder))  # never the blocks' tensors
+        names = local.client_names(model.family, weight_map(folder))  # never the blocks' tensors
         state = {names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()}
         model._load_local(state)
         model.name_or_path = card.name
@@ -175,19 +180,6 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         model._connect(cfg, model_id, frozenset({fingerprint}) if fingerprint else None)
         return model
 
-    def _disk_names(self, disk: dict[str, str]) -> dict[str, str]:
-        """On-disk name -> this model's name, for the local tensors (the family's renames: NeoX's ``embed_out``,
-        prefix-less GPT-2 and BLOOM files; the base model is ``model.`` here whatever the family calls it)."""
-        prefix = self.family.base_prefix + "."
-        lm = local.local_model(self.family, device="meta")
-        beside = ((f"{n}.", f"beside.{n}.") for n in local.beside_of(local.base_of(self.family, lm)))
-        renames = ((prefix, "model."), (local.head_name(lm) + ".", "lm_head."), *beside)  # whatever the family says
-        out = {}
-        for k, v in local.disk_to_local(self.family, disk, lm).items():
-            old, new = next(((o, n) for o, n in renames if v.startswith(o)), ("", ""))
-            out[k] = new + v[len(old) :]
-        return out
-
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
@@ -241,9 +233,17 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     def prompt_tokens(self) -> int:
         return self.adapters.spec.prompt_tokens if self.adapters is not None else 0
 
+    @property
+    def _session(self) -> InferenceSession | None:
+        """The calling thread's open inference session (``inference_session``, or the one ``generate`` opened)."""
+        session: InferenceSession | None = getattr(self._open, "session", None)
+        return session
+
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
+        with self._all_lock:
+            sessions = list(self._all_open)
+        for session in sessions:
+            session.close()
         if self._conn is not None:
             delivery = self.blocks.delivery
             if delivery is not None:  # servers would drop it after Timing.adapter_ttl anyway
@@ -312,9 +312,10 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     # ---- inference sessions -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session."""
+        """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session.
+        One session a thread: other threads open their own at the same time."""
         if self._session is not None:
-            raise BadInputError("an inference session is already open on this model")
+            raise BadInputError("an inference session is already open on this model in this thread")
         session = InferenceSession(
             self.connection,
             self.blocks.delivery,
@@ -324,11 +325,15 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
             self.runner.plans,
             prefix=self.prompt_tokens,
         )
-        self._session = session
+        self._open.session = session
+        with self._all_lock:
+            self._all_open.add(session)
         try:
             yield session
         finally:
-            self._session = None
+            self._open.session = None
+            with self._all_lock:
+                self._all_open.discard(session)
             session.close()
 
     # Any: generate's arguments and result are transformers' own, passed through unchanged (untyped there)

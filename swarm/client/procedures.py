@@ -30,7 +30,6 @@ class Procedures:
     config: PretrainedConfig
     family: Family
     adapters: ClientAdapters | None
-    _session: InferenceSession | None
     _pretraining: tuple[int, int] | None
     model: Any  # transformers' modules: their attributes are untyped
     lm_head: Any
@@ -39,6 +38,9 @@ class Procedures:
 
         @property
         def runner(self) -> PlanRunner: ...
+
+        @property
+        def _session(self) -> InferenceSession | None: ...
 
         @property
         def blocks(self) -> RemoteChain: ...

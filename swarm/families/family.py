@@ -5,7 +5,10 @@ transformers builds for it). Kept apart from ``spec.py`` so the modules that wor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +68,21 @@ class FamilySpec:
         if self.embedding_multiplier is not None:
             return f"an embedding multiplier ({self.embedding_multiplier!r})"
         return f"embedding norm ({self.embed_norm!r})" if self.embed_norm is not None else None
+
+
+# accelerate's ``init_empty_weights`` swaps ``torch.nn.Module.register_parameter`` for the whole process and puts back
+# what it found on exit: two threads inside at once (a client's concurrent generations building their first stages)
+# can leave the swap in place for good, and every module built afterwards has its weights on meta. One at a time.
+_EMPTY_WEIGHTS = threading.Lock()
+
+
+@contextlib.contextmanager
+def weights_on_meta() -> Iterator[None]:
+    """Modules built inside get their weights on meta and their buffers computed on CPU (one thread at a time)."""
+    from accelerate import init_empty_weights  # type: ignore[import-untyped]  # accelerate ships no stubs
+
+    with _EMPTY_WEIGHTS, torch.device("cpu"), init_empty_weights(include_buffers=False):
+        yield
 
 
 def rotary_attr(base: torch.nn.Module) -> str | None:
@@ -155,20 +173,18 @@ class Family:
         if self.spec.inferred:
             layer = getattr(self._built().get_submodule(self.base_prefix), self.layers_attr)[index]
             return dict(layer.named_buffers())
-        from accelerate import init_empty_weights  # type: ignore[import-untyped]  # accelerate ships no stubs
-
-        with torch.device("cpu"), init_empty_weights(include_buffers=False):  # weights on meta, buffers computed
+        with weights_on_meta():
             return dict(self.build_layer(index).named_buffers())
 
     def _built(self) -> PreTrainedModel:
         """The model, weights on meta and buffers on CPU, built once for this family (every layer, every check)."""
         held = self.__dict__.get("_model_on_meta")
         if held is None:
-            from accelerate import init_empty_weights
-
-            with torch.device("cpu"), init_empty_weights(include_buffers=False):
-                held = self.lm_class(self.config)
-            object.__setattr__(self, "_model_on_meta", held)  # a cache on a frozen instance: not a field
+            with weights_on_meta():
+                held = self.__dict__.get("_model_on_meta")  # another thread may have built it meanwhile
+                if held is None:
+                    held = self.lm_class(self.config)
+                    object.__setattr__(self, "_model_on_meta", held)  # a cache on a frozen instance: not a field
         assert isinstance(held, PreTrainedModel)
         return held
 

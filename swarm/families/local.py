@@ -115,6 +115,20 @@ def disk_to_local(family: Family, disk_names: Iterable[str], model: torch.nn.Mod
     return out
 
 
+def client_names(family: Family, disk_names: Iterable[str]) -> dict[str, str]:
+    """On-disk (or Hugging Face module) name -> the swarm client's name, for the local tensors: ``disk_to_local``,
+    then the client's own layout (the base model is ``model.`` and the head ``lm_head.`` whatever the family calls
+    them, the LM's other modules ``beside.``)."""
+    lm = local_model(family, device="meta")
+    beside = ((f"{n}.", f"beside.{n}.") for n in beside_of(base_of(family, lm)))
+    renames = ((family.base_prefix + ".", "model."), (head_name(lm) + ".", "lm_head."), *beside)
+    out = {}
+    for k, v in disk_to_local(family, disk_names, lm).items():
+        old, new = next(((o, n) for o, n in renames if v.startswith(o)), ("", ""))
+        out[k] = new + v[len(old) :]
+    return out
+
+
 def load_local(family: Family, model: PreTrainedModel, state: Mapping[str, torch.Tensor]) -> None:
     """Fill the local parts from ``state`` (module names); the head takes the embeddings when the config ties them."""
     tied = bool(getattr(family.config, "tie_word_embeddings", False))

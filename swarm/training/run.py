@@ -16,10 +16,6 @@ from swarm.config import default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
 
-# Families whose tensors ``swarm.training.init`` names and initialises as Hugging Face does (``model.layers.N``,
-# norms by name, fused experts)
-PRETRAIN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
-
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -104,8 +100,8 @@ class RunConfig:
 
     def hf_config(self) -> PretrainedConfig:
         """The model's Hugging Face config (from the run's fields, or from the card it continues from), with the
-        attention its family runs (``swarm.families``). Pre-training names and initialises tensors the Llama way
-        (``model.layers.N``, norms by name), so other families are refused here, with what they are served as."""
+        attention its family runs (``swarm.families``), once a training step of its twin through the swarm's split
+        equals one process's (``swarm.training.proof``); BadInputError naming what differed otherwise."""
         from transformers import AutoConfig
 
         folder = self.source_folder()
@@ -117,13 +113,13 @@ class RunConfig:
             fields = dict(self.model)
             config = AutoConfig.for_model(str(fields.pop("model_type")), **fields)
         from swarm.families.spec import family_of
+        from swarm.training.proof import require_trainable
 
         family = family_of(config)
-        if family.spec.label not in PRETRAIN_FAMILIES:
-            raise BadInputError(
-                f"run {self.name!r}: pre-training supports the {', '.join(PRETRAIN_FAMILIES)} "
-                f"families; {family.spec.label} is served and fine-tuned, not pre-trained"
-            )
+        try:
+            require_trainable(config)
+        except BadInputError as e:
+            raise BadInputError(f"run {self.name!r} ({family.spec.label}): {e}") from None
         return family.config
 
     def stage_of(self, span: Span) -> Span:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -57,6 +59,28 @@ def test_forward_matches_local(family_swarm):
 def test_greedy_generation_matches_local(family_swarm):
     client, ref, _ = family_swarm
     check_greedy(client, ref, ref.config.vocab_size)
+
+
+def test_threads_generate_at_once_each_in_its_own_session(family_swarm):
+    """Four threads of one process generate at the same time on one model, as a script serving several people would:
+    each in a session of its own (not another thread's), each equal to Hugging Face's greedy answer to its prompt."""
+    client, ref, _ = family_swarm
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, ref.config.vocab_size, (1, 5 + 2 * i), generator=g) for i in range(4)]
+    start = threading.Barrier(len(prompts))
+
+    # no token is padding (a prompt may hold the id a family pads with: OPT's 1)
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    def generate(ids: torch.Tensor) -> torch.Tensor:
+        start.wait()  # all four open their sessions together
+        out: torch.Tensor = client.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+        return out
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        ours = list(pool.map(generate, prompts))
+    for ids, got in zip(prompts, ours, strict=True):
+        assert torch.equal(got, ref.generate(ids, attention_mask=torch.ones_like(ids), **gen))
 
 
 def test_session_prefill_and_steps_match_local(family_swarm):

@@ -105,6 +105,36 @@ def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path
             assert (exported[key] - value).abs().max().item() < 1e-5, (name, key)
 
 
+def test_a_family_other_than_llama_is_proven_trained_equal_to_one_process_and_exported(tmp_path, corpus_ids):
+    """GPT-2 (no row of any list: its proof passes once dropout is off) through three real stages: its blocks are
+    drawn and named ``transformer.h.N`` by each stage, its embeddings ``transformer.wte`` by the trainer; the losses
+    equal one process's and the export is that process's model."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm.export import export
+
+    off = {"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "summary_first_dropout": 0.0}
+    run_file = write_run(
+        tmp_path, model={"model_type": "gpt2", **off}, checkpoint={"every_steps": 4}, averaging={"every_steps": 0}
+    )
+    run = load_run(run_file)
+    assert run.hf_config().model_type == "gpt2"
+    data = Samples(corpus_ids, run.seq_len, run.seed)
+    local = LocalTraining(run, data)
+    expected = [local.train_step() for _ in range(4)]
+    spans = [str(s) for s in run.stages]
+    with running_swarm("tiny-llama", spans, "--train", str(run_file)) as swarm:
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
+            ours = [trainer.train_step() for _ in range(4)]
+            export(run, tmp_path / "gpt2", tuple(swarm.initial_peers))
+    assert close_all(ours, expected), (ours, expected)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.float32).state_dict()
+    reference = local.model.state_dict()
+    assert set(exported) == set(reference)
+    for key, value in reference.items():
+        assert (exported[key] - value).abs().max().item() < 1e-5, key
+
+
 def replicas_agree(trainer: Trainer, swarm, run, step: int) -> bool:
     view = trainer.model.connection.store.view(run.model_id, run.stages[-1].end)
     for stage in run.stages:

@@ -19,7 +19,12 @@ from swarm.families.spec import family_of
 from swarm.ids import Span
 from tests.unit.test_family_layer import FAMILIES, _one_thread, tiny_config  # noqa: F401  # (an autouse fixture)
 
-EXACT = 1e-5
+EXACT = 1e-5  # relative to the outputs' scale where it exceeds 1: GPT-2's hidden states reach ~10, where float32's
+# rounding alone (a batched matmul blocks its sums otherwise) is ~1e-6 of it; measured 1.1e-5 absolute on an AMD EPYC
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a - b).abs().max().item() < EXACT * max(1.0, b.abs().max().item())
 
 
 def _backend(name: str) -> SpanBackend:
@@ -76,13 +81,13 @@ def test_a_batch_of_sessions_equals_each_alone(name):
                 mm = m[:, : p + 1] if m is not None else None
                 want = backend.run(h, span, attention_mask=mm, cache=c, past=p, adapter=a)
                 assert got.shape == want.shape
-                assert (got - want).abs().max().item() < EXACT
+                assert _close(got, want)
             positions = [p + 1 for p in positions]
     for batched_cache, own in zip(caches, alone, strict=True):
         for a, b in zip(batched_cache.layers, own.layers, strict=True):
             if b.is_initialized:
                 assert a.keys.shape == b.keys.shape
-                assert (a.keys - b.keys).abs().max().item() < EXACT
+                assert _close(a.keys, b.keys)
 
 
 def test_lora_rows_differ_from_plain_rows_in_one_batch():

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.errors import BadInputError
-from swarm.families import weights
+from swarm.families import local, weights
 from swarm.families.selfcheck import TOLERANCE
 from swarm.families.spec import family_of
 from tests.unit.test_family_layer import FAMILIES, _one_thread, tiny_config  # noqa: F401  # (an autouse fixture)
@@ -37,7 +37,7 @@ def loaded_client(folder: Path) -> DistributedModelForCausalLM:
     from swarm.model_files import load_config, read_tensors, weight_map
 
     client = DistributedModelForCausalLM(load_config(folder))
-    names = client._disk_names(weight_map(folder))
+    names = local.client_names(client.family, weight_map(folder))
     client._load_local({names[k]: v for k, v in read_tensors(folder, list(names)).items()})
     return client
 
@@ -160,7 +160,7 @@ def test_original_gpt2_files_without_the_base_prefix_load(tmp_path):
     want = ref.transformer.h[1].state_dict()
     assert all(torch.equal(layer.state_dict()[k], want[k]) for k in want)
     client = DistributedModelForCausalLM(load_config(tmp_path))
-    names = client._disk_names(weight_map(tmp_path))
+    names = local.client_names(client.family, weight_map(tmp_path))
     assert sorted(names.values()) == ["model.ln_f.bias", "model.ln_f.weight", "model.wpe.weight", "model.wte.weight"]
     client._load_local({names[k]: v for k, v in read_tensors(tmp_path, list(names)).items()})
     assert torch.equal(client.lm_head.weight, ref.lm_head.weight)  # tied

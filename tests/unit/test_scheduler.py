@@ -24,22 +24,24 @@ def _waiting(caller: str, since: float, rows: int = 1, n: int = 1, key: object =
 
 def test_the_first_step_sets_what_joins_it():
     steps = [_waiting("a", 2.0), _waiting("b", 1.0, n=7, key="prefill"), _waiting("c", 3.0)]
-    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0)
+    batch = pick(steps, Shares(), max_rows=8, max_tokens=64)
     assert batch == [steps[1]]  # equal shares: the oldest leads; a prefill chunk runs alone (nothing shares its key)
     steps.remove(steps[1])
-    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0)
+    batch = pick(steps, Shares(), max_rows=8, max_tokens=64)
     assert batch == [steps[0], steps[1]]
 
 
 def test_a_caller_with_thirty_sessions_and_one_with_one_share_a_saturated_server():
-    """Rows of four per forward, caller ``many`` always has 30 steps waiting and ``few`` one of eight rows (its
-    session's batch): over many rounds each gets within 20% of half the rows."""
+    """Rows of four per forward, caller ``many`` always has 30 steps waiting and ``few`` one of four rows (its
+    session's batch), which comes back fresh after each of its forwards while ``many``'s have waited long: over many
+    rounds each gets within 20% of half the rows. (Steps that had waited long went first, oldest first, before: on a
+    saturated server that is first come first served, and ``few`` got 4 rows in 34.)"""
     shares, served = Shares(), Counter[str]()
     clock = 0.0
     waiting = [_waiting("many", clock) for _ in range(30)] + [_waiting("few", clock, rows=4)]
     for _ in range(400):
         clock += 1.0
-        batch = pick(waiting, shares, clock, max_rows=4, max_tokens=64, max_wait=1e9)
+        batch = pick(waiting, shares, max_rows=4, max_tokens=64)
         for w in batch:
             served[w.caller] += w.row.rows
             waiting.remove(w)
@@ -49,31 +51,34 @@ def test_a_caller_with_thirty_sessions_and_one_with_one_share_a_saturated_server
         assert abs(served[caller] / total - 0.5) <= 0.1, served
 
 
-def test_an_overdue_step_goes_before_fair_shares():
+def test_the_least_served_caller_leads_and_its_oldest_step_first():
+    """However long a greedy caller's steps have waited, the least served caller leads the batch (with its oldest
+    step, whatever its kind: a prompt chunk shares no batch, and still runs); the greedy caller's oldest fill the rest,
+    and it leads as soon as it is the least served."""
     shares = Shares()
     shares.vtime.update({"greedy": 1000.0, "fresh": 0.0})
     shares.waiting = frozenset({"greedy", "fresh"})
-    old = _waiting("greedy", 0.0)
-    late = _waiting("greedy", 1.0)
-    fresh = [_waiting("fresh", 5.0) for _ in range(3)]
-    batch = pick([*fresh, late, old], shares, now=10.0, max_rows=2, max_tokens=64, max_wait=5.0)
-    assert batch == [old, late]  # both waited over 5 s: before fresh, although greedy had far more, oldest first
-    batch = pick([*fresh, late], shares, now=5.5, max_rows=2, max_tokens=64, max_wait=5.0)
-    assert batch == fresh[:2]  # nothing overdue: the least served caller first
+    old, late = _waiting("greedy", 0.0), _waiting("greedy", 1.0)
+    chunk = _waiting("fresh", 5.0, n=7, key="prefill")
+    fresh = [_waiting("fresh", 6.0) for _ in range(3)]
+    assert pick([*fresh, chunk, late, old], shares, max_rows=2, max_tokens=64) == [chunk]
+    assert pick([*fresh, late, old], shares, max_rows=4, max_tokens=64) == [*fresh, old]  # then greedy's oldest
+    shares.vtime["fresh"] = 2000.0
+    assert pick([*fresh, late, old], shares, max_rows=2, max_tokens=64) == [old, late]  # greedy is behind now
 
 
 def test_a_batch_room_is_bounded_by_rows_times_the_longest_past():
     steps = [_waiting("a", 0.0, past=10), _waiting("b", 1.0, past=900), _waiting("c", 2.0, past=20)]
-    batch = pick(steps, Shares(), now=3.0, max_rows=8, max_tokens=64, max_wait=10.0, max_room=100)
+    batch = pick(steps, Shares(), max_rows=8, max_tokens=64, max_room=100)
     assert batch == [steps[0], steps[2]]  # 2 x (900 + 1) would not fit; 2 x (20 + 1) does
 
 
 def test_a_caller_that_was_idle_banks_no_credit():
     shares = Shares()
     for _ in range(50):  # only "a" waits for a while
-        pick([_waiting("a", 0.0)], shares, 0.0, 8, 64, 1e9)
+        pick([_waiting("a", 0.0)], shares, 8, 64)
     a_then = shares.vtime["a"]
-    pick([_waiting("a", 1.0), _waiting("b", 1.0)], shares, 1.0, 8, 64, 1e9)
+    pick([_waiting("a", 1.0), _waiting("b", 1.0)], shares, 8, 64)
     assert shares.vtime["b"] >= a_then  # b starts where the least served waiting caller was, not at 0
 
 

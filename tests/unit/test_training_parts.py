@@ -47,9 +47,9 @@ def test_run_config_and_schedule(tmp_path):
     with pytest.raises(BadInputError, match="not one of them"):
         run.stage_of(Span(0, 3))
     assert run.hf_config()._attn_implementation == "sdpa"  # the family's choice (Llama's)
-    gpt2 = tmp_path / "gpt2.toml"  # tensors named and initialised otherwise: refused, not trained wrong
+    gpt2 = tmp_path / "gpt2.toml"  # dropout on by default: no two processes draw its masks alike, so refused
     gpt2.write_text(text.replace('model_type = "llama"', 'model_type = "gpt2"'))
-    with pytest.raises(BadInputError, match="pre-training supports the llama, .*; gpt2 is served and fine-tuned"):
+    with pytest.raises(BadInputError, match=r"run 'tiny-llama-pretrain' \(gpt2\): .*set attn_pdrop, embd_pdrop"):
         load_run(gpt2).hf_config()
 
 
