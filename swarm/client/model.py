@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -20,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarm.client.adapters import AdapterDelivery, ClientAdapters
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context
-from swarm.client.inference_session import InferenceSession
+from swarm.client.generation import Sessions
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
@@ -41,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 # transformers leaves PreTrainedModel.__init_subclass__ unannotated
-class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
+class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
     config_class = PretrainedConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -64,11 +62,7 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
         self._conn: SwarmConnection | None = None
         self._blocks: RemoteChain | None = None
         self._runner: PlanRunner | None = None
-        # Each thread's open inference session: threads of one process generate at once, each in its own session
-        # (their steps batch on the servers and their heads coalesce here), never in another thread's.
-        self._open = threading.local()
-        self._all_open: set[InferenceSession] = set()  # every thread's, so that ``close`` ends them all
-        self._all_lock = threading.Lock()
+        self._init_sessions()
         self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
 
     # ---- loading ------------------------------------------------------------------------------------------------
@@ -233,17 +227,8 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
     def prompt_tokens(self) -> int:
         return self.adapters.spec.prompt_tokens if self.adapters is not None else 0
 
-    @property
-    def _session(self) -> InferenceSession | None:
-        """The calling thread's open inference session (``inference_session``, or the one ``generate`` opened)."""
-        session: InferenceSession | None = getattr(self._open, "session", None)
-        return session
-
     def close(self) -> None:
-        with self._all_lock:
-            sessions = list(self._all_open)
-        for session in sessions:
-            session.close()
+        self._close_sessions()
         if self._conn is not None:
             delivery = self.blocks.delivery
             if delivery is not None:  # servers would drop it after Timing.adapter_ttl anyway
@@ -308,64 +293,6 @@ class DistributedModelForCausalLM(Procedures, PreTrainedModel, GenerationMixin):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-    # ---- inference sessions -------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session.
-        One session a thread: other threads open their own at the same time."""
-        if self._session is not None:
-            raise BadInputError("an inference session is already open on this model in this thread")
-        session = InferenceSession(
-            self.connection,
-            self.blocks.delivery,
-            max_length + self.prompt_tokens,
-            batch_size,
-            self.runner.shape,
-            self.runner.plans,
-            prefix=self.prompt_tokens,
-        )
-        self._open.session = session
-        with self._all_lock:
-            self._all_open.add(session)
-        try:
-            yield session
-        finally:
-            self._open.session = None
-            with self._all_lock:
-                self._all_open.discard(session)
-            session.close()
-
-    # Any: generate's arguments and result are transformers' own, passed through unchanged (untyped there)
-    def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("num_beams", 1) > 1 or getattr(kwargs.get("generation_config"), "num_beams", 1) > 1:
-            raise BadInputError("beam search is not supported through the swarm yet; use greedy or sampling")
-        kwargs["use_cache"] = False  # the cache lives on the servers, in the inference session
-        ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-        if ids is None:
-            raise BadInputError("generate needs input_ids")
-        session = self._session
-        if session is not None:
-            ids, kwargs = session.history.generate_inputs(ids, kwargs)
-            out = super().generate(ids, *args, **kwargs)
-            session.history.conversation = out if isinstance(out, torch.Tensor) else out.sequences
-            return out
-        gen = kwargs.get("generation_config") or self.generation_config
-        max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
-        max_length = ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or gen.max_length)
-        batch = ids.shape[0] * kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1) or 1)
-        with self.inference_session(max_length=max_length, batch_size=batch):
-            return super().generate(ids, *args, **kwargs)
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> dict[str, torch.Tensor | None]:
-        # Whole sequences each step: ``forward`` sends the session only the tokens its servers have not seen.
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(
