@@ -4,11 +4,13 @@ caches of its own (``pytest_configure``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -210,6 +212,16 @@ FAMILY_CONFIGS = {
         perturb=0.02,
     ),
 }
+
+
+def load_script(name: str) -> types.ModuleType:
+    """``scripts/<name>.py`` as a module (the benchmarks import only the standard library at import time)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tiny_model(folder: Path, model_type: str, seed: int = 0, perturb: float = 0.0, **overrides) -> Path:

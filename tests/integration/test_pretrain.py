@@ -55,6 +55,17 @@ def corpus_ids():
     return tokenize(corpus_files(None), "bytes", 256)
 
 
+def assert_exported(folder: Path, local: LocalTraining) -> None:
+    """The checkpoint ``swarm.export`` wrote at ``folder`` holds one process's weights (same names, within 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    reference = local.model.state_dict()
+    assert set(exported) == set(reference)
+    for key, value in reference.items():
+        assert (exported[key] - value).abs().max().item() < 1e-5, (folder.name, key)
+
+
 def close_all(ours: list[float], theirs: list[float], tol: float = 1e-5) -> bool:
     return all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(ours, theirs, strict=True))
 
@@ -72,8 +83,6 @@ def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, t
 
 
 def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path, corpus_ids):
-    from transformers import AutoModelForCausalLM
-
     from swarm.export import export
 
     run_file = write_run(tmp_path, checkpoint={"every_steps": 5}, averaging={"every_steps": 0})
@@ -97,20 +106,14 @@ def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path
             export(run, tmp_path / "from-swarm", tuple(swarm.initial_peers))
     assert close_all(rest, expected[10:]), (rest, expected[10:])
     export(run, tmp_path / "from-checkpoints")  # step 20 is a checkpoint step: the same weights
-    reference = local.model.state_dict()
     for name in ("from-swarm", "from-checkpoints"):
-        exported = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).state_dict()
-        assert set(exported) == set(reference)
-        for key, value in reference.items():
-            assert (exported[key] - value).abs().max().item() < 1e-5, (name, key)
+        assert_exported(tmp_path / name, local)
 
 
 def test_a_family_other_than_llama_is_proven_trained_equal_to_one_process_and_exported(tmp_path, corpus_ids):
     """GPT-2 (no row of any list: its proof passes once dropout is off) through three real stages: its blocks are
     drawn and named ``transformer.h.N`` by each stage, its embeddings ``transformer.wte`` by the trainer; the losses
     equal one process's and the export is that process's model."""
-    from transformers import AutoModelForCausalLM
-
     from swarm.export import export
 
     off = {"attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "summary_first_dropout": 0.0}
@@ -128,11 +131,7 @@ def test_a_family_other_than_llama_is_proven_trained_equal_to_one_process_and_ex
             ours = [trainer.train_step() for _ in range(4)]
             export(run, tmp_path / "gpt2", tuple(swarm.initial_peers))
     assert close_all(ours, expected), (ours, expected)
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.float32).state_dict()
-    reference = local.model.state_dict()
-    assert set(exported) == set(reference)
-    for key, value in reference.items():
-        assert (exported[key] - value).abs().max().item() < 1e-5, key
+    assert_exported(tmp_path / "gpt2", local)
 
 
 def replicas_agree(trainer: Trainer, swarm, run, step: int) -> bool:

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_fairness.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_fairness", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # only the standard library at import: the drill and workers import the rest
-    return module
+    return load_script("bench_fairness")  # only the standard library at import: workers import the rest
 
 
 def test_tokens_and_shares_count_only_the_window(bench):

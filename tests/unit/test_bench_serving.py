@@ -3,24 +3,18 @@ its guard against a server flag argparse would silently take for a longer one.""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # only the standard library at import: workers import the rest
-    return module
+    return load_script("bench_serving")  # only the standard library at import: workers import the rest
 
 
 def test_percentile_matches_numpy(bench):
