@@ -109,7 +109,6 @@ def worker(spec: dict[str, Any]) -> None:
         stop = StoppingCriteriaList([Deadline()])
         steps: list[tuple[float, int]] = []
         errors: list[str] = []
-        generations: list[int] = []
         lock = threading.Lock()
 
         def run(session: int) -> None:
@@ -130,14 +129,13 @@ def worker(spec: dict[str, Any]) -> None:
                     if len(stamps.times) > 1:
                         steps.append((stamps.times[1], prompt_tokens))
                     steps.extend((t, rows) for t in stamps.times[2:])
-                    generations.append(len(stamps.times))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(sessions)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    emit(steps=steps, errors=errors, generations=generations)
+    emit(steps=steps, errors=errors)
 
 
 # -- the drill -----------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ That is also the starvation bound: a waiting caller's virtual time stays while t
 a few forwards, and its oldest step (a prompt chunk, a step too long to share a batch) leads for it. Steps that had
 waited ``max_wait`` used to go first, oldest first across callers; on a saturated server every step has, which made
 it first come first served: a real-process drill (``scripts/bench_fairness.py``) gave the caller with one session
-11% of the rows instead of half. ``StepScheduler`` is its loop: it runs each batch through the
+0.13 of the tokens computed instead of half. ``StepScheduler`` is its loop: it runs each batch through the
 runtime's ``run_batch`` on the compute thread, while the RPC loop keeps reading the steps that will make up the next
 batch (continuous batching: a session joins or leaves between two forwards and never waits for another to finish).
 
@@ -89,10 +89,10 @@ def pick(
     the longest past, plus the new tokens: what a batched layer gathers, ``peers.blocks.batched``)."""
     shares.order({w.caller for w in waiting})
 
-    def fairest(steps: list[Waiting]) -> Waiting:
+    def fairest(steps: Sequence[Waiting]) -> Waiting:
         return min(steps, key=lambda w: (shares.vtime.get(w.caller, shares.floor), w.since))
 
-    first = fairest(list(waiting))
+    first = fairest(waiting)
     batch: list[Waiting] = [first]
     rows, tokens, top = first.row.rows, first.tokens, first.row.past
     n = int(first.row.hidden.shape[1])
