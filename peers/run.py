@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -19,6 +20,8 @@ from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.reach import reachable
+from peers.relay_service import RelayService
+from peers.relay_slots import RelaySlots
 from peers.rpc.direct_server import DirectLimits, DirectServer
 from peers.rpc.directory import ServerDirectory
 from peers.rpc.framing import StreamLimits
@@ -32,6 +35,7 @@ from peers.serving.limits import Quota
 from peers.serving.sessions import Sessions
 from peers.serving.stage import ModelInfo, Stage, StageEnv
 from swarm import wire
+from swarm.circuit import take_hop
 from swarm.dht import RecordStore, start_dht
 from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import block_key
@@ -52,6 +56,12 @@ def _direct_address(cfg: PeerConfig, port: int) -> str | None:
             return None  # nobody could dial a wildcard address; libp2p only
         host = announced[0]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _relayed(peer: Peer, maddrs: list[str]) -> None:
+    """The relays holding a slot changed: the next records say so."""
+    peer.maddrs = maddrs
+    log.info("relayed addresses", extra={"peer": peer.peer_id, "maddrs": maddrs})
 
 
 def _maddrs(net: NetworkConfig, relay: RelayPolicy, store: RecordStore) -> list[str]:
@@ -159,6 +169,9 @@ async def run_peer(
     observers = Observers()
     try:
         p2p = await store.replicate_p2p()
+        if relay.offer:
+            relay_service = RelayService(p2p, relay)
+            await take_hop(p2p, relay_service.handle)
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
         stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
         peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
@@ -182,8 +195,11 @@ async def run_peer(
         quota = Quota("open streams", net.max_caller_connections, net.max_connections, flags)
         await servicer.register(p2p, P2PStreams(servicer.budget, streams, quota))
         if relay.reached == "relayed" and not net.announce_maddrs:  # announce only relayed addresses that work
-            peer.maddrs = await reachable(peer.peer_id, tuple(peer.maddrs), cfg.timing.dht_start_timeout)
+            slots = RelaySlots(p2p, relay.relays)
+            await slots.first(cfg.timing.dht_start_timeout)
+            peer.maddrs = await reachable(peer.peer_id, tuple(slots.maddrs(peer.peer_id)), cfg.timing.dht_start_timeout)
             log.info("reachable through relays", extra={"peer": peer.peer_id, "maddrs": peer.maddrs})
+            tasks.append(asyncio.create_task(slots.run(stop, partial(_relayed, peer), peer.peer_id)))
         if net.direct_port is not None and relay.reached != "relayed":  # nobody outside could dial it
             limits_direct = DirectLimits(
                 net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout

@@ -28,6 +28,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.circuit import take_hop
 from swarm.config import Timing
 from swarm.errors import DhtLostError, NotMemberError, SwarmError
 from swarm.identity import Credentials, Signed, new_identity_file, owner_of, sign_record
@@ -107,6 +108,10 @@ class OwnedDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind ships no type in
             flags = self._p2pd_flags
             P2P._make_process_args = staticmethod(lambda *a, **kw: plain(*a, **{**kw, **flags}))
         super().run()
+
+
+async def _no_daemon_relay(_dht: Any, node: Any) -> None:
+    await take_hop(node.p2p)
 
 
 def dht_time() -> float:
@@ -303,6 +308,9 @@ def start_dht(
     dht = OwnedDHT(p2pd_flags=relay.p2pd_flags(), **kwargs)
     try:
         dht.wait_until_ready(timeout)
+        # the daemon's built-in relay would serve strangers with limits nobody chose: off (a --relay peer answers
+        # the protocol itself, ``peers.relay_service``)
+        dht.run_coroutine(_no_daemon_relay, return_future=True).result(timeout)
     except BaseException as e:
         dht.shutdown()
         if isinstance(e, Exception) and initial_peers:

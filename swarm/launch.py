@@ -76,7 +76,7 @@ class PeerProcess:
     def peer_id(self) -> str:
         if self.maddr is None:
             raise RuntimeError(f"peer {self.span} has not started")
-        return self.maddr.split("/p2p/")[1]
+        return self.maddr.split("/p2p/")[-1]  # a relayed address names its relay first
 
     def _watch_stdout(self) -> None:
         assert self.proc.stdout is not None

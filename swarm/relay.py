@@ -1,18 +1,15 @@
-"""How a peer is reached behind a home router, as its p2p daemon is told: whether it is reachable from the internet
-(asked of other peers by AutoNAT, or forced), whether it looks for relay peers to hold reservations on when it is
-told it is not (auto-relay), and whether it offers relaying to others, within bounds. The p2p daemon in hivemind's
-wheel does the relaying (circuit relay v2); it does not punch holes (no DCUtR in it), so a relayed connection stays
-relayed.
+"""How a peer is reached behind a home router: whether it is reachable from the internet (asked of other peers by
+AutoNAT, or forced), where it holds relay slots when it is not, and whether it relays for others, within bounds.
 
-A peer told it is private reserves a slot on the relays it is given (``relays``: by default the peers it joins
-through), as p2pd's static relays: it holds a reservation within seconds of start (measured: 10-14 s behind an
-emulated port-restricted NAT, docs/links.md), where p2pd's own relay finder waits 3 minutes for 4 candidates. Its
-records then carry its relayed addresses (``relayed_maddrs``: the relay's address, ``/p2p-circuit``, its own id),
-which p2pd never reports, and ``dial_addr`` encodes such an address the way p2pd reads it.
-
-Relaying is off unless asked for: p2pd's defaults would make every peer a relay for anyone (128 reservations, 16
-circuits a peer, 4 GiB each way a circuit, 30 minutes), bytes and connections held for strangers that nothing here
-would count."""
+The p2p daemon in hivemind's wheel carries circuit relay v2 but is no use left to itself here: its relay finder
+holds no slot for 3 minutes with fewer than 4 relays known, static ones included, and its relay service ignores
+the bounds its flags give (go-libp2p's defaults win: 128 KiB and 2 minutes a connection, for anyone; measured,
+docs/links.md). So the relay protocol is the swarm's: a peer told it is private reserves slots itself on the
+relays it is given (``relays``: by default the peers it joins through; ``peers.relay_slots``), and a peer that
+offers relaying answers the protocol itself within these bounds (``peers.relay_service``); every other daemon has
+it taken off (``swarm.circuit.take_hop``). A private peer's records carry its relayed addresses
+(``relayed_maddrs``: the relay's address, ``/p2p-circuit``, its own id), which p2pd never reports, and
+``dial_addr`` encodes such an address the way p2pd reads it."""
 
 from __future__ import annotations
 
@@ -22,6 +19,7 @@ from typing import Literal
 import base58
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarm.circuit import varint
 from swarm.records import Reached
 
 Reachability = Literal["auto", "public", "private"]
@@ -61,10 +59,10 @@ class RelayPolicy:
 
     def hivemind_kwargs(self) -> dict[str, object]:
         """What hivemind's ``P2P.create`` takes of this: reachability and whether to look for relays."""
-        # auto-relay only where the peer is told it is private: p2pd's reserves nothing for its first 3 minutes
-        # with fewer than 4 relays known and reports no relayed address after (docs/links.md), so it buys a peer
-        # that may well be public nothing but connections
-        out: dict[str, object] = {"use_relay": True, "use_auto_relay": self.reachability == "private"}
+        # relaying stays on (dialling and accepting relayed connections need it); p2pd's auto-relay stays off: it
+        # reserves nothing for its first 3 minutes and reports nothing after, where ``peers.relay_slots`` reserves
+        # at once and knows what it holds
+        out: dict[str, object] = {"use_relay": True, "use_auto_relay": False}
         if self.reachability != "auto":
             out["force_reachability"] = self.reachability
         return out
@@ -85,37 +83,15 @@ class RelayPolicy:
         return tuple(f"{relay}{CIRCUIT}/p2p/{peer_id}" for relay in self.relays)
 
     def p2pd_flags(self) -> dict[str, int | str]:
-        """p2pd's own flags hivemind does not pass: the relay service, on with its bounds, or off; a private peer's
-        static relays."""
-        flags: dict[str, int | str] = {}
-        if self.reachability == "private" and self.relays:
-            flags["trustedRelays"] = ",".join(self.relays)
-        if not self.offer:
-            return {**flags, "relayService": 0}
-        return {
-            **flags,
-            "relayService": 1,
-            "relayMaxReservations": self.max_reservations,
-            "relayMaxCircuits": self.max_circuits,
-            "relayDataLimit": self.data_bytes,
-            "relayTimeLimit": f"{self.time_s}s",
-            "relayBufferSize": self.buffer_bytes,
-        }
+        """p2pd's own flags hivemind does not pass: no configured relay service (its bounds would not hold anyway;
+        the relay protocol is answered by the swarm's code or by nobody)."""
+        return {"relayService": 0}
 
 
 def relay_peer(maddr: str) -> str | None:
     """The peer id a full address ends with (``.../p2p/ID``), or None."""
     parts = maddr.rstrip("/").split("/")
     return parts[-1] if len(parts) >= 3 and parts[-2] == "p2p" and parts[-1] else None
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 class _Encoded:
@@ -140,4 +116,4 @@ def dial_addr(maddr: str) -> Multiaddr | _Encoded:
         raise ValueError(f"a relayed address names its relay's peer id before {CIRCUIT}: {maddr!r}")
     digest = base58.b58decode(peer)
     head = Multiaddr(relay.split("/p2p/")[0]).to_bytes()
-    return _Encoded(head + _varint(_P2P_CODE) + _varint(len(digest)) + digest + _varint(_CIRCUIT_CODE))
+    return _Encoded(head + varint(_P2P_CODE) + varint(len(digest)) + digest + varint(_CIRCUIT_CODE))

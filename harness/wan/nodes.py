@@ -24,10 +24,19 @@ from swarm.launch import LocalSwarm, PeerProcess
 
 class WanSwarm(LocalSwarm):
     """``LocalSwarm`` whose peers each run in a WAN node: ``spans`` maps node name -> span (or None: broker's choice);
-    the first one starts the swarm. ``extra_args`` go to every server (``--threads 1`` is always added)."""
+    the first one starts the swarm. ``extra_args`` go to every server (``--threads 1`` is always added), and
+    ``node_args`` to the server of one node (``--relay`` for a public one, ``--reachability private`` behind a NAT)."""
 
-    def __init__(self, wan: Wan, model: str, spans: dict[str, str | None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        wan: Wan,
+        model: str,
+        spans: dict[str, str | None],
+        node_args: dict[str, tuple[str, ...]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, list(spans.values()), **kwargs)
+        self.node_args = dict(node_args or {})
         self.wan = wan
         self.nodes = list(spans)
         self.node_of: dict[int, str] = {}  # pid -> node
@@ -60,6 +69,7 @@ class WanSwarm(LocalSwarm):
             "--host",
             self.wan.address(node),
             *self.extra_args,
+            *self.node_args.get(node, ()),
             *args,
         ]
         if span:

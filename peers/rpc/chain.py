@@ -204,6 +204,7 @@ class Relay:
         self._links: dict[str, _PushLink] = {}
         self._waiting: dict[tuple[str, str, str], list[Pushed]] = {}  # (pusher, client, session) -> early pushes
         self._tasks: set[asyncio.Task[None]] = set()
+        self._local: asyncio.Task[None] | None = None  # the latest push to this server's own next session
         self._waiting_bytes = 0
         self._by_pusher: Counter[str] = Counter()
 
@@ -239,7 +240,8 @@ class Relay:
                 self.sessions.compute.metrics.push_refused += 1
                 raise BadInputError(f"the route's next hop {nxt} announces no record serving block {session.sub.end}")
             session.next_hop = record
-            self._link(record)  # dial now: the first push then finds it open
+            if record.peer_id != self.peer_id:
+                self._link(record)  # dial now: the first push then finds it open
 
     def push(
         self,
@@ -265,7 +267,27 @@ class Relay:
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}
         record = session.next_hop
         assert isinstance(record, ServerRecord)
+        if record.peer_id == self.peer_id:  # a repaired route put two spans of this server in a row: no network
+            self._push_here(self.remote.meta(push), carried)
+            return
         self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller)
+
+    def _push_here(self, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
+        """A push to this server's own next session, placed as a pushed step from elsewhere would be, in order."""
+        previous = self._local
+
+        async def place() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            try:
+                await self._place(self.peer_id, meta, tensors)
+            except (BadInputError, BusyError) as e:
+                self.sessions.compute.metrics.push_refused += 1
+                log.info("push refused: %s", e, extra={"peer": self.peer_id})
+
+        self._local = task = asyncio.create_task(place())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def rpc_push(
         self, frames: AsyncIterator[wire.Frame], context: CallerContext | None

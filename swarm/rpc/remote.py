@@ -153,7 +153,7 @@ class Remote:
             try:
                 await self.p2p._client.connect(peer, [dial_addr(m) for m in hop.maddrs])
             except Exception as e:
-                raise unavailable(hop.peer_id, "cannot be reached", e) from None
+                raise unavailable(hop.peer_id, f"cannot be reached at {', '.join(hop.maddrs)}", e) from None
             self._dialled.add(hop.peer_id)
         return peer
 
@@ -164,6 +164,17 @@ class Remote:
             channel = await self._dial(hop, rpc, limit)
             if channel is not None:
                 return channel
+        dialled = hop.peer_id in self._dialled
+        try:
+            return await P2PChannel.open(self.p2p, await self._peer(hop), stream_rpc(rpc), limit)
+        except SwarmError:
+            raise
+        except Exception:
+            if not dialled or not hop.maddrs:
+                raise
+        # the connection it had is gone (its relay died, a NAT forgot it) and the daemon redials only the
+        # addresses it kept, for a while: dial again where the peer's record says it is now
+        self._dialled.discard(hop.peer_id)
         return await P2PChannel.open(self.p2p, await self._peer(hop), stream_rpc(rpc), limit)
 
     async def _exchange(

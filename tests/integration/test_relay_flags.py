@@ -1,18 +1,32 @@
-"""What a peer's p2p daemon is started with about relaying, read from the running ``p2pd``'s own command line: no
-relay service by default (p2pd's defaults would relay for anyone, unbounded here), the bounds given when a
-volunteer offers one (``--relay``), and the reachability forced when one is given."""
+"""Relaying is the swarm's, within the bounds a volunteer gave, and nobody else's: a real ``swarm.serve --relay``
+process with small bounds, and real p2p daemons in this process as the peers that push against them. A peer that
+offers no relaying answers no reservation (the daemon's built-in relay, which would carry 128 KiB a connection for
+anyone whatever its flags, is taken off); the relay grants at most ``--relay-max-reservations`` slots, at most
+``--relay-max-circuits`` connections to a peer, and closes a connection past ``--relay-mb`` each way, while
+carrying more than the daemon's own 128 KiB; and it goes on serving."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import P2P
 
+from peers.relay_slots import reserve
+from swarm.circuit import CircuitError
 from swarm.dht import start_dht
-from swarm.relay import RelayPolicy
-from tests.integration.swarms import descendants
+from swarm.relay import RelayPolicy, dial_addr
+from tests.integration.swarms import connect, descendants, running_swarm
 
+ECHO = "swarm-test-echo"
+MIB = 1 << 20
 RELAY = "/ip4/127.0.0.1/tcp/9/p2p/QmQJ8QnNsJdRrw9YQ8NikgevHeXB1yCpvg7oKenzAHp8ic"  # named, never dialled here
+
+
+def _full(store) -> str:
+    return f"{store.visible_maddrs()[0]}/p2p/{store.peer_id}"
 
 
 def _p2pd_args(store) -> list[str]:
@@ -23,39 +37,41 @@ def _p2pd_args(store) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "policy, present, absent",
+    "policy, present",
     [
-        (None, ["-relayService=0", "-autoRelay=0"], ["-relayMaxCircuits", "-forceReachability"]),
-        (
-            RelayPolicy(offer=True, max_reservations=3, max_circuits=2, data_bytes=1 << 20, time_s=60),
-            [
-                "-relayService=1",
-                "-relayMaxReservations=3",
-                "-relayMaxCircuits=2",
-                "-relayDataLimit=1048576",
-                "-relayTimeLimit=60s",
-                "-relayBufferSize=65536",
-            ],
-            [],
-        ),
-        (RelayPolicy(reachability="public"), ["-forceReachabilityPublic=1", "-autoRelay=0"], []),
-        (RelayPolicy(reachability="private"), ["-forceReachabilityPrivate=1", "-autoRelay=1"], ["-trustedRelays"]),
-        (
-            RelayPolicy(reachability="private", relays=(RELAY,)),
-            ["-forceReachabilityPrivate=1", "-autoRelay=1", f"-trustedRelays={RELAY}"],
-            [],
-        ),
+        (None, ["-relayService=0", "-autoRelay=0"]),
+        (RelayPolicy(reachability="public"), ["-forceReachabilityPublic=1", "-autoRelay=0"]),
+        (RelayPolicy(reachability="private"), ["-forceReachabilityPrivate=1", "-autoRelay=0", "-relay=1"]),
     ],
 )
-def test_the_daemon_relays_only_within_the_bounds_it_was_given(policy, present, absent):
+def test_the_daemon_is_told_its_reachability_and_keeps_relaying_to_the_swarm(policy, present):
     store = start_dht(relay=policy)
     try:
         args = _p2pd_args(store)
         for flag in present:
             assert flag in args, (flag, args)
-        for flag in absent:
-            assert not any(a.startswith(flag) for a in args), (flag, args)
     finally:
+        store.shutdown()
+
+
+def test_a_peer_that_offers_no_relaying_grants_no_slot():
+    store = start_dht()  # default policy: no --relay
+    other = start_dht(initial_peers=(_full(store),))
+    try:
+
+        async def ask() -> str:
+            p2p = await other.replicate_p2p()
+            try:
+                await reserve(p2p, _full(store), timeout=10)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            return "granted"
+
+        answer = asyncio.run(ask())
+        assert answer != "granted"
+        assert "protocol" in answer.lower() or "not supported" in answer.lower(), answer
+    finally:
+        other.shutdown()
         store.shutdown()
 
 
@@ -64,6 +80,89 @@ def test_bounds_are_checked():
         RelayPolicy(offer=True, max_circuits=0)
     with pytest.raises(ValueError, match="reachability is one of"):
         RelayPolicy(reachability="sometimes")  # type: ignore[arg-type]
+
+
+async def _echo(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+async def _through(stranger: P2P, target: P2P, relay: str, size: int) -> int:
+    """Bytes echoed back of ``size`` sent from ``stranger`` to ``target`` through ``relay``."""
+    await stranger._client.connect(target.peer_id, [dial_addr(f"{relay}/p2p-circuit/p2p/{target.peer_id}")])
+    info, reader, writer = await stranger.call_binary_stream_handler(target.peer_id, ECHO)
+    assert "/p2p-circuit" in str(info.addr), info  # relayed, not a direct connection the daemons made on their own
+
+    async def send() -> None:
+        with contextlib.suppress(Exception):
+            for offset in range(0, size, 65536):
+                writer.write(b"x" * min(65536, size - offset))
+                await writer.drain()
+
+    sender = asyncio.create_task(send())
+    got = 0
+    with contextlib.suppress(Exception):
+        while got < size:
+            chunk = await asyncio.wait_for(reader.read(65536), 15)
+            if not chunk:
+                break
+            got += len(chunk)
+    sender.cancel()
+    writer.close()
+    return got
+
+
+def test_a_relay_carries_what_its_bounds_allow_and_no_more(tiny_models):
+    folder = str(tiny_models["llama"])
+    bounds = ("--relay", "--reachability", "public", "--relay-max-reservations", "2", "--relay-max-circuits", "1")
+    with running_swarm(folder, ["0:4"], *bounds, "--relay-mb", "1") as swarm:
+        relay = swarm.peers[0].maddr
+
+        async def push() -> dict[str, object]:
+            # listening nowhere, as behind a NAT: reached only through the relay (on one machine the daemons would
+            # otherwise find each other's addresses in their own DHT and connect directly)
+            peers = [await P2P.create(initial_peers=[relay], no_listen=True) for _ in range(4)]
+            target, second, third, stranger = peers
+            out: dict[str, object] = {}
+            try:
+                await target.add_binary_stream_handler(ECHO, _echo)
+                out["first"] = (await reserve(target, relay)).expire > 0
+                out["second"] = (await reserve(second, relay)).expire > 0
+                try:
+                    await reserve(third, relay)
+                    out["third"] = "granted"
+                except CircuitError as e:
+                    out["third"] = str(e)
+                out["small"] = await _through(stranger, target, relay, 256 << 10)  # twice p2pd's own 128 KiB limit
+                out["big"] = await _through(stranger, target, relay, 3 * MIB)
+                # one connection to the target at a time: a second stranger's dial while one is open is refused
+                await _through(stranger, target, relay, 1024)
+                try:
+                    await second._client.connect(
+                        target.peer_id, [dial_addr(f"{relay}/p2p-circuit/p2p/{target.peer_id}")]
+                    )
+                    out["second_circuit"] = "connected"
+                except Exception as e:
+                    out["second_circuit"] = str(e)
+            finally:
+                for p in peers:
+                    await p.shutdown()
+            return out
+
+        out = asyncio.run(push())
+        assert out["first"] is True and out["second"] is True
+        assert "RESOURCE_LIMIT_EXCEEDED" in str(out["third"]), out
+        assert out["small"] == 256 << 10, out
+        assert int(out["big"]) <= MIB, out  # closed at --relay-mb, not carried to the end
+        assert "RESOURCE_LIMIT_EXCEEDED" in str(out["second_circuit"]), out
+        client = connect(folder, swarm)  # and the relay goes on serving
+        try:
+            assert len(client.connection.view.servers()) == 1
+        finally:
+            client.close()
 
 
 def test_a_private_peer_no_stranger_reaches_is_told_what_to_do():

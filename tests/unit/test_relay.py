@@ -41,10 +41,11 @@ def test_a_private_peer_reserves_on_its_relays_and_announces_them():
     policy = RelayPolicy(reachability="private", relays=(relay,))
     assert policy.reached == "relayed" and policy.dht_client
     assert policy.relayed_maddrs(ME) == (f"{relay}/p2p-circuit/p2p/{ME}",)
-    assert policy.p2pd_flags()["trustedRelays"] == relay
+    # p2pd's own relay finder and relay service stay out of it (``peers.relay_slots``, ``peers.relay_service``)
+    assert policy.p2pd_flags() == {"relayService": 0} and policy.hivemind_kwargs()["use_auto_relay"] is False
     assert relay_peer(relay) == RELAY_ID
     public = RelayPolicy(reachability="public", relays=(relay,))
-    assert public.reached == "public" and not public.dht_client and "trustedRelays" not in public.p2pd_flags()
+    assert public.reached == "public" and not public.dht_client
     assert RelayPolicy().reached == "unmeasured"
 
 

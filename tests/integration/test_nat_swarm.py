@@ -1,0 +1,154 @@
+"""Volunteers behind home routers, for real: servers behind a full-cone, a port-restricted, a symmetric and a double
+(carrier-grade) NAT in the WAN emulator, two public relays (``--relay``), and a client behind a NAT of its own. The
+NAT'd servers hold relay slots within seconds and join; greedy generation through them, chained server to server,
+equals the local Hugging Face run exactly; a relay killed mid-generation costs no token. Needs root,
+/dev/net/tun and ``ip``; skipped otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from harness.wan import Wan, WanConfig, unavailable_reason
+from harness.wan.config import NatConfig
+from harness.wan.nodes import ClientJob, WanSwarm
+from tests.conftest import local_reference
+from tests.integration.swarms import PATIENT
+
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+DELAY_MS = 5.0
+NEW_TOKENS = 12
+JOB_TIMEOUT = 120.0
+JOIN_S = 60.0  # the issue's bound: every NAT kind joins and serves within a minute of its start
+PUBLIC = ("--relay", "--reachability", "public")
+PRIVATE = ("--reachability", "private")
+# blocks 0:1 on both public relays (so one can die), then one NAT kind per block, and a double NAT the broker places
+BEHIND = {"full": ("full-cone", "1:2"), "port": ("port-restricted", "2:3"), "sym": ("symmetric", "3:4")}
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models):
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def nat_swarm(folder, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("nat-swarm")
+    nats = [NatConfig(name=f"nat-{node}", kind=kind, inside=(node,)) for node, (kind, _) in BEHIND.items()]
+    nats += [
+        NatConfig(name="home", kind="port-restricted", inside=("dbl",)),
+        NatConfig(name="cgn", kind="port-restricted", inside=("home",)),
+        NatConfig(name="nat-c", kind="port-restricted", inside=("c",)),
+        NatConfig(name="nat-liar", kind="port-restricted", inside=("liar",)),
+    ]
+    cfg = WanConfig(nodes=("pub1", "pub2", *BEHIND, "dbl", "c", "liar"), delay_ms=DELAY_MS, nats=tuple(nats))
+    node_args = {"pub1": PUBLIC, "pub2": PUBLIC}
+    with Wan(cfg) as wan:
+        spans = {"pub1": "0:1", "pub2": "0:1"}
+        # the servers keep their default timings: a session idles out after a minute, not 5 s (a client waiting out
+        # a dial to the liar below must not lose its open sessions meanwhile)
+        with WanSwarm(wan, folder, spans, node_args=node_args, log_dir=logs) as swarm:
+            joined: dict[str, float] = {}
+            started = {}
+            for node, (_, span) in BEHIND.items():
+                started[node] = (time.monotonic(), swarm.add_peer(span, *PRIVATE, node=node, wait=False))
+            started["dbl"] = (time.monotonic(), swarm.add_peer(None, *PRIVATE, node="dbl", wait=False))
+            for node, (t0, peer) in started.items():
+                peer.wait_ready(swarm.startup_timeout)
+                joined[node] = time.monotonic() - t0
+            swarm.logs = logs  # type: ignore[attr-defined]
+            swarm.joined = joined  # type: ignore[attr-defined]
+            yield wan, swarm
+
+
+def prompt() -> list[int]:
+    torch.manual_seed(11)
+    return torch.randint(0, 320, (8,)).tolist()
+
+
+def expected(folder: str, n: int) -> list[int]:
+    ref = local_reference(folder)
+    out = ref.generate(torch.tensor([prompt()]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0].tolist()
+
+
+def spec(folder: str, swarm: WanSwarm, **extra) -> dict:
+    return dict(
+        model=folder,
+        initial_peers=[m for m in swarm.initial_peers if "/p2p-circuit" not in m],
+        test_timings=True,
+        timing=PATIENT,
+        tasks=["generate"],
+        modes=[{"name": "chained", "chain": True, "codec": "none"}],
+        prompt=prompt(),
+        max_new_tokens=NEW_TOKENS,
+        **extra,
+    )
+
+
+def test_servers_behind_every_nat_kind_join_through_relays_within_a_minute(nat_swarm):
+    wan, swarm = nat_swarm
+    assert set(swarm.joined) == {*BEHIND, "dbl"}
+    for node, seconds in swarm.joined.items():
+        assert seconds < JOIN_S, (node, seconds)
+    for peer in swarm.peers[2:]:  # the NAT'd ones announce only addresses through the public relays
+        assert "/p2p-circuit/" in peer.maddr, peer.maddr
+        relay = peer.maddr.split("/p2p-circuit")[0]
+        assert relay.split("/")[2] in (wan.address("pub1"), wan.address("pub2")), peer.maddr
+
+
+def test_generation_through_nat_d_servers_equals_hugging_face(nat_swarm, folder):
+    wan, swarm = nat_swarm
+    with ClientJob(wan, "c", spec(folder, swarm), log_path=swarm.logs / "client.log") as job:
+        (result,) = [r for r in job.lines(JOB_TIMEOUT) if r.get("task") == "generate"]
+    assert result["tokens"] == expected(folder, NEW_TOKENS)
+    nat_d = {swarm.peers[i].peer_id for i in range(2, 5)}  # full, port, sym: one block each, no replica
+    assert nat_d <= set(result["route"]), result["route"]
+    assert result["failovers"] == 0
+
+
+def test_a_peer_claiming_a_public_address_it_lacks_is_tried_once(nat_swarm, folder):
+    """A server behind a NAT that says it is public and announces its router's address, where nothing is
+    forwarded: one hop over blocks 1:4 would be the cheapest route, so the client tries it, fails to reach it,
+    bans it and routes around it, and does not try it again."""
+    wan, swarm = nat_swarm
+    claim = f"/ip4/{wan.public_address('liar')}/tcp/4444"
+    liar = swarm.add_peer("1:4", "--reachability", "public", "--announce-maddr", claim, node="liar")
+    try:
+        assert liar.maddr.startswith(claim), liar.maddr
+        two = [{"name": "first", "chain": True, "codec": "none"}, {"name": "again", "chain": True, "codec": "none"}]
+        # a dial that goes nowhere is given up after 10 s, well inside the servers' session idle (60 s), and a ban
+        # outlasts the run
+        job_spec = {**spec(folder, swarm), "modes": two, "timing": {**PATIENT, "open_timeout": 10.0, "ban_base": 300.0}}
+        with ClientJob(wan, "c", job_spec, log_path=swarm.logs / "client-liar.log") as job:
+            results = [r for r in job.lines(JOB_TIMEOUT) if r.get("task") == "generate"]
+        assert [r["tokens"] for r in results] == [expected(folder, NEW_TOKENS)] * 2
+        assert all(liar.peer_id not in r["route"] for r in results)
+        assert [r["failovers"] for r in results] == [1, 1], results
+    finally:
+        swarm.kill(liar, signal.SIGTERM)  # it leaves: its records say so, and no later client dials it
+        liar.proc.wait(60)
+
+
+def test_a_relay_killed_mid_generation_costs_no_token(nat_swarm, folder):
+    wan, swarm = nat_swarm
+    pub1 = swarm.peers[0]
+    with ClientJob(wan, "c", spec(folder, swarm, pause_after=5), log_path=swarm.logs / "client-kill.log") as job:
+        pause = job.next(JOB_TIMEOUT)
+        assert pause is not None and "pause" in pause, pause
+        os.kill(pub1.pid, signal.SIGKILL)  # the first relay and bootstrap, by the PID this test started
+        pub1.proc.wait(30)
+        job.resume()
+        (result,) = [r for r in job.lines(JOB_TIMEOUT) if r.get("task") == "generate"]
+    assert result["tokens"] == expected(folder, NEW_TOKENS)
+    # the servers behind NATs the dead relay carried are reached through the one left standing (those the failure
+    # banned are replaced by another NAT'd server, the broker-placed double NAT, through it too)
+    nat_d = {p.peer_id for p in swarm.peers[2:6]}
+    assert result["route"][0] == swarm.peers[1].peer_id and set(result["route"][1:]) <= nat_d, result["route"]
+    assert result["failovers"] >= 1
