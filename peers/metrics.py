@@ -41,6 +41,10 @@ class PeerSnapshot:
     span_loads: int
     client_sent_bytes: int  # the peer's own calls (as a client of other peers)
     client_received_bytes: int
+    relay_slots: int = 0  # --relay: peers holding a slot here now
+    relay_circuits: int = 0  # ...connections relayed, in all
+    relay_bytes: int = 0  # ...bytes relayed, both ways
+    punched: int = 0  # behind a NAT: direct connections opened by hole punching
 
 
 Snapshot = Callable[[], PeerSnapshot]
@@ -121,6 +125,10 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
             s.not_kept,
         ),
         _counter("swarm_peer_sessions_opened", "inference sessions opened", s.sessions_opened),
+        _gauge("swarm_peer_relay_slots", "peers behind NAT holding a relay slot here (--relay)", s.relay_slots),
+        _counter("swarm_peer_relay_circuits", "connections relayed for peers behind NAT", s.relay_circuits),
+        _counter("swarm_peer_relay_bytes", "bytes relayed for peers behind NAT, both ways", s.relay_bytes),
+        _counter("swarm_peer_punched", "direct connections to this peer opened by hole punching", s.punched),
         _counter("swarm_peer_span_loads", "spans loaded from disk", s.span_loads),
         _counter("swarm_peer_push_failures", "push connections to a next hop that failed", m.push_failures),
         _counter("swarm_peer_push_dropped", "steps not pushed: the next hop's queue was full", m.push_dropped),

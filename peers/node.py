@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from peers.broker.planner import Role
 from peers.config import PeerConfig
 from peers.hardware import Hardware, cached_throughput
 from peers.metrics import PeerSnapshot
+from peers.relay_service import RelayStats
 from peers.serving.compute import ComputeService
 from peers.serving.runtime import SpanRuntime
 from peers.serving.sessions import Sessions
@@ -50,6 +51,9 @@ class Peer:
         self.span_loads = 0  # spans loaded (a standby promoted in place loads nothing)
         self.maddrs: list[str] = []
         self.direct_address: str | None = None
+        self.punch_via: tuple[str, ...] = ()  # behind a NAT: observers a caller punching through to it asks
+        self.relay_stats: RelayStats | None = None  # --relay: what it relayed (``peers.relay_service``)
+        self.punched: Callable[[], int] = lambda: 0  # behind a NAT: connections punched to it so far
         self.reached: Reached = "unmeasured"
         self.network_mbps = cfg.network.network_mbps  # declared, or estimated once at start
         self.lost_dht = False
@@ -143,6 +147,7 @@ class Peer:
             network_mbps=self.network_mbps if self.network_mbps and self.network_mbps > 0 else None,
             reached=self.reached,
             relays_for_others=self.cfg.network.relay,
+            punch_via=self.punch_via,
         )
 
     async def publish(self, state: PeerState | None = None) -> None:
@@ -227,4 +232,8 @@ class Peer:
             span_loads=self.span_loads,
             client_sent_bytes=traffic.get("sent_bytes", 0),
             client_received_bytes=traffic.get("received_bytes", 0),
+            relay_slots=self.relay_stats.reservations if self.relay_stats else 0,
+            relay_circuits=self.relay_stats.circuits_total if self.relay_stats else 0,
+            relay_bytes=self.relay_stats.bytes_relayed if self.relay_stats else 0,
+            punched=self.punched(),
         )

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 import torch
+from hivemind.p2p import P2P
 
 from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
@@ -26,6 +28,7 @@ from peers.rpc.direct_server import DirectLimits, DirectServer
 from peers.rpc.directory import ServerDirectory
 from peers.rpc.framing import StreamLimits
 from peers.rpc.p2p_server import P2PStreams
+from peers.rpc.punch_server import Puncher
 from peers.rpc.servicer import Admit, Servicer
 from peers.serving.checks import Limits
 from peers.serving.compute import ComputeService
@@ -40,8 +43,9 @@ from swarm.dht import RecordStore, start_dht
 from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import block_key
 from swarm.membership import swarm_key_for
-from swarm.records import PeerState, ServerRecord, servers
-from swarm.relay import RelayPolicy
+from swarm.protocol import RPC_PUNCH
+from swarm.records import OBSERVER, PeerState, ServerRecord, servers
+from swarm.relay import RelayPolicy, relay_peer
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,26 @@ def _directory(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDirect
     return ServerDirectory(
         lambda block: store.read(block_key(model.name, block), ServerRecord), model.fingerprint, model.num_blocks, ttl
     )
+
+
+async def _punching(
+    store: RecordStore, p2p: P2P, direct: DirectServer, model: ModelInfo, relay: RelayPolicy, timeout: float
+) -> Puncher | None:
+    """Hole punching for a peer behind NAT, observed through its relays' direct planes (their records say where),
+    or None where none answers (callers then stay on the relayed path)."""
+    relays = {relay_peer(r) for r in relay.relays}
+    records = servers(await asyncio.to_thread(store.view, model.name, model.num_blocks)).values()
+    observers = tuple(
+        f"{r.peer_id}@{r.direct_address}"
+        for r in records
+        if r.peer_id in relays and r.direct_address and re.match(OBSERVER, f"{r.peer_id}@{r.direct_address}")
+    )[:4]
+    puncher = Puncher(direct, store.credentials(), lambda: observers, _admit(store), timeout)
+    if not observers or not await puncher.refresh():
+        log.warning("no hole punching: no relay's direct plane told this peer its address")
+        return None
+    await p2p.add_protobuf_handler(RPC_PUNCH, puncher.rpc_punch, wire.Frame)
+    return puncher
 
 
 def max_blocks(cfg: PeerConfig, model: ModelInfo) -> int:
@@ -163,18 +187,20 @@ async def run_peer(
     sessions = Sessions(compute, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
     tasks: list[asyncio.Task[None]] = []
     direct: DirectServer | None = None
+    puncher: Puncher | None = None
     remote: Remote | None = None
     servicer: Servicer | None = None
     peer: Peer | None = None
     observers = Observers()
     try:
         p2p = await store.replicate_p2p()
-        if relay.offer:
-            relay_service = RelayService(p2p, relay)
+        relay_service = RelayService(p2p, relay) if relay.offer else None
+        if relay_service is not None:
             await take_hop(p2p, relay_service.handle)
         remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
         stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
         peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
+        peer.relay_stats = relay_service.stats if relay_service is not None else None
         peer.maddrs = _maddrs(net, relay, store)
         peer.reached = relay.reached
         servicer = Servicer(
@@ -200,12 +226,20 @@ async def run_peer(
             peer.maddrs = await reachable(peer.peer_id, tuple(slots.maddrs(peer.peer_id)), cfg.timing.dht_start_timeout)
             log.info("reachable through relays", extra={"peer": peer.peer_id, "maddrs": peer.maddrs})
             tasks.append(asyncio.create_task(slots.run(stop, partial(_relayed, peer), peer.peer_id)))
-        if net.direct_port is not None and relay.reached != "relayed":  # nobody outside could dial it
+        if net.direct_port is not None:
             limits_direct = DirectLimits(
                 net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
             )
             direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store), streams)
-            peer.direct_address = _direct_address(cfg, await direct.start(net.host, net.direct_port))
+            port = await direct.start(net.host, net.direct_port)
+            if relay.reached != "relayed":
+                peer.direct_address = _direct_address(cfg, port)
+            else:  # nobody outside can dial it: callers punch through to it, where its NAT allows
+                puncher = await _punching(store, p2p, direct, model, relay, cfg.timing.handshake_timeout)
+                if puncher is not None:
+                    peer.punch_via = puncher.observers()
+                    peer.punched = puncher.count
+                    tasks.append(asyncio.create_task(puncher.run(stop)))
         if peer.network_mbps is None and net.initial_peers:
             await _estimate_link(peer, remote)
         if cfg.placement.blocks is not None:
@@ -234,6 +268,8 @@ async def run_peer(
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
         observers.close()
+        if puncher is not None:
+            puncher.close()
         if direct is not None:
             await direct.close()
         if servicer is not None and servicer.relay is not None:

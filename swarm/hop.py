@@ -20,6 +20,7 @@ class Hop:
     token_seconds: float = 0.0  # announced forward time per token over this hop's blocks
     runtime: str = "torch"  # the server's execution runtime (peers.serving.runtime)
     network_mbps: float | None = None  # the server's announced link (codec choice's prior; None: unknown)
+    punch_via: tuple[str, ...] = ()  # behind a NAT: reached directly by hole punching, with these observers
 
     @classmethod
     def of(
@@ -43,6 +44,7 @@ class Hop:
             token_seconds,
             r.runtime,
             r.network_mbps,
+            tuple(r.punch_via),
         )
 
     @property

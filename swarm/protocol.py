@@ -30,6 +30,8 @@ RPC_COMPUTE_LOOP = "swarm.compute_loop"  # direct TCP only: compute requests bac
 RPC_INFO = "swarm.info"  # unary: the server's live stats
 RPC_BANDWIDTH = "swarm.bandwidth"  # streamed: swallows a payload and says how much arrived (link estimates)
 RPC_PUSH = "swarm.push"  # server to server, one way: inference steps passed along a client's signed route
+RPC_PUNCH = "swarm.punch"  # unary, libp2p (relayed): a caller behind NAT asks a peer behind NAT to open a direct line
+RPC_OBSERVE = "swarm.observe"  # direct TCP only: the server says where the connection came from (its NAT's mapping)
 
 MAX_ID = 128  # longest id a peer may send (session, forward, client token)
 MAX_ROUTE = 256  # hops in one chained route
@@ -222,6 +224,22 @@ class InfoRequest(Request):
     pass
 
 
+ENDPOINT = r"^(\d{1,3}\.){3}\d{1,3}:\d{1,5}$"  # an IPv4 address and port, as NATs map them (swarm.rpc.punch)
+
+
+class PunchRequest(Request):
+    """A caller's TCP endpoint as the internet sees it (``RPC_OBSERVE``): the peer connects to it from its own
+    while the caller connects back, and the two SYNs cross (TCP simultaneous open)."""
+
+    address: str = Field(pattern=ENDPOINT, max_length=21)
+
+
+class ObserveReply(Message):
+    """Where a direct connection came from, as the observing server sees it."""
+
+    address: str = Field(pattern=ENDPOINT, max_length=21)
+
+
 class DirectHello(Message):
     """A direct (TLS) connection's first frame, from the server: its identity key's signature over the fingerprint
     of the certificate it presented (``swarm.rpc.secure``)."""
@@ -277,6 +295,12 @@ class StateReply(Reply):
 
 class BandwidthReply(Reply):
     received: int = Field(ge=0)  # payload bytes that arrived
+
+
+class PunchReply(Reply):
+    """The peer's own endpoint as the internet sees it; it is already connecting to the caller's."""
+
+    address: str = Field(pattern=ENDPOINT, max_length=21)
 
 
 class InfoReply(Reply):

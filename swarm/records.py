@@ -6,14 +6,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 from swarm.ids import Span
 
 # how a peer is reached: told public, through relays (behind NAT), or not known (not yet measured)
 Reached = Literal["public", "relayed", "unmeasured"]
+OBSERVER = r"^[1-9A-HJ-NP-Za-km-z]{32,64}@(\d{1,3}\.){3}\d{1,3}:\d{1,5}$"  # a public peer's direct plane, by id
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,11 @@ class ServerRecord(Record):
     # and whether it offers relaying to peers behind NAT (a claim: relays are dialled, never believed)
     reached: Reached = "unmeasured"
     relays_for_others: bool = False
+    # behind a NAT, it takes direct connections by hole punching (``swarm.rpc.punch``): these public peers'
+    # direct planes ("PEER_ID@host:port") tell a caller its own address as the internet sees it
+    punch_via: tuple[Annotated[str, StringConstraints(pattern=OBSERVER, max_length=96)], ...] = Field(
+        default=(), max_length=4
+    )
 
     @property
     def author(self) -> str:

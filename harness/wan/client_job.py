@@ -294,6 +294,13 @@ def task_forward(spec: dict[str, Any], mode: dict[str, Any]) -> None:
         )
 
 
+def links(client: Any) -> dict[str, list[str]]:
+    """Peer id -> the addresses of this client's libp2p connections to it (a relayed one names its relay)."""
+    conn = client.connection
+    peers = conn.loop.run(conn.remote.p2p.list_peers())
+    return {str(p.peer_id): [str(a) for a in p.addrs] for p in peers}
+
+
 def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
     """Greedy generation of ``prompt``; with ``pause_after``, stop after that many new tokens until told to go on
     (the caller kills a server meanwhile)."""
@@ -302,7 +309,7 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
     with overrides(mode) as applied, connect(spec, mode) as client:
 
         def pause() -> None:
-            emit(pause=spec["pause_after"], route=[h.peer_id for h in client.route])
+            emit(pause=spec["pause_after"], route=[h.peer_id for h in client.route], links=links(client))
             sys.stdin.readline()
 
         stamps = Stamps(spec.get("pause_after"), pause)
@@ -325,6 +332,8 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
             failovers=client.failovers,
             route=[h.peer_id for h in client.route],
             codecs=codecs_since(client, before),
+            punched={k: v for k, v in client.traffic.items() if k.startswith("punch")},
+            bytes=sum(client.traffic.get(k, 0) - before.get(k, 0) for k in ("sent_bytes", "received_bytes")),
         )
 
 

@@ -28,9 +28,11 @@ from swarm.protocol import (
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
+    RPC_OBSERVE,
     RPC_PUSH,
     DirectCall,
     DirectHello,
+    ObserveReply,
     check_version,
 )
 from swarm.rpc.direct import framed, frames_of, read_header, write_frame
@@ -65,6 +67,7 @@ class DirectServer:
             RPC_BANDWIDTH: servicer.rpc_bandwidth,
             RPC_COMPUTE_LOOP: servicer.rpc_compute_loop,
             RPC_PUSH: servicer.rpc_push,
+            RPC_OBSERVE: _observed,  # answered in ``_serve``, which knows the connection's far end
         }
         self.creds, self.limits, self.admit = creds, limits, admit
         self.streams = streams or StreamLimits()
@@ -109,14 +112,20 @@ class DirectServer:
                 log.warning("direct accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            if self.open >= self.limits.max_connections:  # before any TLS work: a flood costs us an accept and a close
-                self.refused["connections"] += 1
-                connection.close()
-                continue
-            self.open += 1
-            task = loop.create_task(self._serve(connection))
-            self._tasks.add(task)  # the loop keeps only weak references to tasks
-            task.add_done_callback(self._tasks.discard)
+            self.adopt(connection)
+
+    def adopt(self, connection: socket.socket) -> bool:
+        """Serve ``connection`` (accepted, or opened by hole punching: ``peers.rpc.punch_server``), counted before
+        any TLS work, so a flood costs an accept and a close."""
+        if self.open >= self.limits.max_connections or self.tls is None:
+            self.refused["connections"] += 1
+            connection.close()
+            return False
+        self.open += 1
+        task = asyncio.get_running_loop().create_task(self._serve(connection))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _serve(self, connection: socket.socket) -> None:
         """One accepted connection: TLS (on the socket as accepted, so no byte the client sent meanwhile is lost),
@@ -139,6 +148,13 @@ class DirectServer:
             if admitted is None:
                 return
             caller, handler = admitted
+            if handler is _observed:  # where this connection came from, as we see it; then we close first
+                host, port = connection.getpeername()[:2]
+                for frame in wire.encode(ObserveReply(address=f"{host}:{port}").model_dump(mode="json")):
+                    write_frame(writer, frame)
+                async with asyncio.timeout(self.streams.write_timeout):
+                    await writer.drain()
+                return
             self.by_caller[caller] += 1
             replies = handler(self._frames(reader, caller), Caller(PeerID.from_base58(caller)))
             try:
@@ -223,6 +239,13 @@ class DirectServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+
+async def _observed(frames: AsyncIterator[wire.Frame], caller: CallerContext) -> AsyncIterator[wire.Frame]:
+    """``RPC_OBSERVE``'s place in the handler table (``DirectServer._serve`` answers it)."""
+    nothing: tuple[wire.Frame, ...] = ()
+    for frame in nothing:
+        yield frame
 
 
 async def _linger(reader: asyncio.StreamReader, seconds: float = 1.0, limit: int = 1 << 20) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 import struct
 from collections.abc import AsyncIterator
@@ -104,13 +105,18 @@ class TcpChannel:
         creds: Credentials,
         tls: ssl.SSLContext,
         timeout: float,
+        sock: socket.socket | None = None,
     ) -> TcpChannel:
         """A connection to peer ``server`` at ``address`` for ``rpc``, once the server proved it is ``server``
-        (``DirectDialError`` otherwise; nothing of the call is sent before that)."""
+        (``DirectDialError`` otherwise; nothing of the call is sent before that). ``sock``: a TCP connection to it
+        already open (a punched one, ``swarm.rpc.punch``), taken over by TLS."""
         try:
             async with asyncio.timeout(timeout):
-                host, port = split_address(address)
-                reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname="")
+                if sock is not None:
+                    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname="")
+                else:
+                    host, port = split_address(address)
+                    reader, writer = await asyncio.open_connection(host, port, ssl=tls, server_hostname="")
         except (OSError, ValueError, TimeoutError, ssl.SSLError) as e:
             raise DirectDialError(f"{address}: {type(e).__name__}: {e}") from None
         channel = cls(reader, writer, max_bytes)

@@ -29,12 +29,15 @@ from swarm.protocol import (
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFO,
+    RPC_PUNCH,
     BackwardRequest,
     BandwidthProbe,
     BandwidthReply,
     ForwardRequest,
     InfoReply,
     InfoRequest,
+    PunchReply,
+    PunchRequest,
     R,
     ReleaseRequest,
     Reply,
@@ -44,15 +47,21 @@ from swarm.protocol import (
     StepNotice,
     parse_reply,
 )
-from swarm.relay import dial_addr
+from swarm.relay import CIRCUIT, dial_addr
 from swarm.rpc.direct import DirectDialError, TcpChannel
 from swarm.rpc.links import Links
+from swarm.rpc.punch import punched
 from swarm.rpc.secure import client_context
 from swarm.rpc.transport import Channel, P2PChannel, Transport, choose_transport, stream_rpc, unary
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+
+def _direct_key(hop: Hop) -> str:
+    """What a failed direct dial is remembered by: the address dialled, or the peer punched through to."""
+    return hop.direct or f"punch:{hop.peer_id}"
 
 
 def unavailable(peer_id: str, what: str, e: BaseException | None = None) -> SwarmError:
@@ -119,7 +128,7 @@ class Remote:
 
     def transport(self, hop: Hop, rpc: str, frames: list[wire.Frame] | None = None) -> Transport:
         frames = frames or []
-        reachable = hop.direct is None or self._unreachable.get(hop.direct, 0.0) <= time.monotonic()
+        reachable = self._unreachable.get(_direct_key(hop), 0.0) <= time.monotonic()
         return choose_transport(hop, rpc, wire.encoded_size(frames), len(frames), self.direct, reachable)
 
     def meta(self, request: Request) -> dict[str, object]:
@@ -131,11 +140,25 @@ class Remote:
 
     async def _dial(self, hop: Hop, rpc: str, limit: int) -> TcpChannel | None:
         """A direct connection to ``hop``, or None where ``auto`` should take libp2p instead (its address did not
-        answer as that peer: remembered for ``fallback_s``)."""
-        assert hop.direct is not None
+        answer as that peer, or a peer behind NAT could not be punched through to: remembered for ``fallback_s``)."""
         try:
+            if hop.direct is None:  # behind a NAT: counted per peer (``punched:ID``, ``punch_failed:ID``)
+                channel = await punched(
+                    hop.peer_id,
+                    hop.punch_via,
+                    rpc,
+                    limit,
+                    functools.partial(self._signal, hop),
+                    self.creds,
+                    self.tls,
+                    self.dial_timeout,
+                )
+                self.traffic[f"punched:{hop.peer_id}"] += 1
+                return channel
             return await TcpChannel.open(hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout)
         except DirectDialError as e:
+            if hop.direct is None:
+                self.traffic[f"punch_failed:{hop.peer_id}"] += 1
             if self.direct == "always":
                 raise unavailable(hop.peer_id, "cannot be dialled directly", e) from None
             log.info("direct dial failed, using libp2p: %s", e, extra={"peer": hop.peer_id})
@@ -144,12 +167,21 @@ class Remote:
                 self._unreachable = {a: t for a, t in self._unreachable.items() if t > now}
                 if len(self._unreachable) >= 1024:
                     self._unreachable.clear()  # forgetting costs one more failed dial each, nothing else
-            self._unreachable[hop.direct] = now + self.fallback_s
+            self._unreachable[_direct_key(hop)] = now + self.fallback_s
             return None
+
+    async def _signal(self, hop: Hop, mine: str) -> str:
+        """Hole punching's signal: this host's endpoint to ``hop`` (over libp2p, through its relay), its own back."""
+        request = PunchRequest(address=mine)
+        reply, _ = await self.call(hop, RPC_PUNCH, request, {}, self.dial_timeout, PunchReply)
+        return reply.address
 
     async def _peer(self, hop: Hop) -> PeerID:
         peer = PeerID.from_base58(hop.peer_id)
-        if hop.peer_id not in self._dialled and hop.maddrs:
+        # a peer behind NAT is reached through relays that come and go: its daemon is given the record's addresses
+        # every time (at once when connected), never left to redial a dead relay it remembers
+        relayed = any(CIRCUIT in m for m in hop.maddrs)
+        if (relayed or hop.peer_id not in self._dialled) and hop.maddrs:
             try:
                 await self.p2p._client.connect(peer, [dial_addr(m) for m in hop.maddrs])
             except Exception as e:

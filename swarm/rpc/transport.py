@@ -24,7 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from swarm import wire
 from swarm.config import DirectPolicy
 from swarm.hop import Hop
-from swarm.protocol import RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFO
+from swarm.protocol import RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFO, RPC_PUNCH
 
 
 class Transport(StrEnum):
@@ -36,7 +36,7 @@ class Transport(StrEnum):
 
 def use_direct(hop: Hop, policy: DirectPolicy, reachable: bool = True) -> bool:
     """``reachable``: the last dial of ``hop``'s direct address did not fail (``auto`` falls back when it did)."""
-    if not hop.direct or policy == "never":
+    if not (hop.direct or hop.punch_via) or policy == "never":
         return False
     return policy == "always" or reachable
 
@@ -45,9 +45,10 @@ def choose_transport(
     hop: Hop, rpc: str, size: int, frames: int, policy: DirectPolicy, reachable: bool = True
 ) -> Transport:
     """The transport of one call of ``rpc`` to ``hop`` carrying ``frames`` frames of ``size`` bytes in all."""
-    if rpc == RPC_INFO:
+    if rpc in (RPC_INFO, RPC_PUNCH):
         return Transport.UNARY  # control plane: always libp2p (works through NATs)
-    if use_direct(hop, policy, reachable):
+    if use_direct(hop, policy, reachable) and (hop.direct or rpc != RPC_FORWARD):
+        # kept-open compute connections are pooled by address; a peer behind NAT punches one per stream
         return Transport.POOLED if rpc == RPC_FORWARD else Transport.DIRECT
     if rpc == RPC_FORWARD and frames == 1 and size < wire.FRAME_BYTES:
         return Transport.UNARY

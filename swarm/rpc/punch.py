@@ -1,0 +1,137 @@
+"""Hole punching for the direct plane: a TCP connection between two peers that may both be behind NATs, opened by
+both at once (TCP simultaneous open), so the data plane does not go through a relay.
+
+A peer behind a NAT cannot be dialled, and p2pd in hivemind's wheel does not punch holes for its own connections.
+So the swarm does it for its TLS direct plane: each side learns its endpoint as the internet sees it by asking a
+public peer (``observe``, the ``swarm.observe`` RPC of that peer's direct plane, from the very local port it will
+punch from), the caller sends its endpoint over the relayed libp2p connection (``swarm.punch``) and gets the
+peer's back, and both connect to each other at once from those ports (``simultaneous_open``). Each side's SYN
+opens its own NAT to the other; where both NATs keep one mapping per local port (full-cone, restricted and
+port-restricted, RFC 4787's endpoint-independent mapping), the SYNs cross and the connection opens; behind a
+symmetric NAT the mapping towards the peer is not the one observed and it does not, and the caller stays on the
+relayed libp2p path. TLS then runs over the punched connection as over a dialled one: the caller as TLS client,
+and the peer proves its identity in its first frame as always (``swarm.rpc.secure``), so a lying observer or peer
+costs one failed attempt, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+
+from swarm.errors import SwarmError
+from swarm.identity import Credentials
+from swarm.protocol import RPC_OBSERVE, ObserveReply
+from swarm.rpc.direct import DirectDialError, TcpChannel, split_address
+
+RETRY_S = 0.05  # a refused connect (the other side's SYN not yet out, or an early RST) is tried again this soon
+
+
+def bound_socket(port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``port`` on every address (0: any free one), sharable with other sockets on that port
+    (one port serves many punched connections, each to a different peer)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def parse_observer(text: str) -> tuple[str, str]:
+    """``"PEER_ID@host:port"`` as (peer id, address)."""
+    peer, _, address = text.partition("@")
+    return peer, address
+
+
+async def observe(port: int, observer: str, creds: Credentials, tls: ssl.SSLContext, timeout: float) -> str:
+    """This host's endpoint for local ``port`` as the internet sees it, told by ``observer`` (``PEER_ID@host:port``
+    of a public peer's direct plane). The observer closes first, so no TIME_WAIT holds the port here."""
+    peer, address = parse_observer(observer)
+    sock = bound_socket(port)
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.get_running_loop().sock_connect(sock, split_address(address))
+    except (OSError, TimeoutError) as e:
+        sock.close()
+        raise DirectDialError(f"observer {address}: {type(e).__name__}: {e}") from None
+    channel = await TcpChannel.open(address, peer, RPC_OBSERVE, 4096, creds, tls, timeout, sock=sock)
+    try:
+        async with asyncio.timeout(timeout):
+            message = await channel.receive()
+            with contextlib.suppress(Exception):
+                await channel.reader.read()  # until the observer closes
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as e:
+        raise DirectDialError(f"observer {address}: {type(e).__name__}: {e}") from None
+    finally:
+        channel.close()
+    if message is None:
+        raise DirectDialError(f"observer {address} said nothing")
+    try:
+        return ObserveReply.model_validate(message[0]).address
+    except ValueError as e:
+        raise DirectDialError(f"observer {address}: not an address: {e}") from None
+
+
+async def simultaneous_open(port: int, remote: str, timeout: float) -> socket.socket:
+    """A TCP connection from local ``port`` to ``remote`` while the other side connects back from there: connects
+    again whenever one is refused (the other side's NAT or host answered before its own SYN went out), until
+    ``timeout``."""
+    loop = asyncio.get_running_loop()
+    address = split_address(remote)
+    deadline = loop.time() + timeout
+    last: BaseException | None = None
+    while loop.time() < deadline:
+        sock = bound_socket(port)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_connect(sock, address)
+            return sock
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            last = e
+            if isinstance(e, TimeoutError):
+                break
+            await asyncio.sleep(RETRY_S)
+    raise DirectDialError(f"no punched connection to {remote} in {timeout:g} s: {type(last).__name__}: {last}")
+
+
+async def punched(
+    peer: str,
+    observers: tuple[str, ...],
+    rpc: str,
+    limit: int,
+    signal: Callable[[str], Awaitable[str]],
+    creds: Credentials,
+    tls: ssl.SSLContext,
+    timeout: float,
+) -> TcpChannel:
+    """A direct connection to ``peer``, behind NAT, for ``rpc``: this host's endpoint observed (by the first of
+    ``observers`` that answers), sent by ``signal`` (the ``swarm.punch`` call over libp2p, which returns the peer's
+    endpoint), punched, then TLS as on any direct connection (``DirectDialError`` where any step fails)."""
+    holder = bound_socket()  # keeps this port ours while the observation and the punch use it
+    port = holder.getsockname()[1]
+    try:
+        mine, errors = None, []
+        for observer in observers:
+            try:
+                mine = await observe(port, observer, creds, tls, timeout)
+                break
+            except DirectDialError as e:
+                errors.append(str(e))
+        if mine is None:
+            raise DirectDialError(f"no observer told this peer its address: {'; '.join(errors) or 'none named'}")
+        try:
+            theirs = await signal(mine)
+        except SwarmError as e:
+            raise DirectDialError(f"the peer did not punch: {e}") from None
+        sock = await simultaneous_open(port, theirs, timeout)
+        return await TcpChannel.open(theirs, peer, rpc, limit, creds, tls, timeout, sock)
+    finally:
+        holder.close()
