@@ -15,18 +15,42 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import re
 import time
 from multiprocessing.connection import Connection
 
 from hivemind.p2p import P2P, PeerID
 
-from swarm.dht import die_with_parent
+from swarm.dht import RecordStore, die_with_parent
 from swarm.errors import BadInputError
 from swarm.protocol import RPC_INFERENCE
+from swarm.records import OBSERVER, servers
 from swarm.relay import dial_addr
+from swarm.rpc.punch import dialback
+from swarm.rpc.secure import client_context
 
 log = logging.getLogger(__name__)
 TRY_S = 5.0  # one dial and stream through a relay (a few round trips over the internet)
+
+
+async def measure(store: RecordStore, model_id: str, num_blocks: int, port: int, timeout: float) -> str | None:
+    """Whether others can dial this peer at its libp2p ``port``: asked of up to two public peers' direct planes
+    (``swarm.dialback``: each tries a TCP connection back to this peer's address as it sees it). "public" if one got
+    through, "private" if they answered and none did, None if none answered (the peer cannot tell)."""
+    # read on the loop, not a thread: this runs before the peer's DHT may be started again (a fork)
+    records = servers(store.view(model_id, num_blocks)).values()
+    observers = [f"{r.peer_id}@{r.direct_address}" for r in records if r.reached != "relayed" and r.direct_address]
+    observers = [o for o in observers if re.match(OBSERVER, o)][:2]
+    creds, tls = store.credentials(), client_context()
+    asked = [dialback(o, port, creds, tls, timeout) for o in observers]
+    results = await asyncio.gather(*asked, return_exceptions=True)
+    answers = [r for r in results if isinstance(r, bool)]
+    for observer, r in zip(observers, results, strict=True):
+        if isinstance(r, BaseException):
+            log.info("no dial-back from %s: %s", observer, r)
+    if not answers:
+        return None
+    return "public" if any(answers) else "private"
 
 
 async def reachable(peer_id: str, maddrs: tuple[str, ...], timeout: float, period: float = 1.0) -> list[str]:

@@ -21,7 +21,7 @@ from peers.follower import run_follower
 from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory, usable_memory
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
-from peers.reach import reachable
+from peers.reach import measure, reachable
 from peers.relay_service import RelayService
 from peers.relay_slots import RelaySlots
 from peers.rpc.direct_server import DirectLimits, DirectServer
@@ -42,7 +42,7 @@ from swarm.circuit import take_hop
 from swarm.dht import RecordStore, start_dht
 from swarm.errors import BadInputError, DhtLostError
 from swarm.ids import block_key
-from swarm.membership import swarm_key_for
+from swarm.membership import SwarmKey, swarm_key_for
 from swarm.protocol import RPC_PUNCH
 from swarm.records import OBSERVER, PeerState, ServerRecord, servers
 from swarm.relay import RelayPolicy, relay_peer
@@ -66,6 +66,36 @@ def _relayed(peer: Peer, maddrs: list[str]) -> None:
     """The relays holding a slot changed: the next records say so."""
     peer.maddrs = maddrs
     log.info("relayed addresses", extra={"peer": peer.peer_id, "maddrs": maddrs})
+
+
+def _join(net: NetworkConfig, relay: RelayPolicy, cfg: PeerConfig, swarm_key: SwarmKey | None) -> RecordStore:
+    """This peer's DHT, joined as ``relay`` says (a private peer's in client mode)."""
+    return start_dht(
+        initial_peers=net.initial_peers,
+        host=net.host,
+        port=net.port,
+        announce_maddrs=net.announce_maddrs,
+        identity=net.identity,
+        timeout=cfg.timing.dht_start_timeout,
+        call_timeout=cfg.timing.dht_timeout,
+        swarm_key=swarm_key,
+        relay=relay,
+        client_mode=relay.dht_client,
+    )
+
+
+async def _measured(
+    net: NetworkConfig, store: RecordStore, model: ModelInfo, timeout: float
+) -> tuple[NetworkConfig, RelayPolicy]:
+    """``--reachability auto``, found out: public peers dial this one back at its libp2p port; behind a NAT it then
+    serves as a private peer does (relay slots, relayed addresses, punching). Unknown (nobody answered): as it
+    was."""
+    ports = [int(m.split("/tcp/")[1].split("/")[0]) for m in store.visible_maddrs() if "/tcp/" in m]
+    measured = await measure(store, model.name, model.num_blocks, ports[0], timeout) if ports else None
+    log.info("reachability measured: %s", measured or "unknown", extra={"peer": store.peer_id})
+    if measured is not None:
+        net = replace(net, reachability=measured)
+    return net, net.relay_policy()
 
 
 def _maddrs(net: NetworkConfig, relay: RelayPolicy, store: RecordStore) -> list[str]:
@@ -158,18 +188,16 @@ async def run_peer(
     swarm_key = swarm_key_for(net.swarm_key, new_swarm=net.new_swarm)
     # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
     relay = net.relay_policy()
-    store = start_dht(
-        initial_peers=net.initial_peers,
-        host=net.host,
-        port=net.port,
-        announce_maddrs=net.announce_maddrs,
-        identity=net.identity,
-        timeout=cfg.timing.dht_start_timeout,
-        call_timeout=cfg.timing.dht_timeout,
-        swarm_key=swarm_key,
-        relay=relay,
-        client_mode=relay.dht_client,
-    )
+    store = _join(net, relay, cfg, swarm_key)
+    if net.reachability == "auto" and net.initial_peers and not net.announce_maddrs:
+        try:
+            net, relay = await _measured(net, store, model, cfg.timing.handshake_timeout)
+        except BaseException:
+            store.shutdown()
+            raise
+        if relay.reached == "relayed":  # behind a NAT: joined again as a private peer (its DHT in client mode)
+            store.shutdown()
+            store = _join(net, relay, cfg, swarm_key)
     positions = getattr(model.config, "max_position_embeddings", None)
     limits = Limits(
         int(model.config.hidden_size),

@@ -32,6 +32,7 @@ RPC_BANDWIDTH = "swarm.bandwidth"  # streamed: swallows a payload and says how m
 RPC_PUSH = "swarm.push"  # server to server, one way: inference steps passed along a client's signed route
 RPC_PUNCH = "swarm.punch"  # unary, libp2p (relayed): a caller behind NAT asks a peer behind NAT to open a direct line
 RPC_OBSERVE = "swarm.observe"  # direct TCP only: the server says where the connection came from (its NAT's mapping)
+RPC_DIALBACK = "swarm.dialback"  # direct TCP only: the server tries a TCP connection back to the caller's address
 
 MAX_ID = 128  # longest id a peer may send (session, forward, client token)
 MAX_ROUTE = 256  # hops in one chained route
@@ -232,6 +233,17 @@ class PunchRequest(Request):
     while the caller connects back, and the two SYNs cross (TCP simultaneous open)."""
 
     address: str = Field(pattern=ENDPOINT, max_length=21)
+
+
+class DialbackRequest(Request):
+    """Connect back to the address this connection came from, at ``port``: can the internet reach the caller there?"""
+
+    port: int = Field(ge=1, le=65535)
+
+
+class DialbackReply(Message):
+    address: str = Field(pattern=ENDPOINT, max_length=21)  # where it dialled
+    reached: bool
 
 
 class ObserveReply(Message):

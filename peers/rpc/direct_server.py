@@ -25,11 +25,14 @@ from swarm.identity import Credentials
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
+    RPC_DIALBACK,
     RPC_FORWARD,
     RPC_FORWARD_STREAM,
     RPC_INFERENCE,
     RPC_OBSERVE,
     RPC_PUSH,
+    DialbackReply,
+    DialbackRequest,
     DirectCall,
     DirectHello,
     ObserveReply,
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[AsyncIterator[wire.Frame], CallerContext], AsyncIterator[wire.Frame]]
 HANDSHAKE_FRAME = 16384  # the caller's DirectCall: a key, a signature and a token (before the caller is known)
 LISTEN_BACKLOG = 100  # as asyncio's servers
+MAX_DIALBACKS, DIALBACK_S = 8, 3.0  # dial-backs in progress at once, and how long one tries
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class DirectServer:
             RPC_BANDWIDTH: servicer.rpc_bandwidth,
             RPC_COMPUTE_LOOP: servicer.rpc_compute_loop,
             RPC_PUSH: servicer.rpc_push,
-            RPC_OBSERVE: _observed,  # answered in ``_serve``, which knows the connection's far end
+            RPC_OBSERVE: _observed,  # answered by ``_probe``, which knows the connection's far end
+            RPC_DIALBACK: _dialback,
         }
         self.creds, self.limits, self.admit = creds, limits, admit
         self.streams = streams or StreamLimits()
@@ -77,6 +82,7 @@ class DirectServer:
         self._acceptor: asyncio.Task[None] | None = None
         self.tls: ServerTls | None = None
         self.open = 0
+        self.dialbacks = 0
         self.by_caller: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # why connections were turned away (status, tests)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -148,12 +154,8 @@ class DirectServer:
             if admitted is None:
                 return
             caller, handler = admitted
-            if handler is _observed:  # where this connection came from, as we see it; then we close first
-                host, port = connection.getpeername()[:2]
-                for frame in wire.encode(ObserveReply(address=f"{host}:{port}").model_dump(mode="json")):
-                    write_frame(writer, frame)
-                async with asyncio.timeout(self.streams.write_timeout):
-                    await writer.drain()
+            if handler in (_observed, _dialback):  # about the connection itself; answered, then we close first
+                await self._probe(handler is _dialback, connection, reader, writer, deadline)
                 return
             self.by_caller[caller] += 1
             replies = handler(self._frames(reader, caller), Caller(PeerID.from_base58(caller)))
@@ -181,6 +183,43 @@ class DirectServer:
                 writer.close()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _probe(
+        self,
+        dialback: bool,
+        connection: socket.socket,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        deadline: float,
+    ) -> None:
+        """``swarm.observe`` (where this connection came from, as we see it) or ``swarm.dialback`` (whether a TCP
+        connection back to that address, at the port the caller names, opens: the caller's reachability). A dial
+        back goes only to the caller's own address, one at a time per connection and ``MAX_DIALBACKS`` in all."""
+        host, port = connection.getpeername()[:2]
+        frames = wire.encode(ObserveReply(address=f"{host}:{port}").model_dump(mode="json"))
+        if dialback:
+            async with asyncio.timeout_at(deadline):
+                message = await wire.read_message(frames_of(reader, HANDSHAKE_FRAME), wire.Decoder(8192))
+            if message is None:
+                return
+            try:
+                check_version(message[0])
+                request = DialbackRequest.model_validate(message[0])
+                if self.dialbacks >= MAX_DIALBACKS:
+                    raise BusyError("too many dial-backs in progress")
+                self.dialbacks += 1
+                try:
+                    reached = await _dials(host, request.port, DIALBACK_S)
+                finally:
+                    self.dialbacks -= 1
+                reply = DialbackReply(address=f"{host}:{request.port}", reached=reached)
+                frames = wire.encode(reply.model_dump(mode="json"))
+            except (BadInputError, BusyError, ValueError) as e:  # a malformed request (pydantic's are ValueErrors)
+                frames = error_reply(e)
+        for frame in frames:
+            write_frame(writer, frame)
+        async with asyncio.timeout(self.streams.write_timeout):
+            await writer.drain()
 
     async def _frames(self, reader: asyncio.StreamReader, caller: str) -> AsyncIterator[wire.Frame]:
         while (size := await read_header(reader)) is not None:
@@ -241,8 +280,26 @@ class DirectServer:
             self._listener = None
 
 
+async def _dials(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connection to ``host``:``port`` opens within ``timeout`` (closed at once)."""
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 async def _observed(frames: AsyncIterator[wire.Frame], caller: CallerContext) -> AsyncIterator[wire.Frame]:
-    """``RPC_OBSERVE``'s place in the handler table (``DirectServer._serve`` answers it)."""
+    """``swarm.observe``'s place in the handler table (``DirectServer._probe`` answers it)."""
+    nothing: tuple[wire.Frame, ...] = ()
+    for frame in nothing:
+        yield frame
+
+
+async def _dialback(frames: AsyncIterator[wire.Frame], caller: CallerContext) -> AsyncIterator[wire.Frame]:
+    """``swarm.dialback``'s place in the handler table (``DirectServer._probe`` answers it)."""
     nothing: tuple[wire.Frame, ...] = ()
     for frame in nothing:
         yield frame

@@ -21,9 +21,10 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 
+from swarm import wire
 from swarm.errors import SwarmError
 from swarm.identity import Credentials
-from swarm.protocol import RPC_OBSERVE, ObserveReply
+from swarm.protocol import RPC_DIALBACK, RPC_OBSERVE, DialbackReply, DialbackRequest, ObserveReply
 from swarm.rpc.direct import DirectDialError, TcpChannel, split_address
 
 RETRY_S = 0.05  # a refused connect (the other side's SYN not yet out, or an early RST) is tried again this soon
@@ -77,6 +78,24 @@ async def observe(port: int, observer: str, creds: Credentials, tls: ssl.SSLCont
         return ObserveReply.model_validate(message[0]).address
     except ValueError as e:
         raise DirectDialError(f"observer {address}: not an address: {e}") from None
+
+
+async def dialback(observer: str, port: int, creds: Credentials, tls: ssl.SSLContext, timeout: float) -> bool:
+    """Whether ``observer`` (a public peer's direct plane) opens a TCP connection back to this host's address, as
+    it sees it, at ``port``: can the internet reach this host there (``DirectDialError`` if it does not answer)."""
+    peer, address = parse_observer(observer)
+    channel = await TcpChannel.open(address, peer, RPC_DIALBACK, 4096, creds, tls, timeout)
+    try:
+        async with asyncio.timeout(timeout + 5.0):  # the observer's own dial takes up to a few seconds
+            await channel.send(wire.encode(DialbackRequest(port=port).model_dump(mode="json")))
+            message = await channel.receive()
+        if message is None:
+            raise DirectDialError(f"observer {address} said nothing")
+        return DialbackReply.model_validate(message[0]).reached
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as e:
+        raise DirectDialError(f"observer {address}: {type(e).__name__}: {e}") from None
+    finally:
+        channel.close()
 
 
 async def simultaneous_open(port: int, remote: str, timeout: float) -> socket.socket:

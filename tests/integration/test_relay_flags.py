@@ -209,3 +209,36 @@ def test_a_peer_killed_mid_check_leaves_no_probe_daemon():
         if peer.poll() is None:
             peer.kill()
             peer.wait(10)
+
+
+def test_a_public_peer_dials_a_caller_back_only_where_it_listens(tiny_models):
+    """``swarm.dialback`` on a real server's direct plane: a port this host listens on is reached, a closed one is
+    not; the answer is what ``--reachability auto`` decides by (``peers.reach.measure``)."""
+    import socket
+
+    from swarm.identity import Credentials
+    from swarm.rpc.punch import dialback
+    from swarm.rpc.secure import client_context
+
+    folder = str(tiny_models["llama"])
+    with running_swarm(folder, ["0:4"]) as swarm:
+        client = connect(folder, swarm)
+        try:
+            (server,) = client.connection.view.servers()
+            observer = f"{server.peer_id}@{server.direct_address}"
+            creds: Credentials = client.connection.remote.creds
+            listening = socket.create_server(("127.0.0.1", 0))
+            closed = socket.create_server(("127.0.0.1", 0))
+            closed_port = closed.getsockname()[1]
+            closed.close()
+            try:
+
+                async def ask(port: int) -> bool:
+                    return await dialback(observer, port, creds, client_context(), 5.0)
+
+                assert asyncio.run(ask(listening.getsockname()[1])) is True
+                assert asyncio.run(ask(closed_port)) is False
+            finally:
+                listening.close()
+        finally:
+            client.close()
