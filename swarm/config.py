@@ -195,6 +195,16 @@ class ClientConfig:
     # how hidden states and gradients travel: "auto" (exact on fast links, float16 on medium ones, 8-bit where the
     # link is the bottleneck: ``swarm.codecs.choose_codec``) or a codec name to force ("none", "float16", "block8"...)
     codec: str = "auto"
+    # verification (``swarm.client.verify``): each hop's work is run again on another server of the same weights,
+    # in windows of a random length averaging this many steps (0: off), and calls of forwards and backwards with
+    # probability 1 / verify_every; a cheater caught is banned and, with the evidence, accused in the DHT
+    verify_every: int = 16
+    verify_seed: int | None = None  # seeds which steps are checked and by whom (None: unpredictable, as it should be)
+    accuse: bool = True  # publish accusations, and act on others' once their evidence re-runs wrong
+    # privacy (docs/serving.md): the first ``local_blocks`` blocks run on this client and are never routed, so no
+    # server sees the embeddings; with ``trusted_peers`` set, routes use only those peer ids (missing blocks else)
+    local_blocks: int = 0
+    trusted_peers: tuple[str, ...] = ()
 
 
 def client_config(

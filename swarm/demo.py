@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--local-blocks", type=int, default=0, help="run the first N blocks on the client (privacy)")
     args = p.parse_args(argv)
     configure_logging("WARNING")
 
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     with LocalSwarm(args.model, spans) as swarm:
         print(f"swarm up in {time.perf_counter() - t0:.1f} s; initial peer: {swarm.initial_peers[0]}", flush=True)
         tokenizer = load_tokenizer(args.model)
-        with DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=swarm.initial_peers) as model:
+        with DistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, local_blocks=args.local_blocks
+        ) as model:
             chat = [{"role": "user", "content": args.prompt}]
             inputs = tokenizer.apply_chat_template(
                 chat, add_generation_prompt=True, return_tensors="pt", return_dict=True

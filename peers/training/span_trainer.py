@@ -21,7 +21,7 @@ from swarm.identity import Signed
 from swarm.ids import Span
 from swarm.protocol import TrainTag
 from swarm.training import checkpoints
-from swarm.training.averaging import OwnedAverager
+from swarm.training.averaging import OwnedAverager, round_slack
 from swarm.training.checkpoints import StageCheckpoint
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
@@ -228,7 +228,9 @@ class SpanTrainer:
 
     def start_averager(self, dht: OwnedDHT) -> None:
         prefix = f"{self.run.model_id}_stage{self.span.start}-{self.span.end}"
-        self.averager = OwnedAverager.for_run(self.tensors(), dht, prefix, self.run, start=False)
+        self.averager = OwnedAverager.for_run(
+            self.tensors(), dht, prefix, self.run, start=False, weights=len(self.params)
+        )
 
     def launch_averager(self) -> None:
         """From the main thread (see ``OwnedAverager.for_run``)."""
@@ -241,8 +243,11 @@ class SpanTrainer:
         self.replicas = 1 + len(self.groupmates)
 
     def average(self) -> None:
-        """One averaging round. A round is undone when its result is not finite, or moves a weight tensor further
-        than replicas that average every few steps can differ (``_implausible``: a groupmate sent garbage). The
+        """One averaging round. Within it each part is reduced robustly (``swarm/training/robust.py``: a groupmate's
+        values far from the group's are clipped), and its result is applied only when the whole round completed. A
+        round is undone when its result is not finite, holds a negative second moment (Adam would take its square
+        root), or moves a weight tensor further than replicas that average every few steps can differ
+        (``_implausible``: a groupmate that reduced a part returned garbage for it). The
         state the round ended with is kept, on the CPU, and its digest signed, for joining replicas and exports."""
         if self.averager is None or self.replicas < 2:
             return
@@ -251,11 +256,12 @@ class SpanTrainer:
         before = [t.clone() for t in tensors]
         if not self.averager.average_round(self.run, str(self.span)):
             return
-        # AdamW moves a weight by about lr a step: replicas that averaged k steps ago differ by at most ~2 lr k
-        slack = 4 * self.run.lr * max(self.run.average_every, 1)
-        why = _implausible(tensors[: len(self.params)], before[: len(self.params)], slack)
+        n = len(self.params)
+        why = _implausible(tensors[:n], before[:n], round_slack(self.run))
         if why is None and not all(bool(torch.isfinite(t).all()) for t in tensors):
             why = "it is not finite"
+        if why is None and any(bool((t < 0).any()) for t in tensors[2 * n :]):
+            why = "it holds a negative second moment"
         if why is not None:
             log.warning("averaging round undone: %s", why, extra={"span": str(self.span)})
             with torch.no_grad():

@@ -108,6 +108,12 @@ class ApiConfig:
     threads: int = option(1, help="torch threads for the local embeddings and heads")
     max_context: int | None = option(None, help="cap on prompt + completion tokens (default: the model's context)")
     codec: str = option("auto", help="activations' codec: 'auto' (per link) or one to force, e.g. 'none'")
+    local_blocks: int = option(
+        0, metavar="N", help="run the first N blocks here: no server sees the embeddings (docs/serving.md)"
+    )
+    trusted_peers: tuple[str, ...] = option(
+        (), metavar="PEER_ID", help="route only through these peers (blocks none of them serves are missing)"
+    )
     dashboard: bool = option(True, help="do not serve the web dashboard and chat page")
     limits: ApiLimits = field(default_factory=ApiLimits)
     connections: ApiConnections = field(default_factory=ApiConnections)

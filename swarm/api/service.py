@@ -58,7 +58,13 @@ class Service:
                 except (OSError, ValueError) as e:
                     raise BadInputError(f"{name} has no tokenizer, so the API cannot serve it: {e}") from None
                 model = DistributedModelForCausalLM.from_pretrained(
-                    name, initial_peers=cfg.initial_peers, timing=timing, swarm_key=cfg.swarm_key, codec=cfg.codec
+                    name,
+                    initial_peers=cfg.initial_peers,
+                    timing=timing,
+                    swarm_key=cfg.swarm_key,
+                    codec=cfg.codec,
+                    local_blocks=cfg.local_blocks,
+                    trusted_peers=cfg.trusted_peers,
                 )
                 served = ServedModel(name, model, tokenizer, cfg.max_context)
                 models[served.name] = served

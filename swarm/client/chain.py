@@ -47,7 +47,10 @@ class HopState:
     send_adapter: bool = False  # open with the adapter's tensors even if the server should have them
     inputs: list[torch.Tensor] = field(default_factory=list)  # hidden it took in at each step (client dtype)
     positions: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor | None] = field(default_factory=list)  # its output at each step, as received (None:
+    # verified and dropped: ``swarm.client.verify``)
     commit: CommitKey | None = None  # checks its commitments (from its opening reply)
+    opening: OpenReply | None = None  # that opening reply (evidence against it carries its certified key)
     generation: int = -1  # the route generation it was given
     acks: list[float] = field(default_factory=list)  # when each opening/route message still unanswered was sent
     commitments: list[StepReply] = field(default_factory=list)  # every commitment it sent, oldest first
@@ -215,15 +218,19 @@ class Chain:
                     if not replay:
                         prior.inputs.pop()
                         prior.positions.pop()
+                        prior.outputs.pop()
                         done.pop()
                     raise unavailable(
                         prior.hop.peer_id,
                         f"gave the next hop ({state.hop.peer_id}) another output than it committed to",
                     ) from e
                 raise
-            if not replay:
+            if replay:
+                state.outputs = [out]
+            else:
                 state.inputs.append(inputs)
                 state.positions.append(explicit)
+                state.outputs.append(out)
             inputs = out.to(hidden.dtype)
             done.append(inputs)
             now = time.perf_counter()  # this hop's share: its compute and one crossing, as a relayed hop sees it
@@ -264,7 +271,7 @@ class Chain:
             old = self.rtt.get(hop.peer_id)
             self.rtt[hop.peer_id] = rtt if old is None else 0.7 * old + 0.3 * rtt
             if state.commit is None:
-                state.commit = CommitKey(opening, hop.peer_id)
+                state.commit, state.opening = CommitKey(opening, hop.peer_id), opening
             if not state.chain.seal(opening):
                 raise unavailable(hop.peer_id, "signed a chain of commitments other than the one it sent")
         outs: list[torch.Tensor] = []

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Protocol
 
+from swarm.accusations import Evidence
 from swarm.client.retry import Retrier
 from swarm.client.swarm_view import SwarmView
 from swarm.codecs import parse_codec
@@ -20,6 +22,15 @@ from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
 RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its compute allowance
+
+
+class Judge(Protocol):
+    """What sessions ask of the client's trust in servers (``swarm.client.trust.Trust``, set by the model): look at
+    the accusations before routing, and accuse a server caught computing wrong answers."""
+
+    def refresh(self, force: bool = False) -> None: ...
+
+    def accuse(self, accused: str, hop: Hop, evidence: Evidence, reason: str) -> bool: ...
 
 
 class SwarmConnection:
@@ -75,6 +86,7 @@ class SwarmConnection:
             self.retrier = Retrier(self.view, cfg.timing)
             # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
             self.rtt: dict[str, float] = self.view.rtt
+            self.trust: Judge | None = None  # the model sets it (``swarm.client.trust``): no circle of imports
         except BaseException:
             self.store.shutdown()
             raise

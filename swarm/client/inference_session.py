@@ -24,6 +24,8 @@ from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.history import TokenHistory
 from swarm.client.session_routes import SessionRoutes
+from swarm.client.verdicts import act
+from swarm.client.verify import Verifier
 from swarm.errors import AdapterMissingError, SessionLengthError
 from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, generate_plan, repair
@@ -65,6 +67,12 @@ class InferenceSession:
         needs = {Capability.INFERENCE} | ({Capability.ADAPTERS} if delivery is not None else set())
         self.routes = SessionRoutes(conn, batch_size, max_length, frozenset(needs), self.session_id)
         self._chain_steps = Chain(conn.remote, self._opening, conn.timing.open_timeout, conn.rtt, self.routes.observe)
+        self.verifier = (  # each hop's work run again elsewhere, window by window (``swarm.client.verify``)
+            Verifier(conn, self._opening, max_length, batch_size, self._chunk, frozenset(needs))
+            if conn.cfg.verify_every > 0
+            else None
+        )
+        self.caught: list[str] = []  # servers this session caught computing wrong answers
 
     @property
     def route(self) -> list[Hop]:
@@ -124,27 +132,22 @@ class InferenceSession:
             extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
         )
         if self.conn.cfg.chain:  # the repair comes first: the route the fresh hops are given must name them
+            before = (self.plan, self._schedule, dict(self._states), list(self._ids))
             self.plan, self._schedule = plan, None
             del self._states[node_id]
             self._states.update(zip(ids, fresh, strict=True))
             self._ids[index : index + 1] = ids
             self._chain_steps.generation += 1
-            if old.inputs:  # the history, through the fresh hops only, in pipelined chunks like any long step
-                await self._chain_steps.prepare(fresh, self._all_states)
-                mask = None if self.history.mask is None else self.history.mask[:, : self.position]
-                positions = torch.cat(old.positions, dim=1)
-                await self._chain_steps.run(
-                    fresh,
-                    torch.cat(old.inputs, dim=1),
-                    mask,
-                    positions,
-                    positions,
-                    0,
-                    self._chunk,
-                    self._base_timeout,
-                    [],
-                    replay=True,
-                )
+            try:
+                if old.inputs:  # the history, through the fresh hops only, in pipelined chunks like any long step
+                    await self._replay(fresh, old)
+            except BaseException:
+                # a fresh hop failed before it held the history (one that cannot even be opened keeps none): the old
+                # node goes back, still broken, so the next attempt replaces it again with its whole history
+                self.plan, self._schedule, self._states, self._ids = before
+                for state in fresh:
+                    state.close()
+                raise
             return
         if old.inputs:
             hidden = torch.cat(old.inputs, dim=1)
@@ -154,6 +157,7 @@ class InferenceSession:
                 for state in fresh:
                     state.inputs, state.positions = [hidden], [positions]
                     hidden = await self._exchange(state, hidden, mask, positions, 0)
+                    state.outputs = [hidden]
             except BaseException:
                 for state in fresh:
                     state.close()
@@ -162,6 +166,15 @@ class InferenceSession:
         del self._states[node_id]
         self._states.update(zip(ids, fresh, strict=True))
         self._ids[index : index + 1] = ids
+
+    async def _replay(self, fresh: list[HopState], old: HopState) -> None:
+        await self._chain_steps.prepare(fresh, self._all_states)
+        mask = None if self.history.mask is None else self.history.mask[:, : self.position]
+        positions = torch.cat(old.positions, dim=1)
+        history = torch.cat(old.inputs, dim=1)
+        await self._chain_steps.run(
+            fresh, history, mask, positions, positions, 0, self._chunk, self._base_timeout, [], replay=True
+        )
 
     # ---- one hop --------------------------------------------------------------------------------------------------
     def _opening(self, state: HopState) -> tuple[OpenSession, Tensors]:
@@ -280,6 +293,7 @@ class InferenceSession:
                 raise
             state.inputs.append(h)
             state.positions.append(explicit)
+            state.outputs.append(out)
             done.append(out)
             h = out
         return h
@@ -338,6 +352,8 @@ class InferenceSession:
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
         if self.plan is None:
             self.plan_for(0)
+        if self.verifier is not None:  # the checks that finished: a cheating hop is replaced before this step
+            self.caught += act(self.verifier.settle(), self.conn, self._chunk)
         done: list[torch.Tensor] = []  # outputs of the nodes this step got through, kept across attempts
         conn = self.conn
         out = conn.retrier.run(
@@ -346,6 +362,8 @@ class InferenceSession:
             confirm=True,
         )
         self.position += n
+        if self.verifier is not None and mask is None:  # (padded batches are not verified yet)
+            self.verifier.after_step(self._all_states)
         return out
 
     def audit(self) -> None:
@@ -372,6 +390,9 @@ class InferenceSession:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.verifier is not None:  # the steps since each hop's last check are checked before it ends
+                self.caught += act(self.verifier.finish(self.conn.timing.request_timeout), self.conn, self._chunk)
+                self.verifier.close()
             if self.conn.cfg.chain:
                 self.seal()
             self.audit()

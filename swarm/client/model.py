@@ -1,8 +1,9 @@
 """``DistributedModelForCausalLM``: a Hugging Face causal LM whose decoder blocks run in the swarm.
 
 Only the embeddings, the final norm and the LM head live here (token ids and logits never leave this machine);
-hidden states go to the servers. Forward, backward and ``generate`` follow the Hugging Face API. With ``tuning``,
-the model also owns trainable extras (LoRA for the remote blocks, input or deep prompts) and nothing else trains."""
+hidden states go to the servers (after the first ``local_blocks`` blocks, run here where the user asks). Forward,
+backward and ``generate`` follow the Hugging Face API. With ``tuning``, the model also owns trainable extras (LoRA for
+the remote blocks, input or deep prompts) and nothing else trains."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from swarm.client.adapters import AdapterDelivery, ClientAdapters
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context
 from swarm.client.generation import Sessions
+from swarm.client.local_blocks import LocalBlocks
 from swarm.client.procedures import Procedures
 from swarm.client.runner import PlanRunner
 from swarm.client.sequential import RemoteChain
+from swarm.client.trust import Trust
 from swarm.client.tuning_setup import build_adapters, save_adapters, tuning_spec
 from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
 from swarm.errors import BadInputError
@@ -61,6 +64,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         self.loaded_tensor_names: tuple[str, ...] = ()
         self._conn: SwarmConnection | None = None
         self._blocks: RemoteChain | None = None
+        self.local_blocks: LocalBlocks | None = None  # the first blocks, run on this client (``local_blocks=N``)
         self._runner: PlanRunner | None = None
         self._init_sessions()
         self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
@@ -87,6 +91,11 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         chain: bool = True,
         prefill_chunk: int = 128,
         codec: str = "auto",
+        local_blocks: int = 0,
+        trusted_peers: Sequence[str] = (),
+        verify_every: int = 16,
+        verify_seed: int | None = None,
+        accuse: bool = True,
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -100,7 +109,17 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
         ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers). ``chain``: inference steps pass
         from server to server (``False``: through this client at every hop); ``prefill_chunk``: tokens per pipelined
-        piece of a long chained step. ``codec``: activations' codec, "auto" (per link) or one to force."""
+        piece of a long chained step. ``codec``: activations' codec, "auto" (per link) or one to force.
+
+        Privacy (docs/serving.md): ``local_blocks``: run the first N blocks on this client (their weights read from
+        the model folder) and route only the rest, so no server sees the embeddings of the tokens (not with
+        ``tuning`` or ``adapter``: the adapter would have to run here too); ``trusted_peers``: route only through
+        these peer ids (your own servers): blocks none of them serves are missing, never routed elsewhere.
+
+        Verification (docs/trust.md): ``verify_every``: each hop's work is run again on another server, in windows
+        of about this many steps (0: off), and forwards and backwards with probability 1 / ``verify_every``;
+        ``verify_seed``: makes which steps and verifiers reproducible (tests only: servers must not predict it);
+        ``accuse``: publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         cfg = client_config(
@@ -112,7 +131,17 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             chain=chain,
             prefill_chunk=prefill_chunk,
             codec=codec,
+            local_blocks=local_blocks,
+            trusted_peers=tuple(trusted_peers),
+            verify_every=verify_every,
+            verify_seed=verify_seed,
+            accuse=accuse,
         )
+        if local_blocks and (tuning is not None or adapter is not None):
+            raise BadInputError(
+                "local_blocks cannot be combined with tuning or an adapter yet: the adapter's parts for the local "
+                "blocks would have to run on this client"
+            )
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
@@ -121,6 +150,8 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         names = local.client_names(model.family, weight_map(folder))  # never the blocks' tensors
         state = {names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()}
         model._load_local(state)
+        if local_blocks:
+            model.local_blocks = LocalBlocks.load(model.family, folder, local_blocks, dtype)
         model.name_or_path = card.name
         model.train(False)
         spec = tuning_spec(tuning, adapter, lora_rank, lora_alpha, lora_targets, num_prompt_tokens, model.family)
@@ -195,6 +226,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             hidden=int(self.config.hidden_size),
             value_bytes=getattr(torch, dtype_name).itemsize,  # hidden states travel in the embeddings' dtype
         )
+        self._conn.trust = Trust(self._conn)
         remote = self.adapters is not None and self.adapters.applies_remotely
         self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
         dtype = float_dtype(dtype_name)
@@ -205,7 +237,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             int(self.config.vocab_size),
             dtype,
         )
-        self._runner = PlanRunner(self, self._conn, self._blocks, shape)
+        self._runner = PlanRunner(self, self._conn, self._blocks, shape, self.local_blocks)
 
     def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training.

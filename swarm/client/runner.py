@@ -3,7 +3,8 @@ once per route, and runs it through the executor. Forward and loss, a fine-tunin
 inference step, scoring texts and extracting hidden states differ only in the plan.
 
 The client's own ops (embeddings, trainable prompts, final norm and head, loss) are the model's modules
-(``ModelOps``); the remote part is the ``RemoteChain`` or the inference session."""
+(``ModelOps``); the remote part is the ``RemoteChain`` or the inference session, preceded by the client's local
+blocks where it runs some (``swarm.client.local_blocks``: the routes then start after them)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from swarm.client.coalesce import Coalescer
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, Executor, Handler, PlanCache, Schedule, Tensors
 from swarm.client.inference_session import InferenceSession
+from swarm.client.local_blocks import LocalBlocks
 from swarm.client.sequential import ChainRun, RemoteChain, aux_tensors
 from swarm.errors import BadInputError, MissingBlocksError
 from swarm.hop import Hop
@@ -108,8 +110,16 @@ def bind(plan: Plan, route: list[Hop], aux: Tensors, train: TrainTag | None, nee
 
 
 class PlanRunner:
-    def __init__(self, parts: ModelParts, conn: SwarmConnection, chain: RemoteChain, shape: ModelShape) -> None:
+    def __init__(
+        self,
+        parts: ModelParts,
+        conn: SwarmConnection,
+        chain: RemoteChain,
+        shape: ModelShape,
+        local: LocalBlocks | None = None,
+    ) -> None:
         self.conn, self.chain, self.shape = conn, chain, shape
+        self.local = local  # the first blocks, run here before the remote part (None: every block is remote)
         self.plans = PlanCache()
         self.executor = Executor(ModelOps(parts))
         self.last: tuple[Plan, Schedule] | None = None  # the last plan run (its update phase runs after backward)
@@ -123,8 +133,8 @@ class PlanRunner:
         return frozenset(needs)
 
     def route(self, end: int, needs: frozenset[Capability], stochastic: bool = False, tokens: int = 1) -> list[Hop]:
-        """A route over blocks ``0:end`` for calls of ``tokens`` tokens (waiting, within the retry budget, for blocks
-        nobody serves yet)."""
+        """A route over blocks ``0:end`` (after the local blocks: ``SwarmView.route``) for calls of ``tokens``
+        tokens (waiting, within the retry budget, for blocks nobody serves yet)."""
         view = self.conn.view
         route: list[Hop] = self.conn.retrier.run(
             lambda: view.route(0, end, mode="forward", stochastic=stochastic, needs=needs, tokens=tokens), "route"
@@ -141,6 +151,8 @@ class PlanRunner:
         needs: frozenset[Capability],
     ) -> Tensors:
         def segment(plan: Plan, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+            if self.local is not None:
+                hidden = self.local(hidden, ctx.mask, ctx.positions)
             run = bind(plan, route, aux_tensors(ctx.mask, ctx.positions), ctx.train, needs)
             return self.chain.run(run, hidden)
 
@@ -206,6 +218,8 @@ class PlanRunner:
     def hidden_states(self, input_ids: torch.Tensor, block: int, ctx: Context) -> torch.Tensor:
         if not 0 <= block < self.shape.num_blocks:
             raise BadInputError(f"block {block} of a {self.shape.num_blocks}-block model")
+        if self.local is not None and block < self.local.count:
+            raise BadInputError(f"block {block} runs on this client (local_blocks={self.local.count}), not the swarm")
         needs = self.needs(False)
         route = self.route(block + 1, needs, tokens=input_ids.numel())
         plan, sched = self.plans.get(("hidden", tuple(route)), lambda: hidden_plan(self.shape, route))
@@ -216,7 +230,17 @@ class PlanRunner:
     ) -> torch.Tensor:
         plan, sched = session.plan_for(prompts)
         ctx.past = session.position  # every caller's step continues the session's positions (the API's too)
-        return self.executor.run(plan, sched, {"input_ids": input_ids}, ctx, session.segment)["logits"]
+        segment = session.segment
+        local = self.local
+        if local is not None:
+
+            def segment(plan: Plan, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+                def remote(h: torch.Tensor) -> torch.Tensor:
+                    return session.segment(plan, h, ctx)
+
+                return local.step(session, hidden, ctx.mask, ctx.positions, ctx.past, session.max_length, remote)
+
+        return self.executor.run(plan, sched, {"input_ids": input_ids}, ctx, segment)["logits"]
 
     def update(self, handlers: Mapping[str, Handler]) -> None:
         """The update phase of the last plan run (a training step's), through the training loop's handlers."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
 from swarm.client.replies import checked, expected
+from swarm.client.verify_calls import CallAudit
 from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError
 from swarm.hop import Hop
 from swarm.plan.compile import repair
@@ -89,6 +91,9 @@ class RemoteChain:
         self.delivery = delivery  # set when the model tunes remote blocks (LoRA, deep prompts)
         self.last_route: list[Hop] = []
         self.last_plan: Plan | None = None  # the plan of the last call, as repaired
+        self.audit = CallAudit(conn, delivery is not None)  # calls drawn for verification (``verify_calls``)
+        # a trainer's cross-check of replicas (swarm/client/training/crosscheck.py): (chain, run, node, input, output)
+        self.crosscheck: Callable[[RemoteChain, ChainRun, str, torch.Tensor, torch.Tensor], None] | None = None
 
     def params(self) -> list[torch.nn.Parameter]:
         return self.delivery.adapters.remote_parameters() if self.delivery is not None else []
@@ -203,6 +208,8 @@ class RemoteChain:
 
             node_id, out = self.conn.retrier.run(attempt, "forward", confirm=True)
             run.inputs[node_id] = x
+            if self.crosscheck is not None and run.train is not None:
+                self.crosscheck(self, run, node_id, x, out)
             x, i = out, i + 1
         return x
 
@@ -214,9 +221,12 @@ class RemoteChain:
             start=node.start, end=node.end, keep_for_backward=node.keep, forward_id=server_id, train=run.train
         )
         wire = self._codec(run, node.inputs[0])
-        out = self._call(run.hops[node_id], request, dict(run.aux, hidden=x.to(wire)))["hidden"]
+        tensors = dict(run.aux, hidden=x.to(wire))
+        reply = self._call(run.hops[node_id], request, tensors)
+        if self.audit.due():  # raises naming the hop if two other servers compute otherwise
+            self.audit.check(self._call, run.hops[node_id], request, tensors, reply)
         run.server_ids[node_id] = server_id
-        return out.to(x.dtype)
+        return reply["hidden"].to(x.dtype)
 
     # ---- backward ---------------------------------------------------------------------------------------------------
     def backward(
@@ -282,6 +292,9 @@ class RemoteChain:
         except ActivationsGoneError:  # the server dropped the graph: same server, recompute from our inputs
             resend = dict(run.aux, hidden=run.inputs[forward_id].to(wire))
             out = self._call(hop, request, dict(resend, grad_output=grad.to(wire)))
+        if self.audit.due():  # another server recomputes the forward from our inputs, then the backward
+            whole = dict(run.aux, hidden=run.inputs[forward_id].to(wire), grad_output=grad.to(wire))
+            self.audit.check(self._call, hop, request, whole, out)
         return (out["grad_input"].to(grad.dtype) if input_grad else None), [out]
 
 

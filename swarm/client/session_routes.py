@@ -34,6 +34,8 @@ class SessionRoutes:
         retried) when the blocks are served but none has the room."""
         need = self.batch_size * self.max_length
         view = self.conn.view
+        if self.conn.trust is not None:  # servers convicted by others' accusations are banned before routing
+            self.conn.trust.refresh()
         if self.avoid:  # a slow peer's claims may still price it first: try without it, then with it
             try:
                 return view.route(

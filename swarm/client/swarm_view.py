@@ -2,7 +2,11 @@
 ``invalidate``), peers it banned after failures, latencies it observed, and single routes over what remains.
 
 Waiting for missing blocks and failing over belong to the retry helper (``swarm.client.retry``): a route that
-cannot be found raises ``MissingBlocksError`` at once."""
+cannot be found raises ``MissingBlocksError`` at once.
+
+Privacy (``ClientConfig``): blocks below ``local_blocks`` run on the client, so no route ever covers them (every route,
+a session's and a repair's included, is asked of ``route``); with ``trusted_peers``, only those peers exist for the
+client: a block none of them serves is missing, never routed to someone else."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.codecs import choose_codec, parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import RecordStore
+from swarm.errors import MissingBlocksError
 from swarm.hop import Hop
 from swarm.perf.calibration import CODEC_BYTES
 from swarm.perf.model import Software
@@ -164,6 +169,9 @@ class SwarmView:
     ) -> list[ServerRecord]:
         """The servers a route may use now (``needs``: capabilities their runtime must have)."""
         view = self.snapshot()
+        trusted = self.cfg.trusted_peers
+        if trusted:  # before the weights are picked too: only the trusted peers' weights can be chosen
+            view = {b: [r for r in records if r.peer_id in trusted] for b, records in view.items()}
         return eligible(
             view,
             fingerprint=self.current_fingerprint(view),
@@ -186,21 +194,29 @@ class SwarmView:
     ) -> list[Hop]:
         """The cheapest route over live, unbanned servers now whose runtime has every capability in ``needs``, for
         calls of ``tokens`` tokens (priced by ``costs``); ``stochastic`` scales each server's cost by an Exp(1) draw
-        (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``."""
+        (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``. Blocks below
+        ``local_blocks`` are the client's own: a route starts after them whatever ``start`` says."""
+        start = max(start, self.cfg.local_blocks)
         records = self.servers(min_cache_tokens, exclude, needs)
         noise = None
         if stochastic:
             rng = self._wiring_rng()
             noise = {r.peer_id: rng.expovariate(1.0) for r in records}
-        return choose_route(
-            records,
-            start,
-            end,
-            mode=mode,
-            measured=self.measured(mode),
-            rtt=dict(self.rtt),
-            default_latency=self.hop_latency,
-            model_id=self.model_id,
-            noise=noise,
-            costs=self.costs(mode, tokens),
-        )
+        try:
+            return choose_route(
+                records,
+                start,
+                end,
+                mode=mode,
+                measured=self.measured(mode),
+                rtt=dict(self.rtt),
+                default_latency=self.hop_latency,
+                model_id=self.model_id,
+                noise=noise,
+                costs=self.costs(mode, tokens),
+            )
+        except MissingBlocksError as e:
+            if self.cfg.trusted_peers:  # say why: the blocks may well be served, by peers this client does not trust
+                n = len(self.cfg.trusted_peers)
+                e.args = (f"{e.args[0]}: none of the {n} trusted peer(s) serves them (trusted_peers)",)
+            raise

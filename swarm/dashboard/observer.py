@@ -18,12 +18,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from swarm.accusations import Accusations, accusations_key
 from swarm.config import Timing
 from swarm.dht import RecordStore, current_broker
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import InfoReply
 from swarm.records import MAX_COUNT, PeerState, Reached, ServerRecord, View, servers
+from swarm.rpc.evidence import facts_or_none
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ MAX_EVENTS = 50  # recent events kept
 MAX_PEERS = 512  # peers listed in one snapshot (a hostile swarm could announce any number)
 MAX_POLLED = 64  # peers asked for live stats per round; the rest show what their records say
 MAX_CONCURRENT = 16  # info calls in flight at once
+MAX_ACCUSATIONS = 32  # accusations listed (the newest)
 INFO_TIMEOUT = 3.0  # one info call at most (less if the timing's open_timeout is shorter)
 
 EventKind = Literal["joined", "left", "state", "broker", "unreachable", "reachable", "coverage", "failover"]
@@ -80,6 +83,18 @@ class BrokerView(_Frozen):
     term: int
 
 
+class AccusationView(_Frozen):
+    """An accusation in the DHT (``swarm.accusations``): who accused whom, the accuser's words, and whether its
+    evidence checks (signed by the accused, digests and context in order); re-running it is for clients."""
+
+    accuser: str
+    accused: str
+    span: str
+    reason: str
+    made: float
+    evidence_checks: bool
+
+
 class Event(_Frozen):
     at: float  # the observer's clock (wall time by default)
     kind: EventKind
@@ -101,6 +116,7 @@ class Snapshot(_Frozen):
     inference_sps: float = 0.0  # ...and inference steps/s
     events: tuple[Event, ...] = ()
     dropped: int = 0  # records refused at read (unsigned, signed by another peer, malformed)
+    accusations: tuple[AccusationView, ...] = ()
 
 
 def peer_view(r: ServerRecord, info: InfoReply | None, polled: bool) -> PeerView:
@@ -261,6 +277,7 @@ class SwarmObserver:
             standby=(0,) * num_blocks,
         )
         self._first = True
+        self._checked: dict[tuple[str, str, float], bool] = {}  # accusations whose evidence was checked
 
     def note(self, kind: EventKind, peer_id: str | None, detail: str = "") -> None:
         """Record an event seen elsewhere (the API notes a client's failover); thread-safe."""
@@ -305,7 +322,35 @@ class SwarmObserver:
         replies = await asyncio.gather(*(self._info(r, gate) for r in polled))
         live = {r.peer_id: reply for r, reply in zip(polled, replies, strict=True)}
         dropped = sum(self.store.dropped.values())
-        return build_snapshot(self.model_id, self.num_blocks, view, live, broker, dropped, self.clock())
+        snapshot = build_snapshot(self.model_id, self.num_blocks, view, live, broker, dropped, self.clock())
+        accusations = await asyncio.to_thread(self._accusations)
+        return snapshot.model_copy(update={"accusations": accusations})
+
+    def _accusations(self) -> tuple[AccusationView, ...]:
+        """The newest accusations, their evidence checked once each (remembered by accuser, accused and time)."""
+        try:
+            records = self.store.read(accusations_key(self.model_id), Accusations)
+        except Exception:  # noqa: BLE001 - the page shows the rest of the swarm all the same
+            return ()
+        items = sorted(((r.accuser, a) for r in records for a in r.items), key=lambda x: -x[1].made)
+        rows = []
+        if len(self._checked) > 16 * MAX_ACCUSATIONS:
+            self._checked.clear()  # bounded: accusers may write many
+        for accuser, a in items[:MAX_ACCUSATIONS]:
+            key = (accuser, a.accused, a.made)
+            if key not in self._checked:
+                self._checked[key] = facts_or_none(a.evidence, a.accused)[0] is not None
+            rows.append(
+                AccusationView(
+                    accuser=clip(accuser, MAX_ID_TEXT),
+                    accused=clip(a.accused, MAX_ID_TEXT),
+                    span=f"{a.start}:{a.end}",
+                    reason=clip(a.reason, MAX_DETAIL),
+                    made=a.made,
+                    evidence_checks=self._checked[key],
+                )
+            )
+        return tuple(rows)
 
     def _broker(self) -> BrokerView | None:
         lease = current_broker(self.store, self.model_id, self.timing)

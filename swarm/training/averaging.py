@@ -1,17 +1,22 @@
 """Replica synchronisation through hivemind's decentralized averaging (butterfly all-reduce over the DHT), with the
-forked averager process tied to the life of its owner."""
+forked averager process tied to the life of its owner, parts reduced robustly (``swarm/training/robust.py``) and a
+round's result applied only once the whole of it has arrived."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import get_dht_time
 
 from swarm.dht import OwnedDHT, die_with_parent
+from swarm.training.robust import ClipRule, RobustAllReduceRunner
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
@@ -25,9 +30,18 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
     hivemind lets anyone who knows the group prefix join a round (its averager has no authorizer). This one takes
     part in a round only when every groupmate is a peer its owner allowed (``allow``: the replicas holding a signed
     stage record of the run, or the run's trainers); otherwise it leaves the group before any tensor is sent, and
-    the round fails without changing anything here."""
+    the round fails without changing anything here.
+
+    Each part this peer reduces is reduced by ``rule`` (``RobustAllReduceRunner``): a groupmate's values far from the
+    group's are clipped. The round's differences are applied to the tensors together at its end, and not at all if
+    it fails (hivemind applies each tensor as soon as its parts have arrived): a round that fails half-way leaves
+    nothing of it behind, and the owner checks a completed round's result as a whole."""
 
     _allowed: frozenset[str] = frozenset()  # in the averager's process; nobody until the owner says
+
+    def __init__(self, *args: Any, rule: ClipRule | None = None, **kwargs: Any) -> None:
+        self._rule = rule or ClipRule()  # before hivemind's __init__, which may fork the averager's process
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
@@ -50,12 +64,51 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             raise MatchmakingException(f"peers outside the run in the group: {', '.join(strangers)}")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
+    # Any: hivemind's GroupInfo; as hivemind's method, with the robust runner and the result applied at the end
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            rule=self._rule,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        updates = [update async for update in runner]
+        clipped = runner.clipped_peers()
+        if clipped:
+            log.warning("averaging: contributions clipped (parts by peer): %s", clipped)
+        if len(updates) != len(tensors):
+            raise AllreduceException(f"the round gave {len(updates)} of {len(tensors)} tensors")
+        for tensor, update in zip(tensors, updates, strict=True):
+            tensor.add_(update, alpha=self._averaging_alpha)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
     @classmethod
     def for_run(
-        cls, tensors: list[torch.Tensor], dht: OwnedDHT, prefix: str, run: RunConfig, start: bool = True
+        cls,
+        tensors: list[torch.Tensor],
+        dht: OwnedDHT,
+        prefix: str,
+        run: RunConfig,
+        start: bool = True,
+        weights: int | None = None,
     ) -> OwnedAverager:
         """``start=False``: start it later with ``run_in_background(await_ready=True)``, from the main thread (hivemind
-        sets signal handlers there, and the kernel's parent-death signal follows the creating thread)."""
+        sets signal handlers there, and the kernel's parent-death signal follows the creating thread). ``weights``:
+        how many of ``tensors`` (the first) are weights, the rest being Adam's moments (default: all)."""
+        weights = len(tensors) if weights is None else weights
         return cls(
             tensors,
             dht,
@@ -68,6 +121,7 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             allreduce_timeout=run.averaging_timeout,
             client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
             allow_state_sharing=False,  # joiners take a stage's state over the swarm's own checked path
+            rule=ClipRule.for_weights(weights, len(tensors), round_slack(run)),
         )
 
     def average_round(self, run: RunConfig, what: str) -> bool:
@@ -80,3 +134,9 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             return False
         log.info("averaged with %d peers", len(result or ()), extra={"span": what})
         return bool(result)
+
+
+def round_slack(run: RunConfig) -> float:
+    """How far, per element, replicas' weights may lie apart at a round: AdamW moves a weight by about lr a step, so
+    replicas that averaged k steps ago differ by at most ~2 lr k; twice that."""
+    return 4 * run.lr * max(run.average_every, 1)

@@ -19,6 +19,7 @@ import torch
 
 from swarm.client.executor import Handler
 from swarm.client.model import DistributedModelForCausalLM
+from swarm.client.training.crosscheck import CrossCheckConfig, CrossChecker
 from swarm.config import DirectPolicy, Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.errors import StaleStepError
@@ -85,10 +86,12 @@ class Trainer:
         wiring_seed: int | None = None,
         identity: Path | None = None,
         swarm_key: Path | None = None,
+        crosscheck: CrossCheckConfig | None = None,
     ) -> None:
         """``average_trainers``: start hivemind's averager for the trainers' own parameters (needs the main thread;
         used only while other trainers feed the run). ``identity``: this trainer's key file (its peer id is what a
-        closed run lists in ``[trust] trainers``). ``swarm_key``: a private swarm's key file."""
+        closed run lists in ``[trust] trainers``). ``swarm_key``: a private swarm's key file. ``crosscheck``: run
+        a sampled share of hops again on a second replica and compare (``swarm/client/training/crosscheck.py``)."""
         self.run, self.data = run, data
         self.timing = timing or Timing()
         config = run.hf_config()
@@ -108,6 +111,10 @@ class Trainer:
         )
         self.model.pretraining(run.target_batch_size, run.average_every)  # its plans carry the step's update
         self.params = list(self.model.parameters())
+        self.crosscheck: CrossChecker | None = None
+        if crosscheck is not None:
+            self.crosscheck = CrossChecker(self.model.connection, run, crosscheck)
+            self.model.runner.chain.crosscheck = self.crosscheck
         self.opt = make_optimizer(self.params, run)
         self.step = 0  # global steps done
         self.position = 0  # samples consumed from the data

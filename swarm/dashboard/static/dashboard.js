@@ -120,6 +120,29 @@ function renderEvents(s, snap) {
   s.querySelector(".events").replaceChildren(...items);
 }
 
+function renderAccusations(s, snap) {
+  const rows = (snap.accusations || []).map((a) => {
+    const tr = el("tr", "accusation-row");
+    const accused = el("td", "mono", short(a.accused));
+    accused.title = a.accused;
+    const accuser = el("td", "mono", short(a.accuser));
+    accuser.title = a.accuser;
+    tr.append(
+      accused, el("td", "mono", a.span), accuser, el("td", "", a.evidence_checks ? "signed, checks" : "does not check"),
+      el("td", "", a.reason), el("td", "time", when(a.made)),
+    );
+    return tr;
+  });
+  if (rows.length === 0) {
+    const tr = el("tr");
+    const td = el("td", "muted", "none");
+    td.colSpan = 6;
+    tr.appendChild(td);
+    rows.push(tr);
+  }
+  s.querySelector("table.accusations tbody").replaceChildren(...rows);
+}
+
 function render(state) {
   if (!state || state.v !== 1 || typeof state.models !== "object") return;
   document.getElementById("chat-link").hidden = !state.chat;
@@ -142,6 +165,7 @@ function render(state) {
     s.querySelector(".updated").textContent = when(snap.taken_at);
     renderMap(s, snap);
     renderPeers(s, snap);
+    renderAccusations(s, snap);
     renderEvents(s, snap);
   }
 }

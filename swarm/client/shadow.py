@@ -1,0 +1,106 @@
+"""A client's own inference session on one server, to run again what another server ran: the verifier that mirrors
+a hop window by window (each window of steps as one prefill on the context it already holds), a third server that
+breaks a tie, or a server re-running an accusation's evidence. Its replies are checked and their commitments kept
+like a chained hop's, so a shadow that lies leaves evidence too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from swarm.client import replies
+from swarm.client.chain import HopState, chunks
+from swarm.client.connection import SwarmConnection
+from swarm.errors import SwarmError
+from swarm.hop import Hop
+from swarm.protocol import InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
+from swarm.rpc.commit import CommitKey, digest
+from swarm.rpc.remote import Tensors, unavailable
+from swarm.rpc.stream import open_session
+
+Opening = Callable[[HopState], tuple[OpenSession, Tensors]]
+
+
+def plain_opening(max_length: int, batch_size: int) -> Opening:
+    """The opening of a shadow without an adapter."""
+
+    def opening(state: HopState) -> tuple[OpenSession, Tensors]:
+        h = state.hop
+        return (
+            OpenSession(
+                session_id=state.session_id, start=h.start, end=h.end, max_length=max_length, batch_size=batch_size
+            ),
+            {},
+        )
+
+    return opening
+
+
+class Shadow:
+    def __init__(self, conn: SwarmConnection, hop: Hop, opening: Opening, chunk: int) -> None:
+        self.conn, self.opening, self.chunk = conn, opening, chunk
+        self.state = HopState(hop)  # its session id, stream, commitments and their chain
+        self.position = 0
+
+    @property
+    def hop(self) -> Hop:
+        return self.state.hop
+
+    async def _open(self) -> None:
+        state, timing = self.state, self.conn.timing
+        request, tensors = self.opening(state)
+        state.stream = await open_session(self.conn.remote, state.hop, timing.open_timeout)
+        await state.stream.send(InferenceRequest(open=request), tensors)
+        opening, _, _ = await state.stream.receive(OpenReply, timing.open_timeout, 1 << 16)
+        state.commit, state.opening = CommitKey(opening, state.hop.peer_id), opening
+
+    async def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The server's output for the next positions ``hidden`` [batch, n, hidden] (client dtype back), sent in
+        pieces of at most ``chunk`` tokens; an unfit reply raises ``PeerUnavailableError`` naming the server."""
+        try:
+            return await self._run(hidden, positions)
+        except SwarmError as e:
+            raise replies.distrust(e, self.hop.peer_id) from None
+
+    async def _run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.state.stream is None:
+            await self._open()
+        state, hop = self.state, self.state.hop
+        assert state.stream is not None
+        dtype = getattr(torch, hop.dtype)
+        outs: list[torch.Tensor] = []
+        for c in chunks(hidden.shape[1], self.chunk):
+            x = hidden[:, c.start : c.end].to(dtype)
+            tensors: Tensors = {"hidden": x, "position_ids": positions[:, c.start : c.end].to(torch.int64)}
+            request = InferenceRequest(step=InferenceStep(position=self.position))
+            expect = replies.expected(request, tensors)
+            await state.stream.send(request, tensors)
+            timeout = self.conn.timeout(self.conn.timing.request_timeout, hop.peer_id)
+            reply, out_tensors, _ = await state.stream.receive(StepReply, timeout, expect.max_bytes)
+            state.chain.fold(reply)
+            state.commitments.append(reply)
+            out = replies.check(out_tensors, expect, hop.peer_id)["hidden"]
+            if reply.position != self.position or digest(out) != reply.digest or digest(x) != reply.input_digest:
+                raise unavailable(hop.peer_id, "sent a reply unlike its own commitment")
+            state.inputs.append(x)
+            state.positions.append(positions[:, c.start : c.end])
+            state.outputs.append(out)
+            self.position += c.end - c.start
+            outs.append(out)
+        return torch.cat(outs, dim=1).to(hidden.dtype)
+
+    async def seal(self) -> bool:
+        """Have the server sign the head of this session's chain (evidence against it covers every step)."""
+        stream = self.state.stream
+        if stream is None:
+            return False
+        try:
+            await stream.send(InferenceRequest(), {})
+            opening, _, _ = await stream.receive(OpenReply, self.conn.timing.notice_timeout, 1 << 16)
+        except SwarmError:
+            return False
+        return self.state.chain.seal(opening) and self.state.chain.audit(self.state.commit)
+
+    def close(self) -> None:
+        self.state.close()

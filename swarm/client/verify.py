@@ -1,0 +1,249 @@
+"""Verification of an inference session's hops: each hop's work is run again on another server of the same weights
+(its verifier, a ``Shadow`` session kept beside the hop's), window by window, and compared position by position
+(``swarm.verdict``).
+
+A window closes after a number of steps drawn at random (``ClientConfig.verify_every`` on average, at most twice
+that): its inputs go to the verifier as one prefill on the context the verifier already holds, and its outputs are
+compared with what the hop returned. So every step of every hop is checked, a window later, and no server can tell
+which step ends a window. The check runs on the client's event loop beside the session, off the decode path; its
+result is acted on before the next step.
+
+On a mismatch a third server runs the hop's whole context once and decides: the one of the two that disagrees with
+it is the cheater (when the third agrees with neither, or there is no third, nobody is blamed: the session moves off
+the hop). The cheater is banned and, where its signed commitments bind it to the wrong output, accused in the DHT
+with that evidence (``swarm.client.trust``). The steps between the cheat and its check have already run on the
+cheater's output: the hop is replaced (its history replayed onto honest servers) and the session goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from swarm.client.chain import HopState
+from swarm.client.connection import SwarmConnection
+from swarm.client.shadow import Opening, Shadow, plain_opening
+from swarm.errors import SwarmError
+from swarm.hop import Hop
+from swarm.records import Capability
+from swarm.verdict import Comparison, Gaps, compare, tolerance
+
+log = logging.getLogger(__name__)
+Who = Literal["ok", "hop", "verifier", "unresolved", "unverifiable"]
+
+
+@dataclass
+class Verdict:
+    state: HopState  # the hop checked
+    who: Who  # who computed wrong: nobody ("ok"), the hop, its verifier, or undecided
+    comparison: Comparison | None = None
+    entry: int = 0  # the hop's step (index into its inputs) holding the worst position
+    offset: int = 0  # the worst position within that step
+    shadow: Shadow | None = None  # the verifier (evidence against it is in its own session)
+    shadow_entry: int = 0  # the verifier's step holding the worst position
+    reason: str = ""
+
+    @property
+    def cheater(self) -> str | None:
+        if self.who == "hop":
+            return self.state.hop.peer_id
+        if self.who == "verifier" and self.shadow is not None:
+            return self.shadow.hop.peer_id
+        return None
+
+
+@dataclass
+class Watch:
+    state: HopState
+    due: int
+    shadow: Shadow | None = None
+    sent: int = 0  # the hop's steps the verifier has run
+    running: concurrent.futures.Future[Verdict] | None = None
+
+
+@dataclass
+class Stats:
+    checks: int = 0  # windows compared
+    tokens: int = 0  # positions compared
+    bytes_sent: int = 0  # hidden states sent to verifiers and third servers
+    outcomes: Counter[str] = field(default_factory=Counter)
+    closest: float = 0.0  # the largest window distance (rms) and single-position distance seen between outputs
+    closest_position: float = 0.0  # that passed: the margin honest servers leave under the tolerance
+
+
+class Verifier:
+    def __init__(
+        self,
+        conn: SwarmConnection,
+        opening: Opening,
+        max_length: int,
+        batch_size: int,
+        chunk: int,
+        needs: frozenset[Capability],
+    ) -> None:
+        cfg = conn.cfg
+        self.conn, self.opening, self.max_length, self.batch_size = conn, opening, max_length, batch_size
+        self.chunk, self.needs = chunk, needs
+        self.rng = random.Random(cfg.verify_seed) if cfg.verify_seed is not None else random.SystemRandom()
+        self.gaps = Gaps(cfg.verify_every, self.rng)
+        self.watches: dict[str, Watch] = {}  # by the hop's session id
+        self.stats = Stats()
+
+    # ---- the schedule (the session's thread) ----------------------------------------------------------------------
+    def after_step(self, states: list[HopState]) -> None:
+        """A step went through ``states``: count it toward each hop's window, and start the checks that are due."""
+        for state in states:
+            watch = self.watches.get(state.session_id)
+            if watch is None:
+                watch = self.watches[state.session_id] = Watch(state, self.gaps.draw())
+            watch.due -= 1
+            if watch.due <= 0 and watch.running is None:
+                watch.due = self.gaps.draw()
+                self._start(watch)
+
+    def _start(self, watch: Watch) -> None:
+        watch.running = asyncio.run_coroutine_threadsafe(self._check(watch), self.conn.loop.loop)
+
+    def settle(self) -> list[Verdict]:
+        """The verdicts of the checks that finished (the others go on)."""
+        done: list[Verdict] = []
+        for key, watch in list(self.watches.items()):
+            future = watch.running
+            if future is None or not future.done():
+                continue
+            watch.running = None
+            verdict = future.result()
+            self.stats.outcomes[verdict.who] += 1
+            if verdict.who != "ok":
+                done.append(verdict)
+                if verdict.who in ("verifier", "unresolved") and watch.shadow is not None:
+                    watch.shadow, watch.sent = None, 0  # a fresh verifier takes the whole history next time
+                    # (the verdict keeps the old one, for evidence against it; ``verdicts.act`` closes it)
+            if verdict.who == "hop":
+                self.watches.pop(key)
+        return done
+
+    def finish(self, timeout: float) -> list[Verdict]:
+        """Check every hop's steps not yet checked (the session ends), then every verdict; the verifiers close."""
+        for watch in self.watches.values():
+            if watch.running is None and watch.sent < len(watch.state.inputs) and not watch.state.broken:
+                self._start(watch)
+        pending = [w.running for w in self.watches.values() if w.running is not None]
+        concurrent.futures.wait(pending, timeout)
+        return self.settle()
+
+    def close(self) -> None:
+        for watch in self.watches.values():
+            if watch.running is not None:
+                watch.running.cancel()
+            if watch.shadow is not None:
+                watch.shadow.close()
+
+    # ---- one check (the event loop) --------------------------------------------------------------------------------
+    def _candidates(self, hop: Hop, exclude: set[str]) -> list[Hop]:
+        records = self.conn.view.servers(
+            self.batch_size * self.max_length, frozenset(exclude | {hop.peer_id}), self.needs
+        )
+        return [Hop.of(r, hop.start, hop.end) for r in records if r.start <= hop.start and hop.end <= r.end]
+
+    async def _check(self, watch: Watch) -> Verdict:
+        try:
+            return await self._compare(watch)
+        except SwarmError as e:  # a verifier that fails is no evidence against the hop: another one takes over
+            log.info("a verification failed: %s", e, extra={"peer": watch.state.hop.peer_id})
+            self.conn.retrier.note_failure(e, "verification")
+            return Verdict(watch.state, "unresolved", shadow=watch.shadow, reason=str(e))
+
+    async def _compare(self, watch: Watch) -> Verdict:
+        state = watch.state
+        n = len(state.inputs)
+        if watch.sent >= n or any(o is None for o in state.outputs[watch.sent : n]):
+            return Verdict(state, "ok")
+        if watch.shadow is None:
+            candidates = await asyncio.to_thread(self._candidates, state.hop, set())
+            if not candidates:
+                return Verdict(state, "unverifiable", reason="no other server holds these blocks")
+            watch.shadow, watch.sent = Shadow(self.conn, self.rng.choice(candidates), self.opening, self.chunk), 0
+        first = watch.sent
+        x = torch.cat(state.inputs[first:n], dim=1)
+        positions = torch.cat(state.positions[first:n], dim=1)
+        outs = [o for o in state.outputs[first:n] if o is not None]
+        mine = torch.cat([o.float() for o in outs], dim=1)
+        shadow_steps = len(watch.shadow.state.inputs)
+        theirs = await watch.shadow.run(x, positions)
+        self.stats.checks += 1
+        self.stats.tokens += x.shape[1]
+        self.stats.bytes_sent += x.numel() * x.element_size()
+        dtype = state.hop.dtype
+        cmp = compare(mine, theirs)
+        if cmp.within(tolerance(dtype, watch.shadow.hop.dtype)):
+            self.stats.closest = max(self.stats.closest, cmp.rms)
+            self.stats.closest_position = max(self.stats.closest_position, cmp.worst)
+            watch.sent = n
+            for i in range(first, n):
+                state.outputs[i] = None  # checked: only inputs stay (replays need them)
+            return Verdict(state, "ok", cmp)
+        entry, offset = _locate([t.shape[1] for t in state.inputs[first:n]], cmp.worst_position)
+        shadow_entry, _ = _locate([t.shape[1] for t in watch.shadow.state.inputs[shadow_steps:]], cmp.worst_position)
+        verdict = Verdict(
+            state,
+            "unresolved",
+            cmp,
+            first + entry,
+            offset,
+            watch.shadow,
+            shadow_steps + shadow_entry,
+            f"{cmp.describe()} from {watch.shadow.hop.peer_id}'s",
+        )
+        verdict.who = await self._third(state, watch.shadow, mine, theirs, n, x.shape[1])
+        log.warning(
+            "verification mismatch: %s; decided: %s",
+            verdict.reason,
+            verdict.who,
+            extra={"peer": state.hop.peer_id, "span": f"{state.hop.start}:{state.hop.end}"},
+        )
+        return verdict
+
+    async def _third(
+        self, state: HopState, shadow: Shadow, mine: torch.Tensor, theirs: torch.Tensor, n: int, window: int
+    ) -> Who:
+        """A third server runs the hop's whole context once: who of the hop and the verifier agrees with it."""
+        candidates = await asyncio.to_thread(self._candidates, state.hop, {shadow.hop.peer_id})
+        if not candidates:
+            return "unresolved"
+        hop = self.rng.choice(candidates)
+        x = torch.cat(state.inputs[:n], dim=1)
+        # with an adapter, the third server needs it too (the session's own opening sends it)
+        opening = self.opening if Capability.ADAPTERS in self.needs else plain_opening(x.shape[1], x.shape[0])
+        third = Shadow(self.conn, hop, opening, self.chunk)
+        try:
+            ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -window:]
+        except SwarmError as e:
+            self.conn.retrier.note_failure(e, "verification")
+            return "unresolved"
+        finally:
+            third.close()
+        self.stats.bytes_sent += x.numel() * x.element_size()
+        dtypes = (state.hop.dtype, shadow.hop.dtype, hop.dtype)
+        hop_ok = compare(mine, ref).within(tolerance(*dtypes))
+        shadow_ok = compare(theirs, ref).within(tolerance(*dtypes))
+        if shadow_ok and not hop_ok:
+            return "hop"
+        if hop_ok and not shadow_ok:
+            return "verifier"
+        return "unresolved"
+
+
+def _locate(lengths: list[int], position: int) -> tuple[int, int]:
+    """Which of consecutive pieces of ``lengths`` holds ``position``, and where in it."""
+    for i, n in enumerate(lengths):
+        if position < n:
+            return i, position
+        position -= n
+    return max(len(lengths) - 1, 0), 0

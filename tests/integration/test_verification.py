@@ -1,0 +1,119 @@
+"""Verification against real cheating servers (``scripts/cheating_server.py``): a client re-runs each hop's work on
+another server, a third decides, the cheater is banned and accused in the DHT with its own signed commitments as
+evidence; a second client re-runs that evidence and avoids the cheater; a lying accuser (a real process publishing
+true evidence of an honest server's right answer) changes nothing but its own standing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarm.accusations import Accusations, accusations_key
+from swarm.config import Timing
+from swarm.dashboard.observer import SwarmObserver
+from tests.conftest import load_script, local_reference
+from tests.integration.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
+
+pytestmark = pytest.mark.slow
+VOCAB = 320
+
+
+def _ids(seed: int, n: int = 6) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def cheating_swarm(tiny_models):
+    """Two honest servers of the whole tiny model (a verifier and a third for every check) and a cheater of the same
+    blocks, announced ten times faster: clients route to it first."""
+    folder = str(tiny_models["llama"])
+    cheaters = load_script("cheating_server")
+    with running_swarm(folder, ["0:4", "0:4"]) as swarm:
+        cheater = cheaters.start_cheater(swarm, "quant4", "0:4")
+        yield folder, swarm, cheater.peer_id
+
+
+def _client(folder, swarm, **kwargs):
+    kwargs = {"verify_every": 4, "verify_seed": 1, **kwargs}
+    client = connect(folder, swarm, timing=patient_timing(), **kwargs)
+    wait_for(lambda: len(client.connection.view.servers()) == 3, 60, "every server in the client's view")
+    return client
+
+
+def test_cheater_caught_banned_accused_and_avoided(cheating_swarm, tiny_models):
+    folder, swarm, cheater = cheating_swarm
+    ref = local_reference(tiny_models["llama"])
+    with _client(folder, swarm) as client:
+        with client.inference_session(max_length=64) as session:
+            client.generate(_ids(1), max_new_tokens=24, do_sample=False)
+        # every step was checked by the time the session closed (whatever the order checks finished in)
+        assert cheater in session.caught
+        assert cheater in client.connection.view.banned()
+        # the session's route after the catch holds honest servers only, and the accusation is in the DHT
+        records = client.connection.store.read(accusations_key(client.connection.model_id), Accusations)
+        mine = [r for r in records if r.accuser == client.connection.peer_id]
+        assert mine and [a.accused for a in mine[0].items] == [cheater]
+        # the dashboard lists it, its evidence checked (signed by the cheater, digests and context in order)
+        conn = client.connection
+        observer = SwarmObserver(conn.store, conn.remote, conn.model_id, 4, Timing.for_tests())
+        rows = [a for a in observer._accusations() if a.accuser == conn.peer_id]
+        assert [(a.accused, a.span, a.evidence_checks) for a in rows] == [(cheater, "0:4", True)]
+        # a fresh generate on this client equals the reference: the cheater is no longer used
+        ids = _ids(2)
+        assert torch.equal(
+            client.generate(ids, max_new_tokens=8, do_sample=False),
+            ref.generate(ids, max_new_tokens=8, do_sample=False),
+        )
+
+    # a second client, which never saw the cheat, re-runs the evidence and avoids the cheater from its first route
+    with _client(folder, swarm, verify_every=0) as second:
+        second.connection.trust.refresh(force=True)
+        assert cheater in second.connection.trust.convicted
+        ids = _ids(3)
+        out = second.generate(ids, max_new_tokens=8, do_sample=False)
+        assert cheater not in [h.peer_id for h in second.route]
+        assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+def test_false_accusation_costs_only_the_accuser(cheating_swarm, tiny_models):
+    folder, swarm, cheater = cheating_swarm
+    honest = swarm.peers[0].peer_id
+    cmd = [sys.executable, "-m", "tests.integration.false_accuser", folder, honest, *swarm.initial_peers]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=swarm.env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    accuser = done.stdout.split()[-1]
+    ref = local_reference(tiny_models["llama"])
+    with _client(folder, swarm, verify_every=0) as client:
+        trust = client.connection.trust
+        wait_for(lambda: trust.refresh(force=True) or any(k[0] == accuser for k in trust.judged), 60, "the lie read")
+        verdict = next(c for k, c in trust.judged.items() if k[0] == accuser)
+        assert verdict.accused == honest and not verdict.upheld  # its evidence re-ran to what the server gave
+        assert accuser in trust.false_accusers and honest not in trust.convicted
+        assert honest not in client.connection.view.banned()
+        # the accused keeps serving this client: with the cheater banned too, the honest servers carry the model
+        client.connection.view.ban(cheater, 600)
+        ids = _ids(4)
+        assert torch.equal(
+            client.generate(ids, max_new_tokens=8, do_sample=False),
+            ref.generate(ids, max_new_tokens=8, do_sample=False),
+        )
+        # and the accuser's later accusations are not even judged
+        judged = len(trust.judged)
+        trust.refresh(force=True)
+        assert len(trust.judged) == judged
+
+
+def test_forward_and_backward_verified_and_exact(cheating_swarm, tiny_models):
+    """Every call drawn (``verify_every=1``): the cheater's forward is caught by two servers' agreement, its call
+    fails over, and the caller gets honest outputs; backwards are verified the same way, with no false alarm."""
+    folder, swarm, cheater = cheating_swarm
+    ref = local_reference(tiny_models["llama"])
+    with _client(folder, swarm, verify_every=1, accuse=False) as client:
+        check_forward(client, ref, VOCAB)
+        assert client.blocks.audit.outcomes["hop"] >= 1
+        assert cheater in client.connection.view.banned()
+        check_backward(client, ref, VOCAB)
+        assert client.blocks.audit.outcomes["ok"] >= 2 and client.blocks.audit.outcomes["verifier"] == 0

@@ -1,0 +1,143 @@
+"""The parts of verification that need no swarm: the comparison rule against real blocks' numerics and real
+cheats, the schedule of checks, and evidence built from a real commitment signer, which checks only when every
+signature, digest and piece of the context binds the accused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.accusations import Accusation, Accusations, Evidence, TensorBlob
+from swarm.errors import BadInputError
+from swarm.identity import Credentials
+from swarm.protocol import StepReply
+from swarm.rpc.commit import CommitSigner
+from swarm.rpc.evidence import build, check
+from swarm.verdict import FLOAT32, HALF, Gaps, compare, tolerance
+
+
+def _block(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def test_the_rule_passes_honest_rounding_and_fails_each_cheat():
+    block = _block()
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
+    honest = x + block(x)
+    # float32 arithmetic in another order (a prefill against single steps): within the float32 tolerance
+    steps = torch.cat([x[:, i : i + 1] + block(x[:, i : i + 1]) for i in range(24)], dim=1)
+    assert compare(steps, honest).within(FLOAT32)
+    # bfloat16 weights and activations against float32: outside float32's tolerance, inside the half one
+    half = x.bfloat16() + _block().bfloat16()(x.bfloat16())
+    assert not compare(half, honest).within(FLOAT32) and compare(half, honest).within(HALF)
+    assert tolerance("float32", "bfloat16") == HALF and tolerance("float32") == FLOAT32
+    rms = honest.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = honest + 1e-2 * rms * torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
+    assert not compare(noise, honest).within(FLOAT32)
+    last = honest.clone()
+    last[:, -1] = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)) * rms[:, -1]
+    found = compare(last, honest)
+    assert not found.within(HALF) and found.worst_position == 23
+    other = x + _block(5)(x)  # another block's weights
+    assert not compare(other, honest).within(HALF)
+    nan = honest.clone()
+    nan[0, 3, 4] = float("nan")
+    assert not compare(nan, honest).within(HALF) and "non-finite" in compare(nan, honest).describe()
+
+
+def test_windows_close_at_random_within_twice_the_mean():
+    draws = [Gaps(16, random.Random(s)).draw() for s in range(2000)]
+    assert min(draws) == 1 and max(draws) == 31 and 15 < sum(draws) / len(draws) < 17
+    assert Gaps(0, random.Random(0)).draw() > 1 << 60  # off
+
+
+@pytest.fixture(scope="module")
+def server():
+    return Credentials.of(RSAPrivateKey())
+
+
+def _session(server: Credentials, steps: list[torch.Tensor], outs: list[torch.Tensor]):
+    """A server's commitments to ``steps`` (inputs) giving ``outs``, sealed: its opening, chain and signature."""
+    signer = CommitSigner(server, sign_every=1000)
+    key = ("client", "sid")
+    chain: list[StepReply] = []
+    position = 0
+    for x, y in zip(steps, outs, strict=True):
+        chain.append(signer.reply(key, position, 1, x, y))
+        position += x.shape[1]
+    sealed = signer.sealed(key)
+    return sealed, chain, sealed.chain_signature
+
+
+def _evidence(server, outs=None, **change) -> Evidence | None:
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.randn(1, n, 8, generator=g) for n in (5, 1, 1, 1)]
+    outs = outs or [x * 2 for x in steps]
+    opening, chain, signature = _session(server, steps, outs)
+    kwargs = dict(
+        session_id="sid",
+        opening=opening,
+        chain=chain,
+        signature=signature,
+        steps=[(p, x) for p, x in zip((0, 5, 6, 7), steps, strict=True)],
+        chunk=0,
+        bad=6,
+        output=outs[2],
+    )
+    kwargs.update(change)
+    return build(**kwargs)
+
+
+def test_evidence_binds_the_accused_to_its_output_and_context(server):
+    evidence = _evidence(server)
+    assert evidence is not None
+    facts = check(evidence, server.peer_id)
+    assert facts.offset == 6 and facts.inputs.shape == (1, 7, 8) and facts.output.shape == (1, 1, 8)
+    assert torch.equal(facts.output, facts.inputs[:, 6:7] * 2)
+    # it round-trips through a DHT record unchanged
+    record = Accusations(
+        accuser="someone",
+        items=(
+            Accusation(
+                accused=server.peer_id,
+                model_id="m",
+                fingerprint="f",
+                start=0,
+                end=4,
+                reason="r",
+                made=1.0,
+                evidence=evidence,
+            ),
+        ),
+    )
+    again = Accusations.model_validate(record.to_wire())
+    assert check(again.items[0].evidence, server.peer_id).offset == 6
+
+
+def test_evidence_that_does_not_bind_the_accused_proves_nothing(server):
+    evidence = _evidence(server)
+    assert evidence is not None
+    other = Credentials.of(RSAPrivateKey())
+    with pytest.raises(BadInputError, match="certified"):
+        check(evidence, other.peer_id)  # someone else's commitments
+    forged = evidence.model_copy(update={"output": TensorBlob.of(torch.zeros(1, 1, 8))})
+    with pytest.raises(BadInputError, match="output"):
+        check(forged, server.peer_id)  # another output than the one committed to
+    context = evidence.inputs.tensor()
+    context[0, 0, 0] += 1.0
+    with pytest.raises(BadInputError, match="context at 0"):
+        check(evidence.model_copy(update={"inputs": TensorBlob.of(context)}), server.peer_id)
+    with pytest.raises(BadInputError, match="signature"):
+        check(evidence.model_copy(update={"commitments": evidence.commitments[:-1]}), server.peer_id)
+    with pytest.raises(BadInputError, match="tile"):
+        check(evidence.model_copy(update={"pieces": evidence.pieces[1:]}), server.peer_id)
+    short = TensorBlob.of(torch.zeros(1, 2, 8)).model_copy(update={"shape": (1, 3, 8)})
+    with pytest.raises(BadInputError, match="malformed"):
+        check(evidence.model_copy(update={"inputs": short}), server.peer_id)
+    # a client cannot build evidence for a context or output the server did not commit to
+    assert _evidence(server, output=torch.zeros(1, 1, 8)) is None
+    assert _evidence(server, bad=5) is None  # the output of step 2 is not what step 1 gave out
