@@ -104,6 +104,7 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                 client = _connect(model, swarm, accuse=False)
                 try:
                     trained = train_run(client, args.train_steps, cheater.peer_id)
+                    audits = dict(client.blocks.audit.outcomes)
                 finally:
                     client.close()
             finally:
@@ -118,6 +119,7 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                     caught_by_session_end=caught_by_end,
                     median_steps_to_catch=statistics.median(first) if first else None,
                     finetune_caught_at_step=trained,
+                    finetune_checks=audits,
                 )
             )
             print(json.dumps(rows[-1]), flush=True)

@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.records import Record
 
-MAX_ACCUSATIONS = 4  # per accuser, its newest
-MAX_EVIDENCE_BYTES = 1 << 20  # the tensors of one accusation (raw; base64 adds a third)
+MAX_ACCUSATIONS = 2  # per accuser, its newest
+MAX_EVIDENCE_BYTES = 384 << 10  # the tensors of one accusation (raw; base64 adds a third): a record stays < 1.1 MB
 MAX_COMMITMENTS = 4096  # commitments in one evidence chain
 ACCUSATION_TTL = 3600.0  # an accusation expires this long after it was written (the accuser may write it again)
 HEX64 = r"^[0-9a-f]{64}$"
@@ -69,6 +69,7 @@ class Commitment(_Frozen):
     tag: int = Field(ge=0)
     input_digest: str = Field(pattern=HEX64)
     digest: str = Field(pattern=HEX64)
+    aux: str = Field(default="", max_length=64)  # positions and mask other than the default ("": none)
 
 
 class Piece(_Frozen):

@@ -21,6 +21,7 @@ class Hop:
     runtime: str = "torch"  # the server's execution runtime (peers.serving.runtime)
     network_mbps: float | None = None  # the server's announced link (codec choice's prior; None: unknown)
     punch_via: tuple[str, ...] = ()  # behind a NAT: reached directly by hole punching, with these observers
+    fingerprint: str = ""  # the weights it serves (its record's; accusations name them)
 
     @classmethod
     def of(
@@ -45,6 +46,7 @@ class Hop:
             r.runtime,
             r.network_mbps,
             tuple(r.punch_via),
+            r.fingerprint,
         )
 
     @property

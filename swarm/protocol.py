@@ -204,6 +204,7 @@ class StepReply(Message):
     tag: int = Field(default=0, ge=0)
     input_digest: str = Field(max_length=64)
     digest: str = Field(max_length=64)
+    aux: str = Field(default="", max_length=64)  # "" at default positions without a mask (``commit.aux_digest``)
     signature: str = Field(default="", max_length=128)
 
 

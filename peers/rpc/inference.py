@@ -25,7 +25,7 @@ from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.errors import BadInputError, SessionExpiredError
 from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
-from swarm.rpc.commit import CommitSigner
+from swarm.rpc.commit import CommitSigner, aux_digest, binding
 
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
@@ -196,7 +196,7 @@ class InferenceLoop:
             await self.relay.bind(session, request.route)
             await self.sessions.notify()
         if request.step is None:
-            return _frames(self.signer.sealed((session.caller, session.id)))
+            return _frames(self.signer.sealed((session.caller, session.id), _bound(session)))
         return await self._step(session, request.step, tensors, tensors.get("hidden"), request.codec)
 
     async def _step(
@@ -228,5 +228,12 @@ class InferenceLoop:
             self.relay.push(session, step, out, tensors, codec)
         assert received is not None  # the step's checks required it
         sent = wire.as_received(out, codec)
-        reply = self.signer.reply((session.caller, session.id), step.position, step.tag, received, sent)
+        aux = aux_digest(step.position, received.shape[1], tensors.get("position_ids"), tensors.get("attention_mask"))
+        reply = self.signer.reply(
+            (session.caller, session.id), step.position, step.tag, received, sent, _bound(session), aux
+        )
         return wire.encode(reply.model_dump(mode="json"), result, codec)
+
+
+def _bound(session: Session) -> str:
+    return binding(session.sub.start, session.sub.end, session.adapter is not None)

@@ -29,7 +29,7 @@ from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.identity import Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
-from swarm.rpc.commit import ChainCopy, CommitKey, digest
+from swarm.rpc.commit import ChainCopy, CommitKey, binding, digest
 from swarm.rpc.remote import Remote, Tensors, unavailable
 from swarm.rpc.stream import InferenceStream, open_session
 
@@ -51,13 +51,18 @@ class HopState:
     # verified and dropped: ``swarm.client.verify``)
     commit: CommitKey | None = None  # checks its commitments (from its opening reply)
     opening: OpenReply | None = None  # that opening reply (evidence against it carries its certified key)
+    lossy: bool = False  # a lossy codec carried its activations (verification then allows for the rounding)
     generation: int = -1  # the route generation it was given
     acks: list[float] = field(default_factory=list)  # when each opening/route message still unanswered was sent
     commitments: list[StepReply] = field(default_factory=list)  # every commitment it sent, oldest first
     chain: ChainCopy = field(init=False)  # their hash chain, and the latest signature over it (``Chain.audit``)
 
     def __post_init__(self) -> None:
-        self.chain = ChainCopy(self.session_id)
+        self.chain = ChainCopy(self.session_id, binding(self.hop.start, self.hop.end, False))
+
+    def bind(self, opening: OpenSession) -> None:
+        """Seed its chain as the server does for this opening (its blocks, and whether an adapter runs there)."""
+        self.chain = ChainCopy(self.session_id, binding(opening.start, opening.end, opening.adapter is not None))
 
     def close(self) -> None:
         if self.stream is not None:
@@ -127,6 +132,7 @@ class Chain:
         async def one(state: HopState) -> None:
             if state.stream is None:
                 opening, tensors = self.open_request(state)
+                state.bind(opening)
                 state.stream = await open_session(self.remote, state.hop, self.open_timeout)
                 state.acks.append(time.perf_counter())
                 await state.stream.send(InferenceRequest(open=opening, route=signed), tensors)
@@ -180,6 +186,9 @@ class Chain:
         assert first.stream is not None
         xs = [hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype)) for c in pieces]
         codec = self.codec(states, xs[0])
+        lossy = codec not in (None, Codec.none)
+        if lossy:  # what the first hop takes in, as kept for replays and verification
+            hidden = torch.cat([wire.as_received(x, codec) for x in xs], dim=1).to(hidden.dtype)
         digests: list[str] = []
         for c, x in zip(pieces, xs, strict=True):
             tensors: Tensors = {"hidden": x}
@@ -218,13 +227,15 @@ class Chain:
                     if not replay:
                         prior.inputs.pop()
                         prior.positions.pop()
-                        prior.outputs.pop()
+                        if prior.outputs:
+                            prior.outputs.pop()
                         done.pop()
                     raise unavailable(
                         prior.hop.peer_id,
                         f"gave the next hop ({state.hop.peer_id}) another output than it committed to",
                     ) from e
                 raise
+            state.lossy |= lossy
             if replay:
                 state.outputs = [out]
             else:

@@ -362,8 +362,13 @@ class InferenceSession:
             confirm=True,
         )
         self.position += n
-        if self.verifier is not None and mask is None:  # (padded batches are not verified yet)
+        if self.verifier is not None:
+            if mask is not None and not bool((mask == 1).all()):  # padding: steps are no plain prefixes; not
+                self.verifier.stop()  # verified (yet)
             self.verifier.after_step(self._all_states)
+        else:  # outputs are kept only for verification
+            for state in self._all_states:
+                state.outputs.clear()
         return out
 
     def audit(self) -> None:
@@ -390,14 +395,19 @@ class InferenceSession:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            if self.verifier is not None:  # the steps since each hop's last check are checked before it ends
-                self.caught += act(self.verifier.finish(self.conn.timing.request_timeout), self.conn, self._chunk)
-                self.verifier.close()
-            if self.conn.cfg.chain:
-                self.seal()
-            self.audit()
-            for state in self._states.values():
-                state.close()
+            try:
+                if self.verifier is not None:  # the steps since each hop's last check are checked before it ends
+                    self.caught += act(self.verifier.finish(self.conn.timing.request_timeout), self.conn, self._chunk)
+            finally:
+                try:
+                    if self.verifier is not None:
+                        self.verifier.close()
+                    if self.conn.cfg.chain:
+                        self.seal()
+                    self.audit()
+                finally:
+                    for state in self._states.values():
+                        state.close()
 
     def __enter__(self) -> InferenceSession:
         return self

@@ -50,6 +50,7 @@ class Shadow:
     async def _open(self) -> None:
         state, timing = self.state, self.conn.timing
         request, tensors = self.opening(state)
+        state.bind(request)
         state.stream = await open_session(self.conn.remote, state.hop, timing.open_timeout)
         await state.stream.send(InferenceRequest(open=request), tensors)
         opening, _, _ = await state.stream.receive(OpenReply, timing.open_timeout, 1 << 16)

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,7 +33,7 @@ from swarm.client.shadow import Opening, Shadow, plain_opening
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.records import Capability
-from swarm.verdict import Comparison, Gaps, compare, tolerance
+from swarm.verdict import LOSSY, Comparison, Gaps, Tolerance, compare, tolerance
 
 log = logging.getLogger(__name__)
 Who = Literal["ok", "hop", "verifier", "unresolved", "unverifiable"]
@@ -43,10 +44,13 @@ class Verdict:
     state: HopState  # the hop checked
     who: Who  # who computed wrong: nobody ("ok"), the hop, its verifier, or undecided
     comparison: Comparison | None = None
-    entry: int = 0  # the hop's step (index into its inputs) holding the worst position
-    offset: int = 0  # the worst position within that step
+    first: int = 0  # the window's first step (index into the hop's inputs)
+    mine: torch.Tensor | None = None  # the hop's outputs over the window, the verifier's, and the third server's:
+    theirs: torch.Tensor | None = None  # which piece of the window is wrong is read off them
+    reference: torch.Tensor | None = None
     shadow: Shadow | None = None  # the verifier (evidence against it is in its own session)
-    shadow_entry: int = 0  # the verifier's step holding the worst position
+    shadow_first: int = 0  # the verifier's first step of this run, and how many positions of it precede the window
+    skip: int = 0
     reason: str = ""
 
     @property
@@ -63,7 +67,8 @@ class Watch:
     state: HopState
     due: int
     shadow: Shadow | None = None
-    sent: int = 0  # the hop's steps the verifier has run
+    sent: int = 0  # the hop's steps its verifier has run (a new verifier starts from none)
+    checked: int = 0  # the hop's steps compared and found right (their outputs dropped)
     running: concurrent.futures.Future[Verdict] | None = None
 
 
@@ -94,18 +99,37 @@ class Verifier:
         self.gaps = Gaps(cfg.verify_every, self.rng)
         self.watches: dict[str, Watch] = {}  # by the hop's session id
         self.stats = Stats()
+        self.stopped = False
 
     # ---- the schedule (the session's thread) ----------------------------------------------------------------------
     def after_step(self, states: list[HopState]) -> None:
-        """A step went through ``states``: count it toward each hop's window, and start the checks that are due."""
+        """A step went through ``states``: count it toward each hop's window, and start the checks that are due.
+        Hops no longer on the route are let go (their verifiers closed)."""
+        if self.stopped:
+            return
+        live = {s.session_id for s in states}
+        for key, old in list(self.watches.items()):
+            if key not in live and old.running is None:
+                self._drop(key)
         for state in states:
-            watch = self.watches.get(state.session_id)
-            if watch is None:
-                watch = self.watches[state.session_id] = Watch(state, self.gaps.draw())
+            found = self.watches.get(state.session_id)
+            watch = found if found is not None else Watch(state, self.gaps.draw())
+            self.watches[state.session_id] = watch
             watch.due -= 1
             if watch.due <= 0 and watch.running is None:
                 watch.due = self.gaps.draw()
                 self._start(watch)
+
+    def _drop(self, key: str) -> None:
+        watch = self.watches.pop(key)
+        if watch.shadow is not None:
+            watch.shadow.close()
+
+    def stop(self) -> None:
+        """Verify no further step of this session (a padding mask: its steps are not plain prefixes)."""
+        self.stopped = True
+        self.close()
+        self.watches.clear()
 
     def _start(self, watch: Watch) -> None:
         watch.running = asyncio.run_coroutine_threadsafe(self._check(watch), self.conn.loop.loop)
@@ -118,7 +142,11 @@ class Verifier:
             if future is None or not future.done():
                 continue
             watch.running = None
-            verdict = future.result()
+            try:
+                verdict = future.result()
+            except Exception as e:  # noqa: BLE001 - a check that broke is no verdict on anyone
+                log.warning("a verification broke: %s", e, extra={"peer": watch.state.hop.peer_id})
+                verdict = Verdict(watch.state, "unresolved", reason=str(e))
             self.stats.outcomes[verdict.who] += 1
             if verdict.who != "ok":
                 done.append(verdict)
@@ -126,17 +154,30 @@ class Verifier:
                     watch.shadow, watch.sent = None, 0  # a fresh verifier takes the whole history next time
                     # (the verdict keeps the old one, for evidence against it; ``verdicts.act`` closes it)
             if verdict.who == "hop":
-                self.watches.pop(key)
+                self.watches.pop(key)  # its verifier goes with the verdict (closed once evidence is taken)
         return done
 
     def finish(self, timeout: float) -> list[Verdict]:
-        """Check every hop's steps not yet checked (the session ends), then every verdict; the verifiers close."""
-        for watch in self.watches.values():
-            if watch.running is None and watch.sent < len(watch.state.inputs) and not watch.state.broken:
-                self._start(watch)
-        pending = [w.running for w in self.watches.values() if w.running is not None]
-        concurrent.futures.wait(pending, timeout)
-        return self.settle()
+        """Check every hop's steps not yet checked (the session ends), then every verdict."""
+        verdicts: list[Verdict] = []
+        deadline = time.monotonic() + timeout
+        for _ in range(3):  # a check that found a verifier failing leaves its window to the next round
+            todo = [
+                w
+                for w in self.watches.values()
+                if w.running is not None or (w.checked < len(w.state.inputs) and not w.state.broken)
+            ]
+            if not todo or self.stopped:
+                break
+            for watch in todo:
+                if watch.running is None:
+                    self._start(watch)
+            pending = [w.running for w in todo if w.running is not None]
+            concurrent.futures.wait(pending, max(deadline - time.monotonic(), 0.0))
+            verdicts += self.settle()
+            if time.monotonic() >= deadline:
+                break
+        return verdicts
 
     def close(self) -> None:
         for watch in self.watches.values():
@@ -160,48 +201,61 @@ class Verifier:
             self.conn.retrier.note_failure(e, "verification")
             return Verdict(watch.state, "unresolved", shadow=watch.shadow, reason=str(e))
 
+    def _tolerance(self, state: HopState, *others: Hop) -> Tolerance:
+        tol = tolerance(state.hop.dtype, *(h.dtype for h in others))
+        return LOSSY if state.lossy else tol
+
     async def _compare(self, watch: Watch) -> Verdict:
         state = watch.state
-        n = len(state.inputs)
-        if watch.sent >= n or any(o is None for o in state.outputs[watch.sent : n]):
+        n, checked = len(state.inputs), watch.checked
+        if checked >= n:
             return Verdict(state, "ok")
+        outs = state.outputs[checked:n]
+        if any(o is None for o in outs):  # cannot happen: outputs are dropped only once checked
+            watch.checked = n
+            return Verdict(state, "unverifiable", reason="outputs missing")
         if watch.shadow is None:
             candidates = await asyncio.to_thread(self._candidates, state.hop, set())
             if not candidates:
+                watch.checked = n
+                for i in range(checked, n):
+                    state.outputs[i] = None  # never to be compared: not kept
                 return Verdict(state, "unverifiable", reason="no other server holds these blocks")
             watch.shadow, watch.sent = Shadow(self.conn, self.rng.choice(candidates), self.opening, self.chunk), 0
-        first = watch.sent
+        first, shadow = watch.sent, watch.shadow
         x = torch.cat(state.inputs[first:n], dim=1)
         positions = torch.cat(state.positions[first:n], dim=1)
-        outs = [o for o in state.outputs[first:n] if o is not None]
-        mine = torch.cat([o.float() for o in outs], dim=1)
-        shadow_steps = len(watch.shadow.state.inputs)
-        theirs = await watch.shadow.run(x, positions)
+        shadow_first = len(shadow.state.inputs)
+        ran = await shadow.run(x, positions)
+        watch.sent = n
+        skip = sum(t.shape[1] for t in state.inputs[first:checked])  # already compared with an earlier verifier
+        theirs = ran[:, skip:]
+        mine = torch.cat([o.float() for o in outs if o is not None], dim=1)
         self.stats.checks += 1
-        self.stats.tokens += x.shape[1]
+        self.stats.tokens += mine.shape[1]
         self.stats.bytes_sent += x.numel() * x.element_size()
-        dtype = state.hop.dtype
         cmp = compare(mine, theirs)
-        if cmp.within(tolerance(dtype, watch.shadow.hop.dtype)):
+        if cmp.within(self._tolerance(state, shadow.hop)):
             self.stats.closest = max(self.stats.closest, cmp.rms)
             self.stats.closest_position = max(self.stats.closest_position, cmp.worst)
-            watch.sent = n
-            for i in range(first, n):
+            watch.checked = n
+            for i in range(checked, n):
                 state.outputs[i] = None  # checked: only inputs stay (replays need them)
             return Verdict(state, "ok", cmp)
-        entry, offset = _locate([t.shape[1] for t in state.inputs[first:n]], cmp.worst_position)
-        shadow_entry, _ = _locate([t.shape[1] for t in watch.shadow.state.inputs[shadow_steps:]], cmp.worst_position)
         verdict = Verdict(
             state,
             "unresolved",
             cmp,
-            first + entry,
-            offset,
-            watch.shadow,
-            shadow_steps + shadow_entry,
-            f"{cmp.describe()} from {watch.shadow.hop.peer_id}'s",
+            checked,
+            mine,
+            theirs,
+            None,
+            shadow,
+            shadow_first,
+            skip,
+            f"{cmp.describe()} from {shadow.hop.peer_id}'s",
         )
-        verdict.who = await self._third(state, watch.shadow, mine, theirs, n, x.shape[1])
+        verdict.who, verdict.reference = await self._third(state, shadow, mine, theirs, n)
         log.warning(
             "verification mismatch: %s; decided: %s",
             verdict.reason,
@@ -211,39 +265,30 @@ class Verifier:
         return verdict
 
     async def _third(
-        self, state: HopState, shadow: Shadow, mine: torch.Tensor, theirs: torch.Tensor, n: int, window: int
-    ) -> Who:
+        self, state: HopState, shadow: Shadow, mine: torch.Tensor, theirs: torch.Tensor, n: int
+    ) -> tuple[Who, torch.Tensor | None]:
         """A third server runs the hop's whole context once: who of the hop and the verifier agrees with it."""
         candidates = await asyncio.to_thread(self._candidates, state.hop, {shadow.hop.peer_id})
         if not candidates:
-            return "unresolved"
+            return "unresolved", None
         hop = self.rng.choice(candidates)
         x = torch.cat(state.inputs[:n], dim=1)
         # with an adapter, the third server needs it too (the session's own opening sends it)
         opening = self.opening if Capability.ADAPTERS in self.needs else plain_opening(x.shape[1], x.shape[0])
         third = Shadow(self.conn, hop, opening, self.chunk)
         try:
-            ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -window:]
+            ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -mine.shape[1] :]
         except SwarmError as e:
             self.conn.retrier.note_failure(e, "verification")
-            return "unresolved"
+            return "unresolved", None
         finally:
             third.close()
         self.stats.bytes_sent += x.numel() * x.element_size()
-        dtypes = (state.hop.dtype, shadow.hop.dtype, hop.dtype)
-        hop_ok = compare(mine, ref).within(tolerance(*dtypes))
-        shadow_ok = compare(theirs, ref).within(tolerance(*dtypes))
+        tol = self._tolerance(state, shadow.hop, hop)
+        hop_ok = compare(mine, ref).within(tol)
+        shadow_ok = compare(theirs, ref).within(tol)
         if shadow_ok and not hop_ok:
-            return "hop"
+            return "hop", ref
         if hop_ok and not shadow_ok:
-            return "verifier"
-        return "unresolved"
-
-
-def _locate(lengths: list[int], position: int) -> tuple[int, int]:
-    """Which of consecutive pieces of ``lengths`` holds ``position``, and where in it."""
-    for i, n in enumerate(lengths):
-        if position < n:
-            return i, position
-        position -= n
-    return max(len(lengths) - 1, 0), 0
+            return "verifier", ref
+        return "unresolved", ref

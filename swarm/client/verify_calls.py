@@ -17,12 +17,13 @@ import torch
 
 from swarm.accusations import ACCUSATION_TTL
 from swarm.client.connection import SwarmConnection
+from swarm.codecs import Codec
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import BackwardRequest, ForwardRequest
 from swarm.records import Capability
 from swarm.rpc.remote import Tensors, unavailable
-from swarm.verdict import Comparison, compare, tolerance
+from swarm.verdict import LOSSY, Comparison, compare, tolerance
 
 log = logging.getLogger(__name__)
 Call: TypeAlias = Callable[[Hop, ForwardRequest | BackwardRequest, Tensors], Tensors]
@@ -85,7 +86,9 @@ class CallAudit:
         if theirs is None:
             return
         cmp = compare_replies(reply, theirs)
-        if cmp is not None and cmp.within(tolerance(hop.dtype, verifier.dtype)):
+        # a lossy codec on either link rounds the replies the verifier's is compared with
+        lossy = any(self.conn.remote.codec_for(h, tensors) != Codec.none for h in (hop, verifier))
+        if cmp is not None and cmp.within(LOSSY if lossy else tolerance(hop.dtype, verifier.dtype)):
             self.outcomes["ok"] += 1
             return
         thirds = self._others(hop, backward, {verifier.peer_id})
@@ -96,10 +99,11 @@ class CallAudit:
         ref = self._run(call, third, again, tensors)
         if ref is None:
             return
-        dtypes = (hop.dtype, verifier.dtype, third.dtype)
+        lossy = lossy or self.conn.remote.codec_for(third, tensors) != Codec.none
+        tol = LOSSY if lossy else tolerance(hop.dtype, verifier.dtype, third.dtype)
         hop_cmp, verifier_cmp = compare_replies(reply, ref), compare_replies(theirs, ref)
-        hop_ok = hop_cmp is not None and hop_cmp.within(tolerance(*dtypes))
-        verifier_ok = verifier_cmp is not None and verifier_cmp.within(tolerance(*dtypes))
+        hop_ok = hop_cmp is not None and hop_cmp.within(tol)
+        verifier_ok = verifier_cmp is not None and verifier_cmp.within(tol)
         if verifier_ok and not hop_ok:
             self.outcomes["hop"] += 1
             self.conn.view.ban(hop.peer_id, ACCUSATION_TTL)

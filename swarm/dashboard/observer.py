@@ -332,14 +332,15 @@ class SwarmObserver:
             records = self.store.read(accusations_key(self.model_id), Accusations)
         except Exception:  # noqa: BLE001 - the page shows the rest of the swarm all the same
             return ()
-        items = sorted(((r.accuser, a) for r in records for a in r.items), key=lambda x: -x[1].made)
+        now = time.time() + self.timing.clock_skew  # an accusation dated ahead cannot push the others off the page
+        items = sorted(((r.accuser, a) for r in records for a in r.items if a.made <= now), key=lambda x: -x[1].made)
         rows = []
         if len(self._checked) > 16 * MAX_ACCUSATIONS:
             self._checked.clear()  # bounded: accusers may write many
         for accuser, a in items[:MAX_ACCUSATIONS]:
             key = (accuser, a.accused, a.made)
             if key not in self._checked:
-                self._checked[key] = facts_or_none(a.evidence, a.accused)[0] is not None
+                self._checked[key] = facts_or_none(a.evidence, a.accused, a.start, a.end)[0] is not None
             rows.append(
                 AccusationView(
                     accuser=clip(accuser, MAX_ID_TEXT),

@@ -43,12 +43,34 @@ def cert_message(commit_key: str, peer_id: str) -> bytes:
 
 
 def commit_message(reply: StepReply) -> bytes:
-    return f"swarm-commit|{reply.position}|{reply.tag}|{reply.input_digest}|{reply.digest}".encode()
+    return f"swarm-commit|{reply.position}|{reply.tag}|{reply.input_digest}|{reply.digest}|{reply.aux}".encode()
 
 
-def chain_start(session_id: str) -> bytes:
-    """The head of a session's chain before its first commitment."""
-    return hashlib.sha256(f"swarm-commit-chain|{session_id}".encode()).digest()
+def binding(start: int, end: int, adapter: bool) -> str:
+    """What a session's chain is bound to beside its id: the blocks it runs and whether an adapter changes them (so
+    evidence cannot claim other blocks, or plain blocks where the client's adapter ran)."""
+    return f"{start}:{end}|{'adapter' if adapter else '-'}"
+
+
+def aux_digest(position: int, n: int, position_ids: torch.Tensor | None, mask: torch.Tensor | None) -> str:
+    """ "" for a step at the default positions without a padding mask; else the sha-256 of the positions and mask it
+    ran with (a commitment then says the step is not a plain prefix of the session: evidence needs it plain)."""
+    plain = position_ids is None or torch.equal(
+        position_ids.to(torch.int64), torch.arange(position, position + n).expand_as(position_ids)
+    )
+    unmasked = mask is None or bool((mask == 1).all())
+    if plain and unmasked:
+        return ""
+    h = hashlib.sha256()
+    for t in (position_ids, mask):
+        if t is not None:
+            h.update(t.detach().to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def chain_start(session_id: str, bound: str = "") -> bytes:
+    """The head of a session's chain before its first commitment (``bound``: its ``binding``)."""
+    return hashlib.sha256(f"swarm-commit-chain|{session_id}|{bound}".encode()).digest()
 
 
 def chain_next(head: bytes, reply: StepReply) -> bytes:
@@ -62,8 +84,8 @@ def head_message(head: bytes, length: int) -> bytes:
 
 
 class _Chain:
-    def __init__(self, session_id: str) -> None:
-        self.head = chain_start(session_id)
+    def __init__(self, session_id: str, bound: str) -> None:
+        self.head = chain_start(session_id, bound)
         self.length = 0
 
 
@@ -80,23 +102,30 @@ class CommitSigner:
         )
         self._chains: dict[tuple[str, str], _Chain] = {}
 
-    def _chain(self, session: tuple[str, str]) -> _Chain:
+    def _chain(self, session: tuple[str, str], bound: str) -> _Chain:
         chain = self._chains.get(session)
         if chain is None:
-            chain = self._chains[session] = _Chain(session[1])
+            chain = self._chains[session] = _Chain(session[1], bound)
         return chain
 
     def _sign(self, chain: _Chain) -> str:
         return self._key.sign(head_message(chain.head, chain.length)).hex()
 
     def reply(
-        self, session: tuple[str, str], position: int, tag: int, hidden_in: torch.Tensor, out: torch.Tensor
+        self,
+        session: tuple[str, str],
+        position: int,
+        tag: int,
+        hidden_in: torch.Tensor,
+        out: torch.Tensor,
+        bound: str = "",
+        aux: str = "",
     ) -> StepReply:
-        """The commitment to one step of ``session``, added to its chain (and signed with the head every
-        ``sign_every`` steps)."""
-        chain = self._chain(session)
+        """The commitment to one step of ``session`` (bound to ``bound``, at positions and mask ``aux``), added to
+        its chain (and signed with the head every ``sign_every`` steps)."""
+        chain = self._chain(session, bound)
         unsigned = StepReply(
-            position=position, tag=tag, input_digest=digest(hidden_in), digest=digest(out), signature=""
+            position=position, tag=tag, input_digest=digest(hidden_in), digest=digest(out), aux=aux, signature=""
         )
         chain.head = chain_next(chain.head, unsigned)
         chain.length += 1
@@ -104,10 +133,10 @@ class CommitSigner:
             return unsigned
         return unsigned.model_copy(update={"signature": self._sign(chain)})
 
-    def sealed(self, session: tuple[str, str]) -> OpenReply:
+    def sealed(self, session: tuple[str, str], bound: str = "") -> OpenReply:
         """The answer to a message of ``session`` without a step: the certified key, and the signed head of the
         session's chain so far."""
-        chain = self._chain(session)
+        chain = self._chain(session, bound)
         if not chain.length:
             return self.opening  # nothing to sign yet (an opening)
         return self.opening.model_copy(update={"chain_length": chain.length, "chain_signature": self._sign(chain)})
@@ -147,8 +176,8 @@ class ChainCopy:
     """The client's copy of one hop's chain: every commitment read from its stream, folded in order, and the latest
     signature the hop gave over it (checked by ``audit``)."""
 
-    def __init__(self, session_id: str) -> None:
-        self.head = chain_start(session_id)
+    def __init__(self, session_id: str, bound: str = "") -> None:
+        self.head = chain_start(session_id, bound)
         self.length = 0
         self.signed: tuple[bytes, int, str] | None = None  # (head, length, signature): the latest signed head
         self.verified = 0  # the chain's length up to which a signature was checked

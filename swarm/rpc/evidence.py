@@ -1,6 +1,12 @@
 """Evidence of a wrong answer (``swarm.accusations``): built by the client that caught it from what the server
 signed, and checked by anyone before they re-run it. A check proves that the accused committed, under the key its
-identity certified, to the given output for the given context; whether that output is wrong is for the re-run."""
+identity certified, in a session bound to the accusation's blocks without an adapter, to the given output for the
+given context at the default positions; whether that output is wrong is for the re-run.
+
+The context is what the server's cache held when it ran the bad step: its commitments are replayed as the server
+runs steps (each appends at the cache's end, or redoes from where an earlier step began, dropping what came after),
+and the pieces must be exactly the commitments left standing, so a context stitched from a step and the one that
+replaced it proves nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import torch
 from swarm.accusations import MAX_COMMITMENTS, MAX_EVIDENCE_BYTES, Commitment, Evidence, Piece, TensorBlob
 from swarm.errors import BadInputError
 from swarm.protocol import OpenReply, StepReply
-from swarm.rpc.commit import CommitKey, chain_next, chain_start, digest
+from swarm.rpc.commit import CommitKey, binding, chain_next, chain_start, digest
 
 
 @dataclass(frozen=True)
@@ -24,40 +30,67 @@ class Facts:
 
 
 def _reply(c: Commitment) -> StepReply:
-    return StepReply(position=c.position, tag=c.tag, input_digest=c.input_digest, digest=c.digest)
+    return StepReply(position=c.position, tag=c.tag, input_digest=c.input_digest, digest=c.digest, aux=c.aux)
 
 
-def check(evidence: Evidence, accused: str) -> Facts:
-    """The facts ``evidence`` proves about ``accused``; ``BadInputError`` saying why it proves nothing."""
-    e = evidence
-    opening = OpenReply(commit_key=e.commit_key, public_key=e.public_key, commit_cert=e.commit_cert)
-    key = CommitKey(opening, accused)  # raises unless the accused's identity certified the key
-    head = chain_start(evidence.session_id)
-    for c in evidence.commitments:
-        head = chain_next(head, _reply(c))
-    if not key.verify(head, len(evidence.commitments), evidence.signature):
-        raise BadInputError("the signature does not cover these commitments")
+def standing(positions: list[int]) -> list[tuple[int, int]]:
+    """(index, position) of the commitments whose steps a server's cache holds after running them in order: each
+    step appends at ``position``, dropping every earlier step from ``position`` on (a redo)."""
+    alive: list[tuple[int, int]] = []
+    for i, p in enumerate(positions):
+        while alive and alive[-1][1] >= p:
+            alive.pop()
+        alive.append((i, p))
+    return alive
+
+
+def check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
+    """The facts ``evidence`` proves about ``accused`` serving blocks ``start:end``; ``BadInputError`` saying why it
+    proves nothing (any malformed part of it included)."""
     try:
-        inputs, output = evidence.inputs.tensor(), evidence.output.tensor()
-    except ValueError as e:
-        raise BadInputError(f"malformed tensors: {e}") from None
+        return _check(evidence, accused, start, end)
+    except BadInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - hostile evidence: whatever it breaks, it proves nothing
+        raise BadInputError(f"malformed evidence: {type(e).__name__}: {e}") from None
+
+
+def _check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
+    e = evidence
+    key = CommitKey(OpenReply(commit_key=e.commit_key, public_key=e.public_key, commit_cert=e.commit_cert), accused)
+    head = chain_start(e.session_id, binding(start, end, False))
+    for c in e.commitments:
+        head = chain_next(head, _reply(c))
+    if not key.verify(head, len(e.commitments), e.signature):
+        raise BadInputError("the signature does not cover these commitments, for these blocks without an adapter")
+    try:
+        inputs, output = e.inputs.tensor(), e.output.tensor()
+    except ValueError as err:
+        raise BadInputError(f"malformed tensors: {err}") from None
     if inputs.dtype != output.dtype or inputs.shape[0] != output.shape[0] or inputs.shape[2] != output.shape[2]:
         raise BadInputError("inputs and output do not match in dtype, batch or width")
     if inputs.nbytes + output.nbytes > MAX_EVIDENCE_BYTES:
         raise BadInputError("evidence tensors over the size limit")
-    expected, last = 0, -1
-    for piece in evidence.pieces:
-        if piece.index <= last or piece.index >= len(evidence.commitments):
-            raise BadInputError("pieces out of the chain's order")
-        c = evidence.commitments[piece.index]
-        if piece.start != expected or c.position != piece.start:
-            raise BadInputError("pieces do not tile the context from position 0")
+    bad = e.pieces[-1]
+    if bad.index >= len(e.commitments):
+        raise BadInputError("a piece outside the chain")
+    alive = standing([c.position for c in e.commitments[: bad.index + 1]])
+    if [(p.index, p.start) for p in e.pieces] != alive:
+        raise BadInputError("the pieces are not the steps the server's cache held at the bad step")
+    expected = 0
+    for piece in e.pieces:
+        c = e.commitments[piece.index]
+        if c.aux:
+            raise BadInputError("a step ran at other positions or with a mask: not re-runnable as a plain prefix")
         part = inputs[:, piece.start : piece.start + piece.length]
-        if part.shape[1] != piece.length or digest(part) != c.input_digest:
+        if piece.start != expected or part.shape[1] != piece.length or digest(part) != c.input_digest:
             raise BadInputError(f"the context at {piece.start} is not what commitment {piece.index} took in")
-        expected, last = piece.start + piece.length, piece.index
-    bad, bad_commitment = evidence.pieces[-1], evidence.commitments[evidence.pieces[-1].index]
-    if expected != inputs.shape[1] or output.shape[1] != bad.length or digest(output) != bad_commitment.digest:
+        expected = piece.start + piece.length
+    if (
+        expected != inputs.shape[1]
+        or output.shape[1] != bad.length
+        or digest(output) != e.commitments[bad.index].digest
+    ):
         raise BadInputError("the output is not what the last piece's commitment gave out")
     return Facts(inputs, output, bad.start)
 
@@ -68,48 +101,41 @@ def build(
     opening: OpenReply,
     chain: list[StepReply],
     signature: str,
-    steps: list[tuple[int, torch.Tensor]],
-    chunk: int,
+    context: torch.Tensor,
     bad: int,
     output: torch.Tensor,
 ) -> Evidence | None:
     """Evidence that the server of ``chain`` (its commitments, oldest first, all covered by ``signature``) gave
-    ``output`` for positions ``bad:bad + n`` of the context ``steps`` ((position, input) for each step, in the
-    server's dtype, cut in ``chunk``-token pieces as they were sent; 0: whole). None where its commitments do not
-    bind it (a piece no commitment matches) or it is too large to publish."""
-    context = torch.cat([x for _, x in steps], dim=1)
+    ``output`` (in its dtype) for the step at position ``bad`` of ``context`` (what it took in from position 0, in
+    its dtype). None where its commitments do not bind it (no such step, a context it did not take in, other
+    positions or a mask) or it is too large to publish."""
+    if len(chain) > MAX_COMMITMENTS:
+        return None
+    want = digest(output)
+    index = next(
+        (i for i in range(len(chain) - 1, -1, -1) if chain[i].position == bad and chain[i].digest == want), None
+    )
+    if index is None:
+        return None
     end = bad + output.shape[1]
-    if context.shape[1] < end or len(chain) > MAX_COMMITMENTS:
-        return None
     context = context[:, :end].contiguous()
-    if context.nbytes + output.nbytes > MAX_EVIDENCE_BYTES:
+    if context.shape[1] != end or context.nbytes + output.nbytes > MAX_EVIDENCE_BYTES:
         return None
+    alive = standing([c.position for c in chain[: index + 1]])
     pieces: list[Piece] = []
-    floor = -1
-    for position, x in steps:
-        n = x.shape[1]
-        size = chunk if chunk > 0 else n
-        for s in range(0, n, size):
-            start, length = position + s, min(size, n - s)
-            if start >= end:
-                break
-            if start + length > end:  # the bad piece ends the context
-                length = end - start
-            want = digest(context[:, start : start + length])
-            index = _latest(chain, start, want, floor)
-            if index is None:
-                return None
-            pieces.append(Piece(index=index, start=start, length=length))
-            floor = index
-    if not pieces or pieces[-1].start != bad or chain[pieces[-1].index].digest != digest(output):
-        return None
+    for k, (i, start) in enumerate(alive):
+        stop = alive[k + 1][1] if k + 1 < len(alive) else end
+        if chain[i].aux or digest(context[:, start:stop]) != chain[i].input_digest:
+            return None
+        pieces.append(Piece(index=i, start=start, length=stop - start))
     return Evidence(
         session_id=session_id,
         commit_key=opening.commit_key,
         public_key=opening.public_key,
         commit_cert=opening.commit_cert,
         commitments=tuple(
-            Commitment(position=c.position, tag=c.tag, input_digest=c.input_digest, digest=c.digest) for c in chain
+            Commitment(position=c.position, tag=c.tag, input_digest=c.input_digest, digest=c.digest, aux=c.aux)
+            for c in chain
         ),
         signature=signature,
         pieces=tuple(pieces),
@@ -118,18 +144,8 @@ def build(
     )
 
 
-def _latest(chain: list[StepReply], position: int, input_digest: str, floor: int) -> int | None:
-    """The latest commitment after ``floor`` at ``position`` that took in ``input_digest`` (a retried step leaves
-    earlier ones; the server's cache holds the last)."""
-    for i in range(len(chain) - 1, floor, -1):
-        c = chain[i]
-        if c.position == position and c.input_digest == input_digest:
-            return i
-    return None
-
-
-def facts_or_none(evidence: Evidence, accused: str) -> tuple[Facts | None, str]:
+def facts_or_none(evidence: Evidence, accused: str, start: int, end: int) -> tuple[Facts | None, str]:
     try:
-        return check(evidence, accused), ""
+        return check(evidence, accused, start, end), ""
     except BadInputError as e:
         return None, str(e)

@@ -35,15 +35,16 @@ def main(argv: list[str]) -> int:
         state = shadow.state
         assert state.opening is not None and state.chain.signed is not None
         _, length, signature = state.chain.signed
+        output = state.outputs[2]
+        assert output is not None
         evidence = build(
             session_id=state.session_id,
             opening=state.opening,
             chain=state.commitments[:length],
             signature=signature,
-            steps=[(2 * i, x) for i, x in enumerate(state.inputs)],
-            chunk=0,
+            context=torch.cat(state.inputs, dim=1),
             bad=4,
-            output=state.outputs[2],
+            output=output,
         )
         assert evidence is not None
         shadow.close()

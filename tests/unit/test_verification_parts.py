@@ -10,11 +10,11 @@ import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.accusations import Accusation, Accusations, Evidence, TensorBlob
+from swarm.accusations import Accusation, Accusations, Evidence, Piece, TensorBlob
 from swarm.errors import BadInputError
 from swarm.identity import Credentials
 from swarm.protocol import StepReply
-from swarm.rpc.commit import CommitSigner
+from swarm.rpc.commit import CommitSigner, binding
 from swarm.rpc.evidence import build, check
 from swarm.verdict import FLOAT32, HALF, Gaps, compare, tolerance
 
@@ -60,31 +60,38 @@ def server():
     return Credentials.of(RSAPrivateKey())
 
 
-def _session(server: Credentials, steps: list[torch.Tensor], outs: list[torch.Tensor]):
+BOUND = binding(0, 4, False)
+
+
+def _session(server: Credentials, steps: list[torch.Tensor], outs: list[torch.Tensor], positions=None, aux=None):
     """A server's commitments to ``steps`` (inputs) giving ``outs``, sealed: its opening, chain and signature."""
     signer = CommitSigner(server, sign_every=1000)
     key = ("client", "sid")
     chain: list[StepReply] = []
     position = 0
-    for x, y in zip(steps, outs, strict=True):
-        chain.append(signer.reply(key, position, 1, x, y))
-        position += x.shape[1]
-    sealed = signer.sealed(key)
+    for i, (x, y) in enumerate(zip(steps, outs, strict=True)):
+        at = positions[i] if positions is not None else position
+        chain.append(signer.reply(key, at, 1, x, y, BOUND, aux[i] if aux else ""))
+        position = at + x.shape[1]
+    sealed = signer.sealed(key, BOUND)
     return sealed, chain, sealed.chain_signature
 
 
-def _evidence(server, outs=None, **change) -> Evidence | None:
+def _steps():
     g = torch.Generator().manual_seed(4)
-    steps = [torch.randn(1, n, 8, generator=g) for n in (5, 1, 1, 1)]
+    return [torch.randn(1, n, 8, generator=g) for n in (5, 1, 1, 1)]
+
+
+def _evidence(server, outs=None, aux=None, **change) -> Evidence | None:
+    steps = _steps()
     outs = outs or [x * 2 for x in steps]
-    opening, chain, signature = _session(server, steps, outs)
+    opening, chain, signature = _session(server, steps, outs, aux=aux)
     kwargs = dict(
         session_id="sid",
         opening=opening,
         chain=chain,
         signature=signature,
-        steps=[(p, x) for p, x in zip((0, 5, 6, 7), steps, strict=True)],
-        chunk=0,
+        context=torch.cat(steps, dim=1),
         bad=6,
         output=outs[2],
     )
@@ -95,27 +102,15 @@ def _evidence(server, outs=None, **change) -> Evidence | None:
 def test_evidence_binds_the_accused_to_its_output_and_context(server):
     evidence = _evidence(server)
     assert evidence is not None
-    facts = check(evidence, server.peer_id)
+    facts = check(evidence, server.peer_id, 0, 4)
     assert facts.offset == 6 and facts.inputs.shape == (1, 7, 8) and facts.output.shape == (1, 1, 8)
     assert torch.equal(facts.output, facts.inputs[:, 6:7] * 2)
     # it round-trips through a DHT record unchanged
-    record = Accusations(
-        accuser="someone",
-        items=(
-            Accusation(
-                accused=server.peer_id,
-                model_id="m",
-                fingerprint="f",
-                start=0,
-                end=4,
-                reason="r",
-                made=1.0,
-                evidence=evidence,
-            ),
-        ),
+    item = Accusation(
+        accused=server.peer_id, model_id="m", fingerprint="f", start=0, end=4, reason="r", made=1.0, evidence=evidence
     )
-    again = Accusations.model_validate(record.to_wire())
-    assert check(again.items[0].evidence, server.peer_id).offset == 6
+    again = Accusations.model_validate(Accusations(accuser="someone", items=(item,)).to_wire())
+    assert check(again.items[0].evidence, server.peer_id, 0, 4).offset == 6
 
 
 def test_evidence_that_does_not_bind_the_accused_proves_nothing(server):
@@ -123,21 +118,49 @@ def test_evidence_that_does_not_bind_the_accused_proves_nothing(server):
     assert evidence is not None
     other = Credentials.of(RSAPrivateKey())
     with pytest.raises(BadInputError, match="certified"):
-        check(evidence, other.peer_id)  # someone else's commitments
+        check(evidence, other.peer_id, 0, 4)  # someone else's commitments
+    with pytest.raises(BadInputError, match="signature"):
+        check(evidence, server.peer_id, 0, 8)  # other blocks than the session ran
     forged = evidence.model_copy(update={"output": TensorBlob.of(torch.zeros(1, 1, 8))})
     with pytest.raises(BadInputError, match="output"):
-        check(forged, server.peer_id)  # another output than the one committed to
+        check(forged, server.peer_id, 0, 4)  # another output than the one committed to
     context = evidence.inputs.tensor()
     context[0, 0, 0] += 1.0
     with pytest.raises(BadInputError, match="context at 0"):
-        check(evidence.model_copy(update={"inputs": TensorBlob.of(context)}), server.peer_id)
+        check(evidence.model_copy(update={"inputs": TensorBlob.of(context)}), server.peer_id, 0, 4)
     with pytest.raises(BadInputError, match="signature"):
-        check(evidence.model_copy(update={"commitments": evidence.commitments[:-1]}), server.peer_id)
-    with pytest.raises(BadInputError, match="tile"):
-        check(evidence.model_copy(update={"pieces": evidence.pieces[1:]}), server.peer_id)
+        check(evidence.model_copy(update={"commitments": evidence.commitments[:-1]}), server.peer_id, 0, 4)
+    with pytest.raises(BadInputError, match="cache held"):
+        check(evidence.model_copy(update={"pieces": evidence.pieces[1:]}), server.peer_id, 0, 4)
     short = TensorBlob.of(torch.zeros(1, 2, 8)).model_copy(update={"shape": (1, 3, 8)})
     with pytest.raises(BadInputError, match="malformed"):
-        check(evidence.model_copy(update={"inputs": short}), server.peer_id)
+        check(evidence.model_copy(update={"inputs": short}), server.peer_id, 0, 4)
+    # a key of a kind the identity layer does not read breaks nothing: it proves nothing
+    odd = evidence.model_copy(update={"public_key": "ssh-foo AAAAB3NzaC1mb28="})
+    with pytest.raises(BadInputError):
+        check(odd, server.peer_id, 0, 4)
     # a client cannot build evidence for a context or output the server did not commit to
     assert _evidence(server, output=torch.zeros(1, 1, 8)) is None
     assert _evidence(server, bad=5) is None  # the output of step 2 is not what step 1 gave out
+    # nor for steps at other positions or with a mask (readers re-run plain prefixes)
+    assert _evidence(server, aux=["", "", "ab" * 32, ""]) is None
+
+
+def test_a_redone_step_cannot_be_stitched_into_the_context(server):
+    """The server redid the step at 5 (B then B'); the step at 6 ran on B'. A context of A, B, C is not what its
+    cache held: building from it fails, and forged pieces naming the replaced step are refused."""
+    g = torch.Generator().manual_seed(6)
+    a, b, b2, c = (torch.randn(1, n, 8, generator=g) for n in (5, 1, 1, 1))
+    opening, chain, signature = _session(server, [a, b, b2, c], [a, b, b2, c * 2], positions=[0, 5, 5, 6])
+    common = dict(session_id="sid", opening=opening, chain=chain, signature=signature, bad=6, output=c * 2)
+    assert build(context=torch.cat([a, b, c], dim=1), **common) is None
+    honest = build(context=torch.cat([a, b2, c], dim=1), **common)
+    assert honest is not None and [p.index for p in honest.pieces] == [0, 2, 3]
+    stitched = honest.model_copy(
+        update={
+            "inputs": TensorBlob.of(torch.cat([a, b, c], dim=1)),
+            "pieces": (honest.pieces[0], Piece(index=1, start=5, length=1), honest.pieces[2]),
+        }
+    )
+    with pytest.raises(BadInputError, match="cache held"):
+        check(stitched, server.peer_id, 0, 4)

@@ -33,6 +33,7 @@ from swarm.protocol import BackwardRequest, ForwardRequest
 from swarm.records import RoundRecord
 from swarm.rpc.remote import Tensors
 from swarm.training.run import RunConfig
+from swarm.verdict import tolerance
 
 log = logging.getLogger(__name__)
 TINY = 1e-12  # a position whose values are all (near) zero compares by absolute difference
@@ -160,12 +161,16 @@ class CrossChecker:
         replies = [self._probe(chain, run, hops[0], x, grad, out), self._probe(chain, run, rest[0], x, grad)]
         self.checked += 1
         worst = disagreement(*replies)
-        if worst <= self.config.tolerance:
+        # float32 replicas: the configured tolerance; half precision rounds far more (``swarm.verdict``)
+        tol = (
+            self.config.tolerance if hop.dtype == "float32" else max(self.config.tolerance, tolerance(hop.dtype).worst)
+        )
+        if worst <= tol:
             return
         if len(rest) > 1:  # a third replica referees
             replies.append(self._probe(chain, run, rest[1], x, grad))
             worst = max(worst, *(disagreement(r, replies[-1]) for r in replies[:-1]))
-        liars, settled = verdict(replies, self.config.tolerance)
+        liars, settled = verdict(replies, tol)
         for peer in liars:
             self.conn.view.ban(peer, self.config.ban_seconds)
         record = CheckRecord(
