@@ -22,7 +22,9 @@ random generator seeded with ``--seed``, one draw per call in the order calls re
 ``quant4`` and ``swap`` below 1, both copies of the weights are held and a call runs on one or the other. In the
 backward of a forward kept for it, the noise mode's draw is the forward's; a backward that recomputes draws again.
 
-Only the torch runtime of a serving stage cheats: ``--runtime onnx`` and ``--train`` are refused at start."""
+Only the torch runtime cheats (``--runtime onnx`` is refused at start). A trainable stage (``--train``: a replica
+of a pre-training run) cheats with ``noise`` or ``last`` only, on its forwards' outputs and (noise) the input
+gradients its backwards return; its weights are the run's, so the weight cheats are refused there."""
 
 from __future__ import annotations
 
@@ -270,6 +272,17 @@ def install(cheat: Cheat) -> None:
         return wrapped, learner
 
     ServingStage.load = cheating_load  # type: ignore[method-assign]
+    if cheat.mode in WEIGHT_MODES:
+        return
+    from peers.training.stage import TrainableStage
+
+    train_load = TrainableStage.load
+
+    async def cheating_train_load(self: TrainableStage, span: Span) -> tuple[SpanBackend, Learner | None]:
+        runtime, learner = await train_load(self, span)
+        return CheatingSpan(runtime, runtime, Dice(cheat)), learner  # type: ignore[return-value]  # duck-typed
+
+    TrainableStage.load = cheating_train_load  # type: ignore[method-assign]
 
 
 def _fraction(text: str) -> float:
@@ -313,8 +326,11 @@ def main(argv: list[str]) -> int:
             f"cheating_server: only the torch runtime cheats; --runtime {cfg.compute.runtime} refused", file=sys.stderr
         )
         return 2
-    if cfg.train:
-        print("cheating_server: a trainable stage (--train) cannot cheat; serve a model's blocks", file=sys.stderr)
+    if cfg.train and cheat.mode in WEIGHT_MODES:
+        print(
+            f"cheating_server: a trainable stage (--train) holds the run's weights; {cheat.mode} refused",
+            file=sys.stderr,
+        )
         return 2
     install(cheat)
     print(f"cheating_server: {cheat}", file=sys.stderr, flush=True)

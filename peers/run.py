@@ -19,6 +19,7 @@ from peers.broker.planner import Policy, Role
 from peers.config import NetworkConfig, PeerConfig
 from peers.follower import run_follower
 from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory, usable_memory
+from peers.judge import BrokerJudge
 from peers.node import Peer
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.reach import measure, reachable
@@ -282,7 +283,9 @@ async def run_peer(
         if cfg.placement.broker:
             policy = Policy(replication=cfg.placement.replication, standby_fraction=cfg.placement.standby_fraction)
             planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
-            tasks.append(asyncio.create_task(run_broker(store, model.name, planner, cfg.timing)))
+            judge = BrokerJudge(store, remote, model.name, model.num_blocks, cfg.timing)
+            broker = run_broker(store, model.name, planner, cfg.timing, judge.convicted)
+            tasks.append(asyncio.create_task(broker))
         tasks += [asyncio.create_task(work) for work in stage.background()]
         await _observe(cfg, peer, remote, observers, dashboard)
         log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})

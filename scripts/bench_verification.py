@@ -79,11 +79,12 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
     route), decoding through it at the default rate; then one fine-tuning run through it."""
     script = _script("cheating_server")
     rows = []
-    for mode in CHEATS:
-        for fraction in (1.0, 0.1):
+    for mode in args.cheats:
+        for fraction in args.fractions:
             cheater = script.start_cheater(swarm, mode, span, fraction=fraction, seed=7)
             caught_during = caught_by_end = routed = 0
             first: list[int] = []
+            weakest: list[float] = []
             try:
                 for trial in range(args.trials):
                     seen: list[int] = []
@@ -101,6 +102,8 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                     caught_during += bool(seen)
                     caught_by_end += cheater.peer_id in session.caught
                     first += seen
+                    if session.verifier is not None and session.verifier.stats.weakest_catch is not None:
+                        weakest.append(session.verifier.stats.weakest_catch)
                 client = _connect(model, swarm, accuse=False)
                 try:
                     trained = train_run(client, args.train_steps, cheater.peer_id)
@@ -118,12 +121,22 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                     caught_within_steps=caught_during,
                     caught_by_session_end=caught_by_end,
                     median_steps_to_catch=statistics.median(first) if first else None,
+                    weakest_catch_x_tolerance=min(weakest) if weakest else None,
+                    miss_bound=miss_bound(fraction, args.steps, args.every),
                     finetune_caught_at_step=trained,
                     finetune_checks=audits,
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def miss_bound(fraction: float, steps: int, every: int) -> float:
+    """The chance that none of the cheater's bad steps falls in a window checked within ``steps`` decode steps,
+    if every checked window that holds one fails (``weakest_catch_x_tolerance`` > 1 in every trial says how far
+    from that the cheat is): checks come at gaps of at most ``2 * every - 1`` steps, so at least the first
+    ``steps - 2 * every + 1`` steps (and the prefill) are checked; each is bad with probability ``fraction``."""
+    return (1.0 - fraction) ** (steps - 2 * every + 2)
 
 
 def train_run(client, steps: int, cheater: str) -> int | None:
@@ -229,6 +242,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=16, help="verify_every (the default rate)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cost-steps", type=int, default=64)
+    p.add_argument("--cheats", nargs="*", default=list(CHEATS), choices=CHEATS)
+    p.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.1])
     p.add_argument("--skip", nargs="*", default=[], choices=["detection", "honest", "cost", "onnx", "bfloat16"])
     p.add_argument("--quick", action="store_true", help="a smoke run: few steps, one trial")
     args = p.parse_args()

@@ -30,24 +30,26 @@ CHEATS = "harness.cheats"  # the module a forked cheater runs the ``main`` of
 def start_cheater(
     swarm: LocalSwarm,
     mode: str,
-    span: str,
+    span: str | None,
     *,
     fraction: float = 1.0,
     seed: int = 0,
     wait: bool = True,
     scale: float = 1e-2,
 ) -> PeerProcess:
-    """A cheater serving ``span`` in ``swarm``, started as ``LocalSwarm`` starts its peers (forked from the swarm's
-    fork server when it has one, else a process of its own) and stopped with them."""
+    """A cheater serving ``span`` in ``swarm`` (None: what the broker places it on), started as ``LocalSwarm``
+    starts its peers (forked from the swarm's fork server when it has one, else a process of its own) and stopped
+    with them."""
     from harness.fork_server import ForkServer
 
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is none of {MODES}")
     argv = [mode, "--fraction", repr(fraction), "--seed", str(seed), "--scale", repr(scale), "--"]
     argv += ["--model", swarm.model, *swarm.extra_args, "--throughput", "1000", "--initial-peers", *swarm.initial_peers]
-    argv += ["--blocks", span, *(["--test-timings"] if swarm.test_timings else [])]
+    argv += [*(["--blocks", span] if span is not None else []), *(["--test-timings"] if swarm.test_timings else [])]
     swarm.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = swarm.log_dir / f"cheater-{len(swarm.peers)}-{mode}-{span.replace(':', '_')}.log"
+    where = span.replace(":", "_") if span is not None else "placed"
+    log_path = swarm.log_dir / f"cheater-{len(swarm.peers)}-{mode}-{where}.log"
     if isinstance(swarm.spawner, ForkServer) and not swarm.env_overrides:
         log_path.write_text("")
         proc = swarm.spawner.spawn(argv, log_path, main=CHEATS)

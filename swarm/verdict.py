@@ -32,10 +32,12 @@ class Tolerance:
 
 
 # float32: 1e-6 measured on one CPU; 2e-3 leaves room for GPUs that multiply float32 in TF32 (~1e-3 relative).
+# One position may not stray past 5e-3: a cheat on one step of a long window (noise of 1e-2 on 10% of steps) is
+# diluted in the window's rms (1e-2 / sqrt(31) < 2e-3) and must be caught by its position.
 # bfloat16/float16: 1.03e-2 (window) and 3.4e-2 (one position) measured between honest bfloat16 runs and float32;
 # at 2.5x and 3x that, 1e-2 noise on a bfloat16 server is inside the honest spread (it is ~2.5 of its rounding steps)
 # and passes; 4-bit weights, another block's weights and a garbage position do not.
-FLOAT32 = Tolerance(rms=2e-3, worst=2e-2)
+FLOAT32 = Tolerance(rms=2e-3, worst=5e-3)
 HALF = Tolerance(rms=2.5e-2, worst=1e-1)
 # a hop whose activations crossed a lossy codec (float16, 8-bit: ``swarm.codecs``) took in and gave out rounded
 # values the verifier never saw: 8-bit rounding alone is ~1e-2 of a value; no accusation is made over such a link

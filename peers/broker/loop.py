@@ -1,12 +1,13 @@
 """The broker role, run by every candidate peer: stand in the election each period and, while holding the lease,
-read the peers' heartbeats, plan, and publish the assignment stamped with the term."""
+read the peers' heartbeats, plan, and publish the assignment stamped with the term. Servers convicted of wrong
+answers (``peers.judge``, injected by the node) are left out of the plan."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from peers.broker.election import Election
 from peers.broker.planner import PeerInfo, Plan, Role
@@ -20,6 +21,7 @@ from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
 Planner = Callable[[list[PeerInfo]], Plan]  # the stage's placement of the live peers (pure)
+Convicted = Callable[[], Awaitable[frozenset[str]]]  # servers convicted of wrong answers, judged as of now
 
 
 class DhtLeaseStore:
@@ -52,10 +54,19 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float, 
     return out
 
 
-def plan_once(store: RecordStore, model_id: str, planner: Planner, me: str, term: int, timing: Timing) -> Assignment:
+def plan_once(
+    store: RecordStore,
+    model_id: str,
+    planner: Planner,
+    me: str,
+    term: int,
+    timing: Timing,
+    convicted: frozenset[str] = frozenset(),
+) -> Assignment:
     records = store.read(peers_key(model_id), PeerRecord)
     now = dht_time()
-    peers = live_peers(records, now, timing.heartbeat_timeout, timing.clock_skew)
+    live = live_peers(records, now, timing.heartbeat_timeout, timing.clock_skew)
+    peers = [p for p in live if p.peer_id not in convicted]  # placed nowhere: not counted, not a standby
     plan = planner(peers)
     pinned = {p.peer_id for p in peers if p.pinned}
     placements = {
@@ -66,7 +77,9 @@ def plan_once(store: RecordStore, model_id: str, planner: Planner, me: str, term
     return Assignment(term=term, broker=me, issued_at=now, placements=placements)
 
 
-async def run_broker(store: RecordStore, model_id: str, planner: Planner, timing: Timing) -> None:
+async def run_broker(
+    store: RecordStore, model_id: str, planner: Planner, timing: Timing, convicted: Convicted | None = None
+) -> None:
     me = store.peer_id
     rules = LeaseRules(timing.lease_seconds, timing.max_tenure, skew=timing.clock_skew)
     election = Election(me, DhtLeaseStore(store, model_id, timing.lease_seconds), dht_time, rules)
@@ -74,7 +87,10 @@ async def run_broker(store: RecordStore, model_id: str, planner: Planner, timing
         try:
             lease = await asyncio.to_thread(election.tick)
             if lease is not None:
-                assignment = await asyncio.to_thread(plan_once, store, model_id, planner, me, lease.term, timing)
+                shunned = await convicted() if convicted is not None else frozenset()
+                assignment = await asyncio.to_thread(
+                    plan_once, store, model_id, planner, me, lease.term, timing, shunned
+                )
                 await asyncio.to_thread(store.publish, assignment_key(model_id), assignment, lease.expires)
                 log.debug("broker published a plan", extra={"peer": me})
         except asyncio.CancelledError:

@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from swarm.client import replies
+from swarm.client import hop_requests, replies
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.chain import Chain, HopState
 from swarm.client.connection import SwarmConnection
@@ -30,7 +30,7 @@ from swarm.errors import AdapterMissingError, SessionLengthError
 from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, generate_plan, repair
 from swarm.plan.ir import Plan, SpanStep
-from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
+from swarm.protocol import OpenSession
 from swarm.records import Capability
 from swarm.rpc.remote import Tensors, unavailable
 from swarm.rpc.stream import open_session
@@ -178,45 +178,7 @@ class InferenceSession:
 
     # ---- one hop --------------------------------------------------------------------------------------------------
     def _opening(self, state: HopState) -> tuple[OpenSession, Tensors]:
-        """Hop ``state``'s opening: the adapter is bound to the server's session at open, named by version, its
-        tensors sent only when that server lacks this version (or when a reference came back adapter_missing)."""
-        hop = state.hop
-        tensors: Tensors = {}
-        ref = None
-        if self.delivery is not None:
-            send = state.send_adapter or self.delivery.needs_sending(hop)
-            ref, tensors = self.delivery.part(hop, send)
-            self.delivery.delivered(hop)  # optimistic: an adapter_missing reply sends the tensors next time
-        opening = OpenSession(
-            session_id=state.session_id,
-            start=hop.start,
-            end=hop.end,
-            max_length=self.max_length,
-            batch_size=self.batch_size,
-            adapter=ref,
-        )
-        return opening, dict(tensors)
-
-    def _message(
-        self,
-        state: HopState,
-        hidden: torch.Tensor,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        position: int,
-    ) -> tuple[InferenceRequest, Tensors]:
-        step = InferenceStep(position=position)
-        tensors: Tensors = {"hidden": hidden.to(getattr(torch, state.hop.dtype))}
-        request = InferenceRequest(step=step)
-        if state.stream is None:
-            opening, part = self._opening(state)
-            tensors.update(part)
-            request = InferenceRequest(open=opening, step=step)
-        if mask is not None:
-            tensors["attention_mask"] = mask
-        if positions is not None:
-            tensors["position_ids"] = positions
-        return request, tensors
+        return hop_requests.opening(state, self.delivery, self.max_length, self.batch_size)
 
     def _timeout(self, hidden: torch.Tensor, peer_id: str) -> float:
         return self.conn.timeout(self._base_timeout(hidden.shape[1]), peer_id)
@@ -245,7 +207,7 @@ class InferenceSession:
         position: int,
     ) -> torch.Tensor:
         opening = state.stream is None
-        request, tensors = self._message(state, hidden, mask, positions, position)
+        request, tensors = hop_requests.step_request(state, hidden, mask, positions, position, self._opening)
         if state.stream is None:
             state.stream = await open_session(self.conn.remote, state.hop, self.conn.timing.open_timeout)
         t0 = time.perf_counter()

@@ -226,7 +226,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             hidden=int(self.config.hidden_size),
             value_bytes=getattr(torch, dtype_name).itemsize,  # hidden states travel in the embeddings' dtype
         )
-        self._conn.trust = Trust(self._conn)
+        self._conn.trust = Trust.of(self._conn)
         remote = self.adapters is not None and self.adapters.applies_remotely
         self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
         dtype = float_dtype(dtype_name)

@@ -80,6 +80,7 @@ class Stats:
     outcomes: Counter[str] = field(default_factory=Counter)
     closest: float = 0.0  # the largest window distance (rms) and single-position distance seen between outputs
     closest_position: float = 0.0  # that passed: the margin honest servers leave under the tolerance
+    weakest_catch: float | None = None  # the failing window nearest its tolerance, in multiples of it (>1)
 
 
 class Verifier:
@@ -235,13 +236,16 @@ class Verifier:
         self.stats.tokens += mine.shape[1]
         self.stats.bytes_sent += x.numel() * x.element_size()
         cmp = compare(mine, theirs)
-        if cmp.within(self._tolerance(state, shadow.hop)):
+        tol = self._tolerance(state, shadow.hop)
+        if cmp.within(tol):
             self.stats.closest = max(self.stats.closest, cmp.rms)
             self.stats.closest_position = max(self.stats.closest_position, cmp.worst)
             watch.checked = n
             for i in range(checked, n):
                 state.outputs[i] = None  # checked: only inputs stay (replays need them)
             return Verdict(state, "ok", cmp)
+        over = max(cmp.rms / tol.rms, cmp.worst / tol.worst)
+        self.stats.weakest_catch = over if self.stats.weakest_catch is None else min(self.stats.weakest_catch, over)
         verdict = Verdict(
             state,
             "unresolved",

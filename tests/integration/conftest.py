@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from harness.fork_server import ForkServer
+from tests.conftest import local_reference
 from tests.integration import swarms
 
 
@@ -20,3 +21,15 @@ def fork_server() -> Iterator[ForkServer]:
     finally:
         swarms.SPAWNERS.remove(server)
         server.close()
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_models) -> str:
+    """The tiny Llama's folder: what most loopback swarms serve."""
+    return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_models):
+    """A local Hugging Face run of the same weights, to compare the swarm's outputs with."""
+    return local_reference(tiny_models["llama"])

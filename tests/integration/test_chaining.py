@@ -21,7 +21,6 @@ from swarm.identity import Credentials, Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
 from swarm.rpc.commit import SIGN_EVERY, ChainCopy
 from swarm.rpc.stream import open_session
-from tests.conftest import local_reference
 from tests.integration.liar import start_liar
 from tests.integration.swarms import connect, counter, patient_timing, running_swarm, scrape, wait_for
 
@@ -30,16 +29,6 @@ ROOT = Path(__file__).parents[2]
 THREE = ["0:1", "1:3", "3:4"]
 OPEN_2_4 = OpenSession(session_id="s", start=2, end=4, max_length=8, batch_size=1)
 OPEN_0_2 = OpenSession(session_id="t", start=0, end=2, max_length=8, batch_size=1)
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_models):
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_models):
-    return local_reference(tiny_models["llama"])
 
 
 def _said(attacker: subprocess.Popen[str], timeout: float = 120.0) -> dict:

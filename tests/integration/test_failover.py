@@ -13,7 +13,6 @@ import torch
 from harness.local_swarm import Disturber
 from swarm.config import Timing
 from swarm.errors import MissingBlocksError
-from tests.conftest import local_reference
 from tests.integration.swarms import KillWhileServing, connect, running_swarm, wait_for, within
 
 # The fast subset keeps the first drill (a kill mid-generation); the full suite runs every one.
@@ -21,16 +20,6 @@ from tests.integration.swarms import KillWhileServing, connect, running_swarm, w
 REPLICATED = ["0:2", "0:2", "2:4", "2:4"]
 SLOW = ("--added-latency-ms", "400")
 HANG_S = 300.0  # how long a call may take before the test calls it hung (never reached on a working client)
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_models):
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_models):
-    return local_reference(tiny_models["llama"])
 
 
 def prompt() -> torch.Tensor:

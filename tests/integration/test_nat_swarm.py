@@ -34,11 +34,6 @@ BEHIND = {"full": ("full-cone", "1:2"), "port": ("port-restricted", "2:3"), "sym
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_models):
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
 def nat_swarm(folder, tmp_path_factory):
     logs = tmp_path_factory.mktemp("nat-swarm")
     nats = [NatConfig(name=f"nat-{node}", kind=kind, inside=(node,)) for node, (kind, _) in BEHIND.items()]

@@ -12,7 +12,6 @@ import torch
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, MissingBlocksError
-from tests.conftest import local_reference
 from tests.integration.swarms import (
     check_backward,
     check_forward,
@@ -25,16 +24,6 @@ from tests.integration.swarms import (
 )
 
 VOCAB = 320  # the tiny models'
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_models):
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_models):
-    return local_reference(tiny_models["llama"])
 
 
 def test_local_blocks_equal_local_run_and_are_never_asked_of_servers(folder, ref):

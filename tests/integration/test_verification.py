@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ import torch
 from swarm.accusations import Accusations, accusations_key
 from swarm.config import Timing
 from swarm.dashboard.observer import SwarmObserver
+from swarm.dht import start_dht
+from swarm.ids import assignment_key
+from swarm.records import Assignment
 from tests.conftest import load_script, local_reference
 from tests.integration.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
 
@@ -87,14 +91,16 @@ def test_false_accusation_costs_only_the_accuser(cheating_swarm, tiny_models):
     accuser = done.stdout.split()[-1]
     ref = local_reference(tiny_models["llama"])
     with _client(folder, swarm, verify_every=0) as client:
+        # the cheater would judge too and tie with the honest judge (nothing decided until a third exists): this
+        # client knows it as a cheater already, as the first test's clients do
+        client.connection.view.ban(cheater, 600)
         trust = client.connection.trust
         wait_for(lambda: trust.refresh(force=True) or any(k[0] == accuser for k in trust.judged), 60, "the lie read")
         verdict = next(c for k, c in trust.judged.items() if k[0] == accuser)
         assert verdict.accused == honest and not verdict.upheld  # its evidence re-ran to what the server gave
         assert accuser in trust.false_accusers and honest not in trust.convicted
         assert honest not in client.connection.view.banned()
-        # the accused keeps serving this client: with the cheater banned too, the honest servers carry the model
-        client.connection.view.ban(cheater, 600)
+        # the accused keeps serving this client: with the cheater banned, the honest servers carry the model
         ids = _ids(4)
         assert torch.equal(
             client.generate(ids, max_new_tokens=8, do_sample=False),
@@ -117,3 +123,28 @@ def test_forward_and_backward_verified_and_exact(cheating_swarm, tiny_models):
         assert cheater in client.connection.view.banned()
         check_backward(client, ref, VOCAB)
         assert client.blocks.audit.outcomes["ok"] >= 2 and client.blocks.audit.outcomes["verifier"] == 0
+
+
+def test_broker_stops_placing_a_convicted_cheater(tiny_models):
+    """A cheater started without --blocks is placed by the broker; once a client catches and accuses it, the broker
+    re-runs the evidence on the honest servers and its next plan places the cheater nowhere."""
+    folder = str(tiny_models["llama"])
+    cheaters = load_script("cheating_server")
+    with running_swarm(folder, ["0:4", "0:4"], "--standby-fraction", "0") as swarm:
+        cheater = cheaters.start_cheater(swarm, "quant4", None).peer_id
+        store = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True)
+        try:
+            model = Path(folder).resolve().name
+
+            def plan() -> dict[str, object]:
+                plans = store.read(assignment_key(model), Assignment)
+                return max(plans, key=lambda a: a.issued_at).placements if plans else {}
+
+            wait_for(lambda: cheater in plan(), 60, "the cheater placed by the broker")
+            with _client(folder, swarm) as client:  # the placed cheater serving among them
+                with client.inference_session(max_length=64) as session:
+                    client.generate(_ids(5), max_new_tokens=24, do_sample=False)
+                assert cheater in session.caught
+            wait_for(lambda: cheater not in plan(), 60, "the broker's plan without the cheater")
+        finally:
+            store.shutdown()

@@ -16,7 +16,6 @@ import torch
 from harness.wan import Wan, WanConfig, unavailable_reason
 from harness.wan.netns import namespaces
 from harness.wan.nodes import ClientJob, WanSwarm
-from tests.conftest import local_reference
 from tests.integration.swarms import PATIENT, alive, descendants, wait_for
 
 REASON = unavailable_reason()
@@ -29,16 +28,6 @@ SPANS = {"s1": "0:2", "s2": "2:3", "s3": "3:4", "s4": "2:3"}
 HOPS = 3
 NEW_TOKENS = 16
 JOB_TIMEOUT = 90.0
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_models):
-    return str(tiny_models["llama"])
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_models):
-    return local_reference(tiny_models["llama"])
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,12 @@ from swarm.accusations import Accusation, Accusations, Evidence, Piece, TensorBl
 from swarm.errors import BadInputError
 from swarm.identity import Credentials
 from swarm.protocol import StepReply
+from swarm.records import ServerRecord
 from swarm.rpc.commit import CommitSigner, binding
 from swarm.rpc.evidence import build, check
+from swarm.rpc.judging import RETRY_AFTER, Conviction, Docket, judge
 from swarm.verdict import FLOAT32, HALF, Gaps, compare, tolerance
+from tests.unit.test_basics import record
 
 
 def _block(seed: int = 0) -> torch.nn.Module:
@@ -38,6 +41,9 @@ def test_the_rule_passes_honest_rounding_and_fails_each_cheat():
     rms = honest.pow(2).mean(-1, keepdim=True).sqrt()
     noise = honest + 1e-2 * rms * torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
     assert not compare(noise, honest).within(FLOAT32)
+    one = honest.clone()  # noise on one step of a long window: diluted in the rms, caught at its position
+    one[:, 7] = noise[:, 7]
+    assert compare(one, honest).rms < FLOAT32.rms and not compare(one, honest).within(FLOAT32)
     last = honest.clone()
     last[:, -1] = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)) * rms[:, -1]
     found = compare(last, honest)
@@ -164,3 +170,68 @@ def test_a_redone_step_cannot_be_stitched_into_the_context(server):
     )
     with pytest.raises(BadInputError, match="cache held"):
         check(stitched, server.peer_id, 0, 4)
+
+
+def _record(peer_id: str, fingerprint: str = "f") -> ServerRecord:
+    return record(peer_id=peer_id, fingerprint=fingerprint)  # online, blocks 0:4, float32
+
+
+def test_readers_judge_by_the_majority_of_drawn_judges_and_wait_when_they_cannot(server):
+    """``swarm.rpc.judging``, shared by clients and the broker: real evidence, judges whose re-runs are scripted."""
+    evidence = _evidence(server, outs=[x * 2 for x in _steps()[:2]] + [_steps()[2] * 3] + [_steps()[3] * 2])
+    assert evidence is not None
+    item = Accusation(
+        accused=server.peer_id, model_id="m", fingerprint="f", start=0, end=4, reason="r", made=1.0, evidence=evidence
+    )
+    accused = _record(server.peer_id)
+    honest = {"a": (True, "a"), "b": (True, "b"), "c": (False, "c")}  # two see the cheat, one (a liar) does not
+
+    def rerun(facts, hop):
+        assert facts.offset == 6 and hop.peer_id in honest  # never the accused nor the accuser
+        return honest[hop.peer_id]
+
+    judges = [_record(p) for p in ("a", "b", "c")] + [accused, _record("accuser")]
+    for seed in range(8):  # whichever two are drawn first, the third breaks a tie: the majority convicts
+        c = judge("accuser", item, accused, judges, rerun, random.Random(seed))
+        assert c is not None and c.upheld and c.accused == server.peer_id
+    # one judge each way and no third: not decided (waits); no judge or the accused unannounced: waits too
+    assert judge("accuser", item, accused, [_record("a"), _record("c")], rerun, random.Random(0)) is None
+    assert judge("accuser", item, accused, [], rerun, random.Random(0)) is None
+    assert judge("accuser", item, None, judges, rerun, random.Random(0)) is None
+    assert judge("accuser", item, _record(server.peer_id, "g"), judges, rerun, random.Random(0)) is None
+    # the judges re-run it to the committed output: the accuser lied
+    c = judge("accuser", item, accused, [_record("c")], rerun, random.Random(0))
+    assert c is not None and not c.upheld
+    # evidence that does not check convicts its accuser without a re-run
+    forged = item.model_copy(
+        update={"evidence": evidence.model_copy(update={"output": TensorBlob.of(torch.zeros(1, 1, 8))})}
+    )
+    c = judge("accuser", forged, accused, judges, rerun, random.Random(0))
+    assert c is not None and not c.upheld and "does not check" in c.reason
+
+
+def test_a_docket_takes_up_one_accusation_per_accuser_and_look(server):
+    evidence = _evidence(server)
+    assert evidence is not None
+
+    def item(made: float, accused: str = "x", model: str = "m") -> Accusation:
+        return Accusation(
+            accused=accused, model_id=model, fingerprint="f", start=0, end=4, reason="r", made=made, evidence=evidence
+        )
+
+    records = [
+        Accusations(accuser="p", items=(item(1.0, "x"), item(2.0, "y"))),
+        Accusations(accuser="q", items=(item(1.0, "z", "other model"),)),
+        Accusations(accuser="r", items=(item(99.0, "w"),)),  # dated after what the reader accepts
+        Accusations(accuser="me", items=(item(1.0, "v"),)),
+    ]
+    docket = Docket("me", "m", rng=random.Random(0))
+    assert [(a, i.accused) for a, i in docket.due(records, 0.0, 10.0)] == [("p", "y")]
+    verdicts = {"y": None, "x": Conviction("x", "p", "r", True)}
+    assert docket.take_up(records, 0.0, 10.0, lambda accuser, i: verdicts[i.accused]) == []
+    # "y" waits RETRY_AFTER: the next look takes p's next newest
+    assert [c.accused for c in docket.take_up(records, 1.0, 10.0, lambda a, i: verdicts[i.accused])] == ["x"]
+    assert docket.convicted == {"x"} and docket.due(records, 2.0, 10.0) == []
+    verdicts["y"] = Conviction("y", "p", "lie", False)
+    assert [c.accused for c in docket.take_up(records, RETRY_AFTER, 10.0, lambda a, i: verdicts[i.accused])] == ["y"]
+    assert "p" in docket.false_accusers and docket.due(records, 2 * RETRY_AFTER, 10.0) == []  # p is ignored now

@@ -1,0 +1,98 @@
+"""The broker's reading of accusations: once per broker round, while it holds the lease, it judges a few new ones as
+every reader does (``swarm.rpc.judging``: the evidence must check and re-run wrong on servers drawn at random, neither
+accused nor accuser), asking those servers itself over its own transport, and leaves every convicted server out of
+the placement (``peers.broker.loop.plan_once``): no span, no standby. A false accusation convicts nobody and its
+accuser's later accusations are ignored.
+
+A convicted server started with ``--blocks`` keeps serving what it pinned (the broker never moved it): clients,
+which read the same accusations, route around it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import torch
+
+from swarm.accusations import Accusation, Accusations, accusations_key
+from swarm.config import Timing
+from swarm.dht import RecordStore, dht_time
+from swarm.errors import SwarmError
+from swarm.hop import Hop
+from swarm.protocol import InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
+from swarm.records import PeerState, servers
+from swarm.rpc.evidence import Facts
+from swarm.rpc.judging import Conviction, Docket, differs, judge
+from swarm.rpc.remote import Remote
+from swarm.rpc.stream import open_session
+
+log = logging.getLogger(__name__)
+
+
+class BrokerJudge:
+    def __init__(self, store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing) -> None:
+        self.store, self.remote, self.timing = store, remote, timing
+        self.model_id, self.num_blocks = model_id, num_blocks
+        self.docket = Docket(store.peer_id, model_id)
+
+    async def convicted(self) -> frozenset[str]:
+        """Judge what is due (a few re-runs at most) and return every server convicted so far."""
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self._look, loop)
+        except Exception as e:  # noqa: BLE001 - the broker plans with what it already knows
+            log.info("reading accusations failed: %s", e, extra={"peer": self.store.peer_id})
+        return frozenset(self.docket.convicted)
+
+    def _look(self, loop: asyncio.AbstractEventLoop) -> None:
+        records = self.store.read(accusations_key(self.model_id), Accusations)
+        if not records:
+            return
+        announced = servers(self.store.view(self.model_id, self.num_blocks))
+        deadline = self.timing.open_timeout + self.timing.request_timeout + 1.0
+
+        def rerun(facts: Facts, hop: Hop) -> tuple[bool, str] | None:
+            return asyncio.run_coroutine_threadsafe(self._rerun(facts, hop), loop).result(deadline)
+
+        def judge_one(accuser: str, item: Accusation) -> Conviction | None:
+            shunned = self.docket.convicted | self.docket.false_accusers
+            live = [r for r in announced.values() if r.state == PeerState.ONLINE and r.peer_id not in shunned]
+            return judge(accuser, item, announced.get(item.accused), live, rerun, self.docket.rng)
+
+        latest = dht_time() + self.timing.clock_skew
+        for c in self.docket.take_up(records, time.monotonic(), latest, judge_one):
+            who = c.accused if c.upheld else c.accuser
+            what = "convicted: left out of placement" if c.upheld else "a false accusation"
+            log.warning("broker: %s (%s)", what, c.reason, extra={"peer": who})
+
+    async def _rerun(self, facts: Facts, hop: Hop) -> tuple[bool, str] | None:
+        """``hop``'s output on the evidence's context, in one prefill of a session of the broker's own."""
+        batch, length = facts.inputs.shape[0], facts.inputs.shape[1]
+        x = facts.inputs.to(getattr(torch, hop.dtype)).contiguous()
+        positions = torch.arange(length).expand(batch, -1).contiguous()
+        t = self.timing
+        try:
+            stream = await open_session(self.remote, hop, t.open_timeout)
+        except SwarmError as e:
+            log.info("a judge could not be reached: %s", e, extra={"peer": hop.peer_id})
+            return None
+        try:
+            opening = OpenSession(
+                session_id=uuid.uuid4().hex, start=hop.start, end=hop.end, max_length=length, batch_size=batch
+            )
+            await stream.send(InferenceRequest(open=opening), {})
+            await stream.receive(OpenReply, t.open_timeout, 1 << 16)
+            step = InferenceRequest(step=InferenceStep(position=0))
+            await stream.send(step, {"hidden": x, "position_ids": positions})
+            _, out, _ = await stream.receive(StepReply, t.request_timeout, 2 * x.numel() * x.element_size() + 65536)
+        except SwarmError as e:
+            log.info("a judge failed: %s", e, extra={"peer": hop.peer_id})
+            return None
+        finally:
+            stream.close()
+        hidden = out.get("hidden")
+        if hidden is None or hidden.shape != x.shape or not bool(torch.isfinite(hidden).all()):
+            return None  # a judge that answers nonsense decides nothing
+        return differs(facts, hidden.float()[:, facts.offset :], hop)

@@ -1,0 +1,53 @@
+"""The trainer's cross-check of stage replicas (``swarm/client/training/crosscheck.py``) against a real cheating
+replica (``scripts/cheating_server.py noise`` with ``--train``: a stage of the run whose outputs and input gradients
+carry 1% noise): with three replicas of the stage averaging every step, the two honest ones agree, the cheater is
+banned from the trainer's routes, and training goes on through the honest replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.client.training.crosscheck import CrossCheckConfig
+from swarm.client.training.trainer import Trainer
+from swarm.training.data import Samples, corpus_files, tokenize
+from swarm.training.run import load_run
+from tests.conftest import load_script
+from tests.integration.swarms import patient_timing, running_swarm
+from tests.integration.test_pretrain import write_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus_ids():
+    return tokenize(corpus_files(None), "bytes", 256)
+
+
+def test_a_cheating_replica_is_caught_by_the_cross_check(tmp_path, corpus_ids):
+    run_file = write_run(
+        tmp_path,
+        stages={"spans": ["0:3", "3:6"]},
+        checkpoint={"every_steps": 0},
+        averaging={"every_steps": 1, "matchmaking_seconds": 1.0},  # replicas share a state at every step
+    )
+    run = load_run(run_file)
+    data = Samples(corpus_ids, run.seq_len, run.seed)
+    cheaters = load_script("cheating_server")
+    with running_swarm("tiny-llama", ["0:3", "0:3", "3:6"], "--train", str(run_file)) as swarm:
+        cheater = cheaters.start_cheater(swarm, "noise", "0:3").peer_id
+        check = CrossCheckConfig(rate=1.0, seed=0)
+        with Trainer(run, data, tuple(swarm.initial_peers), timing=patient_timing(), crosscheck=check) as trainer:
+            checker = trainer.crosscheck
+            assert checker is not None
+            losses = []
+            for _ in range(8):
+                losses.append(trainer.train_step())
+                if cheater in trainer.model.connection.view.banned():
+                    break
+            assert cheater in trainer.model.connection.view.banned(), checker.records
+            caught = [r for r in checker.records if cheater in r.banned]
+            assert caught and all(r.settled and r.banned == (cheater,) for r in caught)
+            assert not any(set(r.banned) - {cheater} for r in checker.records)  # no honest replica banned
+            losses += [trainer.train_step() for _ in range(2)]  # on through the honest replicas
+            assert cheater not in {h.peer_id for h in trainer.model.route}
+    assert all(loss == loss for loss in losses)
