@@ -1,8 +1,9 @@
-"""The broker's reading of accusations: once per broker round, while it holds the lease, it judges a few new ones as
-every reader does (``swarm.rpc.judging``: the evidence must check and re-run wrong on servers drawn at random, neither
-accused nor accuser), asking those servers itself over its own transport, and leaves every convicted server out of
-the placement (``peers.broker.loop.plan_once``): no span, no standby. A false accusation convicts nobody and its
-accuser's later accusations are ignored.
+"""The broker's reading of accusations: once a broker period, while it holds the lease, it judges a few new ones as
+every reader does (``swarm.rpc.judging``: the evidence must check and re-run wrong on servers drawn at random,
+neither accused nor accuser), asking those servers itself over its own transport (in a task of its own: the broker's
+rounds never wait on a re-run), and leaves every convicted server out of the placement
+(``peers.broker.loop.plan_once``): no span, no standby. A false accusation convicts nobody and its accuser's later
+accusations are ignored.
 
 A convicted server started with ``--blocks`` keeps serving what it pinned (the broker never moved it): clients,
 which read the same accusations, route around it."""
@@ -22,7 +23,7 @@ from swarm.dht import RecordStore, dht_time
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
-from swarm.records import PeerState, servers
+from swarm.records import PeerState, ServerRecord, servers
 from swarm.rpc.evidence import Facts
 from swarm.rpc.judging import Conviction, Docket, differs, judge
 from swarm.rpc.remote import Remote
@@ -36,27 +37,40 @@ class BrokerJudge:
         self.store, self.remote, self.timing = store, remote, timing
         self.model_id, self.num_blocks = model_id, num_blocks
         self.docket = Docket(store.peer_id, model_id)
+        self._asked = -float("inf")
 
-    async def convicted(self) -> frozenset[str]:
-        """Judge what is due (a few re-runs at most) and return every server convicted so far."""
-        loop = asyncio.get_running_loop()
-        try:
-            await asyncio.to_thread(self._look, loop)
-        except Exception as e:  # noqa: BLE001 - the broker plans with what it already knows
-            log.info("reading accusations failed: %s", e, extra={"peer": self.store.peer_id})
+    def convicted(self) -> frozenset[str]:
+        """Every server convicted so far. The broker asks each round it holds the lease, and that keeps the judge
+        looking (``run``); the broker never waits on a re-run."""
+        self._asked = time.monotonic()
         return frozenset(self.docket.convicted)
+
+    async def run(self) -> None:
+        """Once a broker period, while the broker asks, judge what is due (a few re-runs at most, off the loop)."""
+        loop = asyncio.get_running_loop()
+        period = self.timing.broker_period
+        while True:
+            await asyncio.sleep(period)
+            if time.monotonic() - self._asked > 2 * period:
+                continue  # not the broker now: nobody is placed on its word
+            try:
+                await asyncio.to_thread(self._look, loop)
+            except Exception as e:  # noqa: BLE001 - the broker plans with what it already knows
+                log.info("judging accusations failed: %s", e, extra={"peer": self.store.peer_id})
 
     def _look(self, loop: asyncio.AbstractEventLoop) -> None:
         records = self.store.read(accusations_key(self.model_id), Accusations)
         if not records:
             return
-        announced = servers(self.store.view(self.model_id, self.num_blocks))
+        announced: dict[str, ServerRecord] = {}
         deadline = self.timing.open_timeout + self.timing.request_timeout + 1.0
 
         def rerun(facts: Facts, hop: Hop) -> tuple[bool, str] | None:
             return asyncio.run_coroutine_threadsafe(self._rerun(facts, hop), loop).result(deadline)
 
         def judge_one(accuser: str, item: Accusation) -> Conviction | None:
+            if not announced:  # read once a look, and only when something is due
+                announced.update(servers(self.store.view(self.model_id, self.num_blocks)))
             shunned = self.docket.convicted | self.docket.false_accusers
             live = [r for r in announced.values() if r.state == PeerState.ONLINE and r.peer_id not in shunned]
             return judge(accuser, item, announced.get(item.accused), live, rerun, self.docket.rng)

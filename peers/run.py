@@ -285,7 +285,7 @@ async def run_peer(
             planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
             judge = BrokerJudge(store, remote, model.name, model.num_blocks, cfg.timing)
             broker = run_broker(store, model.name, planner, cfg.timing, judge.convicted)
-            tasks.append(asyncio.create_task(broker))
+            tasks += [asyncio.create_task(broker), asyncio.create_task(judge.run())]
         tasks += [asyncio.create_task(work) for work in stage.background()]
         await _observe(cfg, peer, remote, observers, dashboard)
         log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from peers.broker.election import Election
 from peers.broker.planner import PeerInfo, Plan, Role
@@ -21,7 +21,7 @@ from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
 Planner = Callable[[list[PeerInfo]], Plan]  # the stage's placement of the live peers (pure)
-Convicted = Callable[[], Awaitable[frozenset[str]]]  # servers convicted of wrong answers, judged as of now
+Convicted = Callable[[], frozenset[str]]  # servers convicted of wrong answers so far (``peers.judge``)
 
 
 class DhtLeaseStore:
@@ -87,7 +87,7 @@ async def run_broker(
         try:
             lease = await asyncio.to_thread(election.tick)
             if lease is not None:
-                shunned = await convicted() if convicted is not None else frozenset()
+                shunned = convicted() if convicted is not None else frozenset()
                 assignment = await asyncio.to_thread(
                     plan_once, store, model_id, planner, me, lease.term, timing, shunned
                 )

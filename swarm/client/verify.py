@@ -275,24 +275,26 @@ class Verifier:
         candidates = await asyncio.to_thread(self._candidates, state.hop, {shadow.hop.peer_id})
         if not candidates:
             return "unresolved", None
-        hop = self.rng.choice(candidates)
+        self.rng.shuffle(candidates)
         x = torch.cat(state.inputs[:n], dim=1)
         # with an adapter, the third server needs it too (the session's own opening sends it)
         opening = self.opening if Capability.ADAPTERS in self.needs else plain_opening(x.shape[1], x.shape[0])
-        third = Shadow(self.conn, hop, opening, self.chunk)
-        try:
-            ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -mine.shape[1] :]
-        except SwarmError as e:
-            self.conn.retrier.note_failure(e, "verification")
-            return "unresolved", None
-        finally:
-            third.close()
-        self.stats.bytes_sent += x.numel() * x.element_size()
-        tol = self._tolerance(state, shadow.hop, hop)
-        hop_ok = compare(mine, ref).within(tol)
-        shadow_ok = compare(theirs, ref).within(tol)
-        if shadow_ok and not hop_ok:
-            return "hop", ref
-        if hop_ok and not shadow_ok:
-            return "verifier", ref
-        return "unresolved", ref
+        for hop in candidates[:2]:  # a third that fails is banned and replaced once: its failure decides nothing
+            third = Shadow(self.conn, hop, opening, self.chunk)
+            try:
+                ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -mine.shape[1] :]
+            except SwarmError as e:
+                self.conn.retrier.note_failure(e, "verification")
+                continue
+            finally:
+                third.close()
+            self.stats.bytes_sent += x.numel() * x.element_size()
+            tol = self._tolerance(state, shadow.hop, hop)
+            hop_ok = compare(mine, ref).within(tol)
+            shadow_ok = compare(theirs, ref).within(tol)
+            if shadow_ok and not hop_ok:
+                return "hop", ref
+            if hop_ok and not shadow_ok:
+                return "verifier", ref
+            return "unresolved", ref
+        return "unresolved", None

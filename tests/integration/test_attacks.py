@@ -178,7 +178,7 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             assert obeyed and all(third not in a.placements for a in obeyed)  # its future heartbeat was refused
             assert store.dropped["unsigned"] and store.dropped["foreign"] and store.dropped["malformed"]
             with DistributedModelForCausalLM.from_pretrained(  # patient: only a forged record can make it fail over
-                folder, initial_peers=swarm.initial_peers, timing=patient_timing()
+                folder, initial_peers=swarm.initial_peers, timing=patient_timing(), verify_every=0
             ) as client:
                 assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
                 assert client.failovers == 0  # no forged record was ever on its route
@@ -206,7 +206,7 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
             assert replicated(store, model, 4, 1)
             assert all(swarm.peer_by_id(p).proc.poll() is None for p in honest[1:])
             with DistributedModelForCausalLM.from_pretrained(
-                folder, initial_peers=swarm.initial_peers, timing=TIMING
+                folder, initial_peers=swarm.initial_peers, timing=TIMING, verify_every=0
             ) as client:
                 assert torch.equal(client.generate(ids, max_new_tokens=16, do_sample=False), expected)
         finally:
