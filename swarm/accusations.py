@@ -78,6 +78,9 @@ class Piece(_Frozen):
     index: int = Field(ge=0)
     start: int = Field(ge=0)
     length: int = Field(gt=0)
+    # positions the commitment's step took in beyond the piece, dropped by the next step (a speculative step's
+    # rejected drafts): in ``Evidence.tails``, so the step's input digest can be checked
+    tail: int = Field(default=0, ge=0)
 
 
 class Evidence(_Frozen):
@@ -91,6 +94,7 @@ class Evidence(_Frozen):
     pieces: tuple[Piece, ...] = Field(min_length=1, max_length=MAX_COMMITMENTS)
     inputs: TensorBlob  # positions 0 to the bad step's end, as the accused took them in
     output: TensorBlob  # the bad step's output, as the accused committed to it
+    tails: TensorBlob | None = None  # the pieces' tails, in order (none: no piece has one)
 
 
 class Accusation(_Frozen):

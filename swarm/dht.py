@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -92,6 +93,44 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+class _LockedPipe:
+    """The parent's end of hivemind's request pipe to its DHT process. hivemind sends without a lock, and
+    ``Connection.send`` writes a message over 16 KiB as two writes (its length, then its bytes): two threads sending
+    at once (a session's route, a verifier's, an accusation's publisher) could interleave them. Sends take turns."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn, self._lock = conn, threading.Lock()
+
+    def send(self, obj: object) -> None:
+        with self._lock:
+            self._conn.send(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _WholeRecv:
+    """The DHT process's end of that pipe. Its loop watches the pipe with the descriptor non-blocking and reads a
+    message once any byte of it is there; a message over 16 KiB (an accusation with its evidence) then often finds
+    its length but not yet its bytes: the read fails with ``BlockingIOError``, hivemind logs it and reads on out of
+    step, and the process dies on the next message (``EOFError: Ran out of input``). A read here blocks until the
+    whole message is in: the sender writes the rest at once."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        fd = self._conn.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
 class OwnedDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind ships no type information
     """A hivemind DHT whose child process (and its p2pd) never outlives the process that created it, its p2pd
     started with the flags ``p2pd_flags`` adds to hivemind's (``RelayPolicy.p2pd_flags``: hivemind passes none of
@@ -100,9 +139,11 @@ class OwnedDHT(hivemind.DHT):  # type: ignore[misc]  # hivemind ships no type in
     def __init__(self, *args: Any, p2pd_flags: dict[str, int | str] | None = None, **kwargs: Any) -> None:
         self._p2pd_flags = dict(p2pd_flags or {})
         super().__init__(*args, **kwargs)
+        self._outer_pipe = _LockedPipe(vars(self)["_outer_pipe"])  # this end only: the child reads the other
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
+        self._inner_pipe = _WholeRecv(vars(self)["_inner_pipe"])
         if self._p2pd_flags:  # in the DHT's own (forked) process only, where its one p2pd is started
             plain = P2P._make_process_args
             flags = self._p2pd_flags

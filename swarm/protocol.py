@@ -146,8 +146,9 @@ class OpenSession(Message):
 class InferenceStep(Message):
     """One step: tensors ``hidden`` [batch, n, hidden] and optional ``attention_mask`` [batch, position + n] and
     ``position_ids`` [batch, n]. ``position`` is how many tokens the client believes the server already holds;
-    a mismatch is an error, which keeps replayed histories honest (one exception: the start of the server's last
-    step, which undoes and redoes that step: a chain repaired upstream sends it again).
+    a mismatch is an error, which keeps replayed histories honest (one exception: a position inside the server's
+    last step, from its start to its end, undoes that step from there: a chain repaired upstream sends a step again,
+    and a speculative step's rejected drafts are taken back by the next step starting after the accepted ones).
 
     ``hops``: how many further servers of the session's route the output is pushed through, server to server
     (0: reply to the client only). ``tag``: echoed in every reply the step causes, so a client that retried a step

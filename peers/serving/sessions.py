@@ -155,7 +155,11 @@ class Sessions:
         batch, n = hidden.shape[:2]
         if batch != session.batch:
             raise BadInputError(f"session was opened for batch {session.batch}, step has batch {batch}")
-        if position != session.position and position != session.last_start:
+        # a step appends at the end, or starts inside the last step: it undoes that step from there (a chain repaired
+        # upstream sends the step again; a speculative step's rejected drafts are dropped). Never further back: what
+        # a client may take back is bounded by its own last step, and costs only its own cache.
+        floor = session.last_start if session.last_start is not None else session.position
+        if not floor <= position <= session.position:
             raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
         held = self.compute.held
         if held is None or session.sub not in held:
@@ -165,7 +169,7 @@ class Sessions:
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
             )
         mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
-        if position < session.position:  # redo the last step (sent again after a repair upstream): forget it first
+        if position < session.position:  # (part of) the last step undone: forget it first
             if _recurrent(session.cache):  # a state-space state cannot be taken back: the client replays elsewhere
                 await self.end(session)
                 raise SessionExpiredError("this span's recurrent states cannot redo a step: reopen it and replay")

@@ -114,6 +114,13 @@ class ApiConfig:
     trusted_peers: tuple[str, ...] = option(
         (), metavar="PEER_ID", help="route only through these peers (blocks none of them serves are missing)"
     )
+    draft: str | None = option(
+        None,
+        metavar="SPEC",
+        help="speculative decoding: 'ngram' (prompt lookup), 'first:N' (the model's first N blocks) or a draft "
+        "model's name or folder (docs/speculative.md)",
+    )
+    draft_max: int = option(8, metavar="K", help="...at most K drafted tokens a trip (chosen from measurements)")
     dashboard: bool = option(True, help="do not serve the web dashboard and chat page")
     limits: ApiLimits = field(default_factory=ApiLimits)
     connections: ApiConnections = field(default_factory=ApiConnections)

@@ -5,7 +5,10 @@ Requests share one swarm client per model (one DHT node, one transport, one view
 session: ``DistributedModelForCausalLM.generate`` keeps one session per model object, so the API drives
 ``InferenceSession`` itself, through the model's own plans (embeddings, blocks through the swarm, final norm and
 head), and samples here. Greedy decoding (temperature 0) picks what Hugging Face's greedy ``generate`` picks;
-sampling applies Hugging Face's temperature and top-p warpers, seeded per request."""
+sampling applies Hugging Face's temperature and top-p warpers, seeded per request.
+
+With a drafter (``--draft``), a request of one choice decodes speculatively (``swarm.client.speculative``): same
+tokens greedy, same distribution sampled, several tokens a trip where the drafts hold."""
 
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 from swarm.api import errors
 from swarm.client.executor import Context
 from swarm.client.inference_session import InferenceSession
+from swarm.client.speculate import check, factory, hooks
+from swarm.client.speculative import Sampler, Speculation, Trace, decode
 from swarm.hop import Hop
 
 if TYPE_CHECKING:
@@ -60,6 +65,7 @@ class Outcome:
     completion_tokens: int = 0
     route: list[Hop] = field(default_factory=list)
     first_token_s: float | None = None
+    speculation: Trace | None = None  # drafts proposed and kept, when decoded speculatively
 
 
 class TextStream:
@@ -95,7 +101,7 @@ class TextStream:
 
 
 class ServedModel:
-    """A model the API serves: its swarm client, tokenizer, context length and end-of-text tokens."""
+    """A model the API serves: its swarm client, tokenizer, context length, end-of-text tokens and drafter."""
 
     def __init__(
         self,
@@ -103,8 +109,14 @@ class ServedModel:
         model: DistributedModelForCausalLM,
         tokenizer: PreTrainedTokenizerBase,
         max_context: int | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.speculation = speculation
+        # loaded now, so a bad drafter is refused at start, not at the first request
+        self.drafters = factory(model, speculation.drafter) if speculation is not None else None
+        if speculation is not None:
+            check(model)
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         if max_context is not None:
             self.context = min(self.context, max_context)
@@ -143,10 +155,22 @@ class ServedModel:
         return ids
 
 
-def pick(logits: torch.Tensor, s: Sampling, rng: torch.Generator | None) -> torch.Tensor:
-    """The next token of each row of ``logits`` [n, vocab]."""
+def sampler(s: Sampling, choice: int = 0) -> Sampler:
+    """Choice ``choice``'s sampler: a seeded request's choices each draw their own noise (the first the seed's)."""
+    if s.temperature == 0.0:
+        return Sampler()
+    seed = None if s.seed is None else (s.seed + 7919 * choice) % (1 << 63)
+    return Sampler(temperature=s.temperature, top_p=s.top_p, seed=seed)
+
+
+def pick(logits: torch.Tensor, s: Sampling, rng: torch.Generator | None, position: int = 0) -> torch.Tensor:
+    """The next token of each row of ``logits`` [n, vocab], at sequence ``position``. A seeded request's token is
+    a function of the seed, the choice and the position (``Sampler.pick``), as in speculative decoding, so a seed
+    gives one text with or without a drafter."""
     if s.temperature == 0.0:
         return logits.argmax(dim=-1)
+    if s.seed is not None:
+        return torch.tensor([sampler(s, i).pick(row, position) for i, row in enumerate(logits)])
     scores = TemperatureLogitsWarper(s.temperature)(torch.empty(0), logits.float())
     if s.top_p < 1.0:
         scores = TopPLogitsWarper(s.top_p)(torch.empty(0), scores)
@@ -168,13 +192,18 @@ def generate(
     ``cancel`` is set or ``deadline`` (monotonic) passes."""
     model = served.model
     outcome = outcome if outcome is not None else Outcome(prompt_tokens=len(prompt))
-    streams = [TextStream(served.tokenizer, s.stops) for _ in range(s.n)]
-    done: list[Finish | None] = [None] * s.n
     rng = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
-    start = time.monotonic()
     session = InferenceSession(
         model.connection, model.blocks.delivery, len(prompt) + s.max_tokens, s.n, model.runner.shape, model.runner.plans
     )
+    if served.speculation is not None and s.n == 1:
+        try:
+            return _speculative(served, session, prompt, s, emit, cancel, deadline, outcome, rng)
+        finally:
+            session.close()
+    streams = [TextStream(served.tokenizer, s.stops) for _ in range(s.n)]
+    done: list[Finish | None] = [None] * s.n
+    start = time.monotonic()
     try:
         new = torch.tensor([prompt] * s.n, dtype=torch.int64)
         for produced in range(s.max_tokens):
@@ -185,7 +214,7 @@ def generate(
             outcome.route = session.route
             if outcome.first_token_s is None:
                 outcome.first_token_s = time.monotonic() - start
-            tokens = pick(logits, s, rng)
+            tokens = pick(logits, s, rng, len(prompt) + produced)
             for i, token in enumerate(tokens.tolist()):
                 if done[i] is not None:
                     continue
@@ -205,4 +234,68 @@ def generate(
             new = tokens[:, None]
     finally:
         session.close()  # frees the servers' caches now, whatever happened
+    return outcome
+
+
+def _speculative(
+    served: ServedModel,
+    session: InferenceSession,
+    prompt: list[int],
+    s: Sampling,
+    emit: Callable[[Piece], None],
+    cancel: threading.Event,
+    deadline: float,
+    outcome: Outcome,
+    rng: torch.Generator | None,
+) -> Outcome:
+    """One choice, decoded speculatively: each trip's tokens released as text as plain decoding releases them."""
+    model, spec = served.model, served.speculation
+    assert spec is not None and served.drafters is not None
+    stream = TextStream(served.tokenizer, s.stops)
+    start = time.monotonic()
+    finish: list[Finish] = []
+
+    def step(tokens: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model.runner.session_step(session, torch.tensor([tokens]), Context(None, None), 0)[0]
+        outcome.route = session.route
+        return logits
+
+    def on_tokens(tokens: list[int]) -> bool:
+        if outcome.first_token_s is None:
+            outcome.first_token_s = time.monotonic() - start
+        for token in tokens:
+            outcome.completion_tokens += 1
+            if token in served.eos:
+                finish.append("stop")
+                emit(Piece(0, stream.flush(), "stop"))
+                return True
+            text, stopped = stream.add(token)
+            if stopped:
+                finish.append("stop")
+            elif outcome.completion_tokens == s.max_tokens:
+                finish.append("length")
+                text += stream.flush()
+            emit(Piece(0, text, finish[0] if finish else None))
+            if finish:
+                return True
+        if cancel.is_set() or time.monotonic() > deadline:
+            raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
+        return False
+
+    speculative_step, take_back = hooks(model, session, step)
+    outcome.speculation = Trace()
+    decode(
+        prompt,
+        step=speculative_step,
+        take_back=take_back,
+        drafter=served.drafters(),
+        sampler=sampler(s),
+        max_new=s.max_tokens,
+        eos=served.eos,
+        lengths=spec.lengths(),
+        generator=rng,
+        on_tokens=on_tokens,
+        trace=outcome.speculation,
+    )
     return outcome

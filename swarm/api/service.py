@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from swarm.api.app import ApiState, create_app
 from swarm.api.engine import ServedModel
 from swarm.api.limits import Limits
+from swarm.client.speculative import Speculation
 from swarm.config import Timing
 from swarm.errors import BadInputError
 from swarm.metrics import ApiMetrics
@@ -66,7 +67,12 @@ class Service:
                     local_blocks=cfg.local_blocks,
                     trusted_peers=cfg.trusted_peers,
                 )
-                served = ServedModel(name, model, tokenizer, cfg.max_context)
+                spec = Speculation(cfg.draft, max_k=cfg.draft_max) if cfg.draft else None
+                try:
+                    served = ServedModel(name, model, tokenizer, cfg.max_context, spec)
+                except BaseException:
+                    model.close()
+                    raise
                 models[served.name] = served
                 log.info("serving %s (%d blocks, context %d)", name, served.num_blocks, served.context)
         except BaseException:

@@ -55,6 +55,9 @@ class HopState:
     generation: int = -1  # the route generation it was given
     acks: list[float] = field(default_factory=list)  # when each opening/route message still unanswered was sent
     commitments: list[StepReply] = field(default_factory=list)  # every commitment it sent, oldest first
+    # by step (index into ``inputs``): what it took in and gave out beyond what was kept of the step (rejected
+    # drafts), as evidence needs them: its commitment covers the whole step
+    tails: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     chain: ChainCopy = field(init=False)  # their hash chain, and the latest signature over it (``Chain.audit``)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,26 @@ class HopState:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+
+    def take_back(self, drop: int) -> None:
+        """Forget the last ``drop`` positions it took in (a speculative step's rejected drafts: the server drops them
+        at the next step). Its commitments stay as signed: they cover what the server really ran."""
+        aligned = len(self.outputs) == len(self.inputs)  # outputs are kept only while verification wants them
+        while drop > 0 and self.inputs:
+            n = self.inputs[-1].shape[1]
+            keep = max(n - drop, 0)
+            drop -= n - keep
+            if keep == 0:
+                self.inputs.pop(), self.positions.pop()
+                self.tails.pop(len(self.inputs), None)
+                if aligned:
+                    self.outputs.pop()
+                continue
+            out = self.outputs[-1] if aligned else None
+            self.tails[len(self.inputs) - 1] = (self.inputs[-1][:, keep:], None if out is None else out[:, keep:])
+            self.inputs[-1], self.positions[-1] = self.inputs[-1][:, :keep], self.positions[-1][:, :keep]
+            if out is not None:
+                self.outputs[-1] = out[:, :keep]
 
     def chain_hop(self) -> ChainHop:
         h = self.hop

@@ -7,24 +7,29 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationConfig
 
 from swarm.client.inference_session import InferenceSession
+from swarm.client.speculate import speculate
+from swarm.client.speculative import Trace
 from swarm.errors import BadInputError
 
 if TYPE_CHECKING:
     from swarm.client.connection import SwarmConnection
     from swarm.client.runner import PlanRunner
     from swarm.client.sequential import RemoteChain
+    from swarm.client.speculate import Model
 
 
 class Sessions:
     """The model's inference sessions (a mixin of ``DistributedModelForCausalLM``, before transformers' classes)."""
 
     generation_config: GenerationConfig
+    # the last speculative ``generate``'s trips, drafts and tokens (transformers reads annotations at run time)
+    last_speculation: Trace | None
 
     if TYPE_CHECKING:  # defined by the model; declared here only, so nothing is overridden
 
@@ -44,6 +49,7 @@ class Sessions:
         self._open = threading.local()  # the calling thread's open session
         self._all_open: set[InferenceSession] = set()  # every thread's, so that ``close`` ends them all
         self._all_lock = threading.Lock()
+        self.last_speculation = None
 
     @property
     def _session(self) -> InferenceSession | None:
@@ -85,6 +91,14 @@ class Sessions:
 
     # Any: generate's arguments and result are transformers' own, passed through unchanged (untyped there)
     def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face's ``generate`` through the swarm. ``speculative``: decode with drafts verified several per
+        trip (``swarm.client.speculative``): "ngram", "first:N", a draft model's name or folder, a ``Drafter`` or a
+        ``Speculation``; greedy gives plain greedy's tokens, sampling plain sampling's distribution."""
+        speculative = kwargs.pop("speculative", None)
+        if speculative is not None and speculative is not False:
+            if args:
+                raise BadInputError("speculative generate takes its options by keyword")
+            return speculate(cast("Model", self), inputs, speculative, kwargs)
         if kwargs.get("num_beams", 1) > 1 or getattr(kwargs.get("generation_config"), "num_beams", 1) > 1:
             raise BadInputError("beam search is not supported through the swarm yet; use greedy or sampling")
         kwargs["use_cache"] = False  # the cache lives on the servers, in the inference session

@@ -63,5 +63,12 @@ class TokenHistory:
             position_ids = position_ids[:, -n:]
         return new, full_mask, position_ids
 
+    def take_back(self, drop: int, position: int) -> None:
+        """The servers forgot the last ``drop`` positions (now at ``position``, prompts included)."""
+        if self.tokens is not None:
+            self.tokens = self.tokens[:, : self.tokens.shape[1] - drop]
+        if self.mask is not None:
+            self.mask = self.mask[:, :position]
+
     def record(self, new: torch.Tensor) -> None:
         self.tokens = new if self.tokens is None else torch.cat([self.tokens, new], dim=1)

@@ -73,6 +73,11 @@ class InferenceSession:
             else None
         )
         self.caught: list[str] = []  # servers this session caught computing wrong answers
+        # speculative decoding (``swarm.client.speculative``): a provisional step's drafts may still be taken back,
+        # so its hops' records are not checked before ``take_back`` cuts them to what was accepted
+        self.provisional = False
+        self._unconfirmed = False
+        self._last_n = 0  # positions of the last step (what ``take_back`` may cut)
 
     @property
     def route(self) -> list[Hop]:
@@ -314,6 +319,7 @@ class InferenceSession:
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
         if self.plan is None:
             self.plan_for(0)
+        self._confirm()
         if self.verifier is not None:  # the checks that finished: a cheating hop is replaced before this step
             self.caught += act(self.verifier.settle(), self.conn, self._chunk)
         done: list[torch.Tensor] = []  # outputs of the nodes this step got through, kept across attempts
@@ -324,14 +330,38 @@ class InferenceSession:
             confirm=True,
         )
         self.position += n
+        self._last_n = n
+        if self.verifier is not None and mask is not None and not bool((mask == 1).all()):
+            self.verifier.stop()  # padding: steps are no plain prefixes; not verified (yet)
+        self._unconfirmed = True
+        if not self.provisional:
+            self._confirm()
+        return out
+
+    def _confirm(self) -> None:
+        """The last step is final: its hops' records go to verification (or their outputs are let go)."""
+        if not self._unconfirmed:
+            return
+        self._unconfirmed = False
         if self.verifier is not None:
-            if mask is not None and not bool((mask == 1).all()):  # padding: steps are no plain prefixes; not
-                self.verifier.stop()  # verified (yet)
             self.verifier.after_step(self._all_states)
         else:  # outputs are kept only for verification
             for state in self._all_states:
                 state.outputs.clear()
-        return out
+
+    def take_back(self, drop: int) -> None:
+        """Forget the last ``drop`` positions of the last step (a speculative step's rejected drafts; its first
+        position stays). Every hop's records of them are cut and the next step starts after what is kept: that is
+        where each server undoes the rest (``peers.serving.sessions``). Then the step is final."""
+        if not 0 <= drop < max(self._last_n, 1) or not self._unconfirmed:
+            raise SessionLengthError(f"cannot take back {drop} positions of a last step of {self._last_n}")
+        if drop:
+            for state in self._all_states:
+                state.take_back(drop)
+            self.position -= drop
+            self._last_n -= drop
+            self.history.take_back(drop, self.position)
+        self._confirm()
 
     def audit(self) -> None:
         """Check the signatures of the hops' commitments so far; a hop whose signature does not hold is banned and
@@ -358,6 +388,7 @@ class InferenceSession:
         if not self.closed:
             self.closed = True
             try:
+                self._confirm()
                 if self.verifier is not None:  # the steps since each hop's last check are checked before it ends
                     self.caught += act(self.verifier.finish(self.conn.timing.request_timeout), self.conn, self._chunk)
             finally:

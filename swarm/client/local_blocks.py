@@ -82,6 +82,17 @@ class LocalBlocks(torch.nn.Module):
             past=past,
         )
 
+    def take_back(self, session: object, drop: int) -> None:
+        """Forget the last ``drop`` positions of ``session``'s cache (a speculative step's rejected drafts), as the
+        servers do at its next step."""
+        held = self._caches.get(session)
+        if held is None or drop <= 0:
+            return
+        if drop > held.length:
+            raise SessionLengthError(f"cannot take back {drop} positions of {held.length}")
+        held.cache.crop(-drop)
+        held.length -= drop
+
     def step(
         self,
         session: object,

@@ -66,6 +66,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         self._blocks: RemoteChain | None = None
         self.local_blocks: LocalBlocks | None = None  # the first blocks, run on this client (``local_blocks=N``)
         self._runner: PlanRunner | None = None
+        self.folder: Path | None = None  # the model folder it was loaded from (None: built from parts)
         self._init_sessions()
         self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
 
@@ -153,6 +154,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         if local_blocks:
             model.local_blocks = LocalBlocks.load(model.family, folder, local_blocks, dtype)
         model.name_or_path = card.name
+        model.folder = folder  # drafters of speculative decoding may read it (``swarm.client.drafting``)
         model.train(False)
         spec = tuning_spec(tuning, adapter, lora_rank, lora_alpha, lora_targets, num_prompt_tokens, model.family)
         if spec is not None:

@@ -122,6 +122,16 @@ class Procedures:
         position_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         new, full_mask, position_ids = session.history.unseen(input_ids, attention_mask, position_ids, session.position)
+        return self._step_new(session, new, full_mask, position_ids)
+
+    def _step_new(
+        self,
+        session: InferenceSession,
+        new: torch.Tensor,
+        full_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A step of tokens ``new`` the session's servers have not seen, at the session's position."""
         first, prefix, batch = session.position == 0, session.history.prefix, new.shape[0]
         if prefix and not first:  # the prompts went in front of the first step (its plan's prompts node)
             ones = torch.ones(batch, prefix, dtype=torch.int64)

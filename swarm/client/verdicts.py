@@ -142,15 +142,24 @@ def _evidence(state: HopState, step: int, begin: int, end: int, output: torch.Te
     _, length, signature = state.chain.signed
     dtype = getattr(torch, state.hop.dtype)
     starts = _starts([x.shape[1] for x in state.inputs])
+    context = [x.to(dtype) for x in state.inputs[: step + 1]]
+    output = output[:, begin:end]
+    tail = state.tails.get(step)
+    if tail is not None and tail[1] is not None and end == state.inputs[step].shape[1]:
+        # the bad step's drafts were rejected: its commitment covers them too, input and output
+        context[-1] = torch.cat([context[-1], tail[0].to(dtype)], dim=1)
+        output = torch.cat([output, tail[1].to(output.dtype)], dim=1)
+    tails = {starts[j]: t[0].to(dtype) for j, t in state.tails.items() if j < step}
     try:
         return build(
             session_id=state.session_id,
             opening=state.opening,
             chain=state.commitments[:length],
             signature=signature,
-            context=torch.cat([x.to(dtype) for x in state.inputs[: step + 1]], dim=1),
+            context=torch.cat(context, dim=1),
             bad=starts[step] + begin,
-            output=output[:, begin:end].to(dtype),
+            output=output.to(dtype),
+            tails=tails,
         )
     except ValueError as e:  # a commitment that is no digest (a stale reply's): no evidence from this chain
         log.info("no evidence from this chain: %s", e, extra={"peer": state.hop.peer_id})

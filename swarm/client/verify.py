@@ -69,6 +69,7 @@ class Watch:
     shadow: Shadow | None = None
     sent: int = 0  # the hop's steps its verifier has run (a new verifier starts from none)
     checked: int = 0  # the hop's steps compared and found right (their outputs dropped)
+    final: int = 0  # the hop's steps that are final (a speculative step is, once its rejected drafts are cut)
     running: concurrent.futures.Future[Verdict] | None = None
 
 
@@ -116,6 +117,7 @@ class Verifier:
             found = self.watches.get(state.session_id)
             watch = found if found is not None else Watch(state, self.gaps.draw())
             self.watches[state.session_id] = watch
+            watch.final = len(state.inputs)  # checks (on the event loop) read no further
             watch.due -= 1
             if watch.due <= 0 and watch.running is None:
                 watch.due = self.gaps.draw()
@@ -166,7 +168,7 @@ class Verifier:
             todo = [
                 w
                 for w in self.watches.values()
-                if w.running is not None or (w.checked < len(w.state.inputs) and not w.state.broken)
+                if w.running is not None or (w.checked < w.final and not w.state.broken)
             ]
             if not todo or self.stopped:
                 break
@@ -208,7 +210,7 @@ class Verifier:
 
     async def _compare(self, watch: Watch) -> Verdict:
         state = watch.state
-        n, checked = len(state.inputs), watch.checked
+        n, checked = watch.final, watch.checked
         if checked >= n:
             return Verdict(state, "ok")
         outs = state.outputs[checked:n]

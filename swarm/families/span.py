@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
@@ -100,6 +100,13 @@ def new_cache(family: Family, max_length: int | None = None) -> DynamicCache:
     # transformers can crop a sliding layer only before it fills its window.
     cache.activate_past_recording()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     return cache
+
+
+def takes_back(family: Family) -> bool:
+    """Whether a session's cache can forget its last positions: not where recurrent (state-space, linear-attention)
+    states fold every token in for good (speculative decoding's rejected drafts could not be dropped)."""
+    cache = DynamicCache(config=family.config)
+    return not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
 def span_inputs(

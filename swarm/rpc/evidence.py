@@ -6,7 +6,9 @@ given context at the default positions; whether that output is wrong is for the 
 The context is what the server's cache held when it ran the bad step: its commitments are replayed as the server
 runs steps (each appends at the cache's end, or redoes from where an earlier step began, dropping what came after),
 and the pieces must be exactly the commitments left standing, so a context stitched from a step and the one that
-replaced it proves nothing."""
+replaced it proves nothing. A step undone from inside (a speculative step's rejected drafts) stands for the positions
+before the next step's start; what it took in beyond them is carried as the piece's tail, so its digest is checked,
+and is not part of the context."""
 
 from __future__ import annotations
 
@@ -69,7 +71,13 @@ def _check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
         raise BadInputError(f"malformed tensors: {err}") from None
     if inputs.dtype != output.dtype or inputs.shape[0] != output.shape[0] or inputs.shape[2] != output.shape[2]:
         raise BadInputError("inputs and output do not match in dtype, batch or width")
-    if inputs.nbytes + output.nbytes > MAX_EVIDENCE_BYTES:
+    try:
+        tails = e.tails.tensor() if e.tails is not None else inputs[:, :0]
+    except ValueError as err:
+        raise BadInputError(f"malformed tails: {err}") from None
+    if tails.dtype != inputs.dtype or tails.shape[0] != inputs.shape[0] or tails.shape[2] != inputs.shape[2]:
+        raise BadInputError("tails and inputs do not match in dtype, batch or width")
+    if inputs.nbytes + output.nbytes + tails.nbytes > MAX_EVIDENCE_BYTES:
         raise BadInputError("evidence tensors over the size limit")
     bad = e.pieces[-1]
     if bad.index >= len(e.commitments):
@@ -77,15 +85,27 @@ def _check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
     alive = standing([c.position for c in e.commitments[: bad.index + 1]])
     if [(p.index, p.start) for p in e.pieces] != alive:
         raise BadInputError("the pieces are not the steps the server's cache held at the bad step")
-    expected = 0
+    expected, taken = 0, 0
+    if bad.tail:
+        raise BadInputError("the bad step's whole input belongs in the context")
     for piece in e.pieces:
         c = e.commitments[piece.index]
         if c.aux:
             raise BadInputError("a step ran at other positions or with a mask: not re-runnable as a plain prefix")
         part = inputs[:, piece.start : piece.start + piece.length]
-        if piece.start != expected or part.shape[1] != piece.length or digest(part) != c.input_digest:
+        tail = tails[:, taken : taken + piece.tail]
+        taken += piece.tail
+        whole = torch.cat([part, tail], dim=1) if piece.tail else part
+        if (
+            piece.start != expected
+            or part.shape[1] != piece.length
+            or tail.shape[1] != piece.tail
+            or digest(whole) != c.input_digest
+        ):
             raise BadInputError(f"the context at {piece.start} is not what commitment {piece.index} took in")
         expected = piece.start + piece.length
+    if taken != tails.shape[1]:
+        raise BadInputError("tails beyond the pieces'")
     if (
         expected != inputs.shape[1]
         or output.shape[1] != bad.length
@@ -104,11 +124,14 @@ def build(
     context: torch.Tensor,
     bad: int,
     output: torch.Tensor,
+    tails: dict[int, torch.Tensor] | None = None,
 ) -> Evidence | None:
     """Evidence that the server of ``chain`` (its commitments, oldest first, all covered by ``signature``) gave
     ``output`` (in its dtype) for the step at position ``bad`` of ``context`` (what it took in from position 0, in
-    its dtype). None where its commitments do not bind it (no such step, a context it did not take in, other
-    positions or a mask) or it is too large to publish."""
+    its dtype). ``tails``: by a step's start, what it took in beyond what stood of it (its rejected drafts). None
+    where its commitments do not bind it (no such step, a context it did not take in, other positions or a mask) or
+    it is too large to publish."""
+    tails = tails or {}
     if len(chain) > MAX_COMMITMENTS:
         return None
     want = digest(output)
@@ -119,15 +142,26 @@ def build(
         return None
     end = bad + output.shape[1]
     context = context[:, :end].contiguous()
-    if context.shape[1] != end or context.nbytes + output.nbytes > MAX_EVIDENCE_BYTES:
+    if context.shape[1] != end:
         return None
     alive = standing([c.position for c in chain[: index + 1]])
     pieces: list[Piece] = []
+    carried: list[torch.Tensor] = []
     for k, (i, start) in enumerate(alive):
         stop = alive[k + 1][1] if k + 1 < len(alive) else end
-        if chain[i].aux or digest(context[:, start:stop]) != chain[i].input_digest:
+        part = context[:, start:stop]
+        if chain[i].aux:
             return None
-        pieces.append(Piece(index=i, start=start, length=stop - start))
+        tail = None
+        if digest(part) != chain[i].input_digest:  # undone from inside: the rest of its input is its tail
+            tail = tails.get(start) if k + 1 < len(alive) else None
+            if tail is None or digest(torch.cat([part, tail.to(part.dtype)], dim=1)) != chain[i].input_digest:
+                return None
+            carried.append(tail.to(part.dtype))
+        pieces.append(Piece(index=i, start=start, length=stop - start, tail=0 if tail is None else tail.shape[1]))
+    blob = torch.cat(carried, dim=1).contiguous() if carried else None
+    if context.nbytes + output.nbytes + (blob.nbytes if blob is not None else 0) > MAX_EVIDENCE_BYTES:
+        return None
     return Evidence(
         session_id=session_id,
         commit_key=opening.commit_key,
@@ -141,6 +175,7 @@ def build(
         pieces=tuple(pieces),
         inputs=TensorBlob.of(context),
         output=TensorBlob.of(output),
+        tails=TensorBlob.of(blob) if blob is not None else None,
     )
 
 

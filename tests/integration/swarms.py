@@ -73,8 +73,9 @@ def connect(model: str, swarm: LocalSwarm, **kwargs: Any) -> Any:
 
 # A minute for a server to open a stream, take a step or answer a request: for tests that assert no failover happens
 # in a healthy swarm, so that a step a loaded machine made slow is never taken for a fault (only a hang is). The
-# failure drills keep the short timeouts they exercise.
-PATIENT = {"step_timeout": 60.0, "request_timeout": 60.0, "open_timeout": 60.0}
+# failure drills keep the short timeouts they exercise. Blocks are waited for as long: a server starved of CPU for
+# longer than two record TTLs (its announcements late) drops out of the view until its next one.
+PATIENT = {"step_timeout": 60.0, "request_timeout": 60.0, "open_timeout": 60.0, "missing_blocks_wait": 60.0}
 
 
 def patient_timing() -> Timing:

@@ -11,6 +11,7 @@ again."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,45 @@ def test_an_api_serving_a_folder_answers_and_shows_its_swarm(folder, monkeypatch
                 return {p["peer_id"] for p in snapshot["peers"]} == peers and snapshot["covered"]
 
             wait_for(shown, 30, "the API's dashboard to show the swarm's two peers")
+
+
+def test_an_api_with_a_drafter_answers_as_plain_decoding(folder):
+    """``--draft``: speculative decoding behind the API. Greedy answers equal local Hugging Face's (the prompt
+    repeats itself, so prompt lookup drafts), a streamed one too, sampled ones repeat with their seed, several
+    choices decode plainly; a drafter that cannot be loaded stops the API at start with the reason."""
+    from transformers import AutoTokenizer
+
+    from swarm.errors import BadInputError
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = "w5 w17 w42 w99 w7 w5 w17 w42 w99 w7 w5 w17"
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        out = local_reference(folder).generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    expected = out[0, len(ids) :].tolist()
+    if tokenizer.eos_token_id in expected:
+        expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    with running_swarm(str(folder), ["0:2", "2:4"]) as swarm:
+        base = ("--model", str(folder), "--initial-peers", *swarm.initial_peers, "--codec", "none", "--api-key", KEY)
+        body = {"model": str(folder), "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        seeded = {**body, "temperature": 1.0, "top_p": 0.9, "seed": 3}
+        with api(*base) as http:  # without a drafter: what a seed gives
+            plain = [http.post("/v1/completions", json={**seeded, "seed": seed}).json() for seed in (3, 4)]
+        for draft in ("ngram", "first:2"):
+            with api(*base, "--draft", draft, "--draft-max", "4") as http:
+                reply = http.post("/v1/completions", json=body).json()
+                assert reply["choices"][0]["text"] == text, draft
+                assert reply["usage"]["completion_tokens"] == len(expected)
+                streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+                pieces = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+                assert "".join(p["choices"][0]["text"] for p in pieces) == text
+                # a seed gives the same text with a drafter as without, whatever the drafts were
+                for want, seed in zip(plain, (3, 4), strict=True):
+                    got = http.post("/v1/completions", json={**seeded, "seed": seed}).json()
+                    assert got["choices"] == want["choices"], (draft, seed)
+                two = http.post("/v1/completions", json={**seeded, "n": 2}).json()  # several choices: plainly
+                assert len(two["choices"]) == 2 and two["choices"][0]["text"] == plain[0]["choices"][0]["text"]
+        with pytest.raises(BadInputError, match="first:9"):
+            with api(*base, "--draft", "first:9"):
+                pass

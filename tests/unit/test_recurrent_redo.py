@@ -59,3 +59,18 @@ async def test_a_redone_step_over_recurrent_states_ends_the_session_for_a_replay
 def test_an_attention_cache_holds_no_recurrent_state(tmp_path):
     _, cache = _prefilled(_tiny(tmp_path, "llama"))
     assert not _recurrent(cache)
+
+
+async def test_a_step_may_start_only_inside_the_last_step(tmp_path):
+    """A speculative step's rejected drafts are dropped by the next step starting inside it; a client cannot take
+    back more than its own last step, nor skip ahead: both are ``bad_input``, and the session is left as it was."""
+    from swarm.errors import BadInputError
+
+    _, cache = _prefilled(_tiny(tmp_path, "llama"))
+    compute = SimpleNamespace(held=Span(0, 4), limits=Limits(64, torch.float32, 4, 64))
+    sessions = Sessions(compute, CacheBudget(100, per_caller=100), cache_wait=0.05)  # type: ignore[arg-type]
+    session = Session("s" * 32, Span(0, 4), 16, 1, cache, 0, position=5, caller="me", last_start=1)
+    for position in (0, 6):  # before the last step's start, past the end
+        with pytest.raises(BadInputError, match="this server holds 5 tokens"):
+            await sessions.step(session, position, {"hidden": torch.randn(1, 1, 64)})
+    assert (session.position, session.last_start) == (5, 1)

@@ -172,6 +172,39 @@ def test_a_redone_step_cannot_be_stitched_into_the_context(server):
         check(stitched, server.peer_id, 0, 4)
 
 
+def test_evidence_across_speculative_steps_carries_their_rejected_drafts(server):
+    """Steps of 4 positions at 5 and 7 (1 token and 3 drafts each), the first undone after 2 of them by the second:
+    the context is what the cache held (a, 2 positions of s1, s2 whole), s1's rejected drafts ride as its tail so
+    its digest checks, and a forged tail or context fails."""
+    g = torch.Generator().manual_seed(8)
+    a, s1, s2 = (torch.randn(1, n, 8, generator=g) for n in (5, 4, 4))
+    opening, chain, signature = _session(server, [a, s1, s2], [a, s1, s2 * 3], positions=[0, 5, 7])
+    common = dict(session_id="sid", opening=opening, chain=chain, signature=signature, bad=7, output=s2 * 3)
+    context = torch.cat([a, s1[:, :2], s2], dim=1)
+    assert build(context=context, **common) is None  # without the tail, s1's digest cannot be checked
+    evidence = build(context=context, tails={5: s1[:, 2:]}, **common)
+    assert evidence is not None and [(p.start, p.length, p.tail) for p in evidence.pieces] == [
+        (0, 5, 0),
+        (5, 2, 2),
+        (7, 4, 0),
+    ]
+    facts = check(evidence, server.peer_id, 0, 4)
+    assert facts.offset == 7 and facts.inputs.shape == (1, 11, 8)
+    assert build(context=context, tails={5: s1[:, 2:] + 1}, **common) is None
+    forged = evidence.model_copy(update={"tails": TensorBlob.of(s1[:, 2:] + 1)})
+    with pytest.raises(BadInputError, match="context at 5"):
+        check(forged, server.peer_id, 0, 4)
+    extra = evidence.model_copy(update={"tails": TensorBlob.of(torch.cat([s1[:, 2:], s1[:, :1]], dim=1))})
+    with pytest.raises(BadInputError, match="tails beyond"):
+        check(extra, server.peer_id, 0, 4)
+    # the tail cannot smuggle the dropped positions back into what the cache held
+    moved = evidence.model_copy(
+        update={"pieces": (evidence.pieces[0], Piece(index=1, start=5, length=4, tail=0), evidence.pieces[2])}
+    )
+    with pytest.raises(BadInputError):
+        check(moved, server.peer_id, 0, 4)
+
+
 def _record(peer_id: str, fingerprint: str = "f") -> ServerRecord:
     return record(peer_id=peer_id, fingerprint=fingerprint)  # online, blocks 0:4, float32
 
