@@ -16,6 +16,9 @@ Modes (``MODES``):
 - ``swap``: one block of its span (``swap_blocks``: the second, or the only one) runs with the weights of its
   neighbour, read from the model folder.
 - ``last``: the last position of each call's output replaced by Gaussian values of that position's RMS.
+- ``int8``, ``nf4``: its blocks quantized at load exactly as ``--quantize int8|nf4`` holds them (the libraries'
+  formats, ``peers.blocks.quantize``), while it announces the unquantized weights' fingerprint: a volunteer passing
+  off a cheaper quantized copy as the real weights.
 
 ``--fraction F``: a call (one row of a batched step: one session's step) cheats with probability F, drawn by a
 random generator seeded with ``--seed``, one draw per call in the order calls reach the runtime (``decisions``). For
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 
 from peers.blocks import batched
 from peers.blocks.backend import SpanBackend
+from peers.blocks.quantize import quantize_layer
 from peers.serving.adapters import Adapter
 from peers.serving.ports import Learner
 from peers.serving.runtime import Row, SpanRuntime
@@ -51,8 +55,8 @@ from swarm.families.weights import load_layers
 from swarm.ids import Span
 from swarm.records import Capability
 
-MODES = ("honest", "noise", "quant4", "swap", "last")
-WEIGHT_MODES = ("quant4", "swap")  # cheats held in the weights: the rest rewrite the output
+MODES = ("honest", "noise", "quant4", "swap", "last", "int8", "nf4")
+WEIGHT_MODES = ("quant4", "swap", "int8", "nf4")  # cheats held in the weights: the rest rewrite the output
 GROUP = 32  # quant4: values sharing one scale, along a Linear's input dimension
 LEVELS = 7  # quant4: symmetric int4 uses -7..7, so zero is exact and the grid is the same both ways
 
@@ -247,6 +251,9 @@ def cheating_span(honest: SpanBackend, cheat: Cheat, family: Family, folder: Pat
     if cheat.mode == "quant4":
         if not quantize_layers(layers):
             raise BadInputError("quant4: this model's blocks hold no nn.Linear")
+    elif cheat.mode in ("int8", "nf4"):
+        if not sum(quantize_layer(layer, cheat.mode, dtype, honest.device) for layer in layers):
+            raise BadInputError(f"{cheat.mode}: this model's blocks hold no linear map it can quantize")
     else:
         swap_layer(layers, honest.span, family, folder, dtype)
     if layers is honest.layers:

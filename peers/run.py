@@ -116,7 +116,10 @@ def _admit(store: RecordStore) -> Admit | None:
 def _directory(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDirectory:
     """The servers of this model with our weights, from their signed records: whom chaining trusts."""
     return ServerDirectory(
-        lambda block: store.read(block_key(model.name, block), ServerRecord), model.fingerprint, model.num_blocks, ttl
+        lambda block: store.read(block_key(model.name, block), ServerRecord),
+        model.chain_fingerprints,
+        model.num_blocks,
+        ttl,
     )
 
 

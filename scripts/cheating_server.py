@@ -5,10 +5,11 @@ and measuring verification. The cheats themselves are ``harness/cheats.py`` (its
     python scripts/cheating_server.py noise --fraction 0.1 --seed 3 -- --model smollm2-135m --blocks 10:20 \\
         --initial-peers /ip4/127.0.0.1/tcp/.../p2p/...
 
-MODE: ``honest`` (no change), ``noise``, ``quant4``, ``swap``, ``last``. Tests and benchmarks start one inside a
-``LocalSwarm`` with ``start_cheater`` (``tests.conftest.load_script("cheating_server").start_cheater``): it announces
-itself ten times faster than the test servers (``--throughput 1000``), so clients route to it first. Importing this
-file costs only the standard library and ``swarm.launch``."""
+MODE: ``honest`` (no change), ``noise``, ``quant4``, ``swap``, ``last``, ``int8``, ``nf4``. Tests and benchmarks
+start one inside a ``LocalSwarm`` with ``start_cheater``
+(``tests.conftest.load_script("cheating_server").start_cheater``): it announces itself ten times faster than the
+test servers (``--throughput 1000``), so clients route to it first. Importing this file costs only the standard
+library and ``swarm.launch``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ if str(ROOT) not in sys.path:  # this checkout's ``swarm``, ``peers`` and ``harn
 
 from swarm.launch import LocalSwarm, PeerProcess  # noqa: E402
 
-MODES = ("honest", "noise", "quant4", "swap", "last")  # harness.cheats.MODES (not imported here: it pulls in torch)
+MODES = (
+    "honest",
+    "noise",
+    "quant4",
+    "swap",
+    "last",
+    "int8",
+    "nf4",
+)  # harness.cheats.MODES (not imported here: it pulls in torch)
 CHEATS = "harness.cheats"  # the module a forked cheater runs the ``main`` of
 
 

@@ -14,6 +14,7 @@ from swarm.config import default_cache_dir, load_model_card
 from swarm.launch import LocalSwarm
 from swarm.logs import configure_logging
 from swarm.model_files import load_config, model_folder
+from swarm.quantization import FORMATS, describe
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--peers", type=int, default=3)
     p.add_argument("--local-blocks", type=int, default=0, help="run the first N blocks on the client (privacy)")
+    p.add_argument(
+        "--quantize", default="none", choices=FORMATS, help="serve the blocks quantized (swarm.serve --quantize)"
+    )
     args = p.parse_args(argv)
     configure_logging("WARNING")
 
@@ -70,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     shown = ", ".join(str(s) for s in spans)
     print(f"starting {args.peers} peers on 127.0.0.1 serving {args.model} blocks {shown} ...", flush=True)
     t0 = time.perf_counter()
-    with LocalSwarm(args.model, spans) as swarm:
+    with LocalSwarm(args.model, spans, extra_args=("--quantize", args.quantize)) as swarm:
         print(f"swarm up in {time.perf_counter() - t0:.1f} s; initial peer: {swarm.initial_peers[0]}", flush=True)
         tokenizer = load_tokenizer(args.model)
         with DistributedModelForCausalLM.from_pretrained(
-            args.model, initial_peers=swarm.initial_peers, local_blocks=args.local_blocks
+            args.model,
+            initial_peers=swarm.initial_peers,
+            local_blocks=args.local_blocks,
+            allow_quantized=args.quantize != "none",
         ) as model:
             chat = [{"role": "user", "content": args.prompt}]
             inputs = tokenizer.apply_chat_template(
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("route:")
             for hop in model.route:
-                print(f"  blocks {hop.start}:{hop.end} -> peer {hop.peer_id}")
+                print(f"  blocks {hop.start}:{hop.end} -> peer {hop.peer_id} ({describe(hop.dtype, hop.quantization)})")
     print("swarm shut down.")
     return 0
 

@@ -22,6 +22,7 @@ class Hop:
     network_mbps: float | None = None  # the server's announced link (codec choice's prior; None: unknown)
     punch_via: tuple[str, ...] = ()  # behind a NAT: reached directly by hole punching, with these observers
     fingerprint: str = ""  # the weights it serves (its record's; accusations name them)
+    quantization: str = "none"  # the format of its blocks' linear weights (swarm.quantization)
 
     @classmethod
     def of(
@@ -47,6 +48,7 @@ class Hop:
             r.network_mbps,
             tuple(r.punch_via),
             r.fingerprint,
+            r.quantization,
         )
 
     @property

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from swarm.config import ModelCard
 from swarm.errors import BadInputError
 from swarm.logs import progress_bars
+from swarm.quantization import weights_format
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +168,8 @@ SERVING_DTYPES = ("float32", "float16", "bfloat16")  # what a server may serve a
 
 
 def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
-    """A short hash of the exact weight bytes and the serving dtype; peers with different fingerprints never chain.
+    """A short hash of the exact weight bytes and the serving dtype (with the quantization format, if any:
+    ``swarm.quantization.weights_format``); peers with different fingerprints never chain.
 
     Hashing reads every weight file once (cheap next to loading); the result is cached by path, size and mtime.
     """
@@ -192,9 +194,20 @@ def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
     return hashlib.sha256(f"{content}/{dtype}".encode()).hexdigest()[:16]
 
 
-def served_fingerprints(folder: Path, cache_dir: Path) -> frozenset[str]:
-    """The fingerprints servers of these files announce, in every dtype they may serve them in."""
-    return frozenset(weights_fingerprint(folder, dtype, cache_dir) for dtype in SERVING_DTYPES)
+def served_fingerprints(folder: Path, cache_dir: Path, formats: tuple[str, ...] = ("none",)) -> frozenset[str]:
+    """The fingerprints servers of these files announce, in every dtype they may serve them in and each of
+    ``formats`` (``swarm.quantization``: by default only the unquantized weights)."""
+    return frozenset(fingerprint_groups(folder, cache_dir, formats))
+
+
+def fingerprint_groups(folder: Path, cache_dir: Path, formats: tuple[str, ...] = ("none",)) -> dict[str, str]:
+    """Each fingerprint ``served_fingerprints`` names -> its dtype: the fingerprints of one dtype (these weights in
+    the formats a client allowed) may share a chain; a chain never mixes dtypes."""
+    return {
+        weights_fingerprint(folder, weights_format(dtype, q), cache_dir): dtype
+        for dtype in SERVING_DTYPES
+        for q in formats
+    }
 
 
 def weight_map(folder: Path) -> dict[str, str]:

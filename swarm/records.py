@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from swarm.ids import Span
+from swarm.quantization import Quantization
 
 # how a peer is reached: told public, through relays (behind NAT), or not known (not yet measured)
 Reached = Literal["public", "relayed", "unmeasured"]
@@ -75,8 +76,11 @@ class ServerRecord(Record):
     end: int = Field(gt=0)
     model_id: str
     num_blocks: int = Field(gt=0)  # of the whole model, so tools can read the swarm without the model files
-    fingerprint: str  # hash of the exact weights and dtype; only equal fingerprints chain
+    fingerprint: str  # hash of the exact weights, dtype and quantization; only equal fingerprints chain
     dtype: str
+    # the format of its blocks' linear weights (swarm.quantization); the fingerprint names it too, so clients that
+    # did not allow quantized blocks never route here. Defaults to what a record from before formats means.
+    quantization: Quantization = "none"
     device: str
     device_memory: int = 0  # bytes
     forward_tps: float = Field(ge=0)  # forward tokens/s of the whole span
@@ -134,6 +138,9 @@ class PeerRecord(Record):
     block_throughput: float = Field(ge=0)  # blocks per second (forward tokens/s of one block)
     memory: int = Field(ge=0)  # bytes it offers for blocks
     max_blocks: int = Field(ge=0)
+    # bytes one block takes as this peer holds it, in its quantization format (0: unknown, the broker's own count);
+    # the broker divides the peer's memory by it, so a 4-bit peer is placed on about 4x the blocks of a 16-bit one
+    block_bytes: int = Field(default=0, ge=0)
     updated_at: float  # DHT time of this heartbeat
     broker_capable: bool = True
     network_mbps: float | None = None  # declared link bandwidth (None: unknown, not a limit)

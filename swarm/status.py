@@ -15,6 +15,7 @@ from swarm.hop import Hop
 from swarm.logs import add_log_flags, configure_logging
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
+from swarm.quantization import describe
 from swarm.records import ALL_CAPABILITIES, Lease, PeerState, ServerRecord, View, servers
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
@@ -50,7 +51,7 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
     ]
     header = (
         f"{'peer':<14} {'state':<8} {'blocks':<8} {'fwd tok/s':>10} {'inf step/s':>10} {'cache free':>11} "
-        f"{'requests':>9}  {'dtype':<8} {'runtime':<8} {'reached':<10} device"
+        f"{'requests':>9}  {'weights':<12} {'runtime':<8} {'reached':<10} device"
     )
     lines += ["", header, "-" * len(header)]
     for r in recs:
@@ -58,9 +59,10 @@ def render(model_id: str, view: View, live: dict[str, InfoReply], broker: Lease 
         served = sum(info.stats.values()) if info is not None else r.requests_served
         free = info.cache_tokens_free if info is not None else r.cache_tokens_free
         cache = f"{free}/{r.cache_tokens_total}"
+        weights = describe(r.dtype, r.quantization)
         lines.append(
             f"{'..' + r.peer_id[-12:]:<14} {r.state.value:<8} {f'{r.start}:{r.end}':<8} {r.forward_tps:>10.1f} "
-            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {r.dtype:<8} {r.runtime:<8} {_reached(r):<10} "
+            f"{r.inference_sps:>10.1f} {cache:>11} {served:>9}  {weights:<12} {r.runtime:<8} {_reached(r):<10} "
             f"{r.device}"
         )
     relays = [r for r in recs if r.relays_for_others]

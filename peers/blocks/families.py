@@ -4,6 +4,7 @@ Face's own forward exactly; a model it cannot serve exactly is refused with the 
 
 from __future__ import annotations
 
+import torch
 from transformers import PretrainedConfig
 
 from swarm.families.selfcheck import require_exact
@@ -12,7 +13,7 @@ from swarm.families.spec import Family, supported_labels
 __all__ = ["Family", "family_for", "supported_labels"]
 
 
-def family_for(config: PretrainedConfig) -> Family:
+def family_for(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> Family:
     """The family of ``config`` (its ``config`` carries the attention implementation the family runs), or
-    BadInputError naming what cannot be served exactly."""
-    return require_exact(config)
+    BadInputError naming what cannot be served exactly in ``dtype``."""
+    return require_exact(config, dtype)

@@ -66,7 +66,10 @@ def check_exportable(config: PretrainedConfig, dtype: torch.dtype, device: str) 
     if config.model_type not in SUPPORTED:
         raise BadInputError(f"{what}; this model is {config.model_type!r} (serve it with --runtime torch)")
     if dtype != torch.float32:
-        raise BadInputError(f"{what}, not {str(dtype).removeprefix('torch.')} (give --dtype float32)")
+        raise BadInputError(  # its graphs are written in float32 (norm statistics, masks, caches): 16 bits need torch
+            f"{what}, not {str(dtype).removeprefix('torch.')}: serve 16-bit blocks with --runtime torch, or give "
+            "--dtype float32"
+        )
     if torch.device(device).type != "cpu":
         raise BadInputError(f"{what} (ONNX Runtime's CPU provider), not on {device!r}")
     act = getattr(config, "hidden_act", "silu")

@@ -13,6 +13,7 @@ import torch
 from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import block_bytes, load_span
+from peers.blocks.quantize import load_quantized, quantized_block_bytes
 from peers.broker.planner import PeerInfo, Plan, Policy, plan_swarm
 from peers.serving.config import ComputeConfig
 from peers.serving.ports import Learner, TrainingRpc
@@ -20,8 +21,10 @@ from peers.serving.runtime import SpanRuntime
 from peers.serving.stage import ModelInfo, StageEnv
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
+from swarm.families.weights import load_layers
 from swarm.ids import Span
 from swarm.model_files import load_config, model_folder, weights_fingerprint
+from swarm.quantization import FORMATS, weights_format
 
 
 def _perturb(layers: torch.nn.Module, scale: float) -> None:
@@ -29,6 +32,8 @@ def _perturb(layers: torch.nn.Module, scale: float) -> None:
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for p in layers.parameters():
+            if type(p) is not torch.nn.Parameter or not p.is_floating_point():
+                continue  # a library's quantized weight (codes and scales): left as quantized
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
 
 
@@ -54,19 +59,31 @@ class ServingStage:
         """``model_name``: a model card name or a Hugging Face folder (``--model``)."""
         card = load_model_card(model_name)
         folder = model_folder(card, cache_dir)
-        family = family_for(load_config(folder))  # refuses, naming why, what it cannot serve exactly
-        config = family.config  # with the attention implementation the family runs
         dtype_name = compute.dtype or card.dtype
         dtype = getattr(torch, dtype_name, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise BadInputError(f"unknown dtype {dtype_name!r}")
-        # by the dtype's canonical name ("half" is float16): clients compute the fingerprints they accept that way
-        fingerprint = weights_fingerprint(folder, str(dtype).removeprefix("torch."), cache_dir)
+        # refuses, naming why, what it cannot serve exactly (in float32, and in the serving dtype within its bound)
+        family = family_for(load_config(folder), dtype)
+        config = family.config  # with the attention implementation the family runs
+        quant = compute.quantize
+        # by the dtype's canonical name ("half" is float16) and the format: clients compute the fingerprints they
+        # accept that way (swarm.model_files.served_fingerprints)
+        fingerprint = weights_fingerprint(folder, weights_format(str(dtype).removeprefix("torch."), quant), cache_dir)
         if compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
             from peers.blocks.onnx_export import check_exportable
 
+            if quant != "none":
+                raise BadInputError(f"--runtime onnx serves unquantized weights; --quantize {quant} needs torch")
             check_exportable(config, dtype, compute.device)
-        model = ModelInfo(card.name, config, family, dtype, fingerprint, block_bytes(folder, family, dtype))
+        held = block_bytes(folder, family, dtype)
+        if quant != "none":  # what the largest block takes in this format, measured on one quantized copy of it
+            held = quantized_block_bytes(folder, family, dtype, quant)
+        same = frozenset(
+            weights_fingerprint(folder, weights_format(str(dtype).removeprefix("torch."), q), cache_dir)
+            for q in FORMATS
+        )
+        model = ModelInfo(card.name, config, family, dtype, fingerprint, held, quant, same)
         return cls(
             model,
             folder,
@@ -89,7 +106,18 @@ class ServingStage:
 
     def _layers(self, span: Span) -> torch.nn.ModuleList:
         m = self.model
-        layers = load_span(self.folder, m.family, span, m.dtype, self.device)
+        if m.quantization == "none":
+            layers = load_span(self.folder, m.family, span, m.dtype, self.device)
+        else:
+            layers = torch.nn.ModuleList(
+                load_quantized(
+                    lambda ids: load_layers(m.family, self.folder, ids, m.dtype, self.device),
+                    range(span.start, span.end),
+                    m.quantization,
+                    m.dtype,
+                    self.device,
+                )
+            )
         if self.perturb:
             _perturb(layers, self.perturb)
         return layers

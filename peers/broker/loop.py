@@ -50,7 +50,18 @@ def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float, 
         if r.network_mbps and r.token_bytes:  # every token crosses the link twice: into and out of the span
             link = link_tokens(Link(bandwidth=r.network_mbps * 1e6 / 8), r.token_bytes)
         pinned = r.span if r.pinned else None
-        out.append(PeerInfo(r.peer_id, r.block_throughput, r.memory, pinned, r.span, role, link_tokens=link))
+        out.append(
+            PeerInfo(
+                r.peer_id,
+                r.block_throughput,
+                r.memory,
+                pinned,
+                r.span,
+                role,
+                link_tokens=link,
+                block_bytes=r.block_bytes,
+            )
+        )
     return out
 
 

@@ -41,6 +41,7 @@ class PeerInfo:
     span: Span | None = None  # what it holds now (serving or preloaded)
     role: Role | None = None  # what it does with it now
     link_tokens: float = math.inf  # tokens per unit time its network link can carry in and out (inf: unknown)
+    block_bytes: int = 0  # what one block takes in the format it serves (quantized: less); 0: the model's count
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,23 @@ def settled(peers: list[PeerInfo], plan: Plan) -> list[PeerInfo]:
     for p in peers:
         pl = plan.placements.get(p.peer_id)
         out.append(
-            PeerInfo(p.peer_id, p.throughput, p.memory, p.pinned, pl.span if pl else None, pl.role if pl else None)
+            PeerInfo(
+                p.peer_id,
+                p.throughput,
+                p.memory,
+                p.pinned,
+                pl.span if pl else None,
+                pl.role if pl else None,
+                block_bytes=p.block_bytes,
+            )
         )
     return out
 
 
 def capacity(peer: PeerInfo, num_blocks: int, block_bytes: int) -> int:
-    return min(num_blocks, peer.memory // max(block_bytes, 1))
+    """Blocks ``peer`` can hold: its memory over what one block takes in its own format (``block_bytes``: the
+    model's, for a peer that did not say)."""
+    return min(num_blocks, peer.memory // max(peer.block_bytes or block_bytes, 1))
 
 
 Share = Callable[[str, int], float]  # (peer, span length) -> what the peer adds to each block of such a span

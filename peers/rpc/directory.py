@@ -4,8 +4,9 @@ A client's route names the hops around a session, but a client is a stranger: it
 identities) as the hop before, to push into its own session through a door the budget does not watch, or name as the
 next hop an address of its choosing, to make this server dial anyone. So a hop takes pushes only from the peer the
 route puts before it *and* that announces, in a record its own key signed, a span holding the block just before this
-session's with the same weights fingerprint; and it pushes only to the next hop such a record names, at the addresses
-that record announces (never those the route carries).
+session's with the same weights (its fingerprint, or that of the same weights and dtype in another quantization
+format: a client that allowed quantized blocks may route through both); and it pushes only to the next hop such a
+record names, at the addresses that record announces (never those the route carries).
 
 Records are read from the DHT per block and kept ``ttl`` seconds; a peer not found is looked up again at most once
 per ``ttl`` / 4 (a server that just joined is found, a flood of unknown names costs one DHT read a block)."""
@@ -30,13 +31,20 @@ class ServerDirectory:
     def __init__(
         self,
         read: Callable[[int], list[ServerRecord]],
-        fingerprint: str,
+        fingerprints: frozenset[str],
         num_blocks: int,
         ttl: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``read``: the authentic server records under one block's key (blocking: a DHT read, run off the loop)."""
-        self._read, self.fingerprint, self.num_blocks, self.ttl, self.clock = read, fingerprint, num_blocks, ttl, clock
+        """``read``: the authentic server records under one block's key (blocking: a DHT read, run off the loop);
+        ``fingerprints``: the weights it chains with (its own, in the quantization formats clients may mix)."""
+        self._read, self.fingerprints, self.num_blocks, self.ttl, self.clock = (
+            read,
+            fingerprints,
+            num_blocks,
+            ttl,
+            clock,
+        )
         self._blocks: dict[int, _Block] = {}
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -65,7 +73,7 @@ class ServerDirectory:
 
     def _serves(self, record: ServerRecord, block: int) -> bool:
         return (
-            record.fingerprint == self.fingerprint
+            record.fingerprint in self.fingerprints
             and record.start <= block < record.end
             and record.state in (PeerState.ONLINE, PeerState.LEAVING)
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from swarm.cli import option
 from swarm.errors import BadInputError
+from swarm.quantization import parse_quantization
 
 MIB = 1024 * 1024
 
@@ -44,6 +45,13 @@ class ComputeConfig:
         "CPU, Llama-family models in float32: inference and forward only; routes that train or carry adapters skip it)",
     )
     dtype: str | None = option(None, help="serving dtype (default: the model card's)")
+    quantize: str = option(
+        "none",
+        parse=parse_quantization,
+        metavar="none|int8|nf4",
+        help="hold the blocks' linear weights quantized: int8 (torchao, weight-only) or nf4 (bitsandbytes, QLoRA's "
+        "4-bit); announced, and only clients that allow quantized blocks route here",
+    )
     threads: int = option(1, help="compute threads, torch's or ONNX Runtime's (peers often share a machine's cores)")
     throughput: float | None = option(
         None,

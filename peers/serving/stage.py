@@ -41,7 +41,15 @@ class ModelInfo:
     family: Family
     dtype: torch.dtype
     fingerprint: str
-    block_bytes: int
+    block_bytes: int  # the largest block, as this peer holds it (quantized: in its format)
+    quantization: str = "none"  # swarm.quantization: the format of its linear weights
+    # fingerprints of servers it chains with (pushes to, takes pushes from): its own weights and dtype in every
+    # format, since a client that allowed them may route through them (empty: its own fingerprint only)
+    chains_with: frozenset[str] = frozenset()
+
+    @property
+    def chain_fingerprints(self) -> frozenset[str]:
+        return self.chains_with | {self.fingerprint}
 
     @property
     def num_blocks(self) -> int:

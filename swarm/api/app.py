@@ -167,7 +167,10 @@ def _sampling(req: ChatRequest | CompletionRequest, prompt: int, served: ServedM
 
 
 def _route(outcome: Outcome) -> list[RouteHop]:
-    return [RouteHop(peer_id=h.peer_id, start=h.start, end=h.end) for h in outcome.route]
+    return [
+        RouteHop(peer_id=h.peer_id, start=h.start, end=h.end, dtype=h.dtype, quantization=h.quantization)
+        for h in outcome.route
+    ]
 
 
 def _usage(o: Outcome) -> Usage:

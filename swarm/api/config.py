@@ -114,6 +114,12 @@ class ApiConfig:
     trusted_peers: tuple[str, ...] = option(
         (), metavar="PEER_ID", help="route only through these peers (blocks none of them serves are missing)"
     )
+    allow_quantized: tuple[str, ...] = option(
+        (),
+        metavar="FORMAT",
+        help="also route through servers holding quantized blocks in these formats (int8, nf4; default: only the "
+        "exact weights); the route of each answer names every hop's format",
+    )
     draft: str | None = option(
         None,
         metavar="SPEC",

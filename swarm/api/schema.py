@@ -151,6 +151,8 @@ class RouteHop(_Out):
     peer_id: str
     start: int
     end: int
+    dtype: str = "float32"
+    quantization: str = "none"  # the format of its linear weights (swarm.quantization)
 
 
 class ChatMessageOut(_Out):

@@ -66,6 +66,7 @@ class Service:
                     codec=cfg.codec,
                     local_blocks=cfg.local_blocks,
                     trusted_peers=cfg.trusted_peers,
+                    allow_quantized=cfg.allow_quantized,
                 )
                 spec = Speculation(cfg.draft, max_k=cfg.draft_max) if cfg.draft else None
                 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Protocol
 
 from swarm.accusations import Evidence
@@ -41,6 +42,7 @@ class SwarmConnection:
         num_blocks: int,
         fingerprints: frozenset[str] | None,
         *,
+        groups: Mapping[str, str] | None = None,
         hidden: int = 0,
         value_bytes: int = 0,
     ) -> None:
@@ -79,6 +81,7 @@ class SwarmConnection:
                 num_blocks,
                 cfg,
                 fingerprints,
+                groups=groups,
                 hidden=hidden,
                 value_bytes=value_bytes,
                 software=software,

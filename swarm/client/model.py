@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -32,10 +32,11 @@ from swarm.families import local
 from swarm.families.selfcheck import require_exact
 from swarm.families.spec import Family, family_of
 from swarm.hop import Hop
-from swarm.model_files import load_config, model_folder, read_tensors, served_fingerprints, weight_map
+from swarm.model_files import fingerprint_groups, load_config, model_folder, read_tensors, weight_map
 from swarm.plan.compile import ModelShape, float_dtype
 from swarm.plan.ir import Plan, Task
 from swarm.protocol import ReleaseRequest, TrainTag
+from swarm.quantization import accepted_formats
 from swarm.tuning import TuningSpec, linear_modules
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         verify_every: int = 16,
         verify_seed: int | None = None,
         accuse: bool = True,
+        allow_quantized: bool | str | Sequence[str] = False,
         **unused: object,
     ) -> DistributedModelForCausalLM:
         """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
@@ -120,7 +122,11 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         Verification (docs/trust.md): ``verify_every``: each hop's work is run again on another server, in windows
         of about this many steps (0: off), and forwards and backwards with probability 1 / ``verify_every``;
         ``verify_seed``: makes which steps and verifiers reproducible (tests only: servers must not predict it);
-        ``accuse``: publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong."""
+        ``accuse``: publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong.
+
+        ``allow_quantized``: route through servers holding quantized blocks too (``swarm.quantization``): True for
+        every format, or the formats to take ("int8", "nf4"); by default only servers of the exact weights, so
+        results are those of the dtype they are served in. ``fingerprint`` overrides it."""
         if unused:
             raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
         cfg = client_config(
@@ -146,7 +152,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         card = load_model_card(name_or_path)
         folder = model_folder(card, cfg.cache_dir)
         config = load_config(folder)
-        require_exact(config)  # the family's local parts and spans reproduce Hugging Face, or this is refused
+        require_exact(config, dtype)  # the family's local parts and spans reproduce Hugging Face, or this is refused
         model = cls(config)
         names = local.client_names(model.family, weight_map(folder))  # never the blocks' tensors
         state = {names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()}
@@ -160,9 +166,8 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         if spec is not None:
             model._attach_adapters(spec, adapter)
         # only servers of these very weights are chained (a stranger's other weights never are, however fast)
-        model._connect(
-            cfg, card.name, frozenset({fingerprint}) if fingerprint else served_fingerprints(folder, cfg.cache_dir)
-        )
+        groups = fingerprint_groups(folder, cfg.cache_dir, accepted_formats(allow_quantized))
+        model._connect(cfg, card.name, frozenset({fingerprint}) if fingerprint else frozenset(groups), groups)
         return model
 
     @classmethod
@@ -218,13 +223,20 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         local.restore_buffers(self.family, self.model)  # Gemma's embedding scale: in no checkpoint
         self.loaded_tensor_names = tuple(sorted(state))
 
-    def _connect(self, cfg: ClientConfig, model_id: str, fingerprints: frozenset[str] | None) -> None:
+    def _connect(
+        self,
+        cfg: ClientConfig,
+        model_id: str,
+        fingerprints: frozenset[str] | None,
+        groups: Mapping[str, str] | None = None,
+    ) -> None:
         dtype_name = str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
         self._conn = SwarmConnection(
             cfg,
             model_id,
             int(self.config.num_hidden_layers),
             fingerprints,
+            groups=groups,
             hidden=int(self.config.hidden_size),
             value_bytes=getattr(torch, dtype_name).itemsize,  # hidden states travel in the embeddings' dtype
         )

@@ -22,45 +22,56 @@ from swarm.records import Capability, PeerState, ServerRecord, View, servers
 Mode = Literal["inference", "forward"]
 
 
-def pick_fingerprint(view: View, accepted: frozenset[str] | None = None) -> str | None:
-    """The weights to chain: of the ``accepted`` fingerprints (None: any), the one covering the most blocks, then
-    with the most throughput. With none of the accepted weights served, one of them all the same (so that no other
-    weights become eligible)."""
-    best: str | None = min(accepted) if accepted else None
+def pick_fingerprint(
+    view: View, accepted: frozenset[str] | None = None, groups: Mapping[str, str] | None = None
+) -> frozenset[str] | None:
+    """The weights to chain: of the ``accepted`` fingerprints (None: any), the group covering the most blocks, then
+    with the most throughput. ``groups`` (fingerprint -> group) names fingerprints that may share a chain: the same
+    weights and dtype in the formats a client allowed (``swarm.quantization``); any other fingerprint is a group of
+    its own. With none of the accepted weights served, one of them all the same (so that no other weights become
+    eligible)."""
+    groups = groups or {}
+    best: frozenset[str] | None = None
+    if accepted:
+        first = min(accepted)
+        best = frozenset(fp for fp in accepted if groups.get(fp, fp) == groups.get(first, first))
     best_score = -1.0
-    by_fp: dict[str, list[ServerRecord]] = {}
+    by_group: dict[str, list[ServerRecord]] = {}
     for r in servers(view).values():
         if r.state == PeerState.ONLINE and r.protocol_version == PROTOCOL_VERSION:
             if accepted is not None and r.fingerprint not in accepted:
                 continue
-            by_fp.setdefault(r.fingerprint, []).append(r)
-    for fp, recs in by_fp.items():
+            by_group.setdefault(groups.get(r.fingerprint, r.fingerprint), []).append(r)
+    for group, recs in by_group.items():
         covered: set[int] = set()
         for r in recs:
             covered.update(range(r.start, r.end))
         score = len(covered) * 1e9 + sum(r.forward_tps for r in recs)
         if score > best_score:
-            best, best_score = fp, score
+            members = {fp for fp, g in groups.items() if g == group} | {r.fingerprint for r in recs}
+            best, best_score = frozenset(members), score
     return best
 
 
 def eligible(
     view: View,
     *,
-    fingerprint: str | None,
+    fingerprint: str | frozenset[str] | None,
     banned: frozenset[str] = frozenset(),
     min_cache_tokens: int = 0,
     needs: frozenset[Capability] = frozenset(),
 ) -> list[ServerRecord]:
     """Servers a route may use: online, speaking this protocol, serving the chosen weights, not banned, with room,
     and whose runtime can do what the route ``needs`` (a training forward needs ``backward``, a LoRA or prompt route
-    ``adapters``; an ONNX server has neither)."""
+    ``adapters``; an ONNX server has neither). ``fingerprint``: the weights chosen (one, or a group that may
+    share a chain: ``pick_fingerprint``)."""
+    chosen = frozenset({fingerprint}) if isinstance(fingerprint, str) else fingerprint
     return [
         r
         for r in servers(view).values()
         if r.state == PeerState.ONLINE
         and r.protocol_version == PROTOCOL_VERSION
-        and (fingerprint is None or r.fingerprint == fingerprint)
+        and (chosen is None or r.fingerprint in chosen)
         and r.peer_id not in banned
         and r.cache_tokens_free >= min_cache_tokens
         and needs <= r.capabilities

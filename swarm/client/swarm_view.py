@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.codecs import choose_codec, parse_codec
@@ -40,6 +40,7 @@ class SwarmView:
         cfg: ClientConfig,
         fingerprints: frozenset[str] | None = None,
         *,
+        groups: Mapping[str, str] | None = None,
         value_bytes: int = 0,
         hidden: int = 0,
         software: Software | None = None,
@@ -52,6 +53,9 @@ class SwarmView:
         self.num_blocks = num_blocks
         self.cfg = cfg
         self.fingerprints = fingerprints  # the weights this client accepts (None: any)
+        self.groups = dict(
+            groups or {}
+        )  # fingerprint -> group: those that may share a chain (routing.pick_fingerprint)
         self._lock = threading.Lock()
         self._view: View = {}
         self._read_at = -float("inf")
@@ -126,9 +130,10 @@ class SwarmView:
         with self._lock:
             self._read_at = -float("inf")
 
-    def current_fingerprint(self, view: View) -> str | None:
-        """Of the weights this client accepts, those the swarm serves most completely right now."""
-        return pick_fingerprint(view, self.fingerprints)
+    def current_fingerprint(self, view: View) -> frozenset[str] | None:
+        """Of the weights this client accepts, those the swarm serves most completely right now (with the formats
+        of the same weights it allowed: they chain together)."""
+        return pick_fingerprint(view, self.fingerprints, self.groups)
 
     def ban(self, peer_id: str, seconds: float) -> None:
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})

@@ -24,6 +24,7 @@ from swarm.dht import RecordStore, current_broker
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import InfoReply
+from swarm.quantization import describe
 from swarm.records import MAX_COUNT, PeerState, Reached, ServerRecord, View, servers
 from swarm.rpc.evidence import facts_or_none
 from swarm.rpc.remote import Remote
@@ -128,7 +129,7 @@ def peer_view(r: ServerRecord, info: InfoReply | None, polled: bool) -> PeerView
         start=r.start,
         end=r.end,
         device=clip(r.device),
-        dtype=clip(r.dtype),
+        dtype=clip(describe(r.dtype, r.quantization)),  # with the quantization format, if any: "bfloat16/nf4"
         runtime=clip(r.runtime),
         forward_tps=r.forward_tps,
         inference_sps=r.inference_sps,

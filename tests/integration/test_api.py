@@ -121,6 +121,7 @@ def test_chat_equals_local_greedy_generation(stack, reference):
     assert reply.choices[0].finish_reason == ("stop" if generated < 12 else "length")
     route = reply.model_extra["route"]
     assert [(h["start"], h["end"]) for h in route] == [(0, 15), (15, 30)]
+    assert {(h["dtype"], h["quantization"]) for h in route} == {("float32", "none")}  # what each hop computes in
 
 
 def test_streamed_chat_is_the_same_answer_with_usage_and_route(stack, reference):

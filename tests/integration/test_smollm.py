@@ -196,3 +196,31 @@ def test_the_first_conversion_logs_only_json(smollm_conversion):
     _, log = smollm_conversion
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert sum(r.get("kind") == "conversion" for r in records) == 3  # its three steps, as records: it converted here
+
+
+def test_smollm2_in_nf4_through_three_servers_answers_the_demo_question(tokenizer):
+    """The demo's question, through three servers holding their blocks in NF4 (``swarm.demo --quantize nf4``): the
+    answer still names Paris, every hop says its format, and ``swarm.status`` shows it."""
+    question = "What is the capital of France? Answer in one sentence, then name two famous places to visit there."
+    with running_swarm(MODEL, ["0:10", "10:20", "20:30"], "--quantize", "nf4") as swarm:
+        with connect(MODEL, swarm, allow_quantized="nf4") as client:
+            chat = [{"role": "user", "content": question}]
+            x = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            out = client.generate(**x, max_new_tokens=24, do_sample=False)
+            assert "Paris" in tokenizer.decode(out[0, x["input_ids"].shape[1] :])
+            assert [(h.start, h.end, h.quantization) for h in client.route] == [
+                (0, 10, "nf4"),
+                (10, 20, "nf4"),
+                (20, 30, "nf4"),
+            ]
+
+        def status() -> str | None:  # asked again until covered: see test_status_shows_coverage_and_work
+            out = subprocess.run(
+                [sys.executable, "-m", "swarm.status", "--initial-peers", swarm.initial_peers[0]],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            return out.stdout if "fully covered" in out.stdout else None
+
+        assert wait_for(status, 300, "a status showing the swarm covered").count("float32/nf4") == 3

@@ -90,7 +90,7 @@ def test_chaining_trusts_only_servers_of_the_block_with_our_weights() -> None:
         reads.append(block)
         return records.get(block, [])
 
-    directory = ServerDirectory(read, "fp", 4, ttl=8.0, clock=lambda: now[0])
+    directory = ServerDirectory(read, frozenset({"fp"}), 4, ttl=8.0, clock=lambda: now[0])
 
     async def scenario() -> None:
         assert (await directory.server_at("b", 1)) is not None

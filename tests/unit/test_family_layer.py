@@ -14,7 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from swarm.errors import BadInputError
 from swarm.families import kv, local, weights
-from swarm.families.selfcheck import TOLERANCE, check_split, require_exact
+from swarm.families.selfcheck import TOLERANCE, TOLERANCES, check_split, require_exact
 from swarm.families.spec import SPECS, family_of
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=320, tie_word_embeddings=False)
@@ -116,6 +116,20 @@ def test_split_path_equals_hugging_face(name):
     assert report.ok, report.problems
     assert set(report.diffs) == {"full forward", "left-padded batch", "cached decode"}
     assert max(report.diffs.values()) <= TOLERANCE
+
+
+REFUSED_IN_BFLOAT16 = {"deepseek_v3", "gpt_oss"}  # 0.15 off from block 0 in bfloat16 (swarm.families.selfcheck)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_split_path_in_16_bits_within_the_dtypes_bound_or_refused_with_the_reason(name, dtype):
+    report = check_split(tiny_config(name), twin=False, dtype=dtype)
+    if dtype == torch.bfloat16 and name in REFUSED_IN_BFLOAT16:
+        assert not report.ok and "full forward: logits off by" in report.problems[0]
+        return
+    assert report.ok, report.problems
+    assert 0 <= max(report.diffs.values()) <= TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "deepseek_v3", "falcon_alibi"])

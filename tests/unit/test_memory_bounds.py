@@ -179,7 +179,7 @@ def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakr
     compute.metrics.decoder = tracked
     sessions = SimpleNamespace(compute=compute, start=start, end=end, open={})
     servicer = Servicer(compute, sessions, lambda: None, max_bytes=1 << 30, timing=timing)
-    directory = ServerDirectory(lambda _: [], "fingerprint", 2, 1.0)
+    directory = ServerDirectory(lambda _: [], frozenset({"fingerprint"}), 2, 1.0)
     relay = Relay(
         SimpleNamespace(creds=SimpleNamespace(peer_id="me")), sessions, timing, 1 << 30, lambda *_: None, directory
     )

@@ -122,7 +122,7 @@ def test_unsupported_models_dtypes_and_devices_are_refused_at_start(tiny_models)
         with pytest.raises(BadInputError, match=rf"serves llama, mistral, qwen2 models .* this model is '{family}'"):
             check_exportable(config, torch.float32, "cpu")
     config = load_config(tiny_models["llama"])
-    with pytest.raises(BadInputError, match=r"in float32 .* not bfloat16 \(give --dtype float32\)"):
+    with pytest.raises(BadInputError, match=r"in float32 .* not bfloat16: serve 16-bit blocks with --runtime torch"):
         check_exportable(config, torch.bfloat16, "cpu")
     with pytest.raises(BadInputError, match="not on 'cuda'"):
         check_exportable(config, torch.float32, "cuda")

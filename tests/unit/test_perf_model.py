@@ -298,34 +298,3 @@ def test_predict_report(monkeypatch):
     assert "decode, chained" in text and "LoRA" in text
     with pytest.raises(SystemExit, match="unknown device"):
         predict_report(argparse.Namespace(**{**vars(args), "device": "tpu9"}), None)
-
-
-@pytest.mark.slow  # a process of its own running the CPU micro-benchmarks, then the model shapes
-def test_the_gpu_script_runs_its_path_on_a_cpu(tmp_path):
-    """The GPU rows' script runs the same code path on a CPU with tiny shapes."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "rows.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "scripts/validate_gpu.py",
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--small",
-            "--json",
-            str(out),
-        ],
-        cwd=root,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) >= 4 and all(r["predicted"] > 0 and r["measured"] > 0 for r in rows)

@@ -109,7 +109,7 @@ def test_pick_fingerprint_prefers_full_coverage():
         record(peer_id="a", end=8, fingerprint="good", forward_tps=1),
         record(peer_id="b", end=4, fingerprint="partial", forward_tps=1e6),
     )
-    assert pick_fingerprint(view) == "good"
+    assert pick_fingerprint(view) == {"good"}
 
 
 def test_a_client_chains_only_the_weights_it_holds_however_fast_a_stranger_claims_to_be():
@@ -117,13 +117,28 @@ def test_a_client_chains_only_the_weights_it_holds_however_fast_a_stranger_claim
         record(peer_id="honest", end=8, fingerprint="ours", forward_tps=1),
         record(peer_id="stranger", end=8, fingerprint="theirs", forward_tps=1e12),
     )
-    assert pick_fingerprint(view) == "theirs"  # a tool reading the swarm sees the best-covered weights
-    assert pick_fingerprint(view, frozenset({"ours"})) == "ours"
-    assert (
-        pick_fingerprint(view_of(record(peer_id="stranger", end=8, fingerprint="theirs")), frozenset({"ours"}))
-        == "ours"
-    )
+    assert pick_fingerprint(view) == {"theirs"}  # a tool reading the swarm sees the best-covered weights
+    assert pick_fingerprint(view, frozenset({"ours"})) == {"ours"}
+    assert pick_fingerprint(view_of(record(peer_id="stranger", end=8, fingerprint="theirs")), frozenset({"ours"})) == {
+        "ours"
+    }
     assert [r.peer_id for r in eligible(view, fingerprint="ours")] == ["honest"]
+
+
+def test_formats_a_client_allowed_share_a_chain_and_dtypes_never_do():
+    """Blocks 0:4 exact, 4:8 only in NF4 (same dtype), 0:8 in bfloat16: a client that allowed NF4 chains the exact
+    and NF4 servers (their group covers every block); one that did not sees 4:8 covered in bfloat16 only."""
+    view = view_of(
+        record(peer_id="exact", end=4, fingerprint="f32"),
+        record(peer_id="nf4", start=4, end=8, fingerprint="f32+nf4"),
+        record(peer_id="bf16", end=8, fingerprint="bf16", forward_tps=1),
+    )
+    groups = {"f32": "float32", "f32+nf4": "float32", "bf16": "bfloat16"}
+    chosen = pick_fingerprint(view, frozenset(groups), groups)
+    assert chosen == {"f32", "f32+nf4"}
+    assert sorted(r.peer_id for r in eligible(view, fingerprint=chosen)) == ["exact", "nf4"]
+    exact = {"f32": "float32", "bf16": "bfloat16"}
+    assert pick_fingerprint(view, frozenset(exact), exact) == {"bf16"}
 
 
 def test_a_moved_peer_is_known_by_its_current_record():
