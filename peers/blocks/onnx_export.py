@@ -37,6 +37,8 @@ from swarm.ids import Span
 log = logging.getLogger(__name__)
 
 EXPORT_VERSION = 1  # part of every export's path: a changed graph never reuses an older export
+# torch dtype -> (numpy dtype, ONNX element type) of a graph's values
+GRAPH_DTYPES = {torch.float32: (np.float32, TensorProto.FLOAT), torch.float16: (np.float16, TensorProto.FLOAT16)}
 OPSET = 23  # the first opset with RMSNormalization, RotaryEmbedding and Attention with a KV cache
 SUPPORTED = ("llama", "mistral", "qwen2")  # the same block: Mistral adds a sliding window, Qwen2 q/k/v biases
 GRAPH_FILE, DATA_FILE = "block.onnx", "block.onnx.data"
@@ -62,13 +64,13 @@ def head_dim(config: PretrainedConfig) -> int:
 
 def check_exportable(config: PretrainedConfig, dtype: torch.dtype, device: str) -> None:
     """Refuse, before anything loads, a model, dtype or device the ONNX runtime cannot serve."""
-    what = f"--runtime onnx serves {', '.join(SUPPORTED)} models in float32 on the CPU"
+    what = f"--runtime onnx serves {', '.join(SUPPORTED)} models in float32 or float16 on the CPU"
     if config.model_type not in SUPPORTED:
         raise BadInputError(f"{what}; this model is {config.model_type!r} (serve it with --runtime torch)")
-    if dtype != torch.float32:
-        raise BadInputError(  # its graphs are written in float32 (norm statistics, masks, caches): 16 bits need torch
-            f"{what}, not {str(dtype).removeprefix('torch.')}: serve 16-bit blocks with --runtime torch, or give "
-            "--dtype float32"
+    if dtype not in GRAPH_DTYPES:  # ONNX Runtime's CPU provider has no bfloat16 kernel for MatMul (measured)
+        raise BadInputError(
+            f"{what}, not {str(dtype).removeprefix('torch.')}: ONNX Runtime's CPU provider has no "
+            f"{str(dtype).removeprefix('torch.')} MatMul; serve it with --runtime torch, or give --dtype float16"
         )
     if torch.device(device).type != "cpu":
         raise BadInputError(f"{what} (ONNX Runtime's CPU provider), not on {device!r}")
@@ -79,8 +81,12 @@ def check_exportable(config: PretrainedConfig, dtype: torch.dtype, device: str) 
         raise BadInputError(f"{what}: rotary embeddings need an even head dimension, got {head_dim(config)}")
 
 
-def block_graph(config: PretrainedConfig, state: Mapping[str, torch.Tensor], index: int) -> onnx.ModelProto:
-    """Block ``index`` as an ONNX model holding its weights (``state``: the layer's tensors, prefix stripped)."""
+def block_graph(
+    config: PretrainedConfig, state: Mapping[str, torch.Tensor], index: int, dtype: torch.dtype = torch.float32
+) -> onnx.ModelProto:
+    """Block ``index`` as an ONNX model holding its weights (``state``: the layer's tensors, prefix stripped), its
+    inputs, outputs, weights and caches in ``dtype`` (float32 or float16; norm statistics in float32 either way)."""
+    np_dtype, f = GRAPH_DTYPES[dtype]
     unknown = sorted(set(state) - _KNOWN)
     if unknown:  # e.g. Qwen3's q/k norms: a block with more math than this graph has
         raise BadInputError(f"block {index} has tensors the ONNX export does not know: {unknown[:6]}")
@@ -95,7 +101,7 @@ def block_graph(config: PretrainedConfig, state: Mapping[str, torch.Tensor], ind
         return name
 
     def weight(name: str, tensor: torch.Tensor) -> str:
-        return const(name, np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy()))
+        return const(name, np.ascontiguousarray(tensor.detach().to("cpu", torch.float32).numpy().astype(np_dtype)))
 
     def linear(x: str, out: str, modules: tuple[str, ...]) -> str:
         """``x`` times the modules' weights, fused into one MatMul (transposed once here: [in, out])."""
@@ -137,7 +143,6 @@ def block_graph(config: PretrainedConfig, state: Mapping[str, torch.Tensor], ind
     down = linear("swiglu", "down", _LINEARS[6:])
     nodes.append(helper.make_node("Add", ["h1", down], ["out"]))
 
-    f = TensorProto.FLOAT
     kv_shape: list[str | int] = ["batch", kv_heads, "past", dim]
     inputs = [
         helper.make_tensor_value_info("hidden", f, ["batch", "seq", hidden]),
@@ -161,7 +166,11 @@ def block_path(folder: Path, index: int) -> Path:
 
 
 def export_span(
-    folder: Path, config: PretrainedConfig, span: Span, layers_for: Callable[[Span], torch.nn.ModuleList]
+    folder: Path,
+    config: PretrainedConfig,
+    span: Span,
+    layers_for: Callable[[Span], torch.nn.ModuleList],
+    dtype: torch.dtype = torch.float32,
 ) -> list[Path]:
     """The graph files of ``span``'s blocks under ``folder`` (one folder per weights), exporting the missing ones
     from the layers ``layers_for`` loads (only when some are missing: a warm cache reads no torch weights)."""
@@ -177,7 +186,7 @@ def export_span(
         layers = layers_for(Span(first, max(missing) + 1))
         log.info("exporting %d block(s) to ONNX once", len(missing), extra={"span": str(span)})
         for i in missing:
-            _write(block_graph(config, layers[i - first].state_dict(), i), block_path(folder, i))
+            _write(block_graph(config, layers[i - first].state_dict(), i, dtype), block_path(folder, i))
         del layers
     return paths
 

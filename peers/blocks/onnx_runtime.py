@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from transformers import PretrainedConfig
 
-from peers.blocks.onnx_export import head_dim
+from peers.blocks.onnx_export import GRAPH_DTYPES, head_dim
 from peers.serving.adapters import Adapter
 from peers.serving.runtime import require
 from swarm.errors import BadInputError
@@ -27,8 +27,6 @@ from swarm.ids import Span
 from swarm.records import Capability
 
 log = logging.getLogger(__name__)
-
-MASKED = float(np.finfo(np.float32).min)  # not -inf: a row with every key masked (a padding position) stays finite
 
 
 class OnnxCache:
@@ -54,13 +52,24 @@ class OnnxSpan:
     name = "onnx"
     capabilities = frozenset({Capability.INFERENCE, Capability.FORWARD})
 
-    def __init__(self, config: PretrainedConfig, family: Family, span: Span, graphs: list[Path], threads: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        span: Span,
+        graphs: list[Path],
+        threads: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``dtype``: the graphs' (``onnx_export.GRAPH_DTYPES``): what hidden states, tables, masks and caches are
+        given in."""
         if len(graphs) != len(span):
             raise ValueError(f"{len(graphs)} graphs for the {len(span)} blocks of {span}")
         self.config = config
         self.span = span
         self.device = torch.device("cpu")
-        self.dtype = torch.float32
+        self.dtype = dtype
+        self.np_dtype = GRAPH_DTYPES[dtype][0]
         rotary = family.new_rotary("cpu")  # weightless: the same tables as the torch runtime's
         if rotary is None:
             raise BadInputError(f"the ONNX runtime serves rotary families, not {family.label}")
@@ -104,7 +113,7 @@ class OnnxSpan:
             raise ValueError(f"blocks {sub} are not in this span {self.span}")
         batch, n = hidden.shape[:2]
         with torch.no_grad():
-            hidden = hidden.detach().to("cpu", torch.float32)
+            hidden = hidden.detach().to("cpu", self.dtype)
             if position_ids is None:
                 position_ids = torch.arange(past, past + n).unsqueeze(0).expand(batch, -1)
             cos, sin = self.rotary(hidden, position_ids.to("cpu"))
@@ -112,8 +121,8 @@ class OnnxSpan:
             raise ValueError(f"rotary tables of width {cos.shape[-1]} for heads of {self.head_dim}")
         half = self.head_dim // 2  # transformers' tables repeat their first half (rotate_half): the graph takes one
         feeds: dict[str, np.ndarray] = {
-            "cos": np.ascontiguousarray(cos[..., :half].numpy()),
-            "sin": np.ascontiguousarray(sin[..., :half].numpy()),
+            "cos": np.ascontiguousarray(cos[..., :half].to(self.dtype).numpy()),
+            "sin": np.ascontiguousarray(sin[..., :half].to(self.dtype).numpy()),
         }
         local = range(sub.start - self.span.start, sub.end - self.span.start)
         masks = {kind: self._mask(attention_mask, batch, n, past, kind) for kind in {self.sliding[i] for i in local}}
@@ -134,7 +143,7 @@ class OnnxSpan:
         if held is None:
             if past:
                 raise ValueError(f"block {block} holds no cache for the {past} tokens before this step")
-            empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), dtype=np.float32)
+            empty = np.zeros((batch, self.kv_heads, 0, self.head_dim), dtype=self.np_dtype)
             return empty, empty
         key, value = held
         if key.shape[0] != batch or key.shape[2] < past:
@@ -144,7 +153,8 @@ class OnnxSpan:
         return key, value
 
     def _mask(self, attention_mask: torch.Tensor | None, batch: int, n: int, past: int, sliding: bool) -> np.ndarray:
-        """[batch, 1, n, past + n]: 0 where query i (at cache index past + i) may see key j, ``MASKED`` elsewhere:
+        """[batch, 1, n, past + n]: 0 where query i (at cache index past + i) may see key j, the dtype's lowest value
+        elsewhere (not -inf: a row with every key masked, a padding position, stays finite):
         keys after it, keys a sliding window has passed, and the client's padding."""
         total = past + n
         q = torch.arange(past, total).unsqueeze(1)
@@ -155,5 +165,5 @@ class OnnxSpan:
         allowed = seen.expand(batch, 1, n, total)
         if attention_mask is not None:
             allowed = allowed & attention_mask.to("cpu").bool()[:, None, None, :]
-        mask = torch.zeros(batch, 1, n, total, dtype=torch.float32)
-        return mask.masked_fill_(~allowed, MASKED).numpy()
+        mask = torch.zeros(batch, 1, n, total, dtype=self.dtype)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min).numpy()

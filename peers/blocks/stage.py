@@ -136,8 +136,8 @@ class ServingStage:
             if self.perturb:
                 key += f"-perturbed-{self.perturb}-{span}"
             folder = self.cache_dir / "onnx" / key.replace(":", "_")
-            graphs = export_span(folder, m.config, span, self._layers)
-            return OnnxSpan(m.config, m.family, span, graphs, self.threads)
+            graphs = export_span(folder, m.config, span, self._layers, m.dtype)
+            return OnnxSpan(m.config, m.family, span, graphs, self.threads, m.dtype)
         return SpanBackend(m.config, m.family, self._layers(span), span, self.device, m.dtype)
 
     def probe(self) -> SpanRuntime:

@@ -185,3 +185,22 @@ def test_smollm_with_an_onnx_server_in_the_middle_equals_hugging_face(smollm_fol
             ours = client.generate(**batch, max_new_tokens=16, do_sample=False)
             theirs = ref.generate(**batch, max_new_tokens=16, do_sample=False)
             assert torch.equal(ours, theirs)
+
+
+def test_a_float16_chain_of_torch_and_onnx_equals_hugging_face_in_float16(tiny_models):
+    """``--dtype float16`` on both runtimes (ONNX Runtime's CPU provider runs the graph in float16) and a float16
+    client: logits within float16's bound of Hugging Face's in float16, the same greedy tokens."""
+    from swarm.families.selfcheck import TOLERANCES
+
+    folder, half = tiny_models["llama"], torch.float16
+    with running_swarm(str(folder), ["0:2"], "--dtype", "float16") as swarm:
+        swarm.add_peer("2:4", "--runtime", "onnx")
+        with connect(str(folder), swarm, dtype=half) as client:
+            ref = local_reference(folder).to(half)
+            ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(3))
+            with torch.no_grad():
+                ours, theirs = client(ids).logits.float(), ref(ids).logits.float()
+            assert [(h.runtime, h.dtype) for h in client.route] == [("torch", "float16"), ("onnx", "float16")]
+            assert (ours - theirs).abs().max().item() <= TOLERANCES[half] * max(1.0, theirs.abs().max().item())
+            out = client.generate(ids[:1], max_new_tokens=12, do_sample=False)
+            assert torch.equal(out, ref.generate(ids[:1], max_new_tokens=12, do_sample=False))

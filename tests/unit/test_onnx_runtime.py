@@ -92,6 +92,39 @@ def test_onnx_span_equals_torch_span(exported, family):
         assert close(a, b)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_float16_onnx_span_equals_the_float16_torch_span(tiny_models, tmp_path, family):
+    """Graphs written in float16 (weights, tables, masks, caches; norm statistics in float32) on ONNX Runtime's CPU
+    provider against torch's float16 span, within float16's bound (``selfcheck.TOLERANCES``): measured 1e-3."""
+    from swarm.families.selfcheck import TOLERANCES
+
+    folder, half = tiny_models[family], torch.float16
+    fam = family_for(load_config(folder), half)
+    layers = load_span(folder, fam, SPAN, half, "cpu")
+    graphs = export_span(tmp_path, fam.config, SPAN, lambda s: load_span(folder, fam, s, half, "cpu"), half)
+    rts = (SpanBackend(fam.config, fam, layers, SPAN, "cpu", half), OnnxSpan(fam.config, fam, SPAN, graphs, 1, half))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 21, 64, generator=gen).to(half)
+    mask = torch.ones(2, 21, dtype=torch.int64)
+    mask[1, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def near(a: torch.Tensor, b: torch.Tensor) -> bool:
+        assert a.dtype == b.dtype == half and torch.isfinite(b).all()
+        return (a.float() - b.float()).abs().max().item() <= TOLERANCES[half] * max(1.0, b.float().abs().max().item())
+
+    with torch.inference_mode():
+        sessions = [(rt, rt.new_cache()) for rt in rts]
+        a, b = (rt.run(x, SPAN, attention_mask=mask, position_ids=pos, cache=c) for rt, c in sessions)
+        assert near(a[0], b[0]) and near(a[1, 5:], b[1, 5:])
+        for step in range(6):
+            y = torch.randn(2, 1, 64, generator=gen).to(half)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.int64)], dim=1)
+            p = pos[:, -1:] + 1 + step
+            a, b = (rt.run(y, SPAN, attention_mask=mask, position_ids=p, cache=c, past=21 + step) for rt, c in sessions)
+            assert near(a, b), step
+
+
 def test_a_step_retried_after_a_failure_recomputes_from_the_sessions_position(exported):
     """A step that failed on a later block left earlier blocks' caches a step ahead; the server's position is the
     truth, so the retried step gives the same output as a clean one."""
@@ -122,8 +155,9 @@ def test_unsupported_models_dtypes_and_devices_are_refused_at_start(tiny_models)
         with pytest.raises(BadInputError, match=rf"serves llama, mistral, qwen2 models .* this model is '{family}'"):
             check_exportable(config, torch.float32, "cpu")
     config = load_config(tiny_models["llama"])
-    with pytest.raises(BadInputError, match=r"in float32 .* not bfloat16: serve 16-bit blocks with --runtime torch"):
+    with pytest.raises(BadInputError, match=r"in float32 or float16 .* not bfloat16: .* no bfloat16 MatMul"):
         check_exportable(config, torch.bfloat16, "cpu")
+    check_exportable(config, torch.float16, "cpu")  # ONNX Runtime's CPU provider runs the graph's ops in float16
     with pytest.raises(BadInputError, match="not on 'cuda'"):
         check_exportable(config, torch.float32, "cuda")
     cfg = PeerConfig(model=str(tiny_models["qwen3"]), compute=ComputeConfig(runtime="onnx"))
