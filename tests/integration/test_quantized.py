@@ -95,6 +95,7 @@ def test_a_quantized_route_equals_hugging_face_quantized_the_same_way(swarm, fmt
         assert torch.equal(out, ref.generate(ids[:1], max_new_tokens=12, do_sample=False))
 
 
+@pytest.mark.slow  # the fast subset keeps the routing and the quantized routes' exactness
 def test_qlora_through_nf4_servers_has_pefts_gradients_on_the_quantized_model(swarm, tmp_path):
     folder, local, quantized = swarm
     targets = ("q_proj", "v_proj", "down_proj")
@@ -130,6 +131,7 @@ def test_qlora_through_nf4_servers_has_pefts_gradients_on_the_quantized_model(sw
         assert losses[-1] < losses[0] * 0.95  # 5.85 -> 5.38 here
 
 
+@pytest.mark.slow  # the fast subset keeps the routing and the quantized routes' exactness
 def test_quantized_only_blocks_are_missing_for_an_exact_client(tiny_models):
     """Blocks only a quantized peer serves are missing to a client that did not allow it: never silently routed."""
     folder = str(tiny_models["llama"])
@@ -143,6 +145,7 @@ def test_quantized_only_blocks_are_missing_for_an_exact_client(tiny_models):
             assert [h.quantization for h in client.route] == ["none", "nf4"]
 
 
+@pytest.mark.slow  # a cheater per format
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
 def test_quantized_blocks_passed_off_as_exact_are_caught(swarm, fmt):
     """A cheater holding the library's NF4 or int8 blocks while announcing the exact fingerprint (ten times faster:
@@ -162,6 +165,7 @@ def test_quantized_blocks_passed_off_as_exact_are_caught(swarm, fmt):
     local.kill(local.peer_by_id(cheater))
 
 
+@pytest.mark.slow  # the fast subset keeps the routing and the quantized routes' exactness
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_spans_exact_and_nf4_equal_hugging_face_in_that_dtype(tiny_models, dtype):
     """Servers of ``--dtype bfloat16|float16`` (one exact, one NF4 computing in that dtype) and clients of the same

@@ -187,6 +187,7 @@ def test_smollm_with_an_onnx_server_in_the_middle_equals_hugging_face(smollm_fol
             assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow  # a swarm of its own
 def test_a_float16_chain_of_torch_and_onnx_equals_hugging_face_in_float16(tiny_models):
     """``--dtype float16`` on both runtimes (ONNX Runtime's CPU provider runs the graph in float16) and a float16
     client: logits within float16's bound of Hugging Face's in float16, the same greedy tokens."""
