@@ -11,7 +11,6 @@ and the families' code see what they saw; both libraries pass gradients to the i
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,8 +20,6 @@ import torch
 
 from swarm.errors import BadInputError
 from swarm.families.spec import Family
-
-log = logging.getLogger(__name__)
 
 NF4_BLOCK = 64  # values sharing one scale (bitsandbytes' and QLoRA's default)
 ALIGN = 64  # a linear map whose input width is not a multiple of this stays unquantized (both libraries' layouts)

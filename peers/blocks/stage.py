@@ -68,8 +68,11 @@ class ServingStage:
         config = family.config  # with the attention implementation the family runs
         quant = compute.quantize
         # by the dtype's canonical name ("half" is float16) and the format: clients compute the fingerprints they
-        # accept that way (swarm.model_files.served_fingerprints)
-        fingerprint = weights_fingerprint(folder, weights_format(str(dtype).removeprefix("torch."), quant), cache_dir)
+        # accept that way (swarm.model_files.served_fingerprints); those of the other formats are the servers this
+        # one chains with (a client that allowed them may mix them in one route)
+        name = str(dtype).removeprefix("torch.")
+        formats: dict[str, str] = {q: weights_fingerprint(folder, weights_format(name, q), cache_dir) for q in FORMATS}
+        fingerprint = formats[quant]
         if compute.runtime == "onnx":  # refused here, at start, rather than when the first span loads
             from peers.blocks.onnx_export import check_exportable
 
@@ -79,11 +82,7 @@ class ServingStage:
         held = block_bytes(folder, family, dtype)
         if quant != "none":  # what the largest block takes in this format, measured on one quantized copy of it
             held = quantized_block_bytes(folder, family, dtype, quant)
-        same = frozenset(
-            weights_fingerprint(folder, weights_format(str(dtype).removeprefix("torch."), q), cache_dir)
-            for q in FORMATS
-        )
-        model = ModelInfo(card.name, config, family, dtype, fingerprint, held, quant, same)
+        model = ModelInfo(card.name, config, family, dtype, fingerprint, held, quant, frozenset(formats.values()))
         return cls(
             model,
             folder,

@@ -12,7 +12,7 @@ from peers.blocks.quantize import held_bytes, quantize_layer
 from peers.broker.planner import PeerInfo, capacity
 from swarm.errors import BadInputError
 from swarm.quantization import FORMATS, accepted_formats, describe, parse_quantization, weights_format
-from swarm.records import ServerRecord
+from tests.unit.test_basics import record
 
 CPU = torch.device("cpu")
 
@@ -42,25 +42,10 @@ def test_format_names():
 
 
 def test_records_name_a_known_format_only():
-    fields = dict(
-        peer_id="p",
-        state="online",
-        start=0,
-        end=2,
-        model_id="m",
-        num_blocks=4,
-        fingerprint="f",
-        dtype="float32",
-        device="cpu",
-        forward_tps=1.0,
-        inference_sps=1.0,
-        software_version="0",
-        protocol_version=1,
-    )
-    assert ServerRecord(**fields).quantization == "none"
-    assert ServerRecord(**fields, quantization="nf4").quantization == "nf4"
+    assert record().quantization == "none"  # a record from before formats: the exact weights
+    assert record(quantization="nf4").quantization == "nf4"
     with pytest.raises(ValidationError):
-        ServerRecord(**fields, quantization="int2")
+        record(quantization="int2")
 
 
 @pytest.mark.parametrize(("fmt", "at_most", "at_least"), [("int8", 0.52, 0.5), ("nf4", 0.3, 0.25)])
