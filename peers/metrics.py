@@ -45,6 +45,7 @@ class PeerSnapshot:
     relay_circuits: int = 0  # ...connections relayed, in all
     relay_bytes: int = 0  # ...bytes relayed, both ways
     punched: int = 0  # behind a NAT: direct connections opened by hole punching
+    averaging_bytes: int = 0  # a trainable stage: bytes sent to its replicas in averaging rounds
 
 
 Snapshot = Callable[[], PeerSnapshot]
@@ -97,6 +98,7 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
     traffic.add_metric(["server", "sent"], m.sent_bytes)
     traffic.add_metric(["client", "received"], s.client_received_bytes)
     traffic.add_metric(["client", "sent"], s.client_sent_bytes)
+    traffic.add_metric(["averaging", "sent"], s.averaging_bytes)
     return [
         info,
         _gauge("swarm_peer_span_start", "first block held (-1: none)", span.start if span else -1),

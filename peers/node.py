@@ -238,4 +238,5 @@ class Peer:
             relay_circuits=self.relay_stats.circuits_total if self.relay_stats else 0,
             relay_bytes=self.relay_stats.bytes_relayed if self.relay_stats else 0,
             punched=self.punched(),
+            averaging_bytes=compute.learner.averaging_bytes if compute.learner is not None else 0,
         )

@@ -33,6 +33,10 @@ class Learner(Protocol):
 
     def finish_step(self) -> None: ...
 
+    @property
+    def averaging_bytes(self) -> int:
+        """Bytes this replica has sent to its groupmates in averaging rounds."""
+
 
 class TrainingRpc(Protocol):
     """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""

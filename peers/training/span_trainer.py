@@ -23,6 +23,7 @@ from swarm.protocol import TrainTag
 from swarm.training import checkpoints
 from swarm.training.averaging import OwnedAverager, round_slack
 from swarm.training.checkpoints import StageCheckpoint
+from swarm.training.diloco import OUTER_PARTS, OuterSync
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
 
@@ -63,6 +64,7 @@ class SpanTrainer:
         self.averager: OwnedAverager | None = None
         self.replicas = 1  # how many peers serve this stage now (kept up to date from the DHT)
         self.groupmates: frozenset[str] = frozenset()  # the others: the only peers its averaging rounds admit
+        self.outer = OuterSync(self.params, run.sync) if run.sync.method == "diloco" else None
 
     # ---- steps (on the compute thread) --------------------------------------------------------------------------
     def admit(self, tag: TrainTag) -> None:
@@ -228,6 +230,11 @@ class SpanTrainer:
 
     def start_averager(self, dht: OwnedDHT) -> None:
         prefix = f"{self.run.model_id}_stage{self.span.start}-{self.span.end}"
+        if self.outer is not None:  # the round's pseudo-gradients only, each bounded as replicas' weights are
+            self.averager = OwnedAverager.for_run(
+                self.outer.buffers, dht, f"{prefix}_diloco", self.run, start=False, codec=self.run.sync.compression
+            )
+            return
         self.averager = OwnedAverager.for_run(
             self.tensors(), dht, prefix, self.run, start=False, weights=len(self.params)
         )
@@ -236,6 +243,10 @@ class SpanTrainer:
         """From the main thread (see ``OwnedAverager.for_run``)."""
         if self.averager is not None and not self.averager.is_alive():
             self.averager.run_in_background(await_ready=True)
+
+    @property
+    def averaging_bytes(self) -> int:
+        return self.averager.codec.sent if self.averager is not None else 0
 
     def set_replicas(self, peer_ids: Sequence[str]) -> None:
         """The other peers holding a signed record of this stage of the run."""
@@ -249,6 +260,9 @@ class SpanTrainer:
         root), or moves a weight tensor further than replicas that average every few steps can differ
         (``_implausible``: a groupmate that reduced a part returned garbage for it). The
         state the round ended with is kept, on the CPU, and its digest signed, for joining replicas and exports."""
+        if self.outer is not None:
+            self._outer_round()
+            return
         if self.averager is None or self.replicas < 2:
             return
         self.averager.allow(self.groupmates)
@@ -268,32 +282,86 @@ class SpanTrainer:
                 for t, b in zip(tensors, before, strict=True):
                     t.copy_(b)
             return
-        self.last_round = (self.step, {k: v.cpu() for k, v in self.export_state().items()})
+        self._ended_round()
+
+    def _outer_round(self) -> None:
+        """DiLoCo's round (``swarm/training/diloco.py``): the replicas' pseudo-gradients averaged, robustly and as
+        the run's compression sends them, then the same outer step everywhere. A replica alone steps on its own; a
+        round that fails, or whose average cannot come from honest replicas, changes nothing."""
+        assert self.outer is not None
+        if self.averager is None or self.replicas < 2:
+            self.outer.step()
+            self._ended_round()
+            return
+        self.averager.allow(self.groupmates)
+        own = self.outer.prepare()
+        if not self.averager.average_round(self.run, str(self.span)):
+            return
+        averaged = self.outer.buffers
+        why = _implausible(averaged, own, round_slack(self.run))
+        if why is None and not all(bool(torch.isfinite(t).all()) for t in averaged):
+            why = "it is not finite"
+        if why is not None:
+            log.warning("outer step skipped: the round's average %s", why, extra={"span": str(self.span)})
+            return
+        self.outer.step(averaged)
+        self._ended_round()
+
+    def _ended_round(self) -> None:
+        """Keep (on the CPU) and sign the state the round ended with, for joining replicas and exports: under
+        DiLoCo the weights and the outer momentum, which every replica shares (Adam's moments are each one's own)."""
+        state = self.export_state()
+        if self.outer is not None:
+            state = {k: v for k, v in state.items() if k.startswith(("param.", "outer_m."))}
+        self.last_round = (self.step, {k: v.cpu() for k, v in state.items()})
         if self.on_round is not None:
             self.on_round(*self.last_round)
 
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """Weights and Adam's moments by their model names (copies), for a joining replica or an export."""
+    def export_state(self, leftover: bool = False) -> dict[str, torch.Tensor]:
+        """Weights and Adam's moments by their model names (copies), for a joining replica or an export; under
+        DiLoCo the round's start and outer momentum too (``leftover``: and what top-k has not sent yet, for this
+        peer's own checkpoints)."""
         n = len(self.params)
         tensors = self.tensors()
-        return {
+        state = {
             part + name: t.clone()
             for k, part in enumerate(STATE_PARTS)
             for name, t in zip(self.names, tensors[k * n : (k + 1) * n], strict=True)
         }
+        if self.outer is not None:
+            for part, values in self.outer.state().items():
+                if part != "outer_e." or leftover:
+                    state.update({part + name: t.clone() for name, t in zip(self.names, values, strict=True)})
+        return state
 
     def import_state(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A state by part and name. Under DiLoCo the state of a round holds only the weights and the outer
+        momentum: Adam's moments then start at zero, and the round's start is the weights."""
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
             raise BadInputError("the state holds NaN or infinite values")
+        optional = set(STATE_PARTS[1:]) | set(OUTER_PARTS) if self.outer is not None else set()
+        found: dict[str, list[torch.Tensor] | None] = {}
         with torch.no_grad():
-            for i, (name, p) in enumerate(zip(self.names, self.params, strict=True)):
+            for part in STATE_PARTS + (OUTER_PARTS if self.outer is not None else ()):
+                sources = [tensors.get(part + name) for name in self.names]
+                if part in optional and all(t is None for t in sources):
+                    found[part] = None
+                    continue
+                for i, (source, p) in enumerate(zip(sources, self.params, strict=True)):
+                    if source is None or source.shape != p.shape or source.dtype != p.dtype:
+                        raise BadInputError(f"state lacks a fitting {part}{self.names[i]} (tensor {i})")
+                found[part] = [t for t in sources if t is not None]
+            for i, p in enumerate(self.params):
                 state = self.opt.state[p]
                 for part, target in zip(STATE_PARTS, (p.data, state["exp_avg"], state["exp_avg_sq"]), strict=True):
-                    source = tensors.get(part + name)
-                    if source is None or source.shape != target.shape or source.dtype != target.dtype:
-                        raise BadInputError(f"state lacks a fitting {part}{name} (tensor {i})")
-                    target.copy_(source)
+                    values = found[part]
+                    if values is None:
+                        target.zero_()
+                    else:
+                        target.copy_(values[i])
                 state["step"].fill_(float(step))
+            if self.outer is not None:
+                self.outer.load({part: found[part] for part in OUTER_PARTS})
         self.step, self.samples = step, 0
         self.claims.reached(step)  # a checkpoint of its own, or a state the replicas vouched for
         self.by_trainer.clear()
@@ -302,7 +370,7 @@ class SpanTrainer:
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        checkpoint = StageCheckpoint(step=self.step, span=str(self.span), tensors=self.export_state())
+        checkpoint = StageCheckpoint(step=self.step, span=str(self.span), tensors=self.export_state(leftover=True))
         path = checkpoints.save(self.checkpoint_dir, checkpoint)
         log.info("checkpoint saved at step %d", self.step, extra={"span": str(self.span)})
         return path

@@ -16,6 +16,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
 from swarm.dht import OwnedDHT, die_with_parent
+from swarm.training.codec import Codec, Format
 from swarm.training.robust import ClipRule, RobustAllReduceRunner
 from swarm.training.run import RunConfig
 
@@ -39,8 +40,10 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
 
     _allowed: frozenset[str] = frozenset()  # in the averager's process; nobody until the owner says
 
-    def __init__(self, *args: Any, rule: ClipRule | None = None, **kwargs: Any) -> None:
-        self._rule = rule or ClipRule()  # before hivemind's __init__, which may fork the averager's process
+    def __init__(self, *args: Any, rule: ClipRule | None = None, codec: Codec | None = None, **kwargs: Any) -> None:
+        # before hivemind's __init__, which may fork the averager's process
+        self._rule = rule or ClipRule()
+        self.codec = codec or Codec("none")  # its byte counter is shared with the averager's process
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -69,8 +72,10 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
         self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        kwargs.pop("compression", None)  # the codec is what goes on the wire
         runner = RobustAllReduceRunner(
             rule=self._rule,
+            codec=self.codec,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -90,6 +95,8 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             log.warning("averaging: contributions clipped (parts by peer): %s", clipped)
         if len(updates) != len(tensors):
             raise AllreduceException(f"the round gave {len(updates)} of {len(tensors)} tensors")
+        if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values where a reducer failed
+            raise AllreduceException("a groupmate failed to reduce its parts")
         for tensor, update in zip(tensors, updates, strict=True):
             tensor.add_(update, alpha=self._averaging_alpha)
         self.last_updated = get_dht_time()
@@ -104,10 +111,14 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
         run: RunConfig,
         start: bool = True,
         weights: int | None = None,
+        codec: Format = "none",
+        slack: float | None = None,
     ) -> OwnedAverager:
         """``start=False``: start it later with ``run_in_background(await_ready=True)``, from the main thread (hivemind
         sets signal handlers there, and the kernel's parent-death signal follows the creating thread). ``weights``:
-        how many of ``tensors`` (the first) are weights, the rest being Adam's moments (default: all)."""
+        how many of ``tensors`` (the first) are weights, the rest being Adam's moments (default: all). ``codec``: how
+        parts go on the wire; ``slack``: how far, per element, honest replicas' weights lie apart at a round
+        (default ``round_slack``)."""
         weights = len(tensors) if weights is None else weights
         return cls(
             tensors,
@@ -121,7 +132,8 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             allreduce_timeout=run.averaging_timeout,
             client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
             allow_state_sharing=False,  # joiners take a stage's state over the swarm's own checked path
-            rule=ClipRule.for_weights(weights, len(tensors), round_slack(run)),
+            rule=ClipRule.for_weights(weights, len(tensors), round_slack(run) if slack is None else slack),
+            codec=Codec(codec, run.sync.density),
         )
 
     def average_round(self, run: RunConfig, what: str) -> bool:

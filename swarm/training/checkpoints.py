@@ -25,13 +25,14 @@ class Checkpoint(BaseModel):
 
 class StageCheckpoint(Checkpoint):
     span: str
-    tensors: dict[str, torch.Tensor]  # param.* / exp_avg.* / exp_avg_sq.* by model names
+    tensors: dict[str, torch.Tensor]  # param.* / exp_avg.* / exp_avg_sq.* (DiLoCo: anchor.*, outer_*.) by names
 
 
 class TrainerCheckpoint(Checkpoint):
     position: int = Field(ge=0)  # samples consumed from the data
     model: dict[str, torch.Tensor]
     optimizer: dict[str, object]  # torch's optimizer state_dict
+    outer: dict[str, torch.Tensor] = {}  # DiLoCo's outer state (``swarm/training/diloco.py``) by part and name
 
 
 C = TypeVar("C", bound=Checkpoint)

@@ -66,8 +66,9 @@ def initial_client_state(run: RunConfig, names: list[str]) -> dict[str, torch.Te
 
 
 def stage_state_bytes(run: RunConfig, stage: Span) -> int:
-    """The most a stage's state (float32 weights and Adam's two moments, with their names and framing) can take on
-    the wire: the bound a joining replica or an export puts on a peer's reply."""
+    """The most a stage's state (float32 weights and Adam's two moments, under DiLoCo the round's start and the outer
+    momentum too, with their names and framing) can take on the wire: the bound a joining replica or an export puts
+    on a peer's reply."""
     from swarm.model_files import new_model
 
     config = run.hf_config()
@@ -75,7 +76,8 @@ def stage_state_bytes(run: RunConfig, stage: Span) -> int:
     with torch.device("meta"):
         params = new_model(config).named_parameters()
         numel = sum(p.numel() for name, p in params if _block_of(name, head) in stage)
-    return numel * 4 * 3 + (numel * 4 * 3) // 10 + (1 << 20)
+    parts = 5 if run.sync.method == "diloco" else 3  # DiLoCo adds the round's start and the outer momentum
+    return numel * 4 * parts + (numel * 4 * parts) // 10 + (1 << 20)
 
 
 def _block_of(name: str, head: str) -> int:

@@ -36,6 +36,10 @@ from typing import Any
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
+
+from swarm.training.codec import Codec, CodecError
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +186,15 @@ class RobustPartReducer(TensorPartReducer):  # type: ignore[misc]  # hivemind sh
 
 
 class RobustAllReduceRunner(AllReduceRunner):  # type: ignore[misc]  # hivemind ships no type information
-    """hivemind's ``AllReduceRunner`` (the same messages and protocol), its parts reduced by ``RobustPartReducer``."""
+    """hivemind's ``AllReduceRunner`` (the same messages and protocol), its parts reduced by ``RobustPartReducer``
+    and sent through ``codec`` (``swarm/training/codec.py``): a reducer returns the reduced part itself, encoded
+    once, and keeps of its own result what its groupmates decode, so every groupmate ends with the same values."""
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, *, rule: ClipRule, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, rule: ClipRule, codec: Codec, **kwargs: Any) -> None:
+        super().__init__(compression=codec, **kwargs)
+        self.codec = codec
         index = self.ordered_peer_ids.index(self.peer_id)
         # the tensor each of this peer's parts comes from (hivemind keys a part's info by its tensor's index)
         tensors = [info.key for _, info in self.tensor_part_container._input_parts_by_peer[index]]
@@ -206,3 +213,62 @@ class RobustAllReduceRunner(AllReduceRunner):  # type: ignore[misc]  # hivemind 
         reducer = self.tensor_part_reducer
         assert isinstance(reducer, RobustPartReducer)
         return {self.sender_peer_ids[s].to_base58(): n for s, n in reducer.clipped.items()}
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        """Send this peer's parts to the groupmate that reduces them and take back the reduced values (as hivemind's,
+        with the codec and its replies of values)."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        raw = [part for part, _ in container._input_parts_by_peer[peer_index]]
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, part in enumerate(self.parts_for_local_averaging):
+                reduced = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, part, weight=self.weight
+                )
+                container.register_processed_part(peer_index, part_index, self.codec.roundtrip(reduced) - part)
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for message in aiter_with_timeout(stream, self.reducer_timeout):
+                if message.code != averaging_pb2.AVERAGED_PART or part_index >= len(raw):
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                reduced = self.codec.extract_as(message.tensor_part, raw[part_index].shape)
+                container.register_processed_part(peer_index, part_index, reduced - raw[part_index])
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"{peer_id} sent {part_index} of {len(raw)} parts")
+        except BaseException:
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+        """Reduce a groupmate's parts as they come and send back each reduced part (hivemind sends differences)."""
+        part_index = 0
+        shapes = self.tensor_part_reducer.part_shapes
+        try:
+            async for message in stream:
+                if part_index >= len(shapes):
+                    break
+                try:
+                    part = self.codec.extract_as(message.tensor_part, shapes[part_index])
+                except CodecError as e:
+                    log.warning("averaging: a groupmate's part does not decode: %s", e)
+                    break
+                try:
+                    reduced = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=message.weight
+                    )
+                except BannedException:
+                    break
+                part_index += 1
+                reply = self.codec.compress(reduced)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

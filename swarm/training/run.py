@@ -21,6 +21,21 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Sync:
+    """How replicas of a stage (and trainers) keep together. ``parameters``: average weights and Adam's moments
+    every ``average_every`` steps (local SGD). ``diloco``: take ``average_every`` inner steps alone, then average the
+    round's pseudo-gradients (start minus end), sent as ``compression`` says (``topk``: the largest ``density`` of
+    them, the rest carried to the next round), and step an outer Nesterov SGD (``outer_lr``, ``outer_momentum``)
+    from the round's start (``swarm/training/diloco.py``)."""
+
+    method: Literal["parameters", "diloco"] = "parameters"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compression: Literal["none", "int8", "topk"] = "none"
+    density: float = 0.01
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str
     seed: int
@@ -48,6 +63,7 @@ class RunConfig:
     cache_dir: Path  # where the model a run continues from is converted (see ``source_folder``)
     trainers: tuple[str, ...] = ()  # peer ids that may train (a closed run); empty: anyone may (an open run)
     max_grad_norm: float = 1000.0  # per sample: a larger contribution to a stage's gradient is scaled down to it
+    sync: Sync = Sync()
 
     def is_trainer(self, peer_id: str) -> bool:
         """Whether ``peer_id`` may feed the run (whose progress and step notices count)."""
@@ -163,6 +179,11 @@ class _Averaging(_Section):
     request_timeout: float = Field(1.0, gt=0)
     round_timeout: float | None = Field(None, gt=0)  # default: five matchmaking periods
     group_size: int = Field(8, ge=2)
+    method: Literal["parameters", "diloco"] = "parameters"
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    compression: Literal["none", "int8", "topk"] = "none"
+    density: float = Field(0.01, gt=0, le=1)  # with topk: the share of pseudo-gradient values a round sends
 
 
 class _Checkpoint(_Section):
@@ -247,7 +268,10 @@ def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
         cache_dir=cache_dir,
         trainers=tuple(f.trust.trainers),
         max_grad_norm=f.trust.max_grad_norm,
+        sync=Sync(avg.method, avg.outer_lr, avg.outer_momentum, avg.compression, avg.density),
     )
+    if run.sync.compression != "none" and run.sync.method != "diloco":
+        raise BadInputError('run config: averaging.compression needs method = "diloco" (weights are sent whole)')
     if run.target_batch_size % run.micro_batch_size:
         raise BadInputError("run config: target_batch_size must be a multiple of micro_batch_size")
     ends = [s.end for s in run.stages]

@@ -70,6 +70,7 @@ def snapshot(**changes: Any) -> PeerSnapshot:
         span_loads=1,
         client_sent_bytes=30,
         client_received_bytes=40,
+        averaging_bytes=50,
     )
     return PeerSnapshot(**(fields | changes))
 
@@ -134,6 +135,7 @@ def test_peer_state_is_read_at_scrape_time():
     assert got[("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))] == 100
     assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "server")))] == 200
     assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "client")))] == 30
+    assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "averaging")))] == 50
     assert got[("swarm_peer_span_start", ())] == 2 and got[("swarm_peer_span_end", ())] == 6
     info = {"model": "tiny-llama", "peer_id": "12D3KooWpeer", "role": "serve", "span": "2:6", "state": "online"}
     assert got[("swarm_peer_info", tuple(sorted(info.items())))] == 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from swarm.training.data import Samples
+from swarm.training.diloco import OuterSync
 from swarm.training.init import initial_model
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
@@ -15,6 +16,8 @@ class LocalTraining:
         self.model = initial_model(run)
         self.opt = make_optimizer(self.model.parameters(), run)
         self.step = 0
+        # one-replica DiLoCo: the outer step on its own pseudo-gradient every ``average_every`` steps
+        self.outer = OuterSync(list(self.model.parameters()), run.sync) if run.sync.method == "diloco" else None
 
     def train_step(self) -> float:
         set_lr(self.opt, self.run, self.step)
@@ -24,4 +27,6 @@ class LocalTraining:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
+        if self.outer is not None and self.run.average_every and self.step % self.run.average_every == 0:
+            self.outer.step()
         return float(loss.item())

@@ -30,6 +30,8 @@ from swarm.training import checkpoints
 from swarm.training.averaging import OwnedAverager
 from swarm.training.checkpoints import TrainerCheckpoint
 from swarm.training.data import Samples
+from swarm.training.diloco import OUTER_PARTS as OUTER
+from swarm.training.diloco import OuterSync
 from swarm.training.init import initial_client_state
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
@@ -131,9 +133,15 @@ class Trainer:
         # Trainers' own parameters are replicas too when several trainers feed the run. hivemind starts its averager
         # process from the main thread only, so it starts here (where a trainer is made), not at the first round.
         self.averager: OwnedAverager | None = None
+        self.outer = OuterSync(self.params, run.sync) if run.sync.method == "diloco" else None
         if average_trainers and run.average_every:
             prefix = f"{run.model_id}_trainers"
-            self.averager = OwnedAverager.for_run([p.data for p in self.params], self.store.dht, prefix, run)
+            if self.outer is not None:  # DiLoCo: the trainers' pseudo-gradients (``swarm/training/diloco.py``)
+                self.averager = OwnedAverager.for_run(
+                    self.outer.buffers, self.store.dht, f"{prefix}_diloco", run, codec=run.sync.compression
+                )
+            else:
+                self.averager = OwnedAverager.for_run([p.data for p in self.params], self.store.dht, prefix, run)
         self._pool = ThreadPoolExecutor(run.pipeline_depth, thread_name_prefix="micro-batch")
         self.load_latest_checkpoint()
 
@@ -253,23 +261,34 @@ class Trainer:
         self.model.notify_step(self.step)
 
     def _average(self) -> None:
-        """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several."""
-        if self.averager is None:
-            return
+        """Trainers' own parameters (embeddings, head) are replicas too: average them when there are several.
+        Under DiLoCo the outer step comes here (on this trainer's own pseudo-gradient when it trains alone)."""
         others = [
             p.trainer for p in self._progress() if p.trainer != self.trainer_id and self.run.is_trainer(p.trainer)
         ]
-        if others:
+        if self.averager is not None and others:
             self.averager.allow(others)
-            self.averager.average_round(self.run, "trainer")
+            if self.outer is not None:
+                self.outer.prepare()
+            done = self.averager.average_round(self.run, "trainer")
+            if self.outer is not None and done and all(bool(torch.isfinite(t).all()) for t in self.outer.buffers):
+                self.outer.step(self.outer.buffers)
+        elif self.outer is not None:
+            self.outer.step()
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         model = {k: v.clone() for k, v in self.model.state_dict().items()}
+        outer = {} if self.outer is None else self._outer_state()
         checkpoint = TrainerCheckpoint(
-            step=self.step, position=self.position, model=model, optimizer=self.opt.state_dict()
+            step=self.step, position=self.position, model=model, optimizer=self.opt.state_dict(), outer=outer
         )
         return checkpoints.save(self.checkpoint_dir, checkpoint)
+
+    def _outer_state(self) -> dict[str, torch.Tensor]:
+        assert self.outer is not None
+        names = [n for n, _ in self.model.named_parameters()]
+        return {part + n: t.clone() for part, ts in self.outer.state().items() for n, t in zip(names, ts, strict=True)}
 
     def load_latest_checkpoint(self) -> bool:
         state = checkpoints.load_latest(self.checkpoint_dir, TrainerCheckpoint)
@@ -277,6 +296,9 @@ class Trainer:
             return False
         self.model.load_state_dict(state.model, strict=True)
         self.opt.load_state_dict(state.optimizer)
+        if self.outer is not None:
+            names = [n for n, _ in self.model.named_parameters()]
+            self.outer.load({part: [state.outer[part + n] for n in names] if state.outer else None for part in OUTER})
         self.step, self.position, self.samples = state.step, state.position, 0
         set_lr(self.opt, self.run, self.step)
         log.info("trainer resumed at step %d (sample %d)", self.step, self.position)
