@@ -69,6 +69,19 @@ class TrainTag(Message):
     samples: int = Field(default=0, ge=0)  # must be the micro-batch's rows
     trainer: str = Field(default="", max_length=MAX_ID)  # whose samples they are (each trainer's are counted apart)
     proof: Signed | None = None  # the trainer's signed progress at ``step``: a stage behind it steps only with one
+    micro: str | None = Field(default=None, max_length=MAX_ID)  # the micro-batch: a stage adds its gradient once
+
+
+class PassLink(Message):
+    """A chained training pass (``peers/rpc/passes.py``): this hop's part of it is known by ``key``; its input comes
+    pushed by peer ``source`` (None: in this request, from the client) and its output goes on to peer ``target``
+    under ``target_key`` (None: back to the client in the reply). Forward passes go down the stages, backward passes
+    up; the reply of a hop that pushes holds a ``PassReply`` and no activation."""
+
+    key: str = Field(min_length=1, max_length=MAX_ID)
+    source: str | None = Field(default=None, min_length=1, max_length=MAX_ID)
+    target: str | None = Field(default=None, min_length=1, max_length=MAX_ID)
+    target_key: str | None = Field(default=None, min_length=1, max_length=MAX_ID)
 
 
 class ForwardRequest(Request):
@@ -83,6 +96,7 @@ class ForwardRequest(Request):
     adapter: AdapterRef | None = None
     train: TrainTag | None = None
     codec: Codec | None = None  # how the reply's activations travel (None: exact), chosen by the client per link
+    relay: PassLink | None = None  # a chained training pass
 
 
 class BackwardRequest(Request):
@@ -98,6 +112,7 @@ class BackwardRequest(Request):
     input_grad: bool = True
     train: TrainTag | None = None
     codec: Codec | None = None  # how the reply's ``grad_input`` travels (None: exact)
+    relay: PassLink | None = None  # a chained training pass
 
 
 class ReleaseRequest(Request):
@@ -193,6 +208,15 @@ class PushStep(Request):
     codec: Codec | None = None  # how the step's output travels on, to the next hop and to the client
 
 
+class PassPush(Request):
+    """A chained training pass's activation (``hidden``) or gradient (``grad_output``), pushed by the hop before it
+    on the pass (``swarm.push``): for the request ``client`` sent this server under ``key``."""
+
+    kind: Literal["pass"] = "pass"
+    client: str = Field(min_length=1, max_length=MAX_ID)
+    key: str = Field(min_length=1, max_length=MAX_ID)
+
+
 class StepReply(Message):
     """What a server says of each step it ran (beside tensor ``hidden``, its output): the step's ``position`` and
     ``tag`` and sha-256 digests of its input and of its output as sent: its commitment, which extends the session's
@@ -286,6 +310,14 @@ class ErrorReply(Message):
 
 class Reply(Message):
     ok: Literal[True] = True
+
+
+class PassReply(Reply):
+    """A hop's answer on a chained training pass: sha-256 digests (``swarm.rpc.commit.digest``) of the input it ran
+    and of the output it returned or pushed on, which the client matches hop to hop."""
+
+    input_digest: str = Field(max_length=64)
+    output_digest: str = Field(max_length=64)
 
 
 class OpenReply(Reply):

@@ -294,7 +294,7 @@ class ComputeService:
                 raise BadInputError("backward asks for no gradient: no input gradient and no adapter")
             grads = list(torch.autograd.grad(outputs, wrt, grad.to(outputs.device), allow_unused=True))
         if learner is not None and tag is not None:  # a trainable stage: its weights' part of the global batch
-            learner.accumulate(grads[len(grads) - len(weights) :], tag.samples, tag.trainer)
+            learner.accumulate(grads[len(grads) - len(weights) :], tag.samples, tag.trainer, tag.micro)
             del grads[len(grads) - len(weights) :]
         out: Tensors = {}
         if input_grad:

@@ -23,9 +23,11 @@ class Learner(Protocol):
     def admit(self, tag: TrainTag) -> None:
         """Bring the span to the request's global step, or refuse a request of a step already done."""
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str) -> None:
+    def accumulate(
+        self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str, micro: str | None = None
+    ) -> None:
         """Add a micro-batch's weight gradients toward the global batch (and step when it is complete); refuse a
-        non-finite one, bound a huge one, count the samples per trainer."""
+        non-finite one, bound a huge one, count the samples per trainer; a micro-batch (``micro``) counts once."""
 
     @property
     def pending(self) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from peers.training.outer_rounds import OuterRounds, implausible
 from peers.training.proofs import StepClaims, StepProofs
 from swarm.dht import OwnedDHT, dht_time
 from swarm.errors import BadInputError, StaleStepError
@@ -23,12 +24,11 @@ from swarm.protocol import TrainTag
 from swarm.training import checkpoints
 from swarm.training.averaging import OwnedAverager, round_slack
 from swarm.training.checkpoints import StageCheckpoint
-from swarm.training.diloco import OUTER_PARTS, OuterSync
+from swarm.training.diloco import OUTER_PARTS, Outcome, OuterSync
 from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
-MAX_ROUND_CHANGE = 0.5  # most an averaging round may move a weight tensor, relative to its norm
 GARBAGE = 1000.0  # a contribution this many times above the run's gradient bound is refused, not scaled
 STATE_PARTS = ("param.", "exp_avg.", "exp_avg_sq.")  # a state's tensors: weights, then Adam's two moments
 
@@ -55,6 +55,7 @@ class SpanTrainer:
         self.step = 0
         self.samples = 0  # seen for the current step
         self.by_trainer: Counter[str] = Counter()  # the current step's samples, by the trainer that sent them
+        self.micro_seen: set[tuple[str, str]] = set()  # the current step's micro-batches, by trainer
         self.claims = StepClaims(run)  # the steps trainers signed, and how far they let this stage go
         self.proofs: StepProofs | None = None  # how signed progress is checked (set by the stage)
         self.clipped = 0  # contributions scaled down to the run's gradient bound
@@ -65,6 +66,7 @@ class SpanTrainer:
         self.replicas = 1  # how many peers serve this stage now (kept up to date from the DHT)
         self.groupmates: frozenset[str] = frozenset()  # the others: the only peers its averaging rounds admit
         self.outer = OuterSync(self.params, run.sync) if run.sync.method == "diloco" else None
+        self.rounds = None if self.outer is None else OuterRounds(self.outer, run, str(span), self._ended)
 
     # ---- steps (on the compute thread) --------------------------------------------------------------------------
     def admit(self, tag: TrainTag) -> None:
@@ -137,10 +139,13 @@ class SpanTrainer:
             self.opt.state[p]["step"].fill_(float(step))
         self.step, self.samples = step, 0
         self.by_trainer.clear()
+        self.micro_seen.clear()
         self.opt.zero_grad(set_to_none=True)
         set_lr(self.opt, self.run, self.step)
 
-    def accumulate(self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str = "") -> None:
+    def accumulate(
+        self, grads: Sequence[torch.Tensor | None], samples: int, trainer: str = "", micro: str | None = None
+    ) -> None:
         """Add a micro-batch's weight gradients; with the whole global batch seen here and the next step signed,
         step now (exact for a sole replica) but leave the averaging round and checkpoint to ``finish_step``, after
         the reply: the trainer must not wait for them.
@@ -149,6 +154,8 @@ class SpanTrainer:
         from a trainer that already sent a whole batch for this step; one whose norm exceeds ``max_grad_norm`` per
         sample is scaled down to it (an honest one is far below: the bound stops a single request from swamping the
         step, as a loss spike would be clipped anywhere)."""
+        if micro is not None and (trainer, micro) in self.micro_seen:
+            return  # a micro-batch run again after a chained pass broke: its gradient is in already
         sent = self.by_trainer[trainer]
         if sent + samples > self.run.target_batch_size:
             raise BadInputError(
@@ -176,6 +183,8 @@ class SpanTrainer:
             )
             grads = [None if g is None else g * (bound / norm) for g in grads]
         self.by_trainer[trainer] = sent + samples
+        if micro is not None:  # at most one per sample of the step, which the line above bounds
+            self.micro_seen.add((trainer, micro))
         for p, g in zip(self.params, grads, strict=True):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
@@ -201,6 +210,8 @@ class SpanTrainer:
 
     def apply_step(self, finish: bool = True) -> None:
         self.finish_step()  # a deferred round of the previous step comes first
+        if self.rounds is not None:
+            self.rounds.land()  # a DiLoCo round that has ended since: its outer step now, between two steps
         with torch.no_grad():
             for p in self.params:
                 if p.grad is None:
@@ -217,6 +228,7 @@ class SpanTrainer:
             self.claims.reached(self.step + 1)
         self.step, self.samples = self.step + 1, 0
         self.by_trainer.clear()
+        self.micro_seen.clear()
         set_lr(self.opt, self.run, self.step)
         self._unfinished = True
         if finish:
@@ -271,7 +283,7 @@ class SpanTrainer:
         if not self.averager.average_round(self.run, str(self.span)):
             return
         n = len(self.params)
-        why = _implausible(tensors[:n], before[:n], round_slack(self.run))
+        why = implausible(tensors[:n], before[:n], round_slack(self.run))
         if why is None and not all(bool(torch.isfinite(t).all()) for t in tensors):
             why = "it is not finite"
         if why is None and any(bool((t < 0).any()) for t in tensors[2 * n :]):
@@ -285,35 +297,25 @@ class SpanTrainer:
         self._ended_round()
 
     def _outer_round(self) -> None:
-        """DiLoCo's round (``swarm/training/diloco.py``): the replicas' pseudo-gradients averaged, robustly and as
-        the run's compression sends them, then the same outer step everywhere. A replica alone steps on its own; a
-        round that fails, or whose average cannot come from honest replicas, changes nothing."""
-        assert self.outer is not None
-        if self.averager is None or self.replicas < 2:
-            self.outer.step()
-            self._ended_round()
-            return
-        self.averager.allow(self.groupmates)
-        own = self.outer.prepare()
-        if not self.averager.average_round(self.run, str(self.span)):
-            return
-        averaged = self.outer.buffers
-        why = _implausible(averaged, own, round_slack(self.run))
-        if why is None and not all(bool(torch.isfinite(t).all()) for t in averaged):
-            why = "it is not finite"
-        if why is not None:
-            log.warning("outer step skipped: the round's average %s", why, extra={"span": str(self.span)})
-            return
-        self.outer.step(averaged)
-        self._ended_round()
+        """DiLoCo's round (``peers/training/outer_rounds.py``): the replicas' pseudo-gradients averaged, robustly
+        and as the run's compression sends them, while the next inner steps run; the same outer step everywhere."""
+        assert self.rounds is not None
+        together = self.averager is not None and self.replicas >= 2
+        self.rounds.begin(self.step, self.averager if together else None, self.groupmates if together else frozenset())
+
+    def _ended(self, step: int, outcome: Outcome) -> None:
+        """Keep and sign the state a DiLoCo round ended with: the new start (as the weights) and the outer momentum,
+        the same on every replica (Adam's moments are each one's own)."""
+        state = {"param." + n: t.detach().cpu().clone() for n, t in zip(self.names, outcome.anchor, strict=True)}
+        state |= {"outer_m." + n: t.detach().cpu().clone() for n, t in zip(self.names, outcome.momentum, strict=True)}
+        self._publish_round(step, state)
 
     def _ended_round(self) -> None:
-        """Keep (on the CPU) and sign the state the round ended with, for joining replicas and exports: under
-        DiLoCo the weights and the outer momentum, which every replica shares (Adam's moments are each one's own)."""
-        state = self.export_state()
-        if self.outer is not None:
-            state = {k: v for k, v in state.items() if k.startswith(("param.", "outer_m."))}
-        self.last_round = (self.step, {k: v.cpu() for k, v in state.items()})
+        """Keep (on the CPU) and sign the state the round ended with, for joining replicas and exports."""
+        self._publish_round(self.step, {k: v.cpu() for k, v in self.export_state().items()})
+
+    def _publish_round(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        self.last_round = (step, state)
         if self.on_round is not None:
             self.on_round(*self.last_round)
 
@@ -365,6 +367,7 @@ class SpanTrainer:
         self.step, self.samples = step, 0
         self.claims.reached(step)  # a checkpoint of its own, or a state the replicas vouched for
         self.by_trainer.clear()
+        self.micro_seen.clear()
         self.opt.zero_grad(set_to_none=True)
         set_lr(self.opt, self.run, self.step)
 
@@ -386,17 +389,8 @@ class SpanTrainer:
         return True
 
     def close(self) -> None:
+        if self.rounds is not None:
+            self.rounds.close(self.run.averaging_timeout)
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
-
-
-def _implausible(after: list[torch.Tensor], before: list[torch.Tensor], slack: float) -> str | None:
-    """Why an averaging round's result cannot come from honest replicas (None if it can): it moved a weight tensor
-    by more than ``MAX_ROUND_CHANGE`` of its norm plus ``slack`` per element."""
-    for a, b in zip(after, before, strict=True):
-        change = float(torch.linalg.vector_norm((a - b).double()))
-        bound = MAX_ROUND_CHANGE * float(torch.linalg.vector_norm(b.double())) + slack * b.numel() ** 0.5
-        if change != change or change > bound:
-            return f"it moved a weight tensor by {change:.3g}, more than {bound:.3g}"
-    return None

@@ -10,18 +10,32 @@ the rest for the next round; the codec (``swarm/training/codec.py``) sends those
 
 A replica alone (or a trainer alone) steps on its own whole pseudo-gradient: one-replica DiLoCo, what a one-process
 reference computes (``swarm/client/training/local.py``). A round that fails changes nothing: the inner steps go on
-from where they are and the next round's pseudo-gradient spans both periods."""
+from where they are and the next round's pseudo-gradient spans both periods.
+
+A stage replica's round overlaps its next inner steps (``outcome`` computed while they run, ``adopt`` at the first
+step boundary after it): the new start is the same on every replica, and each keeps the inner progress it made
+during the round on top of it (as overlapping DiLoCo variants do)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from swarm.training.run import Sync
 
 OUTER_PARTS = ("anchor.", "outer_m.", "outer_e.")  # the round's start, the outer momentum, what top-k left over
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An outer step's result: the new start, the outer momentum, and what top-k leaves for the next round."""
+
+    anchor: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    left: list[torch.Tensor]
 
 
 class OuterSync:
@@ -49,20 +63,36 @@ class OuterSync:
         return [b.clone() for b in self.buffers]
 
     @torch.no_grad()
-    def step(self, averaged: Sequence[torch.Tensor] | None = None) -> None:
-        """The outer step on the group's average (``None``: alone, on this party's whole pseudo-gradient), and the
-        weights restart from the new start."""
+    def outcome(self, averaged: Sequence[torch.Tensor] | None = None) -> Outcome:
+        """The outer step on the group's average (``None``: alone, on this party's whole pseudo-gradient), as new
+        tensors: nothing here changes (a round in flight computes it while the inner steps go on)."""
         if averaged is None:
             averaged = self.whole()
             left = [torch.zeros_like(p) for p in self.params]
         else:
             left = self._left if self._left is not None else [torch.zeros_like(p) for p in self.params]
         mu, lr = self.sync.outer_momentum, self.sync.outer_lr
-        for anchor, m, g, p in zip(self.anchor, self.momentum, averaged, self.params, strict=True):
-            m.mul_(mu).add_(g)
-            anchor.sub_(g + mu * m, alpha=lr)
-            p.copy_(anchor)
-        self.error, self._left = left, None
+        momentum = [m * mu + g for m, g in zip(self.momentum, averaged, strict=True)]
+        anchor = [a - lr * (g + mu * m) for a, g, m in zip(self.anchor, averaged, momentum, strict=True)]
+        return Outcome(anchor, momentum, left)
+
+    @torch.no_grad()
+    def adopt(self, outcome: Outcome, since: Sequence[torch.Tensor] | None = None) -> None:
+        """Take the outer step: the weights restart from the new start, keeping what inner steps added ``since``
+        the weights the round's pseudo-gradient was taken from (a round that overlapped them; None: none did)."""
+        for p, anchor, old, new in zip(self.params, self.anchor, since or self.params, outcome.anchor, strict=True):
+            if since is None:
+                p.copy_(new)
+            else:
+                p.add_(new - old)
+            anchor.copy_(new)
+        for m, new in zip(self.momentum, outcome.momentum, strict=True):
+            m.copy_(new)
+        self.error, self._left = outcome.left, None
+
+    def step(self, averaged: Sequence[torch.Tensor] | None = None) -> None:
+        """The outer step at once (``outcome`` then ``adopt``)."""
+        self.adopt(self.outcome(averaged))
 
     def state(self) -> dict[str, list[torch.Tensor]]:
         return dict(zip(OUTER_PARTS, (self.anchor, self.momentum, self.error), strict=True))

@@ -129,3 +129,28 @@ def test_run_options(tmp_path):
         load_run(write_run(tmp_path, averaging={"compression": "int8"}))
     with pytest.raises(BadInputError, match="density"):
         load_run(write_run(tmp_path, averaging={"method": "diloco", "density": 0.0}))
+
+
+def test_a_round_that_overlapped_inner_steps_keeps_their_progress_on_the_new_start():
+    sync = Sync(method="diloco", outer_lr=0.7, outer_momentum=0.9)
+    p = torch.nn.Parameter(_values(200, 5))
+    outer = OuterSync([p], sync)
+    with torch.no_grad():
+        p.sub_(1e-3)  # the round's inner steps
+    outer.prepare()
+    since = [p.detach().clone()]
+    outcome = outer.outcome(outer.buffers)  # what the round's thread computes, changing nothing
+    assert torch.equal(p.detach(), since[0]) and not torch.equal(outcome.anchor[0], outer.anchor[0])
+    with torch.no_grad():
+        p.add_(2e-4)  # inner steps taken while the round ran
+    outer.adopt(outcome, since=since)
+    assert torch.allclose(p.detach(), outcome.anchor[0] + 2e-4, atol=1e-7)
+    assert torch.equal(outer.anchor[0], outcome.anchor[0])
+
+
+def test_replica_cross_checks_are_refused_under_diloco(tmp_path):
+    from swarm.client.training.crosscheck import CrossChecker
+
+    run = load_run(write_run(tmp_path, averaging={"method": "diloco"}))
+    with pytest.raises(BadInputError, match="DiLoCo"):
+        CrossChecker(None, run)  # type: ignore[arg-type]  # refused before it touches the connection

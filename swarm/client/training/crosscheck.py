@@ -26,7 +26,7 @@ import torch
 
 from swarm.client.connection import SwarmConnection
 from swarm.client.sequential import ChainRun, RemoteChain
-from swarm.errors import SwarmError
+from swarm.errors import BadInputError, SwarmError
 from swarm.hop import Hop
 from swarm.ids import Span
 from swarm.protocol import BackwardRequest, ForwardRequest
@@ -110,6 +110,11 @@ class CrossChecker:
     records: list[CheckRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.run.sync.method == "diloco":  # replicas hold different weights at every step: nothing to compare
+            raise BadInputError(
+                "cross-checking replicas needs them to hold the same weights at a step, which DiLoCo's replicas "
+                'never do (each keeps its inner steps): run it with [averaging] method = "parameters"'
+            )
         seed = self.config.seed
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._lock = threading.Lock()  # micro-batches run on several threads
