@@ -5,6 +5,7 @@ pseudo-gradients compressed. Needs root, /dev/net/tun and ``ip`` for the WAN lin
     python scripts/bench_pretrain_wan.py --quick          # tiny Llama, loopback, 60 steps a method (~6 min)
     python scripts/bench_pretrain_wan.py                  # the table of docs/benchmarks.md (about 40 min on 2 cores)
     python scripts/bench_pretrain_wan.py --models tiny --links loopback c --methods average diloco-10-topk
+    python scripts/bench_pretrain_wan.py --passes --links loopback c      # chained passes against client-mediated
 
 Models: ``tiny`` (configs/runs/tiny-llama.toml: 6 layers, hidden 64, bytes; 3 stages of 2 blocks) and ``smol`` (a
 SmolLM2-135M-shaped Llama from scratch, SmolLM2's tokenizer; 3 stages of 10 blocks; batch 8 x 32 tokens). Each
@@ -17,6 +18,10 @@ the same order; the stochastic wiring decides which replica trains on which), an
 other in averaging rounds per inner step: read from the servers' ``swarm_peer_bytes_total{role="averaging"}``
 metric on loopback (the same tensors and codec go over any link), summed over the six replicas, divided by the
 steps run. Rounds of a method whose H exceeds the steps run are not taken: those rows say so.
+
+``--passes``: one replica per stage (3 stages of the tiny Llama), one trainer training first with its micro-batches
+passed through itself between stages (client-mediated), then chained from stage to stage, in the same swarm; both
+exact (no activation codec). Per link: micro-batches per second of each and their ratio.
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ def _toml(value: Any) -> str:
     return repr(value)
 
 
-def run_file(model: str, method: str, folder: Path) -> Path:
-    """The model's run with the method's ``[averaging]``; no checkpoints."""
+def run_file(model: str, method: str, folder: Path, every: int | None = None) -> Path:
+    """The model's run with the method's ``[averaging]`` (``every``: its period instead); no checkpoints."""
     data = tomllib.loads((ROOT / "configs" / "runs" / "tiny-llama.toml").read_text())
     data["name"] = f"wan-{model}-{method}"
     if model == "smol":
@@ -83,6 +88,8 @@ def run_file(model: str, method: str, folder: Path) -> Path:
         data["stages"] = {"spans": ["0:10", "10:20", "20:30"]}
     data["batch"]["target_batch_size"] = max(data["batch"]["target_batch_size"], 16 if model == "tiny" else 8)
     data["averaging"] = {"matchmaking_seconds": 1.0, **METHODS[method]}
+    if every is not None:
+        data["averaging"]["every_steps"] = every
     data["checkpoint"] = {"every_steps": 0, "dir": str(folder / f"ckpt-{model}-{method}")}
     lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for section, fields in data.items():
@@ -115,6 +122,7 @@ class Bench:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-pretrain-wan-"))
         self.rows: list[dict[str, Any]] = []
+        self.passes: list[dict[str, Any]] = []
 
     def log(self, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -173,7 +181,51 @@ class Bench:
         self.rows.append(row)
         self.log(f"{label}: {json.dumps(row)}")
 
+    def measure_passes(self, link: str) -> None:
+        """Client-mediated against chained passes, in one swarm of one replica per stage."""
+        from harness.wan.nodes import ClientJob
+
+        run = run_file("tiny", "average", self.tmp, every=0)
+        spans = [str(s) for s in tomllib.loads(run.read_text())["stages"]["spans"]]
+        modes = [{"name": f"chain={c}", "chain": c == "on", "codec": "none"} for c in ("off", "on")]
+        spec = {"tasks": ["pretrain"], "pretrain_run": str(run), "pretrain_steps": self.args.pass_steps, "modes": modes}
+        extra = ("--throughput", "100", "--threads", "1", "--train", str(run))
+        label = f"passes-{link}"
+
+        def job(wan: Any, peers: list[str]) -> list[dict[str, Any]]:
+            with ClientJob(wan, "t" if wan else None, dict(spec, initial_peers=peers), self.tmp / f"{label}.log") as j:
+                return [i for i in j.lines(self.args.job_timeout) if i.get("task") == "pretrain"]
+
+        if link == "loopback":
+            from swarm.launch import LocalSwarm
+
+            with LocalSwarm("tiny-llama", spans, extra_args=extra) as swarm:
+                items = job(None, swarm.initial_peers)
+        else:
+            from harness.wan import Wan, WanConfig
+            from harness.wan.nodes import WanSwarm
+
+            delay, mbit = LINKS[link]
+            nodes = ("t", *(f"s{i}" for i in range(len(spans))))
+            with Wan(WanConfig(nodes=nodes, delay_ms=delay, mbit=mbit)) as wan:
+                placed = dict(zip(nodes[1:], spans, strict=True))
+                with WanSwarm(wan, "tiny-llama", placed, extra_args=extra) as wan_swarm:
+                    items = job(wan, wan_swarm.initial_peers)
+        rates = {i["mode"]: i["tokens_per_s"] / tomllib.loads(run.read_text())["data"]["seq_len"] for i in items}
+        mb = tomllib.loads(run.read_text())["batch"]["micro_batch_size"]
+        row = {"link": link, **{k: v / mb for k, v in rates.items()}}
+        self.passes.append(row)
+        self.log(f"{label}: {json.dumps(row)}")
+
     def table(self) -> None:
+        if self.passes:
+            print("\n| link | micro-batches/s, client-mediated | chained | chained / client-mediated |")
+            print("| --- | --- | --- | --- |")
+            for r in self.passes:
+                off, on = r.get("chain=off", 0.0), r.get("chain=on", 0.0)
+                print(f"| {r['link']} | {off:.2f} | {on:.2f} | {on / off if off else 0:.2f}x |")
+        if not self.rows:
+            return
         print(
             "\n| model | link | method | steps (rounds) | tokens/s | loss, last 10 steps | bytes between replicas "
             "per inner step | vs average |"
@@ -207,12 +259,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="tiny Llama on loopback (loss and bytes)")
     p.add_argument("--wan-steps", type=int, default=60, help="tiny Llama behind a WAN link (tokens/s)")
     p.add_argument("--smol-steps", type=int, default=20)
+    p.add_argument("--passes", action="store_true", help="chained passes against client-mediated, per link, only")
+    p.add_argument("--pass-steps", type=int, default=20)
     p.add_argument("--job-timeout", type=float, default=1800.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
         args.models, args.links, args.steps = ["tiny"], ["loopback"], 60
     bench = Bench(args)
+    if args.passes:
+        for link in args.links:
+            bench.measure_passes(link)
+        bench.table()
+        return
     for model in args.models:
         for link in args.links:
             for method in args.methods:

@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         help="identity file (created if missing): a stable peer id, which a closed run lists",
     )
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
+    p.add_argument(
+        "--client-mediated",
+        action="store_true",
+        help="pass each micro-batch through this trainer between stages (default: from stage to stage)",
+    )
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
     add_log_flags(p, "WARNING")
     args = p.parse_args(argv)
@@ -67,7 +72,14 @@ def _train(args: argparse.Namespace) -> None:
     peers = tuple(args.initial_peers)
     ckpt = args.checkpoint_dir
     with Trainer(
-        run, data, peers, timing=timing, checkpoint_dir=ckpt, identity=args.identity, swarm_key=args.swarm_key
+        run,
+        data,
+        peers,
+        timing=timing,
+        checkpoint_dir=ckpt,
+        identity=args.identity,
+        swarm_key=args.swarm_key,
+        chain=not args.client_mediated,
     ) as trainer:
         total = args.steps if args.steps is not None else run.total_steps
         # a bar only on a terminal with text logs (the step line below says the same to a log)

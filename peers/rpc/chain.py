@@ -35,7 +35,7 @@ from swarm.config import Timing
 from swarm.errors import BadInputError, BusyError
 from swarm.hop import Hop
 from swarm.identity import Signed, open_signed
-from swarm.protocol import RPC_PUSH, ChainRoute, InferenceStep, PushStep, check_version
+from swarm.protocol import RPC_PUSH, ChainRoute, InferenceStep, PassPush, PushStep, check_version
 from swarm.records import ServerRecord
 from swarm.rpc.remote import Remote
 from swarm.rpc.transport import Channel
@@ -207,6 +207,7 @@ class Relay:
         self._local: asyncio.Task[None] | None = None  # the latest push to this server's own next session
         self._waiting_bytes = 0
         self._by_pusher: Counter[str] = Counter()
+        self.on_pass: Callable[[str, PassPush, torch.Tensor], None] | None = None  # chained training passes
 
     def _link(self, record: ServerRecord) -> _PushLink:
         link = self._links.get(record.peer_id)
@@ -272,6 +273,14 @@ class Relay:
             return
         self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller)
 
+    def send_pass(self, record: ServerRecord, push: PassPush, tensors: dict[str, torch.Tensor], holder: str) -> None:
+        """A chained training pass's output, to the next hop of the pass (``peers/rpc/passes.py``)."""
+        if record.peer_id == self.peer_id:  # the pass names this server twice in a row: no network
+            if self.on_pass is not None:
+                self.on_pass(self.peer_id, push, next(iter(tensors.values())))
+            return
+        self._link(record).send(wire.encode(self.remote.meta(push), tensors), holder)
+
     def _push_here(self, meta: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
         """A push to this server's own next session, placed as a pushed step from elsewhere would be, in order."""
         previous = self._local
@@ -321,6 +330,12 @@ class Relay:
         holds up pushes to other sessions on the same connection (nor are two pushes to one session reordered)."""
         self.admit(pusher, meta)
         check_version(meta)
+        if meta.get("kind") == "pass":  # a chained training pass's activation or gradient
+            pass_push = PassPush.model_validate(meta)
+            if self.on_pass is None or len(tensors) != 1 or next(iter(tensors)) not in ("hidden", "grad_output"):
+                raise BadInputError("a pass push carries one tensor, hidden or grad_output, to a training stage")
+            self.on_pass(pusher, pass_push, next(iter(tensors.values())))
+            return
         push = PushStep.model_validate(meta)
         pushed = Pushed(push, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
         key = (pusher, push.client, push.session_id)  # by pusher: another's early pushes never hold these up

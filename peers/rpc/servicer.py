@@ -24,6 +24,7 @@ from peers.rpc.chain import Relay
 from peers.rpc.directory import ServerDirectory
 from peers.rpc.inference import InferenceLoop
 from peers.rpc.p2p_server import P2PStreams
+from peers.rpc.passes import Passes
 from peers.serving.compute import ComputeService
 from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
 from peers.serving.ports import Tensors, TrainingRpc
@@ -119,6 +120,10 @@ class Servicer:
             if remote is None or directory is None
             else Relay(remote, sessions, timing, max_bytes, self._check_member, directory, budget)
         )
+        self.passes: Passes | None = None  # chained training passes, where this server chains at all
+        if self.relay is not None and directory is not None:
+            self.passes = Passes(compute, directory, timing, self.relay.send_pass, budget)
+            self.relay.on_pass = self.passes.box.put
         signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
         self.inference = InferenceLoop(
             sessions, self.relay, signer, timing, self._decoder, self._check_member, self._delay, self._error_reply
@@ -181,6 +186,11 @@ class Servicer:
         check_version(meta)
         req = COMPUTE_REQUEST.validate_python(meta)
         await self._delay()
+        if isinstance(req, ForwardRequest | BackwardRequest) and req.relay is not None:
+            if self.passes is None:
+                raise BadInputError("this server takes no part in chained passes")
+            reply, out = await self.passes.run(req, tensors, caller)
+            return _reply(reply, out)
         if isinstance(req, ForwardRequest):
             return _reply(Reply(), await self.compute.forward(req, tensors, caller), req.codec)
         if isinstance(req, BackwardRequest):

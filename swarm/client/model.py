@@ -192,10 +192,12 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         identity: Path | None = None,
         swarm_key: Path | None = None,
         codec: str = "auto",
+        chain: bool = True,
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
         ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
-        closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file."""
+        closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file. ``chain``: micro-batches
+        pass from stage to stage (``swarm/client/chained_passes.py``), not through the client."""
         cfg = client_config(
             initial_peers,
             timing,
@@ -205,6 +207,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             identity=identity,
             swarm_key=swarm_key,
             codec=codec,
+            chain=chain,
         )
         model = cls(config)
         model.to_empty(device="cpu")

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
+from swarm.client import chained_passes
 from swarm.client.adapters import AdapterDelivery
 from swarm.client.connection import SwarmConnection
 from swarm.client.replies import checked, expected
 from swarm.client.verify_calls import CallAudit
-from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError
+from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError, StaleStepError, SwarmError
 from swarm.hop import Hop
 from swarm.plan.compile import repair
 from swarm.plan.ir import Plan, SpanBackward, SpanForward, Transfer
@@ -152,6 +153,12 @@ class RemoteChain:
         conn.view.observe(hop.peer_id, "forward", time.perf_counter() - t0, units)
         return out
 
+    def _first_input(self, run: ChainRun) -> str:
+        """The transfer into the chain's first forward node (its wire dtype is the pass's)."""
+        node = run.plan.node(run.forward_ids[0])
+        assert isinstance(node, SpanForward)
+        return node.inputs[0]
+
     def _codec(self, run: ChainRun, transfer_id: str) -> torch.dtype:
         node = run.plan.node(transfer_id)
         assert isinstance(node, Transfer)
@@ -185,6 +192,15 @@ class RemoteChain:
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, run: ChainRun, hidden: torch.Tensor) -> torch.Tensor:
         self.last_route = run.route()
+        if chained_passes.usable(self, run):
+            try:
+                out = chained_passes.forward(self, run, hidden.detach(), self._codec(run, self._first_input(run)))
+                self.last_plan = run.plan
+                return out
+            except StaleStepError:
+                raise
+            except SwarmError as e:  # hop by hop instead, with the usual failover
+                chained_passes.fail_over(self, e, "forward")
         out = self._forward_nodes(run, run.forward_ids, hidden.detach())
         self.last_route, self.last_plan = run.route(), run.plan
         return out
@@ -236,6 +252,16 @@ class RemoteChain:
         """The gradient of the chain's input (None if ``input_grad`` is False), and every backward node's reply
         (which holds the adapter's gradients)."""
         replies: list[Tensors] = []
+        if input_grad and chained_passes.usable(self, run):
+            try:
+                wire = self._codec(run, self._first_input(run))
+                return chained_passes.backward(self, run, grad, wire), replies
+            except StaleStepError:
+                raise
+            except SwarmError as e:  # the forward again hop by hop (stages add a micro-batch's gradient once)
+                chained_passes.fail_over(self, e, "backward")
+                first = run.forward_ids[0]
+                self._forward_nodes(run, run.forward_ids, run.inputs[first])
         g = self._backward_nodes(run, run.backward_ids(run.forward_ids), grad, input_grad, replies)
         self.last_route, self.last_plan = run.route(), run.plan
         return g, replies

@@ -29,8 +29,8 @@ class Sync:
     from the round's start (``swarm/training/diloco.py``)."""
 
     method: Literal["parameters", "diloco"] = "parameters"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     compression: Literal["none", "int8", "topk"] = "none"
     density: float = 0.01
 
@@ -180,8 +180,9 @@ class _Averaging(_Section):
     round_timeout: float | None = Field(None, gt=0)  # default: five matchmaking periods
     group_size: int = Field(8, ge=2)
     method: Literal["parameters", "diloco"] = "parameters"
-    outer_lr: float = Field(0.7, gt=0, le=10)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    # measured best on short runs (docs/pretraining.md); DiLoCo's paper uses 0.7 and 0.9 with H in the hundreds
+    outer_lr: float = Field(1.0, gt=0, le=10)
+    outer_momentum: float = Field(0.0, ge=0, lt=1)
     compression: Literal["none", "int8", "topk"] = "none"
     density: float = Field(0.01, gt=0, le=1)  # with topk: the share of pseudo-gradient values a round sends
 

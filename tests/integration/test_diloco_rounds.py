@@ -35,7 +35,7 @@ def _parties(sync: Sync) -> list[tuple[list[torch.nn.Parameter], OuterSync]]:
 
 @pytest.mark.parametrize("compression", ["none", "int8", "topk"])
 def test_replicas_take_the_same_outer_step_equal_to_one_process(compression):
-    sync = Sync(method="diloco", compression=compression, density=0.05)
+    sync = Sync(method="diloco", compression=compression, density=0.05, outer_lr=0.7, outer_momentum=0.9)
     parties = _parties(sync)
     sent = [outer.prepare() for _, outer in parties]
     start = [t.clone() for t in parties[0][1].anchor]

@@ -89,11 +89,14 @@ class Trainer:
         identity: Path | None = None,
         swarm_key: Path | None = None,
         crosscheck: CrossCheckConfig | None = None,
+        chain: bool = True,
     ) -> None:
         """``average_trainers``: start hivemind's averager for the trainers' own parameters (needs the main thread;
         used only while other trainers feed the run). ``identity``: this trainer's key file (its peer id is what a
         closed run lists in ``[trust] trainers``). ``swarm_key``: a private swarm's key file. ``crosscheck``: run
-        a sampled share of hops again on a second replica and compare (``swarm/client/training/crosscheck.py``)."""
+        a sampled share of hops again on a second replica and compare (``swarm/client/training/crosscheck.py``).
+        ``chain``: each micro-batch's forward and backward pass from stage to stage (``chained_passes``); False:
+        through this trainer between stages."""
         self.run, self.data = run, data
         self.timing = timing or Timing()
         config = run.hf_config()
@@ -110,6 +113,7 @@ class Trainer:
             wiring_seed=wiring_seed,
             identity=identity,
             swarm_key=swarm_key,
+            chain=chain,
         )
         self.model.pretraining(run.target_batch_size, run.average_every)  # its plans carry the step's update
         self.params = list(self.model.parameters())
@@ -184,6 +188,7 @@ class Trainer:
     def _micro_batch(self, batch: torch.Tensor, tag: TrainTag, position: int) -> float:
         """One micro-batch (in a pool thread), wired by a generator of its own: keyed by its ``position`` in the
         data, so its route does not depend on which thread runs it or when."""
+        tag = tag.model_copy(update={"micro": str(position)})  # a stage adds this micro-batch's gradient once
         with self.model.connection.view.wiring(position):
             loss = self.model(input_ids=batch, labels=batch, train=tag).loss
             (loss * batch.shape[0]).backward()  # a sum over samples: each party divides by the samples it saw
