@@ -117,6 +117,18 @@ def averaging_bytes(urls: list[str]) -> int:
     return total
 
 
+def settled_bytes(urls: list[str], every: float = 6.0, limit: float = 120.0) -> int:
+    """The replicas' averaging bytes once the last round has ended (two reads ``every`` seconds apart agree)."""
+    last, deadline = averaging_bytes(urls), time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(every)
+        now = averaging_bytes(urls)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -155,7 +167,7 @@ class Bench:
 
             with LocalSwarm("tiny-llama", spans, extra_args=(*extra, "--metrics-port", "0")) as swarm:
                 item = job(None, swarm.initial_peers)
-                sent: int | None = averaging_bytes([p.urls["metrics"] for p in swarm.peers])
+                sent: int | None = settled_bytes([p.urls["metrics"] for p in swarm.peers])
         else:
             from harness.wan import Wan, WanConfig
             from harness.wan.nodes import WanSwarm
