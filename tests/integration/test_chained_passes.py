@@ -16,7 +16,7 @@ from tests.integration.test_pretrain import close_all, corpus_ids, write_run
 
 pytestmark = pytest.mark.slow
 __all__ = ["corpus_ids"]  # the fixture, shared
-STEPS = 6
+STEPS = 4
 
 
 def _train(run_file, corpus, chain: bool) -> tuple[list[float], int]:
