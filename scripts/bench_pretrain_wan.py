@@ -165,7 +165,8 @@ class Bench:
         if link == "loopback":
             from swarm.launch import LocalSwarm
 
-            with LocalSwarm("tiny-llama", spans, extra_args=(*extra, "--metrics-port", "0")) as swarm:
+            metrics = ("--metrics-port", "0")
+            with LocalSwarm("tiny-llama", spans, extra_args=(*extra, *metrics), log_dir=self.tmp / label) as swarm:
                 item = job(None, swarm.initial_peers)
                 sent: int | None = settled_bytes([p.urls["metrics"] for p in swarm.peers])
         else:
@@ -176,7 +177,7 @@ class Bench:
             nodes = ("t", *(f"s{i}" for i in range(len(spans))))
             with Wan(WanConfig(nodes=nodes, delay_ms=delay, mbit=mbit)) as wan:
                 placed = dict(zip(nodes[1:], spans, strict=True))
-                with WanSwarm(wan, "tiny-llama", placed, extra_args=extra) as wan_swarm:
+                with WanSwarm(wan, "tiny-llama", placed, extra_args=extra, log_dir=self.tmp / label) as wan_swarm:
                     item = job(wan, wan_swarm.initial_peers)
             sent = None
         every = METHODS[method]["every_steps"]

@@ -18,10 +18,11 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.client.chain_run import ChainRun
+from swarm.client.connection import SwarmConnection
 from swarm.client.replies import SLACK_BYTES, distrust, spec
 from swarm.errors import BadInputError, StaleStepError, SwarmError, WrongReplyError
 from swarm.hop import Hop
@@ -30,22 +31,18 @@ from swarm.protocol import RPC_FORWARD, BackwardRequest, ForwardRequest, PassLin
 from swarm.rpc.commit import digest
 from swarm.rpc.remote import Tensors
 
-if TYPE_CHECKING:
-    from swarm.client.sequential import ChainRun, RemoteChain
-
 log = logging.getLogger(__name__)
 Call = tuple[Hop, ForwardRequest | BackwardRequest, Tensors, int]  # (hop, request, tensors, largest reply)
 
 
-def usable(chain: RemoteChain, run: ChainRun) -> bool:
+def usable(conn: SwarmConnection, run: ChainRun, hop_by_hop: bool) -> bool:
     """Whether this call's chain runs as passes: a pre-training micro-batch over two hops or more, with chaining on,
-    no adapter, no cross-check, and no hop failed yet."""
+    nothing that needs it hop by hop (``hop_by_hop``: an adapter, a cross-check), and no hop failed yet."""
     return (
-        chain.conn.cfg.chain
+        conn.cfg.chain
         and run.train is not None
         and run.keep
-        and chain.delivery is None
-        and chain.crosscheck is None
+        and not hop_by_hop
         and len(run.forward_ids) > 1
         and not run.failed
     )
@@ -64,8 +61,7 @@ def _links(hops: Sequence[Hop], keys: Sequence[str]) -> list[PassLink]:
     ]
 
 
-def _run(chain: RemoteChain, calls: list[Call]) -> list[tuple[PassReply, Tensors]]:
-    conn = chain.conn
+def _run(conn: SwarmConnection, calls: list[Call]) -> list[tuple[PassReply, Tensors]]:
     timeout = conn.timeout(conn.timing.request_timeout + conn.timing.open_timeout, calls[0][0].peer_id)
 
     async def one(hop: Hop, request: ForwardRequest | BackwardRequest, tensors: Tensors, limit: int) -> object:
@@ -90,13 +86,13 @@ def _run(chain: RemoteChain, calls: list[Call]) -> list[tuple[PassReply, Tensors
     return results  # type: ignore[return-value]  # every item is a (PassReply, Tensors) now
 
 
-def fail_over(chain: RemoteChain, e: SwarmError, what: str) -> None:
+def fail_over(conn: SwarmConnection, e: SwarmError, what: str) -> None:
     """A pass that broke: the hop behind it is banned (as any failed call's), unless it only refused the pass (a
     hop that waited in vain, or one that takes no part in passes); the caller then runs the micro-batch hop by hop."""
     if isinstance(e, BadInputError) or not e.retriable:
         log.info("%s not chained: %s", what, e, extra={"peer": e.peer_id})
         return
-    chain.conn.retrier.note_failure(e, f"chained {what}")
+    conn.retrier.note_failure(e, f"chained {what}")
 
 
 def _match(hops: Sequence[Hop], replies: Sequence[PassReply], sent: str, got: str) -> None:
@@ -117,7 +113,7 @@ def _blame(hop: Hop, other: Hop | None, what: str) -> WrongReplyError:
     return error
 
 
-def forward(chain: RemoteChain, run: ChainRun, x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+def forward(conn: SwarmConnection, run: ChainRun, x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     """The chain's output for ``x``, passed hop to hop; the graphs stay on the servers under the pass's keys."""
     ids = list(run.forward_ids)
     hops = [run.hops[i] for i in ids]
@@ -134,19 +130,19 @@ def forward(chain: RemoteChain, run: ChainRun, x: torch.Tensor, wire: torch.dtyp
         limit = SLACK_BYTES + (sent.numel() * sent.element_size() if k == len(ids) - 1 else 0)
         calls.append((hops[k], request, tensors, limit))
     t0 = time.perf_counter()
-    results = _run(chain, calls)
+    results = _run(conn, calls)
     out = results[-1][1].get("hidden")
     if out is None or spec(out) != spec(sent) or not bool(torch.isfinite(out).all()):
         raise _blame(hops[-1], None, "returned no output of the input's shape, or a non-finite one")
     _match(hops, [r for r, _ in results], digest(sent), digest(out))
-    _observe(chain, hops, time.perf_counter() - t0, sent, 1)
+    _observe(conn, hops, time.perf_counter() - t0, sent, 1)
     for node_id, key in zip(ids, keys, strict=True):
         run.server_ids[node_id] = key
     run.inputs[ids[0]] = x
     return out.to(x.dtype)
 
 
-def backward(chain: RemoteChain, run: ChainRun, grad: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+def backward(conn: SwarmConnection, run: ChainRun, grad: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
     """The gradient of the chain's input, the output gradient ``grad`` passed from the last hop to the first."""
     forward_ids = list(run.forward_ids)
     back_ids = run.backward_ids(forward_ids)
@@ -169,18 +165,18 @@ def backward(chain: RemoteChain, run: ChainRun, grad: torch.Tensor, wire: torch.
         limit = SLACK_BYTES + (sent.numel() * sent.element_size() if k == len(back_ids) - 1 else 0)
         calls.append((hops[k], request, tensors, limit))
     t0 = time.perf_counter()
-    results = _run(chain, calls)
+    results = _run(conn, calls)
     out = results[-1][1].get("grad_input")
     if out is None or spec(out) != spec(sent) or not bool(torch.isfinite(out).all()):
         raise _blame(hops[-1], None, "returned no input gradient of the output's shape, or a non-finite one")
     _match(hops, [r for r, _ in results], digest(sent), digest(out))
-    _observe(chain, hops, time.perf_counter() - t0, sent, 2)
+    _observe(conn, hops, time.perf_counter() - t0, sent, 2)
     return out.to(grad.dtype)
 
 
-def _observe(chain: RemoteChain, hops: Sequence[Hop], seconds: float, first: torch.Tensor, passes: int) -> None:
+def _observe(conn: SwarmConnection, hops: Sequence[Hop], seconds: float, first: torch.Tensor, passes: int) -> None:
     """Each hop's share of the pass's time, as the router measures servers (a pass gives no per-hop times)."""
     blocks = sum(len(h.span) for h in hops)
     for hop in hops:
         units = passes * first.shape[0] * first.shape[1] * len(hop.span)
-        chain.conn.view.observe(hop.peer_id, "forward", seconds * len(hop.span) / blocks, units)
+        conn.view.observe(hop.peer_id, "forward", seconds * len(hop.span) / blocks, units)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from swarm.client import chained_passes
 from swarm.client.adapters import AdapterDelivery
+from swarm.client.chain_run import ChainRun
 from swarm.client.connection import SwarmConnection
 from swarm.client.replies import checked, expected
 from swarm.client.verify_calls import CallAudit
@@ -32,8 +32,7 @@ from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputErro
 from swarm.hop import Hop
 from swarm.plan.compile import repair
 from swarm.plan.ir import Plan, SpanBackward, SpanForward, Transfer
-from swarm.protocol import BackwardRequest, ForwardRequest, TrainTag
-from swarm.records import Capability
+from swarm.protocol import BackwardRequest, ForwardRequest
 from swarm.rpc.remote import Tensors
 
 
@@ -50,40 +49,6 @@ def aux_tensors(attention_mask: torch.Tensor | None, position_ids: torch.Tensor 
     if position_ids is not None:
         aux["position_ids"] = position_ids.to(torch.int64)
     return aux
-
-
-@dataclass
-class ChainRun:
-    """One call's remote chain as it runs: the plan (repaired as servers fail), the hop each remote node is bound
-    to, the forward nodes in chain order, and what each received (a recompute starts from it)."""
-
-    plan: Plan
-    hops: dict[str, Hop]
-    aux: Tensors
-    train: TrainTag | None
-    needs: frozenset[Capability]
-    forward_ids: list[str] = field(default_factory=list)
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # node -> what it received (client dtype)
-    server_ids: dict[str, str | None] = field(default_factory=dict)  # node -> the forward_id its server keeps
-    failed: set[str] = field(default_factory=set)
-    generation: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.forward_ids:
-            self.forward_ids = [n.id for n in self.plan.order() if isinstance(n, SpanForward)]
-
-    @property
-    def keep(self) -> bool:
-        """The plan keeps graphs for a backward."""
-        return any(isinstance(n, SpanBackward) for n in self.plan.nodes)
-
-    def route(self) -> list[Hop]:
-        return [self.hops[i] for i in self.forward_ids]
-
-    def backward_ids(self, forward_ids: list[str]) -> list[str]:
-        """The backward nodes of ``forward_ids``, in the order they run (reverse chain order)."""
-        by_forward = {n.inputs[1]: n.id for n in self.plan.nodes if isinstance(n, SpanBackward)}
-        return [by_forward[f] for f in reversed(forward_ids)]
 
 
 class RemoteChain:
@@ -153,6 +118,11 @@ class RemoteChain:
         conn.view.observe(hop.peer_id, "forward", time.perf_counter() - t0, units)
         return out
 
+    @property
+    def _hop_by_hop(self) -> bool:
+        """An adapter or a replica cross-check needs each hop's call from the client."""
+        return self.delivery is not None or self.crosscheck is not None
+
     def _first_input(self, run: ChainRun) -> str:
         """The transfer into the chain's first forward node (its wire dtype is the pass's)."""
         node = run.plan.node(run.forward_ids[0])
@@ -192,15 +162,15 @@ class RemoteChain:
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, run: ChainRun, hidden: torch.Tensor) -> torch.Tensor:
         self.last_route = run.route()
-        if chained_passes.usable(self, run):
+        if chained_passes.usable(self.conn, run, self._hop_by_hop):
             try:
-                out = chained_passes.forward(self, run, hidden.detach(), self._codec(run, self._first_input(run)))
+                out = chained_passes.forward(self.conn, run, hidden.detach(), self._codec(run, self._first_input(run)))
                 self.last_plan = run.plan
                 return out
             except StaleStepError:
                 raise
             except SwarmError as e:  # hop by hop instead, with the usual failover
-                chained_passes.fail_over(self, e, "forward")
+                chained_passes.fail_over(self.conn, e, "forward")
         out = self._forward_nodes(run, run.forward_ids, hidden.detach())
         self.last_route, self.last_plan = run.route(), run.plan
         return out
@@ -252,14 +222,14 @@ class RemoteChain:
         """The gradient of the chain's input (None if ``input_grad`` is False), and every backward node's reply
         (which holds the adapter's gradients)."""
         replies: list[Tensors] = []
-        if input_grad and chained_passes.usable(self, run):
+        if input_grad and chained_passes.usable(self.conn, run, self._hop_by_hop):
             try:
                 wire = self._codec(run, self._first_input(run))
-                return chained_passes.backward(self, run, grad, wire), replies
+                return chained_passes.backward(self.conn, run, grad, wire), replies
             except StaleStepError:
                 raise
             except SwarmError as e:  # the forward again hop by hop (stages add a micro-batch's gradient once)
-                chained_passes.fail_over(self, e, "backward")
+                chained_passes.fail_over(self.conn, e, "backward")
                 first = run.forward_ids[0]
                 self._forward_nodes(run, run.forward_ids, run.inputs[first])
         g = self._backward_nodes(run, run.backward_ids(run.forward_ids), grad, input_grad, replies)
