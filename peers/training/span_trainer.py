@@ -270,7 +270,7 @@ class SpanTrainer:
         values far from the group's are clipped), and its result is applied only when the whole round completed. A
         round is undone when its result is not finite, holds a negative second moment (Adam would take its square
         root), or moves a weight tensor further than replicas that average every few steps can differ
-        (``_implausible``: a groupmate that reduced a part returned garbage for it). The
+        (``implausible``: a groupmate that reduced a part returned garbage for it). The
         state the round ended with is kept, on the CPU, and its digest signed, for joining replicas and exports."""
         if self.outer is not None:
             self._outer_round()

@@ -129,13 +129,7 @@ def forward(conn: SwarmConnection, run: ChainRun, x: torch.Tensor, wire: torch.d
         tensors = dict(run.aux, hidden=sent) if k == 0 else dict(run.aux)
         limit = SLACK_BYTES + (sent.numel() * sent.element_size() if k == len(ids) - 1 else 0)
         calls.append((hops[k], request, tensors, limit))
-    t0 = time.perf_counter()
-    results = _run(conn, calls)
-    out = results[-1][1].get("hidden")
-    if out is None or spec(out) != spec(sent) or not bool(torch.isfinite(out).all()):
-        raise _blame(hops[-1], None, "returned no output of the input's shape, or a non-finite one")
-    _match(hops, [r for r, _ in results], digest(sent), digest(out))
-    _observe(conn, hops, time.perf_counter() - t0, sent, 1)
+    out = _pass(conn, hops, calls, sent, "hidden", 1)
     for node_id, key in zip(ids, keys, strict=True):
         run.server_ids[node_id] = key
     run.inputs[ids[0]] = x
@@ -164,14 +158,22 @@ def backward(conn: SwarmConnection, run: ChainRun, grad: torch.Tensor, wire: tor
         tensors = {"grad_output": sent} if k == 0 else {}
         limit = SLACK_BYTES + (sent.numel() * sent.element_size() if k == len(back_ids) - 1 else 0)
         calls.append((hops[k], request, tensors, limit))
+    out = _pass(conn, hops, calls, sent, "grad_input", 2)
+    return out.to(grad.dtype)
+
+
+def _pass(
+    conn: SwarmConnection, hops: Sequence[Hop], calls: list[Call], sent: torch.Tensor, name: str, passes: int
+) -> torch.Tensor:
+    """Run the pass's calls; the last hop's ``name`` tensor, checked (shape, finite, digests hop to hop)."""
     t0 = time.perf_counter()
     results = _run(conn, calls)
-    out = results[-1][1].get("grad_input")
+    out = results[-1][1].get(name)
     if out is None or spec(out) != spec(sent) or not bool(torch.isfinite(out).all()):
-        raise _blame(hops[-1], None, "returned no input gradient of the output's shape, or a non-finite one")
+        raise _blame(hops[-1], None, f"returned no {name} of the shape it was sent, or a non-finite one")
     _match(hops, [r for r, _ in results], digest(sent), digest(out))
-    _observe(conn, hops, time.perf_counter() - t0, sent, 2)
-    return out.to(grad.dtype)
+    _observe(conn, hops, time.perf_counter() - t0, sent, passes)
+    return out
 
 
 def _observe(conn: SwarmConnection, hops: Sequence[Hop], seconds: float, first: torch.Tensor, passes: int) -> None:
