@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,30 +25,30 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from swarm.api import errors
+from swarm.api.embeddings import embed
 from swarm.api.engine import Cancelled, Outcome, Piece, Sampling, ServedModel, generate
 from swarm.api.errors import ApiError
 from swarm.api.limits import Limits, Slots, caller_of, read_body
-from swarm.api.schema import (
-    ChatChoice,
+from swarm.api.replies import (
     ChatCompletion,
-    ChatMessageOut,
-    ChatRequest,
-    CompletionRequest,
+    EmbeddingList,
     ModelCard,
     ModelList,
     RouteHop,
-    TextChoice,
     TextCompletion,
     Usage,
     new_id,
     now,
 )
+from swarm.api.respond import Collected, chat_choice, prepare, text_choice
+from swarm.api.schema import ChatRequest, CompletionRequest, EmbeddingRequest
 from swarm.api.sse import Chunks
 from swarm.dashboard.access import Access
 from swarm.metrics import ApiMetrics
 
 log = logging.getLogger(__name__)
 _DONE = object()
+Parsed = TypeVar("Parsed", ChatRequest, CompletionRequest, EmbeddingRequest)
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Run:
     async def pieces(self) -> AsyncIterator[Piece]:
         while (item := await self.queue.get()) is not _DONE:
             assert isinstance(item, Piece)
-            if item.text or item.finish:
+            if item.text or item.finish or item.logprobs:
                 yield item
 
     def outcome(self) -> Outcome:
@@ -141,29 +141,16 @@ class Run:
             raise errors.from_swarm(e) from None
 
 
-def _parse(body: bytes, cls: type[ChatRequest] | type[CompletionRequest]) -> ChatRequest | CompletionRequest:
+def _parse(body: bytes, cls: type[Parsed]) -> Parsed:
     try:
         req = cls.model_validate_json(body)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or None
         raise errors.bad_request(f"{where}: {first['msg']}" if where else first["msg"], param=where) from None
-    if (bad := req.unsupported()) is not None:
+    if not isinstance(req, EmbeddingRequest) and (bad := req.unsupported()) is not None:
         raise errors.bad_request(f"{bad} is not supported by this server", param=bad)
     return req
-
-
-def _sampling(req: ChatRequest | CompletionRequest, prompt: int, served: ServedModel, limits: Limits) -> Sampling:
-    asked = req.requested_tokens()
-    if asked is not None and asked > limits.max_tokens:
-        raise errors.bad_request(
-            f"max_tokens is {asked}; this server allows at most {limits.max_tokens}", param="max_tokens"
-        )
-    room = served.context - prompt
-    wanted = asked if asked is not None else min(limits.max_tokens, room)
-    if wanted > room or room < 1:
-        raise errors.context_too_long(prompt, max(wanted, 1), served.context)
-    return Sampling(wanted, req.temperature, req.top_p, req.stops(), req.seed, req.n)
 
 
 def _route(outcome: Outcome) -> list[RouteHop]:
@@ -243,6 +230,10 @@ def create_app(state: ApiState, lifespan: Callable[[FastAPI], Any] | None = None
     async def completions(request: Request) -> Response:
         return await _complete(state, request, "completions")
 
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Response:
+        return await _embeddings(state, request)
+
     return app
 
 
@@ -251,23 +242,23 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
     try:
         key = state.key_of(request)
         body = await read_body(request, state.limits.max_body_bytes, state.body_timeout)
-        req = _parse(body, ChatRequest if endpoint == "chat" else CompletionRequest)
+        req: ChatRequest | CompletionRequest = (
+            _parse(body, ChatRequest) if endpoint == "chat" else _parse(body, CompletionRequest)
+        )
         served = state.served(req.model)
-        if isinstance(req, ChatRequest):
-            prompt = await asyncio.to_thread(served.chat_ids, req.chat())
-        else:
-            try:
-                text = req.text()
-            except ValueError as e:
-                raise errors.bad_request(str(e), param="prompt") from None
-            prompt = await asyncio.to_thread(served.text_ids, text)
-        sampling = _sampling(req, len(prompt), served, state.limits)
-        gaps = await asyncio.to_thread(served.missing)
-        if gaps:
-            shown = ", ".join(f"{a}:{b}" for a, b in gaps)
-            raise errors.unavailable(f"no server holds blocks {shown} of {served.name} now: retry later")
         caller = caller_of(request, key)
+        # the slot is held from here: a chat template and a grammar (a schema compiled) cost CPU, counted per caller
         state.enter(caller)
+        try:
+            prepared = await asyncio.to_thread(prepare, req, served, state.limits)
+            prompt, sampling = prepared.prompt, prepared.sampling
+            gaps = await asyncio.to_thread(served.missing)
+            if gaps:
+                shown = ", ".join(f"{a}:{b}" for a, b in gaps)
+                raise errors.unavailable(f"no server holds blocks {shown} of {served.name} now: retry later")
+        except BaseException:
+            state.leave(caller)
+            raise
     except ApiError as e:
         state.metrics.observe(endpoint, e.outcome, time.monotonic() - t0)
         return _error_response(e)
@@ -280,21 +271,19 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
         extra={"session": caller},
     )
     run = Run(state, served, prompt, sampling, caller)
+    offset = 0 if sampling.echo is not None else len(prepared.prompt_text)
     if req.stream:
         return _RunStream(
             run,
-            _stream(state, run, req, endpoint, t0),
+            _stream(state, run, req, Chunks(endpoint == "chat", served, sampling.logprobs is not None, offset), t0),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     watcher = asyncio.create_task(_watch_disconnect(request, run))
     try:
-        texts = ["" for _ in range(sampling.n)]
-        finishes: list[str] = ["length"] * sampling.n
+        got = [Collected() for _ in range(sampling.n)]
         async for piece in run.pieces():
-            texts[piece.index] += piece.text
-            if piece.finish:
-                finishes[piece.index] = piece.finish
+            got[piece.index].add(piece)
         outcome = run.outcome()
         _record(state, endpoint, "ok", t0, outcome)
     except ApiError as e:
@@ -304,21 +293,43 @@ async def _complete(state: ApiState, request: Request, endpoint: str) -> Respons
         run.cancel.set()
         watcher.cancel()
     rid, created, usage = new_id("chatcmpl" if endpoint == "chat" else "cmpl"), now(), _usage(outcome)
+    logprobs = sampling.logprobs is not None
     if endpoint == "chat":
-        chat_choices = [
-            ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=f)
-            for i, (t, f) in enumerate(zip(texts, finishes, strict=True))
-        ]
+        chat_choices = [chat_choice(i, c, served, logprobs) for i, c in enumerate(got)]
         reply: ChatCompletion | TextCompletion = ChatCompletion(
             id=rid, created=created, model=served.name, choices=chat_choices, usage=usage, route=_route(outcome)
         )
     else:
-        text_choices = [
-            TextChoice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(zip(texts, finishes, strict=True))
-        ]
+        offset = 0 if sampling.echo is not None else len(prepared.prompt_text)
+        text_choices = [text_choice(i, c, served, logprobs, offset) for i, c in enumerate(got)]
         reply = TextCompletion(
             id=rid, created=created, model=served.name, choices=text_choices, usage=usage, route=_route(outcome)
         )
+    return JSONResponse(reply.model_dump(mode="json"))
+
+
+async def _embeddings(state: ApiState, request: Request) -> Response:
+    """Embeddings take a generation slot of their caller's while they run (their inputs go through the swarm)."""
+    t0 = time.monotonic()
+    try:
+        key = state.key_of(request)
+        body = await read_body(request, state.limits.max_body_bytes, state.body_timeout)
+        req = _parse(body, EmbeddingRequest)
+        served = state.served(req.model)
+        caller = caller_of(request, key)
+        state.enter(caller)
+        try:
+            reply: EmbeddingList = await asyncio.get_running_loop().run_in_executor(state.pool, embed, served, req)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise errors.from_swarm(e) from None
+        finally:
+            state.leave(caller)
+    except ApiError as e:
+        state.metrics.observe("embeddings", e.outcome, time.monotonic() - t0)
+        return _error_response(e)
+    state.metrics.observe("embeddings", "ok", time.monotonic() - t0)
     return JSONResponse(reply.model_dump(mode="json"))
 
 
@@ -338,9 +349,9 @@ class _RunStream(StreamingResponse):
 
 
 async def _stream(
-    state: ApiState, run: Run, req: ChatRequest | CompletionRequest, endpoint: str, t0: float
+    state: ApiState, run: Run, req: ChatRequest | CompletionRequest, chunks: Chunks, t0: float
 ) -> AsyncIterator[str]:
-    chunks = Chunks(endpoint == "chat", req.model)
+    endpoint = "chat" if chunks.chat else "completions"
     label = "client_closed"  # unless the stream reaches its end or an error
     try:
         if chunks.chat:

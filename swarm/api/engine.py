@@ -4,11 +4,12 @@ token by token on a worker thread, text streamed out as it becomes final.
 Requests share one swarm client per model (one DHT node, one transport, one view of the swarm) but never a
 session: ``DistributedModelForCausalLM.generate`` keeps one session per model object, so the API drives
 ``InferenceSession`` itself, through the model's own plans (embeddings, blocks through the swarm, final norm and
-head), and samples here. Greedy decoding (temperature 0) picks what Hugging Face's greedy ``generate`` picks;
-sampling applies Hugging Face's temperature and top-p warpers, seeded per request.
+head), and picks each token here (``swarm.api.controls``: bias, penalties, a grammar's mask, the warpers). Greedy
+decoding (temperature 0) picks what Hugging Face's greedy ``generate`` picks.
 
-With a drafter (``--draft``), a request of one choice decodes speculatively (``swarm.client.speculative``): same
-tokens greedy, same distribution sampled, several tokens a trip where the drafts hold."""
+With a drafter (``--draft``), a request of one choice that asks for nothing beyond the warpers (no penalties, bias,
+grammar, tools or log-probabilities) decodes speculatively (``swarm.client.speculative``): same tokens greedy, same
+distribution sampled, several tokens a trip where the drafts hold."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from swarm.api import errors
+from swarm.api.controls import ChoiceState, Controls, Logprob, logprob_of, prompt_logprobs
+from swarm.api.grammar import Grammar, Vocabulary
+from swarm.api.text import TextStream
+from swarm.api.tools import Call, Watch, parse, takes_tools
 from swarm.client.executor import Context
 from swarm.client.inference_session import InferenceSession
 from swarm.client.speculate import check, factory, hooks
-from swarm.client.speculative import Sampler, Speculation, Trace, decode
+from swarm.client.speculative import Speculation, Trace, decode
 from swarm.hop import Hop
 
 if TYPE_CHECKING:
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 
     from swarm.client.model import DistributedModelForCausalLM
 
-Finish = Literal["stop", "length"]
+Finish = Literal["stop", "length", "tool_calls"]
 
 
 class Cancelled(Exception):
@@ -43,20 +47,29 @@ class Cancelled(Exception):
 @dataclass(frozen=True)
 class Sampling:
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    controls: Controls = Controls()
     stops: tuple[str, ...] = ()
-    seed: int | None = None
     n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities asked
+    grammar: Grammar | None = None  # the answer is constrained to it
+    tools: frozenset[str] | None = None  # the functions a call may name (None: no tool calls read back)
+    forced: bool = False  # the answer must be calls (tool_choice required or named; ``grammar`` is their format)
+    echo: str | None = None  # completions with echo: the prompt's text, sent first, with its log-probabilities
+
+    @property
+    def plain(self) -> bool:
+        return self.controls.plain and self.grammar is None and self.tools is None and self.logprobs is None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """New final text of choice ``index``; ``finish`` is set on its last piece."""
+    """New final text of choice ``index``; ``finish`` is set on its last piece (with the calls it made, if any)."""
 
     index: int
     text: str
     finish: Finish | None = None
+    logprobs: tuple[Logprob, ...] = ()
+    calls: tuple[Call, ...] = ()
 
 
 @dataclass
@@ -66,38 +79,6 @@ class Outcome:
     route: list[Hop] = field(default_factory=list)
     first_token_s: float | None = None
     speculation: Trace | None = None  # drafts proposed and kept, when decoded speculatively
-
-
-class TextStream:
-    """One choice's text as tokens arrive: only text that can no longer change is released, that is none of a
-    possible stop sequence's start and no half of a multi-byte character; a stop sequence ends the text before it."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: tuple[str, ...]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def _text(self) -> str:
-        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
-
-    def add(self, token: int) -> tuple[str, bool]:
-        """(text released by this token, whether a stop sequence ended the choice)."""
-        self.tokens.append(token)
-        text = self._text()
-        cuts = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
-        if cuts:
-            return self._release(text[: min(cuts)]), True
-        safe = len(text.rstrip("\ufffd")) - self.hold
-        return self._release(text[: max(safe, self.sent)]), False
-
-    def flush(self) -> str:
-        return self._release(self._text())
-
-    def _release(self, text: str) -> str:
-        out = text[self.sent :]
-        self.sent = len(text)
-        return out
 
 
 class ServedModel:
@@ -125,6 +106,27 @@ class ServedModel:
         if tokenizer.eos_token_id is not None:
             ends.add(int(tokenizer.eos_token_id))
         self.eos = frozenset(int(e) for e in ends)
+        self.n_vocab = int(model.config.vocab_size)  # the logits' width
+        self.vocab: Vocabulary | None = None
+        self.no_vocab = ""  # why structured output is not available for this model, once tried
+        self.native_tools = takes_tools(getattr(tokenizer, "chat_template", None))
+
+    def vocabulary(self, param: str) -> Vocabulary:
+        """The model's tokens for constrained decoding, built at the first request that needs them."""
+        if self.vocab is None and not self.no_vocab:
+            try:
+                self.vocab = Vocabulary(self.tokenizer, self.n_vocab, self.eos)
+            except Exception as e:  # llguidance takes fast (Rust) tokenizers only
+                self.no_vocab = f"{type(e).__name__}: {e}"
+        if self.vocab is None:
+            why = f"{self.name}'s tokenizer cannot drive constrained decoding ({self.no_vocab})"
+            raise errors.bad_request(why, param)
+        return self.vocab
+
+    def token_bytes(self, token: int) -> bytes:
+        if self.vocab is not None:
+            return self.vocab.token_bytes(token)
+        return str(self.tokenizer.decode([token])).encode()
 
     @property
     def num_blocks(self) -> int:
@@ -140,12 +142,16 @@ class ServedModel:
                 gaps = gaps[:-1] + [(gaps[-1][0], b + 1)] if gaps and gaps[-1][1] == b else [*gaps, (b, b + 1)]
         return gaps
 
-    def chat_ids(self, chat: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request(f"{self.name} has no chat template: use /v1/completions", param="messages")
-        out: Any = self.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, tokenize=True, return_dict=True
-        )  # Any: a BatchEncoding
+        try:
+            offered: Any = tools  # transformers types tools as a list of dicts or functions
+            out: Any = self.tokenizer.apply_chat_template(
+                chat, tools=offered, add_generation_prompt=True, tokenize=True, return_dict=True
+            )  # Any: a BatchEncoding
+        except Exception as e:  # the template's own checks (roles, alternation): the request's fault
+            raise errors.bad_request(f"the chat template refused the messages: {e}", param="messages") from None
         return [int(i) for i in out["input_ids"]]
 
     def text_ids(self, text: str) -> list[int]:
@@ -155,27 +161,53 @@ class ServedModel:
         return ids
 
 
-def sampler(s: Sampling, choice: int = 0) -> Sampler:
-    """Choice ``choice``'s sampler: a seeded request's choices each draw their own noise (the first the seed's)."""
-    if s.temperature == 0.0:
-        return Sampler()
-    seed = None if s.seed is None else (s.seed + 7919 * choice) % (1 << 63)
-    return Sampler(temperature=s.temperature, top_p=s.top_p, seed=seed)
+class _Choice:
+    """One choice of a request as its tokens come: the pick, the text released, calls read back at the end."""
 
+    def __init__(self, served: ServedModel, s: Sampling, index: int) -> None:
+        self.served, self.s, self.index = served, s, index
+        matcher = served.vocabulary("response_format").matcher(s.grammar) if s.grammar is not None else None
+        self.state = ChoiceState(s.controls, index, served.n_vocab, matcher)
+        self.stream = TextStream(served.tokenizer, () if s.forced else s.stops)
+        self.watch = Watch() if s.tools is not None and not s.forced else None
+        self.unsent = ""  # text kept back because it is (or may be) a call
+        self.finish: Finish | None = None
+        self.last = 0  # the token picked last
 
-def pick(logits: torch.Tensor, s: Sampling, rng: torch.Generator | None, position: int = 0) -> torch.Tensor:
-    """The next token of each row of ``logits`` [n, vocab], at sequence ``position``. A seeded request's token is
-    a function of the seed, the choice and the position (``Sampler.pick``), as in speculative decoding, so a seed
-    gives one text with or without a drafter."""
-    if s.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    if s.seed is not None:
-        return torch.tensor([sampler(s, i).pick(row, position) for i, row in enumerate(logits)])
-    scores = TemperatureLogitsWarper(s.temperature)(torch.empty(0), logits.float())
-    if s.top_p < 1.0:
-        scores = TopPLogitsWarper(s.top_p)(torch.empty(0), scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=rng).squeeze(1)
+    def step(self, logits: torch.Tensor, position: int, rng: torch.Generator | None, last: bool) -> Piece:
+        token = self.last = self.state.pick(logits, position, rng)
+        lp = (logprob_of(logits, token, self.s.logprobs),) if self.s.logprobs is not None else ()
+        if token in self.served.eos:  # the end is no token of the answer: no log-probability either (as OpenAI)
+            return self._end("stop", self.stream.flush(), ())
+        self.state.took(token)
+        text, stopped = self.stream.add(token)
+        matcher = self.state.matcher
+        if stopped:  # the text ends before the stop sequence: what follows it is never released
+            return self._end("stop", text, lp)
+        if matcher is not None and matcher.done:  # the grammar's answer is complete: all of it is final
+            return self._end("stop", text + self.stream.flush(), lp)
+        if last:
+            return self._end("length", text + self.stream.flush(), lp)
+        return Piece(self.index, self._content(text), None, lp)
+
+    def _content(self, text: str) -> str:
+        if self.s.forced:
+            self.unsent += text
+            return ""
+        if self.watch is not None:
+            return self.watch.add(text)
+        return text
+
+    def _end(self, finish: Finish, text: str, lp: tuple[Logprob, ...]) -> Piece:
+        self.finish = finish
+        content = self._content(text)
+        unsent = self.unsent if self.watch is None else (self.watch.held if self.watch.mode != "text" else "")
+        if self.s.tools is None or not unsent:
+            return Piece(self.index, content, finish, lp)
+        rest, calls = parse(unsent, set(self.s.tools))
+        if not calls:
+            return Piece(self.index, content + unsent, finish, lp)  # not calls after all: the text is the answer
+        return Piece(self.index, content + (rest or ""), "tool_calls", lp, tuple(calls))
 
 
 def generate(
@@ -192,46 +224,49 @@ def generate(
     ``cancel`` is set or ``deadline`` (monotonic) passes."""
     model = served.model
     outcome = outcome if outcome is not None else Outcome(prompt_tokens=len(prompt))
-    rng = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
+    seed = s.controls.seed
+    rng = torch.Generator().manual_seed(seed % 2**63) if seed is not None else None
     session = InferenceSession(
-        model.connection, model.blocks.delivery, len(prompt) + s.max_tokens, s.n, model.runner.shape, model.runner.plans
+        model.connection,
+        model.blocks.delivery,
+        len(prompt) + max(s.max_tokens, 1),
+        s.n,
+        model.runner.shape,
+        model.runner.plans,
     )
-    if served.speculation is not None and s.n == 1:
+    if served.speculation is not None and s.n == 1 and s.plain and s.echo is None:
         try:
             return _speculative(served, session, prompt, s, emit, cancel, deadline, outcome, rng)
         finally:
             session.close()
-    streams = [TextStream(served.tokenizer, s.stops) for _ in range(s.n)]
-    done: list[Finish | None] = [None] * s.n
+    choices = [_Choice(served, s, i) for i in range(s.n)]
     start = time.monotonic()
     try:
         new = torch.tensor([prompt] * s.n, dtype=torch.int64)
-        for produced in range(s.max_tokens):
+        for produced in range(max(s.max_tokens, 1)):
             if cancel.is_set() or time.monotonic() > deadline:
                 raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
             with torch.inference_mode():
-                logits = model.runner.session_step(session, new, Context(None, None), 0)[:, -1, :]
+                every = model.runner.session_step(session, new, Context(None, None), 0)
             outcome.route = session.route
+            if produced == 0 and s.echo is not None:
+                entries = prompt_logprobs(every[0], prompt, s.logprobs or 0) if s.logprobs is not None else []
+                for i in range(s.n):
+                    emit(Piece(i, s.echo, "length" if s.max_tokens == 0 else None, tuple(entries)))
+                if s.max_tokens == 0:
+                    break
             if outcome.first_token_s is None:
                 outcome.first_token_s = time.monotonic() - start
-            tokens = pick(logits, s, rng, len(prompt) + produced)
-            for i, token in enumerate(tokens.tolist()):
-                if done[i] is not None:
-                    continue
-                outcome.completion_tokens += 1
-                if token in served.eos:
-                    done[i] = "stop"
-                    emit(Piece(i, streams[i].flush(), "stop"))
-                    continue
-                text, stopped = streams[i].add(token)
-                if stopped:
-                    done[i] = "stop"
-                elif produced + 1 == s.max_tokens:
-                    done[i], text = "length", text + streams[i].flush()
-                emit(Piece(i, text, done[i]))
-            if all(d is not None for d in done):
+            logits = every[:, -1, :]
+            tokens = []
+            for c, row in zip(choices, logits, strict=True):
+                if c.finish is None:
+                    outcome.completion_tokens += 1
+                    emit(c.step(row, len(prompt) + produced, rng, produced + 1 == s.max_tokens))
+                tokens.append(c.last)  # a finished choice's row keeps decoding its last token, unread
+            if all(c.finish is not None for c in choices):
                 break
-            new = tokens[:, None]
+            new = torch.tensor(tokens, dtype=torch.int64)[:, None]
     finally:
         session.close()  # frees the servers' caches now, whatever happened
     return outcome
@@ -290,7 +325,7 @@ def _speculative(
         step=speculative_step,
         take_back=take_back,
         drafter=served.drafters(),
-        sampler=sampler(s),
+        sampler=s.controls.sampler(),
         max_new=s.max_tokens,
         eos=served.eos,
         lengths=spec.lengths(),

@@ -1,48 +1,117 @@
-"""The OpenAI API's request and response shapes this server speaks (``/v1/chat/completions``, ``/v1/completions``,
-``/v1/models``), as pydantic models. Requests are bounded here, so a parsed request is already within every limit
-that does not depend on the server's flags; fields a request may send but this server cannot honour are refused by
-name (``unsupported``), never silently ignored. Unknown fields are ignored, as OpenAI's own server does."""
+"""The OpenAI API's request shapes this server reads (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/embeddings``), as pydantic models; replies are in ``swarm.api.replies``. Requests are bounded here, so a parsed
+request is already within every limit that does not depend on the server's flags. What each field does is the table
+of ``swarm.api.conformance``: a field it lists as refused is refused by name (``unsupported``), never silently
+ignored; unknown fields are ignored, as OpenAI's clients' extra fields are by most servers."""
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from swarm.api.conformance import Endpoint, refused
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 8
 MAX_MESSAGES = 512
 MAX_TEXT = 1_000_000  # characters in one message or prompt (the body limit usually bites first)
+MAX_TOP_LOGPROBS = 20
+MAX_BIAS = 300  # entries of logit_bias
+MAX_TOOLS = 128  # OpenAI's limit on functions per request
+MAX_SCHEMA = 64_000  # characters of one JSON schema (compiled on the client: bounded before it is)
 
 
-class _Request(BaseModel):
+class _Frozen(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
+
+def _schema_size(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v is not None and len(json.dumps(v)) > MAX_SCHEMA:
+        raise ValueError(f"a JSON schema of at most {MAX_SCHEMA} characters")
+    return v
+
+
+class FunctionDef(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    _size = field_validator("parameters")(_schema_size)
+
+
+class Tool(_Frozen):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Frozen):
+    name: str = Field(max_length=64)
+
+
+class NamedTool(_Frozen):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedTool
+
+
+class JsonSchemaFormat(_Frozen):
+    name: str = Field("response", max_length=64)
+    description: str | None = Field(None, max_length=8192)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    _size = field_validator("schema_")(_schema_size)
+
+
+class ResponseFormat(_Frozen):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response_format needs its json_schema")
+        return self
+
+
+class StreamOptions(_Frozen):
+    include_usage: bool = False
+
+
+class _Request(_Frozen):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens in chat requests
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1_000_000)  # an extension (0: off)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # an extension (0: off)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
-    # accepted only at the values that change nothing: anything else is refused by name
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # refused fields (swarm.api.conformance): read only to be refused by name
+    store: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    functions: Any = None
+    function_call: Any = None
     best_of: Any = None
-    echo: bool = False
     suffix: Any = None
+
+    _endpoint: Endpoint = "chat"
 
     @field_validator("stop")
     @classmethod
@@ -56,71 +125,129 @@ class _Request(BaseModel):
             raise ValueError("a stop sequence has 1 to 256 characters")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        if len(v) > MAX_BIAS:
+            raise ValueError(f"at most {MAX_BIAS} entries")
+        for k, b in v.items():
+            if not k.isdigit() or len(k) > 9:
+                raise ValueError(f"keys are token ids, not {k[:20]!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError("biases are between -100 and 100")
+        return v
+
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ()) if not isinstance(self.stop, str) else (self.stop,)
 
     def unsupported(self) -> str | None:
-        """The first field set to something this server cannot do, or None."""
-        if self.logprobs not in (None, False) or self.top_logprobs not in (None, 0):
-            return "logprobs"
-        if self.logit_bias not in (None, {}):
-            return "logit_bias"
-        if self.presence_penalty != 0.0:
-            return "presence_penalty"
-        if self.frequency_penalty != 0.0:
-            return "frequency_penalty"
-        if self.tools not in (None, []) or self.tool_choice not in (None, "none"):
-            return "tools"
-        fmt = self.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            return "response_format"
-        if self.best_of not in (None, 1):
-            return "best_of"
-        if self.echo:
-            return "echo"
-        if self.suffix is not None:
-            return "suffix"
+        """The first field set to something this server refuses (``swarm.api.conformance``), or None."""
+        for f in refused(self._endpoint):
+            value = getattr(self, f.name, None)
+            if value not in f.neutral:
+                return f.name
         return None
 
+    def bias(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
+
     def requested_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.max_tokens
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    include_usage: bool = False
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+class TextPart(_Frozen):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT)
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(max_length=MAX_TEXT)
+class CalledFunction(_Frozen):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=MAX_TEXT)
+
+
+class CalledTool(_Frozen):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(_Frozen):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, max_length=MAX_TEXT)
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[CalledTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens in chat requests
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
-    def chat(self) -> list[dict[str, str]]:
-        """The conversation as a chat template takes it (OpenAI's ``developer`` role is the templates' system)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice required needs tools")
+        if self.tools and self.response_format is not None and self.response_format.type != "text":
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("give tools or a JSON response_format, not both")
+        return self
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def choice(self) -> Literal["none", "auto", "required"] | str:
+        """``none``, ``auto``, ``required``, or the one function's name a named choice forces."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedTool):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] = Field(max_length=MAX_TEXT)
-    max_tokens: int | None = Field(16, ge=1)  # the completions endpoint's default, as OpenAI's
+    max_tokens: int | None = Field(16, ge=0)  # the completions endpoint's default, as OpenAI's; 0 only with echo
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    _endpoint: Endpoint = "completions"
+
+    @model_validator(mode="after")
+    def _zero_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 asks for nothing: it needs echo (to score the prompt)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.prompt, str):
@@ -130,106 +257,36 @@ class CompletionRequest(_Request):
         return self.prompt[0]
 
 
+class EmbeddingRequest(_Frozen):
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[str] | list[int] | list[list[int]]
+    dimensions: int | None = Field(None, ge=1, le=1 << 16)
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = Field(None, max_length=256)
+
+    @field_validator("input")
+    @classmethod
+    def _bounded(cls, v: str | list[str] | list[int] | list[list[int]]) -> Any:
+        items = [v] if isinstance(v, str) else v
+        if not items:
+            raise ValueError("input is empty")
+        if isinstance(items[0], int):
+            items = [items]  # one input of token ids
+        if len(items) > 64:
+            raise ValueError("at most 64 inputs per request")
+        for item in items:
+            if not item or (isinstance(item, str) and len(item) > MAX_TEXT):
+                raise ValueError("each input has 1 to 1,000,000 characters or some token ids")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if v and isinstance(v[0], int):
+            return [[int(i) for i in v]]
+        return list(v)  # type: ignore[arg-type]
+
+
 ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
-
-
-# ---- responses --------------------------------------------------------------------------------------------------
-class _Out(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class Usage(_Out):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class RouteHop(_Out):
-    """One server of the route an answer took (a field of this server's own; OpenAI clients ignore it)."""
-
-    peer_id: str
-    start: int
-    end: int
-    dtype: str = "float32"
-    quantization: str = "none"  # the format of its linear weights (swarm.quantization)
-
-
-class ChatMessageOut(_Out):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-Finish = Literal["stop", "length"]
-
-
-class _Reply(_Out):
-    """What every completion and chunk carries (the ``object`` and ``choices`` are each kind's own)."""
-
-    id: str
-    created: int
-    model: str
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    route: list[RouteHop] | None = None  # this server's own field: the peers and blocks the answer went through
-
-
-class ChatChoice(_Out):
-    index: int
-    message: ChatMessageOut
-    finish_reason: Finish
-    logprobs: None = None
-
-
-class ChatCompletion(_Reply):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class Delta(_Out):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(_Out):
-    index: int
-    delta: Delta
-    finish_reason: Finish | None = None
-    logprobs: None = None
-
-
-class ChatChunk(_Reply):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChunkChoice]
-
-
-class TextChoice(_Out):
-    index: int
-    text: str
-    finish_reason: Finish | None = None
-    logprobs: None = None
-
-
-class TextCompletion(_Reply):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[TextChoice]
-
-
-class ModelCard(_Out):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "swarm"
-
-
-class ModelList(_Out):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())

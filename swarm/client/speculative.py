@@ -20,7 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    GenerationConfig,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from swarm.client.draft_lengths import Lengths
 from swarm.errors import BadInputError
@@ -40,6 +46,7 @@ class Sampler:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # the API's extension (after top-p, as Hugging Face orders its warpers)
 
     def pick(self, logits: torch.Tensor, position: int) -> int:
         """A seeded sampler's token at sequence ``position`` from that position's ``logits`` [vocab]."""
@@ -73,6 +80,8 @@ class Sampler:
             scores = TopKLogitsWarper(self.top_k)(torch.empty(0), scores)
         if self.top_p < 1.0:
             scores = TopPLogitsWarper(self.top_p)(torch.empty(0), scores)
+        if self.min_p > 0.0:
+            scores = MinPLogitsWarper(self.min_p)(torch.empty(0), scores)  # type: ignore[arg-type]
         return torch.softmax(scores, dim=-1)
 
 

@@ -218,8 +218,8 @@ def test_errors_are_openai_shaped(stack):
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort is not supported"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, reasoning_effort="low")
     with pytest.raises(openai.BadRequestError, match=f"at most {MAX_TOKENS}"):
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS + 1)
     long = [{"role": "user", "content": "Paris " * 150}]

@@ -6,6 +6,8 @@ peer that holds NF4 blocks while announcing the exact weights' fingerprint is ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,12 +139,16 @@ def test_quantized_only_blocks_are_missing_for_an_exact_client(tiny_models):
     folder = str(tiny_models["llama"])
     with running_swarm(folder, ["0:2"]) as swarm:
         swarm.add_peer("2:4", "--quantize", "nf4")
-        with connect(folder, swarm, timing=patient_timing()) as client:
-            with pytest.raises(MissingBlocksError):
-                client.generate(_ids(1)[:1], max_new_tokens=2, do_sample=False)
+        # first a client that allows it finds the NF4 peer's record, so the exact client below sees the same swarm
         with connect(folder, swarm, timing=patient_timing(), allow_quantized=True) as client:
             client.generate(_ids(1)[:1], max_new_tokens=2, do_sample=False)
             assert [h.quantization for h in client.route] == ["none", "nf4"]
+        # the exact client waits a few seconds for exact blocks 2:4 (not the patient minute), then fails: only 2:4
+        timing = dataclasses.replace(patient_timing(), missing_blocks_wait=4.0)
+        with connect(folder, swarm, timing=timing) as client:
+            with pytest.raises(MissingBlocksError) as missing:
+                client.generate(_ids(1)[:1], max_new_tokens=2, do_sample=False)
+            assert missing.value.blocks == [2, 3]  # blocks 0:2 were found: the swarm was seen, the NF4 span refused
 
 
 @pytest.mark.slow  # a cheater per format

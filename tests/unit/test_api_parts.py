@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from swarm.api import errors
 from swarm.api.app import ApiState, create_app
-from swarm.api.engine import Sampling, TextStream, pick
+from swarm.api.controls import ChoiceState, Controls
 from swarm.api.limits import Limits, Slots
 from swarm.api.schema import ChatRequest, CompletionRequest
+from swarm.api.text import TextStream
 from tests.conftest import fuzz_examples
 
 
@@ -53,13 +54,17 @@ def test_stop_across_pieces_and_at_the_start():
     assert "".join(_stream("###", ("###",))[0]) == ""
 
 
+def _pick(logits: torch.Tensor, c: Controls, rng: torch.Generator | None) -> list[int]:
+    return [ChoiceState(c, i, logits.shape[1]).pick(row, 0, rng) for i, row in enumerate(logits)]
+
+
 def test_pick_greedy_seeded_and_top_p():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 4.9]])
-    assert pick(logits, Sampling(4, temperature=0.0), None).tolist() == [1, 0]
-    draws = [pick(logits, Sampling(4, 1.5), torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
+    assert _pick(logits, Controls(temperature=0.0), None) == [1, 0]
+    draws = [_pick(logits, Controls(temperature=1.5), torch.Generator().manual_seed(3)) for _ in range(2)]
     assert draws[0] == draws[1]
-    narrow = Sampling(4, 1.0, top_p=0.01)  # only the most likely token survives
-    assert pick(logits, narrow, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    narrow = Controls(temperature=1.0, top_p=0.01)  # only the most likely token survives
+    assert _pick(logits, narrow, torch.Generator().manual_seed(0)) == [1, 0]
 
 
 def test_requests_are_bounded_and_unsupported_fields_named():
@@ -70,10 +75,23 @@ def test_requests_are_bounded_and_unsupported_fields_named():
     with pytest.raises(ValueError):
         ChatRequest(model="m", messages=[], n=1)
     req = ChatRequest(
-        model="m", messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}], presence_penalty=0.5
+        model="m", messages=[{"role": "developer", "content": [{"type": "text", "text": "hi"}]}], store=True
     )
-    assert req.chat() == [{"role": "system", "content": "hi"}]
-    assert req.unsupported() == "presence_penalty"
+    assert req.messages[0].text() == "hi"
+    assert req.unsupported() == "store"
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(ValueError, match="keys are token ids"):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logit_bias={"hello": 1})
+    with pytest.raises(ValueError, match="not among the tools"):
+        ChatRequest(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        )
+    with pytest.raises(ValueError, match="needs echo"):
+        CompletionRequest(model="m", prompt="x", max_tokens=0)
     assert CompletionRequest(model="m", prompt="x").requested_tokens() == 16  # OpenAI's default for completions
     assert ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], stop="\n").stops() == ("\n",)
 
@@ -141,12 +159,24 @@ fields = st.fixed_dictionaries(
         "stream": json_values,
         "logprobs": json_values,
         "stream_options": json_values,
+        "tools": json_values,
+        "tool_choice": json_values,
+        "response_format": json_values,
+        "logit_bias": json_values,
+        "top_logprobs": json_values,
+        "echo": json_values,
+        "input": json_values,
+        "dimensions": json_values,
+        "encoding_format": json_values,
     },
 )
 
 
 @settings(max_examples=fuzz_examples(150), deadline=None)
-@given(body=fields | json_values, endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+@given(
+    body=fields | json_values,
+    endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+)
 def test_hostile_bodies_get_4xx_never_500(http, body, endpoint):
     r = http.post(endpoint, content=json.dumps(body), headers=AUTH)
     assert 400 <= r.status_code < 500, r.text

@@ -1,0 +1,72 @@
+"""``/v1/embeddings``: each input's last hidden states (the last block's output through the swarm, then the final
+norm on this client: Hugging Face's ``hidden_states[-1]``), pooled as the model's card says, L2-normalised.
+
+The card is sentence-transformers' ``1_Pooling/config.json`` in the model's folder when it has one (mean or last
+token); a plain causal LM has none and is mean-pooled (every token counts; a causal model's last token alone sees
+the whole input, but mean pooling is the steadier default for models not trained as embedders). ``dimensions`` keeps
+the first N values and normalises again, as OpenAI's shortened embeddings are."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from swarm.api import errors
+from swarm.api.engine import ServedModel
+from swarm.api.replies import Embedding, EmbeddingList, EmbeddingUsage
+from swarm.api.schema import EmbeddingRequest
+
+Pooling = Literal["mean", "last"]
+
+
+def pooling_of(folder: Path | None) -> Pooling:
+    """What the model's card says: sentence-transformers' pooling config, else mean."""
+    card = folder / "1_Pooling" / "config.json" if folder is not None else None
+    if card is not None and card.is_file():
+        modes = json.loads(card.read_text())
+        if modes.get("pooling_mode_lasttoken"):
+            return "last"
+    return "mean"
+
+
+def pool(hidden: torch.Tensor, how: Pooling) -> torch.Tensor:
+    """[n, hidden] -> [hidden], unit length."""
+    vector = hidden[-1] if how == "last" else hidden.mean(dim=0)
+    return torch.nn.functional.normalize(vector.float(), dim=-1)
+
+
+def embed(served: ServedModel, req: EmbeddingRequest) -> EmbeddingList:
+    """The request's embeddings, one input at a time through the swarm (runs on a worker thread)."""
+    model = served.model
+    width = int(model.config.hidden_size)
+    if req.dimensions is not None and req.dimensions > width:
+        raise errors.bad_request(f"dimensions is {req.dimensions}; {served.name} has {width}", param="dimensions")
+    how = pooling_of(model.folder)
+    norm = getattr(model.model, model.family.spec.norm) if model.family.spec.norm else None
+    data, tokens = [], 0
+    for i, item in enumerate(req.inputs()):
+        ids = served.text_ids(item) if isinstance(item, str) else item
+        if any(not 0 <= t < served.n_vocab for t in ids):
+            raise errors.bad_request(f"input {i} holds a token id past the vocabulary ({served.n_vocab})", "input")
+        if len(ids) > served.context:
+            raise errors.context_too_long(len(ids), 0, served.context)
+        with torch.inference_mode():
+            hidden = model.hidden_states(torch.tensor([ids]), block=served.num_blocks - 1)[0]
+            if norm is not None:
+                hidden = norm(hidden)
+        vector = pool(hidden, how)
+        if req.dimensions is not None:
+            vector = torch.nn.functional.normalize(vector[: req.dimensions], dim=-1)
+        tokens += len(ids)
+        data.append(Embedding(index=i, embedding=encode(vector, req.encoding_format)))
+    return EmbeddingList(data=data, model=served.name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def encode(vector: torch.Tensor, fmt: Literal["float", "base64"]) -> list[float] | str:
+    if fmt == "float":
+        return [float(v) for v in vector.tolist()]
+    return base64.b64encode(vector.float().numpy().astype("<f4").tobytes()).decode()
