@@ -7,4 +7,4 @@ bash scripts/setup.sh
 .venv/bin/ruff check swarm peers harness configs scripts tests
 .venv/bin/ruff format --check swarm peers harness configs scripts tests
 .venv/bin/mypy  # strict, on swarm/, peers/ and harness/ (pyproject.toml)
-.venv/bin/python -m pytest -q -x tests "$@"
+.venv/bin/python -m pytest -q -x --durations=25 tests "$@"  # the slowest 25 printed: the suite must stay under 30 minutes
