@@ -319,7 +319,9 @@ async def _embeddings(state: ApiState, request: Request) -> Response:
         caller = caller_of(request, key)
         state.enter(caller)
         try:
-            reply: EmbeddingList = await asyncio.get_running_loop().run_in_executor(state.pool, embed, served, req)
+            deadline = time.monotonic() + state.limits.request_timeout
+            loop = asyncio.get_running_loop()
+            reply: EmbeddingList = await loop.run_in_executor(state.pool, embed, served, req, deadline)
         except ApiError:
             raise
         except Exception as e:

@@ -29,6 +29,8 @@ class Field:
         return {self.name: self.sample, **dict(self.also)}
 
 
+_TOOL = {"type": "function", "function": {"name": "now", "description": "The time now."}}
+
 _SAMPLING = (
     Field("model", "honoured", "a served model's name", "smollm2-135m"),
     Field("temperature", "honoured", "0 is greedy (Hugging Face's greedy tokens)", 0.7),
@@ -58,9 +60,15 @@ CHAT: tuple[Field, ...] = (
     Field("max_completion_tokens", "honoured", "the newer name of max_tokens", 8),
     Field("logprobs", "honoured", "the model's own log-probabilities (before penalties, bias and constraints)", True),
     Field("top_logprobs", "honoured", "0 to 20 alternatives per token (needs logprobs)", 3, also=(("logprobs", True),)),
-    Field("tools", "honoured", "functions, rendered with the model's chat template (or a tool preamble)", []),
-    Field("tool_choice", "honoured", "none, auto, required or a named function (constrained arguments)", "auto"),
-    Field("parallel_tool_calls", "honoured", "false: at most one call", False),
+    Field("tools", "honoured", "functions, rendered with the model's chat template (or a tool preamble)", [_TOOL]),
+    Field(
+        "tool_choice",
+        "honoured",
+        "none, auto, required or a named function (constrained arguments)",
+        "required",
+        also=(("tools", [_TOOL]),),
+    ),
+    Field("parallel_tool_calls", "honoured", "false: at most one call", False, also=(("tools", [_TOOL]),)),
     Field("response_format", "honoured", "text, json_object, json_schema: constrained decoding", {"type": "text"}),
     Field("metadata", "ignored", "tags for stored completions; nothing is stored here", {"k": "v"}),
     Field("service_tier", "ignored", "one tier here", "auto"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,9 @@ def pooling_of(folder: Path | None) -> Pooling:
         modes = json.loads(card.read_text())
         if modes.get("pooling_mode_lasttoken"):
             return "last"
+        other = [k for k, v in modes.items() if k.startswith("pooling_mode_") and v and k != "pooling_mode_mean_tokens"]
+        if other:  # CLS, max, weighted: what the card asks for is not done here, and not replaced silently
+            raise errors.bad_request(f"the model card asks for {', '.join(sorted(other))}: not offered here", "model")
     return "mean"
 
 
@@ -39,8 +43,12 @@ def pool(hidden: torch.Tensor, how: Pooling) -> torch.Tensor:
     return torch.nn.functional.normalize(vector.float(), dim=-1)
 
 
-def embed(served: ServedModel, req: EmbeddingRequest) -> EmbeddingList:
-    """The request's embeddings, one input at a time through the swarm (runs on a worker thread)."""
+MAX_TOKENS = 32_768  # tokens of one request's inputs together
+
+
+def embed(served: ServedModel, req: EmbeddingRequest, deadline: float = float("inf")) -> EmbeddingList:
+    """The request's embeddings, one input at a time through the swarm (runs on a worker thread), given up once
+    ``deadline`` (monotonic) passes."""
     model = served.model
     width = int(model.config.hidden_size)
     if req.dimensions is not None and req.dimensions > width:
@@ -48,8 +56,14 @@ def embed(served: ServedModel, req: EmbeddingRequest) -> EmbeddingList:
     how = pooling_of(model.folder)
     norm = getattr(model.model, model.family.spec.norm) if model.family.spec.norm else None
     data, tokens = [], 0
-    for i, item in enumerate(req.inputs()):
-        ids = served.text_ids(item) if isinstance(item, str) else item
+    inputs = [served.text_ids(item) if isinstance(item, str) else item for item in req.inputs()]
+    if sum(len(ids) for ids in inputs) > MAX_TOKENS:
+        raise errors.bad_request(f"the inputs hold more than {MAX_TOKENS} tokens together", param="input")
+    for i, ids in enumerate(inputs):
+        if time.monotonic() > deadline:
+            raise errors.ApiError(
+                408, "the request ran out of time", type="server_error", code="timeout", outcome="timeout"
+            )
         if any(not 0 <= t < served.n_vocab for t in ids):
             raise errors.bad_request(f"input {i} holds a token id past the vocabulary ({served.n_vocab})", "input")
         if len(ids) > served.context:

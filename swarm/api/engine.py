@@ -54,6 +54,7 @@ class Sampling:
     grammar: Grammar | None = None  # the answer is constrained to it
     tools: frozenset[str] | None = None  # the functions a call may name (None: no tool calls read back)
     forced: bool = False  # the answer must be calls (tool_choice required or named; ``grammar`` is their format)
+    parallel: bool = True  # more than one call may be read back (parallel_tool_calls)
     echo: str | None = None  # completions with echo: the prompt's text, sent first, with its log-probabilities
 
     @property
@@ -110,6 +111,13 @@ class ServedModel:
         self.vocab: Vocabulary | None = None
         self.no_vocab = ""  # why structured output is not available for this model, once tried
         self.native_tools = takes_tools(getattr(tokenizer, "chat_template", None))
+
+    def try_vocabulary(self) -> None:
+        """Build the vocabulary if it can be (log-probabilities' token bytes then come from it, whatever asked)."""
+        try:
+            self.vocabulary("logprobs")
+        except errors.ApiError:
+            pass
 
     def vocabulary(self, param: str) -> Vocabulary:
         """The model's tokens for constrained decoding, built at the first request that needs them."""
@@ -201,10 +209,12 @@ class _Choice:
     def _end(self, finish: Finish, text: str, lp: tuple[Logprob, ...]) -> Piece:
         self.finish = finish
         content = self._content(text)
-        unsent = self.unsent if self.watch is None else (self.watch.held if self.watch.mode != "text" else "")
+        unsent = self.unsent if self.watch is None else self.watch.held
         if self.s.tools is None or not unsent:
             return Piece(self.index, content, finish, lp)
-        rest, calls = parse(unsent, set(self.s.tools))
+        if finish == "length":  # cut short: no call is read from an answer that did not end
+            return Piece(self.index, content + unsent, finish, lp)
+        rest, calls = parse(unsent, set(self.s.tools), self.s.parallel)
         if not calls:
             return Piece(self.index, content + unsent, finish, lp)  # not calls after all: the text is the answer
         return Piece(self.index, content + (rest or ""), "tool_calls", lp, tuple(calls))
@@ -239,9 +249,9 @@ def generate(
             return _speculative(served, session, prompt, s, emit, cancel, deadline, outcome, rng)
         finally:
             session.close()
-    choices = [_Choice(served, s, i) for i in range(s.n)]
     start = time.monotonic()
     try:
+        choices = [_Choice(served, s, i) for i in range(s.n)]
         new = torch.tensor([prompt] * s.n, dtype=torch.int64)
         for produced in range(max(s.max_tokens, 1)):
             if cancel.is_set() or time.monotonic() > deadline:
@@ -251,6 +261,9 @@ def generate(
             outcome.route = session.route
             if produced == 0 and s.echo is not None:
                 entries = prompt_logprobs(every[0], prompt, s.logprobs or 0) if s.logprobs is not None else []
+                special = set(served.tokenizer.all_special_ids)
+                while entries and entries[0].token in special:  # a BOS the tokenizer added is no text of the prompt
+                    entries = entries[1:]
                 for i in range(s.n):
                     emit(Piece(i, s.echo, "length" if s.max_tokens == 0 else None, tuple(entries)))
                 if s.max_tokens == 0:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from swarm.api import errors
+from swarm.errors import BadInputError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -100,6 +101,8 @@ class Matcher:
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` [vocab] with every token the grammar forbids at -inf (columns past the vocabulary too)."""
         allowed = self.allowed()
+        if self.m.is_error() or not bool(allowed.any()):  # the parser's limits, say: nothing may follow
+            raise BadInputError(f"the grammar cannot go on: {self.m.get_error() or 'no token is allowed'}")
         out = torch.full_like(scores, float("-inf"))
         n = min(scores.shape[-1], allowed.shape[0])
         out[:n] = torch.where(allowed[:n], scores[:n], out[:n])
@@ -107,7 +110,7 @@ class Matcher:
 
     def take(self, token: int) -> None:
         if not self.m.consume_token(token) or self.m.is_error():
-            raise RuntimeError(f"the grammar refused token {token}: {self.m.get_error()}")
+            raise BadInputError(f"the grammar refused token {token}: {self.m.get_error()}")
 
     @property
     def done(self) -> bool:

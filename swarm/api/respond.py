@@ -37,6 +37,15 @@ class Prepared:
 def prepare(req: Request, served: ServedModel, limits: Limits) -> Prepared:
     """The prompt's ids and how to decode it; 400s for what the request asks wrongly. Runs off the event loop (the
     chat template, and the first constrained request's vocabulary, take milliseconds to a third of a second)."""
+    try:
+        return _prepare(req, served, limits)
+    except errors.ApiError:
+        raise
+    except Exception as e:  # it reads only the request (template, tokenizer, grammar): what fails is the request's
+        raise errors.bad_request(f"the request cannot be prepared: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def _prepare(req: Request, served: ServedModel, limits: Limits) -> Prepared:
     text = ""
     if isinstance(req, ChatRequest):
         messages, tools = render(req, served.native_tools)
@@ -74,19 +83,22 @@ def _sampling(req: Request, prompt: int, served: ServedModel, limits: Limits, te
         seed=req.seed,
     )
     base = Sampling(wanted, controls, req.stops(), req.n)
+    if req.logprobs is not None and req.logprobs is not False:
+        served.try_vocabulary()  # tokens' bytes as llguidance reads them, for every reply alike
     if isinstance(req, CompletionRequest):
         return Sampling(**{**base.__dict__, "logprobs": req.logprobs, "echo": text if req.echo else None})
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    choice = req.choice()
+    mode, named = req.choice()
     functions = {t.function.name: t.function.parameters for t in req.tools or ()}
-    if choice == "auto":
-        return Sampling(**{**base.__dict__, "logprobs": logprobs, "tools": frozenset(functions)})
-    if choice != "none":  # required, or one named function: the answer is calls, their arguments to schema
-        allowed = functions if choice == "required" else {choice: functions[choice]}
-        vocab = served.vocabulary("tools")
-        grammar = vocab.tool_calls(allowed, parallel=choice == "required" and req.parallel_tool_calls)
-        tools = frozenset(allowed)
-        return Sampling(**{**base.__dict__, "logprobs": logprobs, "grammar": grammar, "tools": tools, "forced": True})
+    if mode == "auto":
+        tools = frozenset(functions)
+        return Sampling(**{**base.__dict__, "logprobs": logprobs, "tools": tools, "parallel": req.parallel_tool_calls})
+    if mode != "none":  # required, or one named function: the answer is calls, their arguments to schema
+        allowed = functions if named is None else {named: functions[named]}
+        parallel = mode == "required" and req.parallel_tool_calls
+        grammar = served.vocabulary("tools").tool_calls(allowed, parallel=parallel)
+        forced = {"grammar": grammar, "tools": frozenset(allowed), "forced": True, "parallel": parallel}
+        return Sampling(**{**base.__dict__, "logprobs": logprobs, **forced})
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema is not None else ANY_OBJECT
@@ -117,7 +129,7 @@ def tool_calls(calls: tuple[Call, ...]) -> list[ToolCall] | None:
 
 
 def chat_choice(i: int, c: Collected, served: ServedModel, logprobs: bool) -> ChatChoice:
-    content = c.text if c.text or not c.calls else None
+    content = c.text if c.text.strip() or not c.calls else None  # spaces before calls are no content
     message = ChatMessageOut(content=content, tool_calls=tool_calls(c.calls))
     lp = chat_logprobs(c.logprobs, served) if logprobs else None
     return ChatChoice(index=i, message=message, finish_reason=c.finish, logprobs=lp)

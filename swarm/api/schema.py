@@ -133,7 +133,7 @@ class _Request(_Frozen):
         if len(v) > MAX_BIAS:
             raise ValueError(f"at most {MAX_BIAS} entries")
         for k, b in v.items():
-            if not k.isdigit() or len(k) > 9:
+            if not (k.isascii() and k.isdigit()) or len(k) > 9:
                 raise ValueError(f"keys are token ids, not {k[:20]!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError("biases are between -100 and 100")
@@ -218,21 +218,21 @@ class ChatRequest(_Request):
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
         if self.tool_choice == "required" and not names:
             raise ValueError("tool_choice required needs tools")
-        if self.tools and self.response_format is not None and self.response_format.type != "text":
-            if self.tool_choice not in (None, "none"):
-                raise ValueError("give tools or a JSON response_format, not both")
+        if self.choice()[0] != "none" and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("give tools (with a tool_choice other than none) or a JSON response_format, not both")
         return self
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def choice(self) -> Literal["none", "auto", "required"] | str:
-        """``none``, ``auto``, ``required``, or the one function's name a named choice forces."""
+    def choice(self) -> tuple[Literal["none", "auto", "required", "named"], str | None]:
+        """The mode (``auto`` when tools come without a choice, as OpenAI's) and, for ``named``, the function's name
+        (a function may be called ``none``: the name never stands for the mode)."""
         if not self.tools:
-            return "none"
+            return "none", None
         if isinstance(self.tool_choice, NamedTool):
-            return self.tool_choice.function.name
-        return self.tool_choice or "auto"
+            return "named", self.tool_choice.function.name
+        return self.tool_choice or "auto", None
 
 
 class CompletionRequest(_Request):

@@ -11,7 +11,6 @@ the answer is constrained to that format and to each function's parameter schema
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,8 @@ from typing import Any
 from swarm.api.grammar import CALL_OPEN
 from swarm.api.schema import CalledTool, ChatRequest, Message
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_PARSED = 200_000  # characters of an answer read for calls (an answer is at most --max-tokens-limit tokens)
 _PREAMBLE = (
     "You may call one or more functions to assist with the user query. The functions you may call are given as JSON "
     "within <tools></tools>:\n<tools>\n{tools}\n</tools>\nFor each function call, return a JSON object with the "
@@ -41,7 +41,7 @@ def takes_tools(template: str | None) -> bool:
 
 def render(req: ChatRequest, native: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages for ``apply_chat_template``, its ``tools`` argument or None)."""
-    offered = req.tools if req.choice() != "none" else None
+    offered = req.tools if req.choice()[0] != "none" else None
     names = {c.id: c.function.name for m in req.messages for c in m.tool_calls or ()}
     if native:
         messages = [_native(m, names) for m in req.messages]
@@ -91,29 +91,42 @@ def _args(arguments: str) -> Any:
     """Arguments as templates take them (an object); text that is not JSON stays text."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 
-def parse(text: str, functions: set[str]) -> tuple[str | None, list[Call]]:
+def blocks(text: str) -> tuple[list[str], str]:
+    """The insides of the complete ``<tool_call>`` blocks of ``text`` and the text outside them. A scan, not a
+    regular expression: a lazy pattern around whitespace backtracks for minutes over an answer of spaces."""
+    inside, outside, at = [], [], 0
+    while (start := text.find(OPEN, at)) >= 0 and (end := text.find(CLOSE, start + len(OPEN))) >= 0:
+        outside.append(text[at:start])
+        inside.append(text[start + len(OPEN) : end].strip())
+        at = end + len(CLOSE)
+    outside.append(text[at:])
+    return inside, "".join(outside)
+
+
+def parse(text: str, functions: set[str], parallel: bool = True) -> tuple[str | None, list[Call]]:
     """(the content outside the calls or None, the calls) of an answer; no calls when any block is not a call to
-    one of ``functions`` (the answer is then plain content)."""
-    blocks = _BLOCK.findall(text)
-    if not blocks:
+    one of ``functions`` (the answer is then plain content). Without ``parallel``, only the first call counts."""
+    text = text[:MAX_PARSED]
+    found, rest = blocks(text)
+    if not found:
         stripped = text.strip()
         call = _call(stripped, functions) if stripped.startswith("{") else None
         return (None, [call]) if call is not None else (text, [])
-    calls = [_call(b, functions) for b in blocks]
+    calls = [_call(b, functions) for b in found]
     if any(c is None for c in calls):
         return text, []
-    rest = _BLOCK.sub("", text).strip()
-    return rest or None, [c for c in calls if c is not None]
+    kept = [c for c in calls if c is not None]
+    return rest.strip() or None, kept if parallel else kept[:1]
 
 
 def _call(text: str, functions: set[str]) -> Call | None:
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting past the parser's depth is no call either
         return None
     if not isinstance(obj, dict) or obj.get("name") not in functions:
         return None
@@ -121,7 +134,7 @@ def _call(text: str, functions: set[str]) -> Call | None:
     if isinstance(args, str):  # some models send the arguments as JSON text already
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -129,27 +142,31 @@ def _call(text: str, functions: set[str]) -> Call | None:
 
 
 class Watch:
-    """Auto tool choice, one choice's text as it is released: held while it may still become a call (it is a prefix
-    of ``<tool_call>`` after leading spaces), then either passed on as content or kept whole to be parsed."""
+    """Auto tool choice, one choice's text as it is released: content is passed on except what may begin a call (a
+    ``<tool_call>`` block anywhere, or a bare JSON call as the whole answer), which is held; from the first block on,
+    everything is held, to be read back as calls at the end (``held``)."""
 
     def __init__(self) -> None:
         self.held = ""
-        self.mode: str | None = None  # None: undecided, "text" or "calls"
+        self.mode: str | None = None  # None: undecided or content so far; "calls": a call has begun
 
     def add(self, text: str) -> str:
         """The content to send now."""
-        if self.mode == "text":
-            return text
         self.held += text
         if self.mode == "calls":
             return ""
-        head = self.held.lstrip()
-        openings = (CALL_OPEN.strip(), '{"name"')  # a Hermes block, or a bare JSON call
-        if any(head.startswith(o) for o in openings):
+        if self.mode is None and not self.held.strip():
+            return ""  # leading spaces: the answer may still be a bare JSON call
+        if self.mode is None and self.held.lstrip().startswith('{"name"'):
             self.mode = "calls"
             return ""
-        if not head or any(o.startswith(head) for o in openings):
-            return ""  # undecided
-        self.mode = "text"
-        out, self.held = self.held, ""
+        if self.mode is None and '{"name"'.startswith(self.held.lstrip()):
+            return ""
+        self.mode = self.mode or "text"
+        start = self.held.find(OPEN)
+        if start >= 0:
+            out, self.held, self.mode = self.held[:start], self.held[start:], "calls"
+            return out
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1) if OPEN.startswith(self.held[-k:])), 0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return out

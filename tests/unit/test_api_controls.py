@@ -20,6 +20,7 @@ from swarm.api.controls import ChoiceState, Controls, logprob_of
 from swarm.api.grammar import Vocabulary
 from swarm.api.schema import ChatRequest
 from swarm.api.tools import Watch, parse, render
+from swarm.errors import BadInputError
 from tests.conftest import fuzz_examples
 
 VOCAB = 12
@@ -215,7 +216,7 @@ def test_tool_call_grammar_and_reading_back(vocab):
         matcher.take(t)
     assert matcher.m.is_accepting()
     wrong = v.matcher(grammar)
-    with pytest.raises(RuntimeError):  # a function the request does not offer
+    with pytest.raises(BadInputError):  # a function the request does not offer
         for t in tokenizer('<tool_call>\n{"name":"rm"', add_special_tokens=False)["input_ids"]:
             wrong.take(t)
     content, calls = parse(good, {"get_weather"})
@@ -237,9 +238,11 @@ def test_a_schema_that_does_not_compile_is_a_bad_request(vocab):
 
 def test_auto_tool_choice_holds_text_only_while_it_may_be_a_call():
     w = Watch()
-    assert w.add(" <tool") == "" and w.add("_call>\n{") == "" and w.mode == "calls"
+    assert w.add(" <tool") == " " and w.add("_call>\n{") == "" and w.mode == "calls"  # what may begin one: held
     w = Watch()
     assert w.add("<to") == "" and w.add("day is") == "<today is" and w.add(" fine") == " fine"
+    w = Watch()
+    assert w.add("Sure! <tool_") == "Sure! " and w.add("call>{") == "" and w.held == "<tool_call>{"  # after text
     w = Watch()
     assert w.add('{"na') == "" and w.add('me": "f"') == "" and w.mode == "calls"
 
@@ -314,3 +317,55 @@ def test_hostile_schemas_are_refused_or_bounded(vocab):
     evil = {"type": "string", "pattern": "^(a|aa)*(a{1,20}){1,20}b$"}
     for schema in (wide, evil):
         assert v.matcher(v.json(schema, "response_format")).allowed().any()
+
+
+class _Served:
+    """What a choice reads of a served model: its real tokenizer, vocabulary and end tokens (no swarm needed)."""
+
+    def __init__(self, tokenizer, vocab) -> None:
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self.eos = frozenset({int(tokenizer.eos_token_id)})
+        self.n_vocab = vocab.n_vocab
+
+    def vocabulary(self, param: str):
+        return self.vocab
+
+
+def _decode(served, sampling, text: str, eos: bool = True):
+    """Run one choice greedily over logits that point at ``text``'s tokens one by one (then the end)."""
+    from swarm.api.engine import _Choice
+
+    ids = served.tokenizer(text, add_special_tokens=False)["input_ids"] + ([min(served.eos)] if eos else [])
+    choice, pieces = _Choice(served, sampling, 0), []
+    for k, token in enumerate(ids):
+        logits = torch.zeros(served.n_vocab)
+        logits[token] = 50.0
+        pieces.append(choice.step(logits, k, None, last=k + 1 == sampling.max_tokens))
+        if pieces[-1].finish:
+            break
+    return pieces
+
+
+def test_a_choice_reads_calls_back_as_its_mode_says(vocab):
+    from swarm.api.engine import Sampling
+
+    served = _Served(*vocab)
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    auto = Sampling(200, Controls(temperature=0.0), tools=frozenset({"f"}))
+    pieces = _decode(served, auto, "Sure! " + call)
+    assert "".join(p.text for p in pieces).strip() == "Sure!" and pieces[-1].finish == "tool_calls"
+    assert [(c.name, c.arguments) for c in pieces[-1].calls] == [("f", '{"x": 1}')]
+    two = _decode(served, Sampling(200, Controls(temperature=0.0), tools=frozenset({"f"}), parallel=False), call + call)
+    assert len(two[-1].calls) == 1  # parallel_tool_calls false: one call
+    cut = _decode(served, Sampling(30, Controls(temperature=0.0), tools=frozenset({"f"})), call + call, eos=False)
+    assert cut[-1].finish == "length" and not cut[-1].calls  # an answer cut short is not read as calls
+    plain = _decode(served, auto, "No call: <b>bold</b> text")
+    assert "".join(p.text for p in plain) == "No call: <b>bold</b> text" and plain[-1].finish == "stop"
+    stopped = _decode(served, Sampling(200, Controls(temperature=0.0), stops=("<b>",)), "No call: <b>bold</b>")
+    assert "".join(p.text for p in stopped) == "No call: " and stopped[-1].finish == "stop"
+
+
+def test_a_long_answer_of_spaces_is_parsed_at_once():
+    """A lazy regular expression around whitespace backtracked for minutes over such answers; the scan is linear."""
+    assert parse("<tool_call>" + " " * 150_000, {"f"}) == ("<tool_call>" + " " * 150_000, [])
+    assert parse("<tool_call>" + "\n" * 100_000 + "</tool_call>", {"f"})[1] == []
