@@ -3,6 +3,8 @@ the view of the swarm and the retry helper. One per model object; closed with it
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Mapping
@@ -14,6 +16,7 @@ from swarm.client.swarm_view import SwarmView
 from swarm.codecs import parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import start_dht
+from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.membership import swarm_key_for
 from swarm.perf.calibration import cached_software
@@ -90,6 +93,7 @@ class SwarmConnection:
             # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
             self.rtt: dict[str, float] = self.view.rtt
             self.trust: Judge | None = None  # the model sets it (``swarm.client.trust``): no circle of imports
+            self._notice: concurrent.futures.Future[list[SwarmError]] | None = None  # a step notice on its way
         except BaseException:
             self.store.shutdown()
             raise
@@ -103,20 +107,36 @@ class SwarmConnection:
     def peer_id(self) -> str:
         return self.store.peer_id
 
-    def notify(self, hops: list[Hop], notice: StepNotice | ReleaseRequest) -> None:
+    def notify(self, hops: list[Hop], notice: StepNotice | ReleaseRequest, wait: bool = True) -> None:
         """Send a notice to every server of ``hops`` at once, best effort; a server that fails it is banned like any
-        failed peer (it is most likely gone), through the retry helper."""
+        failed peer (it is most likely gone), through the retry helper. ``wait=False``: sent from the loop while the
+        caller goes on (a trainer's step notice: a server that has not heard it takes the step from the next
+        request's signed progress anyway); a newer such notice replaces one still on its way."""
         if not hops:
             return
         timeout = self.timing.notice_timeout
+        if not wait:
+            if self._notice is not None:
+                self._notice.cancel()
+            sending = self.remote.notify(hops, notice, timeout)
+            self._notice = future = asyncio.run_coroutine_threadsafe(sending, self.loop.loop)
+            future.add_done_callback(lambda f: self._noticed(f, notice.kind))
+            return
         try:
             failures = self.loop.run(self.remote.notify(hops, notice, timeout), timeout + self.timing.shutdown_timeout)
         except TimeoutError:  # every call has its own timeout; this guards the loop itself
             log.warning("%s notices did not finish in time", notice.kind)
             return
+        self._ban(failures, notice.kind)
+
+    def _noticed(self, future: concurrent.futures.Future[list[SwarmError]], kind: str) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._ban(future.result(), kind)
+
+    def _ban(self, failures: list[SwarmError], kind: str) -> None:
         for failure in failures:
             if failure.retriable:
-                self.retrier.note_failure(failure, notice.kind)
+                self.retrier.note_failure(failure, kind)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

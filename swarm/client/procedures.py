@@ -21,6 +21,7 @@ from swarm.errors import BadInputError
 from swarm.families import local
 from swarm.families.spec import Family
 from swarm.hop import Hop
+from swarm.identity import Signed
 from swarm.protocol import StepNotice
 from swarm.records import TrainerProgress
 
@@ -105,14 +106,16 @@ class Procedures:
         """Mark this model as a pre-training trainer's: its training plans carry the global step's update."""
         self._pretraining = (target_batch, average_every)
 
-    def notify_step(self, step: int) -> None:
+    def notify_step(self, step: int, proof: Signed | None = None, wait: bool = True) -> None:
         """Pre-training: tell every server of the swarm that global step ``step`` has begun (best effort; a server
         that misses it takes the step at its next request or from the trainers' progress). The notice carries this
-        client's progress at that step, signed with its key: a server acts only on a trainer of the run's word."""
+        client's progress at that step, signed with its key (``proof``, or signed here): a server acts only on a
+        trainer of the run's word. ``wait=False``: sent while the caller goes on."""
         conn = self.connection
-        progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
-        notice = StepNotice(step=step, proof=conn.store.sign(progress))
-        conn.notify([Hop.of(r) for r in conn.view.servers()], notice)
+        if proof is None:
+            progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
+            proof = conn.store.sign(progress)
+        conn.notify([Hop.of(r) for r in conn.view.servers()], StepNotice(step=step, proof=proof), wait=wait)
 
     def _session_step(
         self,
