@@ -64,7 +64,9 @@ class ChoiceState:
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """[vocab] float32 scores after bias, penalties and the grammar's mask."""
         c = self.controls
-        scores = logits.float().clone()
+        scores = logits.float()
+        if c.logit_bias or c.frequency_penalty or c.presence_penalty:
+            scores = scores.clone()  # changed in place below; the caller's logits also give the log-probabilities
         for token, bias in c.logit_bias:
             if token < scores.shape[0]:
                 scores[token] += bias
@@ -105,18 +107,21 @@ class Logprob:
 
 
 def logprob_of(logits: torch.Tensor, token: int, top: int) -> Logprob:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    best: tuple[tuple[int, float], ...] = ()
-    if top:
-        values, ids = logp.topk(min(top, logp.shape[-1]))
-        best = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
-    return Logprob(token, float(logp[token]), best)
+    return _entries(torch.log_softmax(logits.float(), dim=-1)[None], [token], top)[0]
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int) -> list[Logprob]:
-    """Each prompt token's entry from the prefill's logits [n, vocab] (row i predicts token i + 1); the first token
-    has none (nothing comes before it)."""
-    out = [Logprob(ids[0], None)]
-    for i in range(1, len(ids)):
-        out.append(logprob_of(logits[i - 1], ids[i], top))
-    return out
+    """Each prompt token's entry from the prefill's logits [n, vocab] (row i predicts token i + 1), in one pass; the
+    first token has none (nothing comes before it)."""
+    logp = torch.log_softmax(logits[: len(ids) - 1].float(), dim=-1)
+    return [Logprob(ids[0], None), *_entries(logp, ids[1:], top)]
+
+
+def _entries(logp: torch.Tensor, tokens: list[int], top: int) -> list[Logprob]:
+    """Rows of log-probabilities [k, vocab] and the token taken at each: the token's entry and the ``top`` best."""
+    taken = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    best: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if top:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        best = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [Logprob(t, float(v), b) for t, v, b in zip(tokens, taken, best, strict=True)]

@@ -177,8 +177,7 @@ class _Choice:
         matcher = served.vocabulary("response_format").matcher(s.grammar) if s.grammar is not None else None
         self.state = ChoiceState(s.controls, index, served.n_vocab, matcher)
         self.stream = TextStream(served.tokenizer, () if s.forced else s.stops)
-        self.watch = Watch() if s.tools is not None and not s.forced else None
-        self.unsent = ""  # text kept back because it is (or may be) a call
+        self.watch = Watch(forced=s.forced) if s.tools is not None else None  # holds what is (or may be) a call
         self.finish: Finish | None = None
         self.last = 0  # the token picked last
 
@@ -199,17 +198,12 @@ class _Choice:
         return Piece(self.index, self._content(text), None, lp)
 
     def _content(self, text: str) -> str:
-        if self.s.forced:
-            self.unsent += text
-            return ""
-        if self.watch is not None:
-            return self.watch.add(text)
-        return text
+        return text if self.watch is None else self.watch.add(text)
 
     def _end(self, finish: Finish, text: str, lp: tuple[Logprob, ...]) -> Piece:
         self.finish = finish
         content = self._content(text)
-        unsent = self.unsent if self.watch is None else self.watch.held
+        unsent = "" if self.watch is None else self.watch.held
         if self.s.tools is None or not unsent:
             return Piece(self.index, content, finish, lp)
         if finish == "length":  # cut short: no call is read from an answer that did not end

@@ -3,7 +3,7 @@ OpenAI's replies (log-probabilities in each endpoint's shape, tool calls)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swarm.api import errors
 from swarm.api.controls import Controls, Logprob
@@ -82,29 +82,26 @@ def _sampling(req: Request, prompt: int, served: ServedModel, limits: Limits, te
         logit_bias=tuple(sorted(bias.items())),
         seed=req.seed,
     )
-    base = Sampling(wanted, controls, req.stops(), req.n)
     if req.logprobs is not None and req.logprobs is not False:
         served.try_vocabulary()  # tokens' bytes as llguidance reads them, for every reply alike
     if isinstance(req, CompletionRequest):
-        return Sampling(**{**base.__dict__, "logprobs": req.logprobs, "echo": text if req.echo else None})
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        echo = text if req.echo else None
+        return Sampling(wanted, controls, req.stops(), req.n, logprobs=req.logprobs, echo=echo)
+    base = Sampling(wanted, controls, req.stops(), req.n, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     mode, named = req.choice()
     functions = {t.function.name: t.function.parameters for t in req.tools or ()}
     if mode == "auto":
-        tools = frozenset(functions)
-        return Sampling(**{**base.__dict__, "logprobs": logprobs, "tools": tools, "parallel": req.parallel_tool_calls})
+        return replace(base, tools=frozenset(functions), parallel=req.parallel_tool_calls)
     if mode != "none":  # required, or one named function: the answer is calls, their arguments to schema
         allowed = functions if named is None else {named: functions[named]}
         parallel = mode == "required" and req.parallel_tool_calls
         grammar = served.vocabulary("tools").tool_calls(allowed, parallel=parallel)
-        forced = {"grammar": grammar, "tools": frozenset(allowed), "forced": True, "parallel": parallel}
-        return Sampling(**{**base.__dict__, "logprobs": logprobs, **forced})
+        return replace(base, grammar=grammar, tools=frozenset(allowed), forced=True, parallel=parallel)
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema is not None else ANY_OBJECT
-        grammar = served.vocabulary("response_format").json(schema or ANY_OBJECT, "response_format")
-        return Sampling(**{**base.__dict__, "logprobs": logprobs, "grammar": grammar})
-    return Sampling(**{**base.__dict__, "logprobs": logprobs})
+        return replace(base, grammar=served.vocabulary("response_format").json(schema or ANY_OBJECT, "response_format"))
+    return base
 
 
 # ---- replies ----------------------------------------------------------------------------------------------------

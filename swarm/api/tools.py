@@ -146,9 +146,10 @@ class Watch:
     ``<tool_call>`` block anywhere, or a bare JSON call as the whole answer), which is held; from the first block on,
     everything is held, to be read back as calls at the end (``held``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
+        """``forced``: the answer is calls from its first token (tool_choice required or named): all of it is held."""
         self.held = ""
-        self.mode: str | None = None  # None: undecided or content so far; "calls": a call has begun
+        self.mode: str | None = "calls" if forced else None  # None: undecided or content so far; "calls": begun
 
     def add(self, text: str) -> str:
         """The content to send now."""
