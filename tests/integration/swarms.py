@@ -51,7 +51,7 @@ def running_swarm(model: str, spans: list[str | None], *extra: str, log_dir: Any
             raise
 
 
-def print_log_tails(swarm: LocalSwarm, lines: int = 40) -> None:
+def print_log_tails(swarm: LocalSwarm, lines: int = 150) -> None:
     for path in sorted(swarm.log_dir.glob("peer-*.log")):
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         print(f"---- {path.name} (last {len(tail)} lines)", *tail, sep="\n")
