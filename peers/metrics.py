@@ -46,6 +46,8 @@ class PeerSnapshot:
     relay_bytes: int = 0  # ...bytes relayed, both ways
     punched: int = 0  # behind a NAT: direct connections opened by hole punching
     averaging_bytes: int = 0  # a trainable stage: bytes sent to its replicas in averaging rounds
+    rounds_undone: int = 0  # ...averaging rounds whose result it undid
+    replica_heals: int = 0  # ...fresh state copies it took after it was found apart from its replicas
 
 
 Snapshot = Callable[[], PeerSnapshot]
@@ -132,6 +134,12 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
         _counter("swarm_peer_relay_bytes", "bytes relayed for peers behind NAT, both ways", s.relay_bytes),
         _counter("swarm_peer_punched", "direct connections to this peer opened by hole punching", s.punched),
         _counter("swarm_peer_span_loads", "spans loaded from disk", s.span_loads),
+        _counter("swarm_peer_rounds_undone", "averaging rounds whose result this replica undid", s.rounds_undone),
+        _counter(
+            "swarm_peer_replica_heals",
+            "fresh state copies taken from the replicas after this one was found apart from them",
+            s.replica_heals,
+        ),
         _counter("swarm_peer_push_failures", "push connections to a next hop that failed", m.push_failures),
         _counter("swarm_peer_push_dropped", "steps not pushed: the next hop's queue was full", m.push_dropped),
         _counter(

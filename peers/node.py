@@ -214,6 +214,7 @@ class Peer:
     def snapshot(self, traffic: Mapping[str, int]) -> PeerSnapshot:
         """This peer's state now, for metrics (``traffic``: the bytes of its own calls as a client)."""
         budget, compute, stats = self.sessions.budget, self.compute, self.compute.stats
+        learner = compute.learner
         return PeerSnapshot(
             peer_id=self.peer_id,
             model=self.model.name,
@@ -238,5 +239,7 @@ class Peer:
             relay_circuits=self.relay_stats.circuits_total if self.relay_stats else 0,
             relay_bytes=self.relay_stats.bytes_relayed if self.relay_stats else 0,
             punched=self.punched(),
-            averaging_bytes=compute.learner.averaging_bytes if compute.learner is not None else 0,
+            averaging_bytes=learner.averaging_bytes if learner is not None else 0,
+            rounds_undone=learner.rounds_undone if learner is not None else 0,
+            replica_heals=learner.replica_heals if learner is not None else 0,
         )

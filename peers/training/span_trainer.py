@@ -15,15 +15,17 @@ from pathlib import Path
 
 import torch
 
-from peers.training.outer_rounds import OuterRounds, implausible
+from peers.training.outer_rounds import OuterRounds
 from peers.training.proofs import StepClaims, StepProofs
+from peers.training.replica_health import ReplicaHealth
+from peers.training.state_parts import STATE_PARTS, parse_state
 from swarm.dht import OwnedDHT, dht_time
 from swarm.errors import BadInputError, StaleStepError
 from swarm.identity import Signed
 from swarm.ids import Span
 from swarm.protocol import TrainTag
 from swarm.training import checkpoints
-from swarm.training.averaging import OwnedAverager, round_slack
+from swarm.training.averaging import OwnedAverager
 from swarm.training.checkpoints import StageCheckpoint
 from swarm.training.diloco import OUTER_PARTS, Outcome, OuterSync
 from swarm.training.optim import make_optimizer, set_lr
@@ -31,7 +33,6 @@ from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
 GARBAGE = 1000.0  # a contribution this many times above the run's gradient bound is refused, not scaled
-STATE_PARTS = ("param.", "exp_avg.", "exp_avg_sq.")  # a state's tensors: weights, then Adam's two moments
 
 
 class SpanTrainer:
@@ -68,6 +69,7 @@ class SpanTrainer:
         self.groupmates: frozenset[str] = frozenset()  # the others: the only peers its averaging rounds admit
         self.outer = OuterSync(self.params, run.sync) if run.sync.method == "diloco" else None
         self.rounds = None if self.outer is None else OuterRounds(self.outer, run, str(span), self._ended)
+        self.health = ReplicaHealth(run, self.params, str(span))  # whether it is apart from its replicas
 
     # ---- steps (on the compute thread) --------------------------------------------------------------------------
     def admit(self, tag: TrainTag) -> None:
@@ -138,6 +140,10 @@ class SpanTrainer:
         """Count steps without taking them (the optimizer's step counts and the schedule follow)."""
         for p in self.params:
             self.opt.state[p]["step"].fill_(float(step))
+        self._begin(step)
+
+    def _begin(self, step: int) -> None:
+        """Stand at the start of ``step``: nothing accumulated, its learning rate set."""
         self.step, self.samples = step, 0
         self.by_trainer.clear()
         self.micro_seen.clear()
@@ -224,14 +230,10 @@ class SpanTrainer:
                 elif self.samples:
                     p.grad.div_(self.samples)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
         log.info("step %d applied (%d samples)", self.step + 1, self.samples, extra={"span": str(self.span)})
         if self.samples:  # stepped on samples: the stage's own evidence that the run got this far
             self.claims.reached(self.step + 1)
-        self.step, self.samples = self.step + 1, 0
-        self.by_trainer.clear()
-        self.micro_seen.clear()
-        set_lr(self.opt, self.run, self.step)
+        self._begin(self.step + 1)
         self._unfinished = True
         if finish:
             self.finish_step()
@@ -262,6 +264,14 @@ class SpanTrainer:
     def averaging_bytes(self) -> int:
         return self.averager.codec.sent if self.averager is not None else 0
 
+    @property
+    def rounds_undone(self) -> int:
+        return self.health.rounds_undone
+
+    @property
+    def replica_heals(self) -> int:
+        return self.health.heals
+
     def set_replicas(self, peer_ids: Sequence[str]) -> None:
         """The other peers holding a signed record of this stage of the run."""
         self.groupmates = frozenset(peer_ids)
@@ -269,11 +279,9 @@ class SpanTrainer:
 
     def average(self) -> None:
         """One averaging round. Within it each part is reduced robustly (``swarm/training/robust.py``: a groupmate's
-        values far from the group's are clipped), and its result is applied only when the whole round completed. A
-        round is undone when its result is not finite, holds a negative second moment (Adam would take its square
-        root), or moves a weight tensor further than replicas that average every few steps can differ
-        (``implausible``: a groupmate that reduced a part returned garbage for it). The
-        state the round ended with is kept, on the CPU, and its digest signed, for joining replicas and exports."""
+        values far from the group's are clipped), and its result is applied only when the whole round completed,
+        then judged, undone or kept by ``ReplicaHealth.settle``. The state the round ended with is kept, on the
+        CPU, and its digest signed, for joining replicas and exports."""
         if self.outer is not None:
             self._outer_round()
             return
@@ -282,21 +290,8 @@ class SpanTrainer:
         self.averager.allow(self.groupmates)
         tensors = self.tensors()
         before = [t.clone() for t in tensors]
-        if not self.averager.average_round(self.run, str(self.span)):
-            return
-        n = len(self.params)
-        why = implausible(tensors[:n], before[:n], round_slack(self.run))
-        if why is None and not all(bool(torch.isfinite(t).all()) for t in tensors):
-            why = "it is not finite"
-        if why is None and any(bool((t < 0).any()) for t in tensors[2 * n :]):
-            why = "it holds a negative second moment"
-        if why is not None:
-            log.warning("averaging round undone: %s", why, extra={"span": str(self.span)})
-            with torch.no_grad():
-                for t, b in zip(tensors, before, strict=True):
-                    t.copy_(b)
-            return
-        self._ended_round()
+        if self.averager.average_round(self.run, str(self.span)) and self.health.settle(self.step, tensors, before):
+            self._ended_round()
 
     def _outer_round(self) -> None:
         """DiLoCo's round (``peers/training/outer_rounds.py``): the replicas' pseudo-gradients averaged, robustly
@@ -341,20 +336,10 @@ class SpanTrainer:
     def import_state(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """A state by part and name. Under DiLoCo the state of a round holds only the weights and the outer
         momentum: Adam's moments then start at zero, and the round's start is the weights."""
-        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
-            raise BadInputError("the state holds NaN or infinite values")
         optional = set(STATE_PARTS[1:]) | set(OUTER_PARTS) if self.outer is not None else set()
-        found: dict[str, list[torch.Tensor] | None] = {}
+        parts = STATE_PARTS + (OUTER_PARTS if self.outer is not None else ())
+        found = parse_state(tensors, self.names, self.params, parts, optional, self.run.betas)
         with torch.no_grad():
-            for part in STATE_PARTS + (OUTER_PARTS if self.outer is not None else ()):
-                sources = [tensors.get(part + name) for name in self.names]
-                if part in optional and all(t is None for t in sources):
-                    found[part] = None
-                    continue
-                for i, (source, p) in enumerate(zip(sources, self.params, strict=True)):
-                    if source is None or source.shape != p.shape or source.dtype != p.dtype:
-                        raise BadInputError(f"state lacks a fitting {part}{self.names[i]} (tensor {i})")
-                found[part] = [t for t in sources if t is not None]
             for i, p in enumerate(self.params):
                 state = self.opt.state[p]
                 for part, target in zip(STATE_PARTS, (p.data, state["exp_avg"], state["exp_avg_sq"]), strict=True):
@@ -366,12 +351,20 @@ class SpanTrainer:
                 state["step"].fill_(float(step))
             if self.outer is not None:
                 self.outer.load({part: found[part] for part in OUTER_PARTS})
-        self.step, self.samples = step, 0
         self.claims.reached(step)  # a checkpoint of its own, or a state the replicas vouched for
-        self.by_trainer.clear()
-        self.micro_seen.clear()
-        self.opt.zero_grad(set_to_none=True)
-        set_lr(self.opt, self.run, self.step)
+        self._begin(step)
+        self.health.trust(step, self.params)
+
+    def heal(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the replicas' state (``ReplicaHealth.wanted``; fetched and checked by the stage), then the steps
+        this replica had taken since (as a replica that saw none of their micro-batches)."""
+        was = self.step
+        self.import_state(step, tensors)
+        self.health.healed(step, self.params)
+        log.warning("took its replicas' state of step %d (it was at %d)", step, was, extra={"span": str(self.span)})
+        target = min(was, max(self.step, self.reach()))
+        if target > self.step:
+            self.catch_up(target)
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

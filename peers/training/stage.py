@@ -32,7 +32,7 @@ from swarm.records import RoundRecord, ServerRecord, TrainerProgress, fresh, sta
 from swarm.training.checkpoints import state_digest
 from swarm.training.init import block_prefix, init_module, layers_path, stage_state_bytes
 from swarm.training.run import RunConfig, load_run
-from swarm.training.state import stage_sources, stage_state
+from swarm.training.state import signed_rounds, stage_sources, stage_state
 
 log = logging.getLogger(__name__)
 
@@ -193,10 +193,28 @@ class TrainableStage:
                 if target > trainer.step:
                     log.info("the swarm is at step %d", target, extra={"span": str(trainer.span)})
                     await env.compute.run(trainer.catch_up, target)
+                if trainer.health.wanted is not None:
+                    await self._heal(trainer)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 log.warning("could not follow the global step: %s", e, extra={"peer": env.peer_id})
+
+    async def _heal(self, trainer: SpanTrainer) -> None:
+        """A replica apart from the others (``peers/training/replica_health.py``) takes a fresh copy of their state:
+        fetched and believed as a joiner's is (``swarm.training.state``), and only a round that two other replicas
+        signed alike when the replica itself looks sound."""
+        wanted, env, span = trainer.health.wanted, self.env, trainer.span
+        assert wanted is not None
+        sources = await asyncio.to_thread(stage_sources, env.store, self.run, span, env.timing, env.peer_id)
+        if wanted.majority_only and not signed_rounds(sources, span):
+            return  # no majority to believe over its own state: it stays, and keeps averaging
+        limit = stage_state_bytes(self.run, span)
+        state = await stage_state(env.remote, sources, span, env.timing.state_timeout, limit)
+        if state is None:
+            log.warning("apart from its replicas, and no state of theirs to believe yet", extra={"span": str(span)})
+            return
+        await env.compute.run(trainer.heal, *state)
 
     def _progress(self) -> list[TrainerProgress]:
         """The run's trainers' fresh progress records (blocking: a DHT read)."""
@@ -225,18 +243,22 @@ class TrainableStage:
         if req.round and trainer.last_round is None:
             raise BadInputError("this replica has not ended an averaging round yet")
         release = self.gate.admit(caller, stage_state_bytes(self.run, trainer.span), budget)
+
+        def current() -> tuple[int, dict[str, torch.Tensor], str | None]:
+            state = trainer.export_state()
+            return trainer.step, state, state_digest(state)
+
         try:
             held = trainer.last_round
-            if req.round and held is not None:  # made by the averaging round: admitted, nothing to compute
-                step, tensors = await self.env.compute.run(lambda: held, small=True, caller=caller)
+            if req.round and held is not None:  # made by the averaging round, its digest signed in the DHT
+                step, tensors, digest = await self.env.compute.run(lambda: (*held, None), small=True, caller=caller)
             else:
-                step, tensors = await self.env.compute.run(
-                    lambda: (trainer.step, trainer.export_state()), caller=caller
-                )
+                step, tensors, digest = await self.env.compute.run(current, caller=caller)
         except BaseException:
             release()
             raise
-        return StateCopy(release, StateReply(step=step, start=trainer.span.start, end=trainer.span.end), tensors)
+        span = trainer.span
+        return StateCopy(release, StateReply(step=step, start=span.start, end=span.end, digest=digest), tensors)
 
     async def step(self, notice: StepNotice) -> None:
         """A trainer finished a global step: take ours now (a replica that saw none of the step's micro-batches would

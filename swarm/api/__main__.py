@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -75,6 +76,14 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
             timeout_keep_alive=int(connections.keep_alive_timeout) or 1,
         )
     )
+
+    def stop(sig: int, frame: object) -> None:
+        server.should_exit = True
+
+    # uvicorn catches SIGTERM and Ctrl-C while it serves, shuts down, then raises the signal again with the handlers
+    # it found: these, so that the swarm client is closed too (its DHT, p2pd) and the process exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
     if cfg.dashboard:
         service.attach_dashboard(app, lambda: bool(server.should_exit))
     task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -8,6 +8,7 @@ no round yet) it is the furthest replica's state, never beyond the furthest step
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ def agree(a: Tensors, b: Tensors) -> bool:
 async def _fetch(
     remote: Remote, record: ServerRecord, stage: Span, timeout: float, max_bytes: int, round_state: bool
 ) -> tuple[int, Tensors] | None:
+    """A replica's state (``round_state``: the one it ended its last round with), or None. A current state must
+    match the digest the replica sent with it: the copy it made at the step it names is the one that arrived."""
     try:
         reply, tensors = await remote.state(Hop.of(record, stage.start, stage.end), timeout, max_bytes, round_state)
     except SwarmError as e:
@@ -80,10 +83,13 @@ async def _fetch(
     if (reply.start, reply.end) != (stage.start, stage.end):
         log.warning("sent the state of another stage", extra={"peer": record.peer_id, "span": str(stage)})
         return None
+    if not round_state and (reply.digest is None or await asyncio.to_thread(state_digest, tensors) != reply.digest):
+        log.warning("its state is not the one it named", extra={"peer": record.peer_id, "span": str(stage)})
+        return None
     return reply.step, tensors
 
 
-def _signed_rounds(sources: StageSources, stage: Span) -> dict[int, dict[str, RoundRecord]]:
+def signed_rounds(sources: StageSources, stage: Span) -> dict[int, dict[str, RoundRecord]]:
     """Rounds two replicas or more signed, by step: {step: {peer id: its record}}."""
     holders = {r.peer_id for r in sources.replicas}
     by_step: dict[int, dict[str, RoundRecord]] = defaultdict(dict)
@@ -109,7 +115,7 @@ async def _from_rounds(
         good: list[Tensors] = []
         for peer_id, rr in signed.items():
             found = await _fetch(remote, holders[peer_id], stage, timeout, max_bytes, True)
-            if found is None or found[0] != step or state_digest(found[1]) != rr.digest:
+            if found is None or found[0] != step or await asyncio.to_thread(state_digest, found[1]) != rr.digest:
                 log.warning("its round state is not the one it signed", extra={"peer": peer_id, "span": str(stage)})
                 continue
             for other in good:
@@ -126,7 +132,7 @@ async def stage_state(
     """(step, tensors) of ``stage`` from its replicas, or None when none can be believed (then the peer starts from
     its checkpoint or the run's initial weights). ``max_bytes`` bounds one peer's reply (the stage's weights and two
     Adam moments, with room for the framing)."""
-    rounds = _signed_rounds(sources, stage)
+    rounds = signed_rounds(sources, stage)
     if rounds:  # two replicas signed a round: only such a round is believed
         return await _from_rounds(remote, sources, rounds, stage, timeout, max_bytes)
     best: tuple[int, Tensors] | None = None

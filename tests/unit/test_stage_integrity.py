@@ -151,12 +151,17 @@ class FakeRemote:
         self,
         states: dict[str, tuple[int, dict[str, torch.Tensor]]],
         rounds: dict[str, tuple[int, dict[str, torch.Tensor]]],
+        torn: frozenset[str] = frozenset(),
     ) -> None:
-        self.states, self.rounds = states, rounds
+        """``torn``: replicas whose current state changed after they hashed it (the digest sent is of another)."""
+        self.states, self.rounds, self.torn = states, rounds, torn
 
     async def state(self, hop, timeout, max_bytes, last_round=False):
         step, tensors = (self.rounds if last_round else self.states)[hop.peer_id]
-        return StateReply(step=step, start=STAGE.start, end=STAGE.end), tensors
+        if last_round:  # a round's state is checked against the replica's signed round record
+            return StateReply(step=step, start=STAGE.start, end=STAGE.end), tensors
+        hashed = {k: v + 1 for k, v in tensors.items()} if hop.peer_id in self.torn else tensors
+        return StateReply(step=step, start=STAGE.start, end=STAGE.end, digest=state_digest(hashed)), tensors
 
 
 def server(peer_id: str) -> ServerRecord:
@@ -204,3 +209,13 @@ def test_without_rounds_a_joiner_takes_the_furthest_state_a_trainer_vouches_for(
     step, state = run_selection(remote, StageSources([server("A"), server("E")], [], max_step=8))
     assert step == 7 and torch.equal(state["w"], a["w"])
     assert run_selection(remote, StageSources([server("E")], [], max_step=8)) is None
+
+
+def test_a_state_copy_is_believed_only_as_the_replica_hashed_it_at_the_step_it_names():
+    """A copy that changed between the replica's hash and its arrival (a torn copy, a step applied half-way through
+    it) is not taken; the next replica's is."""
+    a, b = {"w": torch.ones(2)}, {"w": torch.zeros(2)}
+    remote = FakeRemote(states={"A": (7, a), "B": (6, b)}, rounds={}, torn=frozenset({"A"}))
+    step, state = run_selection(remote, StageSources([server("A"), server("B")], [], max_step=8))
+    assert step == 6 and torch.equal(state["w"], b["w"])
+    assert run_selection(remote, StageSources([server("A")], [], max_step=8)) is None
