@@ -124,6 +124,11 @@ class ReplicaHealth:
         self.trust(step, tensors[:n])
         return True
 
+    @property
+    def off(self) -> bool:
+        """This replica found itself off: it takes no part in rounds until it has a copy."""
+        return self.wanted is not None and not self.wanted.majority_only
+
     def want(self, wanted: Wanted) -> None:
         """Ask for a copy (a replica that is off outranks replicas merely apart)."""
         if self.wanted is not None and not self.wanted.majority_only:

@@ -285,8 +285,8 @@ class SpanTrainer:
         if self.outer is not None:
             self._outer_round()
             return
-        if self.averager is None or self.replicas < 2:
-            return
+        if self.averager is None or self.replicas < 2 or self.health.off:
+            return  # (a replica that is off sends nothing until it has taken the others' state)
         self.averager.allow(self.groupmates)
         tensors = self.tensors()
         before = [t.clone() for t in tensors]

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -15,7 +16,7 @@ from swarm.client.retry import Retrier
 from swarm.client.swarm_view import SwarmView
 from swarm.codecs import parse_codec
 from swarm.config import ClientConfig
-from swarm.dht import start_dht
+from swarm.dht import RecordStore, start_dht
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.membership import swarm_key_for
@@ -94,6 +95,11 @@ class SwarmConnection:
             self.rtt: dict[str, float] = self.view.rtt
             self.trust: Judge | None = None  # the model sets it (``swarm.client.trust``): no circle of imports
             self._notice: concurrent.futures.Future[list[SwarmError]] | None = None  # a step notice on its way
+            # closed by ``close``, or at the interpreter's exit for a model nobody closed (the README's example):
+            # while the loop's thread still runs, so its tasks end instead of printing "Task was destroyed..."
+            self._closer = weakref.finalize(
+                self, _close, self.loop, self.remote, self.store, self.timing.shutdown_timeout
+            )
         except BaseException:
             self.store.shutdown()
             raise
@@ -139,8 +145,13 @@ class SwarmConnection:
                 self.retrier.note_failure(failure, kind)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.loop.call_soon_threadsafe(self.remote.close)
-            self.loop.run(self.remote.p2p.shutdown(), self.timing.shutdown_timeout)
-        self.loop.close(self.timing.shutdown_timeout)
-        self.store.shutdown()
+        self._closer()
+
+
+def _close(loop: LoopThread, remote: Remote, store: RecordStore, timeout: float) -> None:
+    """A connection's transport, loop and DHT peer, shut down once (``weakref.finalize`` calls it at most once)."""
+    with contextlib.suppress(Exception):
+        loop.loop.call_soon_threadsafe(remote.close)
+        loop.run(remote.p2p.shutdown(), timeout)
+    loop.close(timeout)
+    store.shutdown()

@@ -57,6 +57,7 @@ class Tour:
         self.env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", KEY=KEY, SWARM_TOUR=self.marker)
         self.tmp, self.maddr, self.port = tmp, "", free_port()
         self.running: list[subprocess.Popen[str]] = []
+        self.stderr = ""  # of the last command run to its end
 
     def fill(self, command: str) -> str:
         return command.replace("MADDR", self.maddr).replace("8000", str(self.port))
@@ -80,6 +81,7 @@ class Tour:
             ["bash", "-c", self.fill(command)], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout
         )
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        self.stderr = done.stderr
         return done.stdout
 
     def line(self, proc: subprocess.Popen[str], prefix: str, timeout: float = 300) -> str:
@@ -166,6 +168,7 @@ def test_every_command_of_the_readme_tour_runs_as_typed(walk: Tour) -> None:
     code = example.replace('["/ip4/.../p2p/..."]', repr([walk.maddr]))
     answer = walk.run(f"python -c {shlex.quote(code)}")
     assert "Paris" in answer and "Hop(" in answer, answer
+    assert "Task was destroyed" not in walk.stderr, walk.stderr  # a model left open closes at exit, quietly
 
     server = walk.start(api)
     walk.api_up()
