@@ -144,3 +144,58 @@ def test_a_state_copy_whose_moments_no_adamw_holds_is_refused(tmp_path):
     with pytest.raises(BadInputError, match="moments"):
         taker.import_state(1, state)
     assert taker.step == 0
+
+
+def test_honest_adamw_steps_stay_within_reach_of_the_anchor_and_a_corrupted_weight_does_not(tmp_path):
+    """The drift check never flags a replica that only took AdamW steps (gradients of any scale, zero-gradient steps,
+    the warm-up and the schedule), and flags one whose weights moved beyond them."""
+    run = dataclasses.replace(load_run(SHIPPED), average_every=1)
+    t = replica(tmp_path, run)
+    gen = torch.Generator().manual_seed(3)
+    for k in range(40):
+        if k % 4 == 3:
+            step(t, seed=None)  # a step without micro-batches
+        else:
+            for p in t.params:  # gradients from tiny to huge, with runs of one sign (Adam's largest steps)
+                p.grad = torch.sign(torch.randn(p.shape, generator=gen)) * 10.0 ** float(k % 7 - 3)
+            t.samples = 1
+            t.apply_step()
+        assert t.health.drift(t.step, t.params) is None, k
+    reach = t.health.reach(t.step)  # 40 steps from the initial weights, warm-up included
+    assert reach < 0.5
+    with torch.no_grad():
+        t.params[3].view(-1)[7] = t.health.anchor[3].view(-1)[7] + reach * 1.02 + 1e-4
+    assert "weight tensor 3 moved" in (t.health.drift(t.step, t.params) or "")
+
+
+def test_who_takes_a_copy(tmp_path):
+    """A replica that is off asks at once and sits out rounds; one that looks sound asks only a majority, after three
+    rounds in a row undone; a kept round ends both."""
+    run = dataclasses.replace(load_run(SHIPPED), average_every=1)
+    t = replica(tmp_path, run)
+    step(t, seed=1)
+    tensors = t.tensors()
+    far = [x + 1.0 for x in tensors]  # a result that moves every weight far: implausible, undone
+    for k in range(3):
+        before = [x.clone() for x in tensors]
+        with torch.no_grad():
+            for x, f in zip(tensors, far, strict=True):
+                x.copy_(f)
+        assert not t.health.settle(t.step, tensors, before)
+        assert all(torch.equal(x, b) for x, b in zip(tensors, before, strict=True))  # undone
+        wanted = t.health.wanted
+        assert (wanted is None) if k < 2 else (wanted is not None and wanted.majority_only and not t.health.off)
+    before = [x.clone() for x in tensors]
+    assert t.health.settle(t.step, tensors, before)  # a round that changed nothing is kept: no copy wanted
+    assert t.health.wanted is None and t.health.undone == 0
+    with torch.no_grad():
+        t.params[0].add_(0.5)  # off by itself
+    before = [x.clone() for x in tensors]
+    assert not t.health.settle(t.step, tensors, before)
+    assert t.health.off and t.health.wanted is not None and not t.health.wanted.majority_only
+    t.averager, t.replicas = Delivered(t, far), 2  # type: ignore[assignment]
+    t.average()  # sits out: nothing delivered
+    assert not torch.equal(t.tensors()[0], far[0])
+    state = replica(tmp_path / "other", run).export_state()
+    t.heal(0, state)
+    assert t.health.heals == 1 and not t.health.off and t.health.wanted is None
