@@ -61,9 +61,10 @@ class ReplicaHealth:
         self.undone = 0
         self.wanted = None
 
-    def healed(self, step: int, params: Sequence[torch.Tensor]) -> None:
-        self.trust(step, params)
+    def healed(self) -> None:
+        """A copy was taken (and, imported, trusted)."""
         self.heals += 1
+        self.wanted = None
 
     def reach(self, step: int) -> float:
         """The most AdamW can have moved any weight from the anchor by ``step`` (weight decay taken at the largest

@@ -360,7 +360,7 @@ class SpanTrainer:
         this replica had taken since (as a replica that saw none of their micro-batches)."""
         was = self.step
         self.import_state(step, tensors)
-        self.health.healed(step, self.params)
+        self.health.healed()
         log.warning("took its replicas' state of step %d (it was at %d)", step, was, extra={"span": str(self.span)})
         target = min(was, max(self.step, self.reach()))
         if target > self.step:
