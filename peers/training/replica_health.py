@@ -8,7 +8,8 @@ the replicas are apart, and averaging alone will not bring them together: someon
 - the replica whose weights lie beyond what AdamW could have moved them since the last state it has reason to
   trust (its anchor: the state it started from, or the result of its last accepted round). An AdamW step moves a
   weight by at most ``lr * (R + wd |w|)`` (``R``: ``swarm.training.optim.step_ratio``), so that reach is a sum over
-  the steps since the anchor. Such a replica takes a copy as soon as a round is undone: it is the one that is off;
+  the steps since the anchor, checked before each round. Such a replica is the one that is off: it sits out rounds
+  and takes a copy at once;
 - otherwise, after ``APART_ROUNDS`` rounds in a row undone, a replica takes a copy only from a majority: a round
   that two other replicas signed alike (``swarm.training.state``). Two replicas that both look sound never swap
   states on each other's word.
@@ -88,21 +89,23 @@ class ReplicaHealth:
                 )
         return None
 
+    def check(self, step: int, params: Sequence[torch.Tensor]) -> bool:
+        """Before a round: whether this replica is off (its weights beyond AdamW's reach from its anchor). One that
+        is off wants a copy at once, and takes part in no round and signs none until it has one."""
+        if not self.off:
+            why = self.drift(step, params)
+            if why is not None:
+                self.want(Wanted(why, majority_only=False))
+        return self.off
+
     def settle(self, step: int, tensors: list[torch.Tensor], before: list[torch.Tensor]) -> bool:
         """Judge a completed round's result in ``tensors`` (weights, then both Adam moments; ``before``: as they
-        were). Undone (back to ``before``) when this replica's own weights were already beyond AdamW's reach from
-        its anchor (it is the one that is off: it wants a copy, and signs no round until it has one), or when the
-        result is not finite, holds a negative second moment (Adam would take its square root), or moves a weight
-        tensor further than replicas that average every few steps can differ (``implausible``: a groupmate that
-        reduced a part returned garbage for it). Kept otherwise, its moments held together, and trusted. Whether
-        it was kept."""
+        were). Undone (back to ``before``) when it is not finite, holds a negative second moment (Adam would take
+        its square root), or moves a weight tensor further than replicas that average every few steps can differ
+        (``implausible``: a groupmate that reduced a part returned garbage for it). Kept otherwise, its moments
+        held together, and trusted. Whether it was kept."""
         n = len(self.anchor)
-        off = self.drift(step, before[:n])
-        if off is not None:
-            self.want(Wanted(off, majority_only=False))
-            why: str | None = "this replica is off"
-        else:
-            why = implausible(tensors[:n], before[:n], round_slack(self.run))
+        why = implausible(tensors[:n], before[:n], round_slack(self.run))
         if why is None and not all(bool(torch.isfinite(t).all()) for t in tensors):
             why = "it is not finite"
         if why is None and any(bool((t < 0).any()) for t in tensors[2 * n :]):

@@ -285,7 +285,7 @@ class SpanTrainer:
         if self.outer is not None:
             self._outer_round()
             return
-        if self.averager is None or self.replicas < 2 or self.health.off:
+        if self.averager is None or self.replicas < 2 or self.health.check(self.step, self.params):
             return  # (a replica that is off sends nothing until it has taken the others' state)
         self.averager.allow(self.groupmates)
         tensors = self.tensors()

@@ -1,8 +1,9 @@
 """Replicas of a stage that are apart are found and healed, on a real swarm: one replica of stage 0:3 is a real peer
-whose weights go wrong once (``harness/drift.py``: every weight moved by 0.5 right after its step 3). Its next
-averaging round is undone, it finds its own weights beyond what AdamW could have moved them since its last accepted
-round, takes the other replica's state (checked against the digest that replica sent with it), and the two end the
-following rounds equal; the heal is in its metrics, the honest replica takes nothing, and the run keeps learning."""
+whose weights go wrong once (``harness/drift.py``: every weight moved by 0.5 right after its step 3). At its next
+averaging round it finds its own weights beyond what AdamW could have moved them since its last accepted round, sits
+the round out, takes the other replica's state (checked against the digest that replica sent with it), and the two
+end the following rounds equal; the heal is in its metrics, the honest replica takes nothing, and the run keeps
+learning."""
 
 from __future__ import annotations
 
@@ -65,7 +66,6 @@ def test_a_replica_whose_weights_went_wrong_takes_the_others_state_and_they_agre
             undone = counter(swarm, "swarm_peer_rounds_undone")
     assert together is not None, f"not equal again within {MAX_STEPS} steps (heals {heals}, undone {undone})"
     assert heals[drifter.peer_id] >= 1 and heals[honest.peer_id] == 0  # the one that was off took the copy
-    assert undone[drifter.peer_id] >= 1  # found through its undone round
     weights = [t for name, t in together[1].items() if name.startswith("param.")]
     assert all(bool(torch.isfinite(w).all()) and float(w.abs().max()) < 10 for w in weights)
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0]

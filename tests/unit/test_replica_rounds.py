@@ -190,8 +190,7 @@ def test_who_takes_a_copy(tmp_path):
     assert t.health.wanted is None and t.health.undone == 0
     with torch.no_grad():
         t.params[0].add_(0.5)  # off by itself
-    before = [x.clone() for x in tensors]
-    assert not t.health.settle(t.step, tensors, before)
+    assert t.health.check(t.step, t.params)
     assert t.health.off and t.health.wanted is not None and not t.health.wanted.majority_only
     t.averager, t.replicas = Delivered(t, far), 2  # type: ignore[assignment]
     t.average()  # sits out: nothing delivered
