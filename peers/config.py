@@ -11,7 +11,7 @@ from swarm.cli import option
 from swarm.config import Timing, default_cache_dir
 from swarm.errors import BadInputError
 from swarm.ids import Span, parse_span
-from swarm.relay import CIRCUIT, MAX_RELAYS, REACHABILITY, RelayPolicy
+from swarm.relay import CIRCUIT, MAX_RELAYS, REACHABILITY, Reachability, RelayPolicy
 
 
 def _port_or_off(text: str) -> int | None:
@@ -26,10 +26,11 @@ def _port_or_off(text: str) -> int | None:
     return port
 
 
-def _reachability(text: str) -> str:
-    if text not in REACHABILITY:
-        raise BadInputError(f"--reachability is one of {', '.join(REACHABILITY)}, got {text!r}")
-    return text
+def _reachability(text: str) -> Reachability:
+    for known in REACHABILITY:
+        if text == known:
+            return known
+    raise BadInputError(f"--reachability is one of {', '.join(REACHABILITY)}, got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class NetworkConfig:
         512, help="open connections (direct plane) and open streams (libp2p), each, all callers together"
     )
     max_caller_connections: int = option(64, help="...and of one caller identity")
-    reachability: str = option(
+    reachability: Reachability = option(
         "auto",
         parse=_reachability,
         help="auto (other peers dial back to find out), public, or private (behind NAT: reached through relays)",
@@ -86,7 +87,7 @@ class NetworkConfig:
 
     def relay_policy(self) -> RelayPolicy:
         return RelayPolicy(
-            reachability=self.reachability,  # type: ignore[arg-type]  # checked by ``_reachability``
+            reachability=self.reachability,
             offer=self.relay,
             max_reservations=self.relay_max_reservations,
             max_circuits=self.relay_max_circuits,

@@ -1,23 +1,25 @@
 """One volunteer peer's changing state (``Peer``): the stage it serves, whose span can change, the records it
-announces, and what it reports of itself. The node never asks what kind of stage it runs (``peers.serving.stage``),
-and serves no web app of its own: metrics read its frozen snapshots. ``peers.run`` wires a peer together and runs
-it."""
+announces, and what it reports of itself. The node never asks what kind of stage it runs
+(``peers.serving.stage_port``), and serves no web app of its own: metrics read its frozen snapshots. ``peers.run``
+builds a peer whole, in phases, and runs it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from peers.broker.planner import Role
 from peers.config import PeerConfig
 from peers.hardware import Hardware, cached_throughput
 from peers.metrics import PeerSnapshot
 from peers.relay_service import RelayStats
-from peers.serving.compute import ComputeService
+from peers.serving.engine import Engine
+from peers.serving.pass_service import PassService
 from peers.serving.runtime import SpanRuntime
-from peers.serving.sessions import Sessions
-from peers.serving.stage import Stage
+from peers.serving.sessions import SessionTable
+from peers.serving.stage_port import Stage
 from swarm.dht import RecordStore, dht_time
 from swarm.ids import Span, peers_key
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
@@ -25,6 +27,32 @@ from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, Reached, Serv
 from swarm.version import __version__
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What serves requests on a peer: the engine room, the session table and the pass service built on it."""
+
+    engine: Engine
+    sessions: SessionTable
+    passes: PassService
+
+
+def _none() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Where and how others reach this peer, as its records say: measured when it joins, completed by the roles that
+    find the rest out as it starts (the direct plane's port, hole punching, relay slots); a private peer's relayed
+    addresses change while it runs."""
+
+    reached: Reached = "unmeasured"
+    maddrs: tuple[str, ...] = ()
+    direct_address: str | None = None
+    punch_via: tuple[str, ...] = ()  # behind a NAT: observers a caller punching through to it asks
+    punched: Callable[[], int] = field(default=_none, compare=False)  # behind a NAT: connections punched to it
 
 
 class Peer:
@@ -37,11 +65,17 @@ class Peer:
         store: RecordStore,
         hardware: Hardware,
         max_blocks: int,
-        compute: ComputeService,
-        sessions: Sessions,
+        serving: Serving,
+        reach: Reach,
+        relay_stats: RelayStats | None = None,
+        network_mbps: float | None = None,
     ) -> None:
+        """``relay_stats``: what it relayed for others (``--relay``); ``network_mbps``: its link, declared or
+        estimated at start."""
         self.cfg, self.stage, self.model, self.store = cfg, stage, stage.model, store
-        self.hardware, self.max_blocks, self.compute, self.sessions = hardware, max_blocks, compute, sessions
+        self.hardware, self.max_blocks, self.serving = hardware, max_blocks, serving
+        self.engine, self.sessions, self.passes = serving.engine, serving.sessions, serving.passes
+        self.reach, self.relay_stats, self.network_mbps = reach, relay_stats, network_mbps
         self.peer_id = store.peer_id
         self._span: Span | None = None
         self._role: Role | None = None
@@ -49,15 +83,13 @@ class Peer:
         self.block_tps = 0.0  # forward tokens/s of one block
         self.block_sps = 0.0  # single-token inference steps/s of one block
         self.span_loads = 0  # spans loaded (a standby promoted in place loads nothing)
-        self.maddrs: list[str] = []
-        self.direct_address: str | None = None
-        self.punch_via: tuple[str, ...] = ()  # behind a NAT: observers a caller punching through to it asks
-        self.relay_stats: RelayStats | None = None  # --relay: what it relayed (``peers.relay_service``)
-        self.punched: Callable[[], int] = lambda: 0  # behind a NAT: connections punched to it so far
-        self.reached: Reached = "unmeasured"
-        self.network_mbps = cfg.network.network_mbps  # declared, or estimated once at start
         self.lost_dht = False
         self._lock = asyncio.Lock()
+
+    def reached_at(self, reach: Reach) -> None:
+        """Its records say so from the next announcement on."""
+        self.reach = reach
+        log.info("reached at", extra={"peer": self.peer_id, "maddrs": list(reach.maddrs)})
 
     @property
     def span(self) -> Span | None:
@@ -94,13 +126,13 @@ class Peer:
                 backend, learner = await self.stage.load(span)
                 self.span_loads += 1
                 await self._measure(backend, span)
-                self.compute.set_backend(backend, learner)
+                self.engine.loaded.set(backend, learner)
                 self._span = span
             elif role != self._role:
                 log.info("%s -> %s", self._role.value if self._role else "none", role.value, extra=fields)
             self._role = role
             self.state = PeerState.ONLINE if role == Role.SERVE else PeerState.STANDBY
-            self.compute.serving = role == Role.SERVE
+            self.engine.loaded.serving = role == Role.SERVE
             await self.publish()
             if old is not None and old != span:
                 await self._retract(old, span)
@@ -120,10 +152,10 @@ class Peer:
     # ---- announcing -----------------------------------------------------------------------------------------------
     def _server_record(self, span: Span, state: PeerState) -> ServerRecord:
         per_block, per_block_steps = max(self.block_tps, 1e-9), max(self.block_sps, 1e-9)
-        backend = self.compute.backend  # None only before the first load, when no record is announced
+        backend = self.engine.loaded.runtime  # None only before the first load, when no record is announced
         return ServerRecord(
             peer_id=self.peer_id,
-            maddrs=tuple(self.maddrs),
+            maddrs=self.reach.maddrs,
             state=state,
             start=span.start,
             end=span.end,
@@ -140,15 +172,15 @@ class Peer:
             cache_tokens_total=self.sessions.tokens(self.sessions.budget.total, span),
             software_version=__version__,
             protocol_version=PROTOCOL_VERSION,
-            requests_served=sum(self.compute.stats.values()),
-            direct_address=self.direct_address,
+            requests_served=sum(self.engine.metrics.served.values()),
+            direct_address=self.reach.direct_address,
             # the runtime serving the span and what it can do: routes that need a capability skip peers without it
             runtime=backend.name if backend is not None else "torch",
             capabilities=backend.capabilities if backend is not None else ALL_CAPABILITIES,
             network_mbps=self.network_mbps if self.network_mbps and self.network_mbps > 0 else None,
-            reached=self.reached,
+            reached=self.reach.reached,
             relays_for_others=self.cfg.network.relay,
-            punch_via=self.punch_via,
+            punch_via=self.reach.punch_via,
         )
 
     async def publish(self, state: PeerState | None = None) -> None:
@@ -201,20 +233,20 @@ class Peer:
             role=self._role.value if self._role else None,
             model_id=self.model.name,
             fingerprint=self.model.fingerprint,
-            stats=dict(self.compute.stats),
+            stats=dict(self.engine.metrics.served),
             open_sessions=len(self.sessions.open),
             cache_tokens_free=self.sessions.tokens(self.sessions.budget.free, self._span),
-            kept_activations=len(self.compute.kept),
-            adapter_clients=len(self.compute.adapters),
-            adapter_bytes=self.compute.adapters.nbytes,
+            kept_activations=len(self.passes.kept),
+            adapter_clients=len(self.engine.adapters.cache),
+            adapter_bytes=self.engine.adapters.cache.nbytes,
             span_loads=self.span_loads,
-            active=self.compute.active,
+            active=self.engine.metrics.active,
         )
 
     def snapshot(self, traffic: Mapping[str, int]) -> PeerSnapshot:
         """This peer's state now, for metrics (``traffic``: the bytes of its own calls as a client)."""
-        budget, compute, stats = self.sessions.budget, self.compute, self.compute.stats
-        learner = compute.learner
+        budget, metrics, adapters = self.sessions.budget, self.engine.metrics, self.engine.adapters.cache
+        stats, learner = metrics.served, self.engine.loaded.learner
         return PeerSnapshot(
             peer_id=self.peer_id,
             model=self.model.name,
@@ -225,10 +257,10 @@ class Peer:
             cache_bytes_used=budget.used,
             cache_tokens_free=self.sessions.tokens(budget.free, self._span),
             open_sessions=len(self.sessions.open),
-            active_requests=compute.active,
-            kept_activations=len(compute.kept),
-            adapter_clients=len(compute.adapters),
-            adapter_bytes=compute.adapters.nbytes,
+            active_requests=metrics.active,
+            kept_activations=len(self.passes.kept),
+            adapter_clients=len(adapters),
+            adapter_bytes=adapters.nbytes,
             adapter_uploads=stats.get("adapter_uploads", 0),
             not_kept=stats.get("not_kept", 0),
             sessions_opened=stats.get("sessions", 0),
@@ -238,7 +270,7 @@ class Peer:
             relay_slots=self.relay_stats.reservations if self.relay_stats else 0,
             relay_circuits=self.relay_stats.circuits_total if self.relay_stats else 0,
             relay_bytes=self.relay_stats.bytes_relayed if self.relay_stats else 0,
-            punched=self.punched(),
+            punched=self.reach.punched(),
             averaging_bytes=learner.averaging_bytes if learner is not None else 0,
             rounds_undone=learner.rounds_undone if learner is not None else 0,
             replica_heals=learner.replica_heals if learner is not None else 0,

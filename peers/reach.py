@@ -4,7 +4,7 @@ p2pd reports no relayed address and no reservation (``swarm.relay``), so a priva
 whether others get through. It asks as a stranger would: a throwaway p2p daemon of its own, listening nowhere, dials
 each relayed address and opens a stream to this peer's inference handler (what a client opens first), until one
 gets through or ``timeout`` passes. The probe runs in a child process that dies with this one, and its daemon
-with it (``swarm.dht.die_with_parent``): a peer killed mid-check leaves no daemon behind. Only the addresses that
+with it (``swarm.owned_dht.die_with_parent``): a peer killed mid-check leaves no daemon behind. Only the addresses that
 worked are announced; none working is an error the volunteer can act on (a relay that offers no relaying, or none
 reachable)."""
 
@@ -21,8 +21,9 @@ from multiprocessing.connection import Connection
 
 from hivemind.p2p import P2P, PeerID
 
-from swarm.dht import RecordStore, die_with_parent
+from swarm.dht import RecordStore
 from swarm.errors import BadInputError
+from swarm.owned_dht import die_with_parent
 from swarm.protocol import RPC_INFERENCE
 from swarm.records import OBSERVER, servers
 from swarm.relay import dial_addr

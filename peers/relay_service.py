@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
@@ -40,6 +39,8 @@ from swarm.circuit import (
     STOP_STATUS,
     UNEXPECTED_MESSAGE,
     CircuitError,
+    CircuitMessage,
+    StreamInfo,
     frame,
     hop_message,
     parse,
@@ -76,7 +77,7 @@ class RelayService:
         self.circuits: Counter[PeerID] = Counter()  # open connections each peer is an end of
         self.stats = RelayStats()
 
-    async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One hop stream: a peer reserving a slot, or connecting to a peer that holds one."""
         try:
             async with asyncio.timeout(HANDSHAKE_S):
@@ -96,7 +97,7 @@ class RelayService:
         finally:
             writer.close()
 
-    async def _status(self, writer: asyncio.StreamWriter, status: int, **fields: Any) -> None:
+    async def _status(self, writer: asyncio.StreamWriter, status: int, **fields: object) -> None:
         if status != OK:
             self.stats.refused[STATUS_NAMES.get(status, str(status))] += 1
             log.info("relay refused: %s", STATUS_NAMES.get(status, status))
@@ -109,7 +110,7 @@ class RelayService:
             del self.slots[peer]
         self.stats.reservations = len(self.slots)
 
-    async def _reserve(self, info: Any, writer: asyncio.StreamWriter) -> None:
+    async def _reserve(self, info: StreamInfo, writer: asyncio.StreamWriter) -> None:
         self._expire()
         peer = info.peer_id
         if CIRCUIT in str(info.addr):  # a slot is reached over the holder's own connection, not another relay's
@@ -125,7 +126,7 @@ class RelayService:
         await self._status(writer, OK, reservation={"expire": expire}, limit=limit)
 
     async def _connect(
-        self, info: Any, message: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, info: StreamInfo, message: CircuitMessage, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         source = info.peer_id
         raw = bytes(message.peer.id) if message.HasField("peer") else b""

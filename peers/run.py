@@ -1,146 +1,121 @@
-"""Runs one volunteer peer: its DHT, the stage it serves, compute, the RPC servicer and the direct data plane, the
-announcer, follower and broker candidate, its metrics and the dashboard the entry point hands in; and its leaving."""
+"""Runs one volunteer peer, in phases that each return what the next one needs: ``join`` (its DHT, measured
+reachability: ``peers.joining``), ``build`` (its own calls, the engine room, session table and pass service, the stage
+attached), the ``Peer`` built whole from them, ``start_roles`` (the RPC servicer on libp2p and the direct data plane,
+relay slots and hole punching: where others reach it), ``start_work`` (its span, heartbeat, follower, broker
+candidate and the stage's own work), its metrics and the dashboard the entry point hands in; and ``leave``. What a
+phase starts is closed by the exit stack it is handed, in reverse, however the peer ends."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
+from dataclasses import dataclass, replace
 
 import torch
 from hivemind.p2p import P2P
 
 from peers.broker.loop import run_broker
 from peers.broker.planner import Policy, Role
-from peers.config import NetworkConfig, PeerConfig
+from peers.config import PeerConfig
 from peers.follower import run_follower
-from peers.hardware import estimate_link_mbps, probe_hardware, trim_freed_memory, usable_memory
+from peers.hardware import probe_hardware, trim_freed_memory, usable_memory
+from peers.joining import (
+    Joined,
+    admit_of,
+    announced_maddrs,
+    direct_address,
+    directory_of,
+    estimate_link,
+    join,
+    punching,
+)
 from peers.judge import BrokerJudge
-from peers.node import Peer
+from peers.node import Peer, Reach, Serving
 from peers.observe import Dashboard, Observers, start_metrics
-from peers.reach import measure, reachable
-from peers.relay_service import RelayService
+from peers.reach import reachable
+from peers.relay_service import RelayService, RelayStats
 from peers.relay_slots import RelaySlots
+from peers.rpc.assembly import assemble
 from peers.rpc.direct_server import DirectLimits, DirectServer
-from peers.rpc.directory import ServerDirectory
+from peers.rpc.edge import Edge
 from peers.rpc.framing import StreamLimits
 from peers.rpc.p2p_server import P2PStreams
-from peers.rpc.punch_server import Puncher
-from peers.rpc.servicer import Admit, Servicer
+from peers.rpc.servicer import Servicer
 from peers.serving.checks import Limits
-from peers.serving.compute import ComputeService
 from peers.serving.config import within_memory
+from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
-from peers.serving.sessions import Sessions
-from peers.serving.stage import ModelInfo, Stage, StageEnv
+from peers.serving.pass_service import PassService
+from peers.serving.sessions import SessionTable
+from peers.serving.stage_port import ModelInfo, Stage, StageEnv
 from swarm import wire
 from swarm.circuit import take_hop
-from swarm.dht import RecordStore, start_dht
 from swarm.errors import BadInputError, DhtLostError
-from swarm.ids import block_key
-from swarm.membership import SwarmKey, swarm_key_for
-from swarm.protocol import RPC_PUNCH
-from swarm.records import OBSERVER, PeerState, ServerRecord, servers
-from swarm.relay import RelayPolicy, relay_peer
+from swarm.records import PeerState
 from swarm.rpc.remote import Remote
 
 log = logging.getLogger(__name__)
+Tasks = list[asyncio.Task[None]]
 
 
-def _direct_address(cfg: PeerConfig, port: int) -> str | None:
-    """Where others should dial the TCP data plane: the listen host, or the announced IP behind a wildcard."""
-    host = cfg.network.host
-    if host in ("0.0.0.0", "::"):
-        announced = [m.split("/")[2] for m in cfg.network.announce_maddrs if m.startswith(("/ip4/", "/ip6/"))]
-        if not announced:
-            return None  # nobody could dial a wildcard address; libp2p only
-        host = announced[0]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+@dataclass(frozen=True)
+class Built:
+    """What serves on a peer, and its own calls: ``build``'s result."""
+
+    serving: Serving
+    p2p: P2P
+    remote: Remote
+    relay_stats: RelayStats | None  # --relay: what it relays for others (``peers.relay_service``)
+    network_mbps: float | None  # declared, or estimated once at start
 
 
-def _relayed(peer: Peer, maddrs: list[str]) -> None:
-    """The relays holding a slot changed: the next records say so."""
-    peer.maddrs = maddrs
-    log.info("relayed addresses", extra={"peer": peer.peer_id, "maddrs": maddrs})
+async def run_peer(
+    cfg: PeerConfig,
+    stage: Stage,
+    stop: asyncio.Event,
+    on_ready: Callable[[list[str]], None] | None = None,
+    dashboard: Dashboard | None = None,
+) -> None:
+    """Run one peer until ``stop`` is set. ``dashboard`` serves ``--dashboard-port`` (the entry point hands in
+    ``swarm.dashboard.peer.serve_peer_dashboard``: the node imports no web app)."""
+    cfg = _prepared(cfg, stage)
+    limit = max_blocks(cfg, stage.model)
+    joined = await join(cfg, stage.model)
+    peer: Peer | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(joined.store.shutdown)
+        built = await build(cfg, stage, joined, limit, stack)
+        hardware = probe_hardware(cfg.compute.device)
+        reach = Reach(joined.relay.reached, announced_maddrs(joined))
+        peer = Peer(
+            cfg, stage, joined.store, hardware, limit, built.serving, reach, built.relay_stats, built.network_mbps
+        )
+        tasks: Tasks = []
+        observers = Observers()
+        stack.push_async_callback(_stop, tasks, observers)
+        await start_roles(cfg, joined, built, peer, stop, stack, tasks)
+        await start_work(cfg, stage, built, peer, stop, tasks)
+        await _observe(cfg, peer, built.remote, observers, dashboard)
+        log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
+        if on_ready is not None:
+            on_ready(list(peer.reach.maddrs))
+        await stop.wait()
+        await leave(peer, tasks)
+    if peer is not None and peer.lost_dht:
+        raise DhtLostError("this peer lost its DHT (its DHT process died) and left the swarm")
 
 
-def _join(net: NetworkConfig, relay: RelayPolicy, cfg: PeerConfig, swarm_key: SwarmKey | None) -> RecordStore:
-    """This peer's DHT, joined as ``relay`` says (a private peer's in client mode)."""
-    return start_dht(
-        initial_peers=net.initial_peers,
-        host=net.host,
-        port=net.port,
-        announce_maddrs=net.announce_maddrs,
-        identity=net.identity,
-        timeout=cfg.timing.dht_start_timeout,
-        call_timeout=cfg.timing.dht_timeout,
-        swarm_key=swarm_key,
-        relay=relay,
-        client_mode=relay.dht_client,
-    )
-
-
-async def _measured(
-    net: NetworkConfig, store: RecordStore, model: ModelInfo, timeout: float
-) -> tuple[NetworkConfig, RelayPolicy]:
-    """``--reachability auto``, found out: public peers dial this one back at its libp2p port; behind a NAT it then
-    serves as a private peer does (relay slots, relayed addresses, punching). Unknown (nobody answered): as it
-    was."""
-    ports = [int(m.split("/tcp/")[1].split("/")[0]) for m in store.visible_maddrs() if "/tcp/" in m]
-    measured = await measure(store, model.name, model.num_blocks, ports[0], timeout) if ports else None
-    log.info("reachability measured: %s", measured or "unknown", extra={"peer": store.peer_id})
-    if measured is not None:
-        net = replace(net, reachability=measured)
-    return net, net.relay_policy()
-
-
-def _maddrs(net: NetworkConfig, relay: RelayPolicy, store: RecordStore) -> list[str]:
-    """The addresses this peer's records announce: those given, its relayed ones when private (what p2pd listens
-    on is unreachable then), else what p2pd reports."""
-    if relay.reached == "relayed" and not net.announce_maddrs:
-        return list(relay.relayed_maddrs(store.peer_id))
-    return [m if "/p2p/" in m else f"{m}/p2p/{store.peer_id}" for m in (net.announce_maddrs or store.visible_maddrs())]
-
-
-def _admit(store: RecordStore) -> Admit | None:
-    """Who may call this peer's RPCs: anyone in an open swarm (None), holders of its key in a private one."""
-    key = store.swarm_key
-    return key.admits if key is not None else None
-
-
-def _directory(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDirectory:
-    """The servers of this model with our weights, from their signed records: whom chaining trusts."""
-    return ServerDirectory(
-        lambda block: store.read(block_key(model.name, block), ServerRecord),
-        model.chain_fingerprints,
-        model.num_blocks,
-        ttl,
-    )
-
-
-async def _punching(
-    store: RecordStore, p2p: P2P, direct: DirectServer, model: ModelInfo, relay: RelayPolicy, timeout: float
-) -> Puncher | None:
-    """Hole punching for a peer behind NAT, observed through its relays' direct planes (their records say where),
-    or None where none answers (callers then stay on the relayed path)."""
-    relays = {relay_peer(r) for r in relay.relays}
-    records = servers(await asyncio.to_thread(store.view, model.name, model.num_blocks)).values()
-    observers = tuple(
-        f"{r.peer_id}@{r.direct_address}"
-        for r in records
-        if r.peer_id in relays and r.direct_address and re.match(OBSERVER, f"{r.peer_id}@{r.direct_address}")
-    )[:4]
-    puncher = Puncher(direct, store.credentials(), lambda: observers, _admit(store), timeout)
-    if not observers or not await puncher.refresh():
-        log.warning("no hole punching: no relay's direct plane told this peer its address")
-        return None
-    await p2p.add_protobuf_handler(RPC_PUNCH, puncher.rpc_punch, wire.Frame)
-    return puncher
+def _prepared(cfg: PeerConfig, stage: Stage) -> PeerConfig:
+    """The configuration checked, its compute caps within this machine's memory; torch's threads set."""
+    cfg.check()
+    cfg = replace(cfg, compute=within_memory(cfg.compute))
+    torch.set_num_threads(cfg.compute.threads)
+    if cfg.placement.blocks is not None:
+        stage.check_pinned(cfg.placement.blocks)
+    return cfg
 
 
 def max_blocks(cfg: PeerConfig, model: ModelInfo) -> int:
@@ -158,171 +133,165 @@ def max_blocks(cfg: PeerConfig, model: ModelInfo) -> int:
     return limit
 
 
-async def _estimate_link(peer: Peer, remote: Remote) -> None:
-    try:
-        view = await asyncio.to_thread(peer.store.view, peer.model.name, peer.model.num_blocks)
-        net, timing = peer.cfg.network, peer.cfg.timing
-        records = list(servers(view).values())
-        peer.network_mbps = await estimate_link_mbps(
-            remote, records, peer.peer_id, net.probe_bytes, timing.probe_timeout
-        )
-        shown = f"{peer.network_mbps:.0f}" if peer.network_mbps else "unknown"
-        log.info("link estimate %s Mbit/s", shown, extra={"peer": peer.peer_id})
-    except Exception:
-        log.warning("could not estimate the link", extra={"peer": peer.peer_id})
+async def build(cfg: PeerConfig, stage: Stage, joined: Joined, limit: int, stack: contextlib.AsyncExitStack) -> Built:
+    """This peer's own calls (and relaying for others, with ``--relay``), its engine room with the session table and
+    the pass service on it, and its stage attached to them."""
+    store, model = joined.store, stage.model
+    p2p = await store.replicate_p2p()
+    relay_service = RelayService(p2p, joined.relay) if joined.relay.offer else None
+    if relay_service is not None:
+        await take_hop(p2p, relay_service.handle)
+    remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
+    stack.callback(remote.close)
+    engine = Engine(_limits(cfg, model), cfg.compute, cfg.timing)
+    stack.callback(engine.close)
+    stack.callback(stage.close)
+    sessions = _session_table(cfg, model, engine, limit)
+    serving = Serving(engine, sessions, PassService(engine, cfg.compute, cfg.timing))
+    stage.attach(StageEnv(store, remote, store.peer_id, engine, cfg.timing))
+    mbps = await estimate_link(cfg, store, model, remote)
+    return Built(serving, p2p, remote, relay_service.stats if relay_service is not None else None, mbps)
 
 
-async def run_peer(
-    cfg: PeerConfig,
-    stage: Stage,
-    stop: asyncio.Event,
-    on_ready: Callable[[list[str]], None] | None = None,
-    dashboard: Dashboard | None = None,
-) -> None:
-    """Run one peer until ``stop`` is set. ``dashboard`` serves ``--dashboard-port`` (the entry point hands in
-    ``swarm.dashboard.peer.serve_peer_dashboard``: the node imports no web app)."""
-    cfg.check()
-    cfg = replace(cfg, compute=within_memory(cfg.compute))
-    torch.set_num_threads(cfg.compute.threads)
-    model = stage.model
-    if cfg.placement.blocks is not None:
-        stage.check_pinned(cfg.placement.blocks)
-    limit = max_blocks(cfg, model)
-    net = cfg.network
-    swarm_key = swarm_key_for(net.swarm_key, new_swarm=net.new_swarm)
-    # The DHT forks a child: do it before torch starts its thread pools and before the weights fill memory.
-    relay = net.relay_policy()
-    store = _join(net, relay, cfg, swarm_key)
-    if net.reachability == "auto" and net.initial_peers and not net.announce_maddrs:
-        try:
-            net, relay = await _measured(net, store, model, cfg.timing.handshake_timeout)
-        except BaseException:
-            store.shutdown()
-            raise
-        if relay.reached == "relayed":  # behind a NAT: joined again as a private peer (its DHT in client mode)
-            store.shutdown()
-            store = _join(net, relay, cfg, swarm_key)
+def _limits(cfg: PeerConfig, model: ModelInfo) -> Limits:
     positions = getattr(model.config, "max_position_embeddings", None)
-    limits = Limits(
+    return Limits(
         int(model.config.hidden_size),
         model.dtype,
         model.num_blocks,
         cfg.compute.max_batch_tokens,
         int(positions) if isinstance(positions, int) else None,
     )
-    compute = ComputeService(limits, cfg.compute, cfg.timing)
+
+
+def _session_table(cfg: PeerConfig, model: ModelInfo, engine: Engine, limit: int) -> SessionTable:
+    """Sessions under the KV-cache budget: ``--cache-bytes``, or ``--cache-tokens`` through ``limit`` blocks."""
     c = cfg.compute
     cost = KvCost(model.family, model.dtype.itemsize)
     total = c.cache_bytes if c.cache_bytes is not None else cost.budget_for(c.cache_tokens, limit)
     budget = CacheBudget(total, per_caller=int(total * c.caller_cache_share))
     quota = Quota("open sessions", c.max_caller_sessions, c.max_sessions, ("--max-caller-sessions", "--max-sessions"))
-    sessions = Sessions(compute, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
-    tasks: list[asyncio.Task[None]] = []
-    direct: DirectServer | None = None
-    puncher: Puncher | None = None
-    remote: Remote | None = None
-    servicer: Servicer | None = None
-    peer: Peer | None = None
-    observers = Observers()
-    try:
-        p2p = await store.replicate_p2p()
-        relay_service = RelayService(p2p, relay) if relay.offer else None
-        if relay_service is not None:
-            await take_hop(p2p, relay_service.handle)
-        remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
-        stage.attach(StageEnv(store, remote, store.peer_id, compute, cfg.timing))
-        peer = Peer(cfg, stage, store, probe_hardware(cfg.compute.device), limit, compute, sessions)
-        peer.relay_stats = relay_service.stats if relay_service is not None else None
-        peer.maddrs = _maddrs(net, relay, store)
-        peer.reached = relay.reached
-        servicer = Servicer(
-            compute,
-            sessions,
-            peer.info,
-            max_bytes=cfg.compute.max_message_bytes,
-            timing=cfg.timing,
-            added_latency_s=net.added_latency_ms / 1000,
-            training=stage.training,
-            admit=_admit(store),
-            budget=wire.ByteBudget(c.max_held_bytes, c.max_caller_held_bytes),
-            remote=remote,
-            directory=_directory(store, model, cfg.timing.record_ttl),
-        )
-        streams = StreamLimits(read_timeout=cfg.timing.message_timeout, write_timeout=cfg.timing.write_timeout)
-        flags = ("--max-caller-connections", "--max-connections")
-        quota = Quota("open streams", net.max_caller_connections, net.max_connections, flags)
-        await servicer.register(p2p, P2PStreams(servicer.budget, streams, quota))
-        if relay.reached == "relayed" and not net.announce_maddrs:  # announce only relayed addresses that work
-            slots = RelaySlots(p2p, relay.relays)
-            await slots.first(cfg.timing.dht_start_timeout)
-            peer.maddrs = await reachable(peer.peer_id, tuple(slots.maddrs(peer.peer_id)), cfg.timing.dht_start_timeout)
-            log.info("reachable through relays", extra={"peer": peer.peer_id, "maddrs": peer.maddrs})
-            tasks.append(asyncio.create_task(slots.run(stop, partial(_relayed, peer), peer.peer_id)))
-        if net.direct_port is not None:
-            limits_direct = DirectLimits(
-                net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
-            )
-            direct = DirectServer(servicer, store.credentials(), limits_direct, _admit(store), streams)
-            port = await direct.start(net.host, net.direct_port)
-            if relay.reached != "relayed":
-                peer.direct_address = _direct_address(cfg, port)
-            else:  # nobody outside can dial it: callers punch through to it, where its NAT allows
-                puncher = await _punching(store, p2p, direct, model, relay, cfg.timing.handshake_timeout)
-                if puncher is not None:
-                    peer.punch_via = puncher.observers()
-                    peer.punched = puncher.count
-                    tasks.append(asyncio.create_task(puncher.run(stop)))
-        if peer.network_mbps is None and net.initial_peers:
-            await _estimate_link(peer, remote)
-        if cfg.placement.blocks is not None:
-            await peer.hold(cfg.placement.blocks, Role.SERVE)
-        else:
-            await peer.probe_speed()
-            await peer.publish(PeerState.JOINING)
-        tasks.append(asyncio.create_task(peer.heartbeat(stop)))
-        tasks.append(asyncio.create_task(_expire_kept(compute, cfg.timing.activation_ttl / 4)))
-        if cfg.placement.blocks is None:
-            tasks.append(asyncio.create_task(run_follower(store, model.name, model.num_blocks, peer, cfg.timing)))
-        if cfg.placement.broker:
-            policy = Policy(replication=cfg.placement.replication, standby_fraction=cfg.placement.standby_fraction)
-            planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
-            judge = BrokerJudge(store, remote, model.name, model.num_blocks, cfg.timing)
-            broker = run_broker(store, model.name, planner, cfg.timing, judge.convicted)
-            tasks += [asyncio.create_task(broker), asyncio.create_task(judge.run())]
-        tasks += [asyncio.create_task(work) for work in stage.background()]
-        await _observe(cfg, peer, remote, observers, dashboard)
-        log.info("ready", extra={"peer": peer.peer_id, "span": str(peer.span)})
-        if on_ready is not None:
-            on_ready(peer.maddrs)
-        await stop.wait()
-        await _leave(peer, sessions, tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        observers.close()
-        if puncher is not None:
-            puncher.close()
-        if direct is not None:
-            await direct.close()
-        if servicer is not None and servicer.relay is not None:
-            servicer.relay.close()
-        stage.close()
-        compute.close()
-        if remote is not None:
-            remote.close()
-        store.shutdown()
-    if peer is not None and peer.lost_dht:
-        raise DhtLostError("this peer lost its DHT (its DHT process died) and left the swarm")
+    return SessionTable(engine, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
 
 
-async def _expire_kept(compute: ComputeService, period: float) -> None:
+async def start_roles(
+    cfg: PeerConfig,
+    joined: Joined,
+    built: Built,
+    peer: Peer,
+    stop: asyncio.Event,
+    stack: contextlib.AsyncExitStack,
+    tasks: Tasks,
+) -> Servicer:
+    """The RPC servicer on libp2p and, with ``--direct-port``, on the direct data plane; a private peer's relay slots
+    and hole punching. Where others reach the peer goes into its records (``Peer.reached_at``)."""
+    net, timing, c = joined.net, cfg.timing, cfg.compute
+    budget = wire.ByteBudget(c.max_held_bytes, c.max_caller_held_bytes)
+    edge = Edge(
+        peer.engine.metrics, timing, c.max_message_bytes, budget, admit_of(joined.store), net.added_latency_ms / 1000
+    )
+    directory = directory_of(joined.store, peer.model, timing.record_ttl)
+    serving = built.serving
+    servicer = assemble(
+        edge,
+        serving.engine.limits,
+        serving.passes,
+        serving.sessions,
+        peer.info,
+        peer.stage.training,
+        built.remote,
+        directory,
+    )
+    if servicer.pusher is not None:
+        stack.callback(servicer.pusher.close)
+    streams = StreamLimits(read_timeout=timing.message_timeout, write_timeout=timing.write_timeout)
+    quota = Quota(
+        "open streams",
+        net.max_caller_connections,
+        net.max_connections,
+        ("--max-caller-connections", "--max-connections"),
+    )
+    await servicer.register(built.p2p, P2PStreams(budget, streams, quota))
+    if joined.relay.reached == "relayed" and not net.announce_maddrs:  # announce only relayed addresses that work
+        slots = RelaySlots(built.p2p, joined.relay.relays)
+        await slots.first(timing.dht_start_timeout)
+        maddrs = await reachable(peer.peer_id, tuple(slots.maddrs(peer.peer_id)), timing.dht_start_timeout)
+        log.info("reachable through relays", extra={"peer": peer.peer_id, "maddrs": maddrs})
+        peer.reached_at(replace(peer.reach, maddrs=tuple(maddrs)))
+        relayed = lambda maddrs: peer.reached_at(replace(peer.reach, maddrs=tuple(maddrs)))  # noqa: E731
+        tasks.append(asyncio.create_task(slots.run(stop, relayed, peer.peer_id)))
+    if net.direct_port is not None:
+        await _direct_plane(cfg, joined, built, peer, servicer, streams, stop, stack, tasks)
+    return servicer
+
+
+async def _direct_plane(
+    cfg: PeerConfig,
+    joined: Joined,
+    built: Built,
+    peer: Peer,
+    servicer: Servicer,
+    streams: StreamLimits,
+    stop: asyncio.Event,
+    stack: contextlib.AsyncExitStack,
+    tasks: Tasks,
+) -> None:
+    """The direct data plane: dialled at its address, or, behind a NAT, punched through to where its NAT allows."""
+    net, store = joined.net, joined.store
+    limits = DirectLimits(
+        net.max_connections, net.max_caller_connections, net.handshake_timeout or cfg.timing.handshake_timeout
+    )
+    direct = DirectServer(servicer, store.credentials(), limits, admit_of(store), streams)
+    stack.push_async_callback(direct.close)
+    port = await direct.start(net.host, net.direct_port or 0)
+    if joined.relay.reached != "relayed":
+        peer.reached_at(replace(peer.reach, direct_address=direct_address(net, port)))
+        return
+    puncher = await punching(joined, built.p2p, direct, peer.model, cfg.timing.handshake_timeout)
+    if puncher is not None:
+        stack.callback(puncher.close)
+        peer.reached_at(replace(peer.reach, punch_via=puncher.observers(), punched=puncher.count))
+        tasks.append(asyncio.create_task(puncher.run(stop)))
+
+
+async def start_work(
+    cfg: PeerConfig, stage: Stage, built: Built, peer: Peer, stop: asyncio.Event, tasks: Tasks
+) -> None:
+    """The peer's span (pinned: served at once; else announced as joining, for the broker to place), and the work
+    that runs as long as it does: heartbeat, kept activations' expiry, follower, broker candidate, the stage's own."""
+    store, model, timing, placement = peer.store, peer.model, cfg.timing, cfg.placement
+    if placement.blocks is not None:
+        await peer.hold(placement.blocks, Role.SERVE)
+    else:
+        await peer.probe_speed()
+        await peer.publish(PeerState.JOINING)
+    tasks.append(asyncio.create_task(peer.heartbeat(stop)))
+    tasks.append(asyncio.create_task(_expire_kept(peer.passes, timing.activation_ttl / 4)))
+    if placement.blocks is None:
+        tasks.append(asyncio.create_task(run_follower(store, model.name, model.num_blocks, peer, timing)))
+    if placement.broker:
+        policy = Policy(replication=placement.replication, standby_fraction=placement.standby_fraction)
+        planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
+        judge = BrokerJudge(store, built.remote, model.name, model.num_blocks, timing)
+        broker = run_broker(store, model.name, planner, timing, judge.convicted)
+        tasks += [asyncio.create_task(broker), asyncio.create_task(judge.run())]
+    tasks += [asyncio.create_task(work) for work in stage.background()]
+
+
+async def _stop(tasks: Tasks, observers: Observers) -> None:
+    for task in tasks:
+        task.cancel()
+    with contextlib.suppress(Exception):
+        await asyncio.gather(*tasks, return_exceptions=True)
+    observers.close()
+
+
+async def _expire_kept(passes: PassService, period: float) -> None:
     """Kept forwards whose backward never came are dropped at their ttl even when no request comes to do it, and
     what the allocator holds free goes back to the system (``trim_freed_memory``)."""
     while True:
         await asyncio.sleep(period)
-        compute.kept.expire()
+        passes.kept.expire()
         trim_freed_memory()
 
 
@@ -331,7 +300,7 @@ async def _observe(
 ) -> None:
     obs = cfg.observe
     if obs.metrics_port is not None:
-        start_metrics(observers, obs, peer.compute.metrics, lambda: peer.snapshot(remote.traffic))
+        start_metrics(observers, obs, peer.engine.metrics, lambda: peer.snapshot(remote.traffic))
     if obs.dashboard_port is not None:
         if dashboard is None:
             raise BadInputError("--dashboard-port: this launcher of the peer serves no dashboard")
@@ -342,17 +311,19 @@ async def _observe(
         observers.add("dashboard", url, close)
 
 
-async def _leave(peer: Peer, sessions: Sessions, tasks: list[asyncio.Task[None]]) -> None:
+async def leave(peer: Peer, tasks: Tasks) -> None:
+    """Announce leaving, so new sessions go elsewhere, and give the open ones a grace period to finish (or fail
+    over)."""
     log.info("leaving", extra={"peer": peer.peer_id, "span": str(peer.span)})
     for task in tasks:
         task.cancel()
+    sessions = peer.sessions
     sessions.leaving = True
     if not peer.lost_dht:
         try:
             await asyncio.wait_for(peer.publish(PeerState.LEAVING), peer.cfg.timing.open_timeout)
         except Exception:
             log.warning("could not announce leaving", extra={"peer": peer.peer_id})
-    # New sessions now avoid this peer; give the open ones a grace period to finish (or fail over).
     loop = asyncio.get_running_loop()
     deadline = loop.time() + peer.cfg.timing.leave_grace
     while sessions.open and loop.time() < deadline:

@@ -18,7 +18,7 @@ not batched: ``batchable`` says so and they step alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,19 +98,20 @@ def assemble(rows: Sequence[Row], sub: Span, device: torch.device) -> Batch:
         else:
             positions.append(torch.arange(r.past, r.past + n, device=device).unsqueeze(0).expand(r.rows, -1))
     cache = DynamicCache()
-    skipped: list[DynamicLayer] = [DynamicLayer() for _ in range(sub.start)]  # type: ignore[no-untyped-call]
+    skipped: list[DynamicLayer] = [DynamicLayer() for _ in range(sub.start)]
     cache.layers = [*skipped, *(_BatchLayer(rows, index, top) for index in range(sub.start, sub.end))]
     return Batch(torch.cat([r.hidden.to(device) for r in rows]), torch.cat(masks), torch.cat(positions), cache, top)
 
 
-class _BatchLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+class _BatchLayer(DynamicLayer):
     """Layer ``index`` of a batch, seen by the model as one full-attention layer of ``top`` past positions. Its room
     (every row's past, left-padded) is gathered when the layer runs and dropped once its attention is done, so a batch
     holds one layer's room at a time; the step's own keys and values go straight to each row's cache, through that
     cache's own layer (as when the row runs alone, where the layer updates its cache before attending)."""
 
     def __init__(self, rows: Sequence[Row], index: int, top: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        init: Callable[[], None] = super().__init__  # typed here: transformers leaves it unannotated
+        init()
         self.rows, self.index, self.top = rows, index, top
         self.is_initialized = True
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import cast
+from types import ModuleType
+from typing import Protocol, cast
 
 import torch
 
@@ -29,7 +30,7 @@ def quantizable(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear and module.in_features % ALIGN == 0 and module.weight.dim() == 2
 
 
-def _bnb() -> object:
+def _bnb() -> ModuleType:  # bitsandbytes ships no types: its attributes are untyped
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -41,7 +42,7 @@ def _bnb() -> object:
 
 def _nf4(linear: torch.nn.Linear, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     bnb = _bnb()
-    out = bnb.nn.Linear4bit(  # type: ignore[attr-defined]
+    out = bnb.nn.Linear4bit(
         linear.in_features,
         linear.out_features,
         bias=linear.bias is not None,
@@ -50,13 +51,20 @@ def _nf4(linear: torch.nn.Linear, dtype: torch.dtype, device: torch.device) -> t
         quant_type="nf4",
         device="meta",
     )
-    out.weight = bnb.nn.Params4bit(  # type: ignore[attr-defined]
+    out.weight = bnb.nn.Params4bit(
         linear.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", blocksize=NF4_BLOCK
     ).to(device)  # quantizes: bitsandbytes packs a weight when it is moved to its device
     if linear.bias is not None:
         out.bias = torch.nn.Parameter(linear.bias.data.to(device=device, dtype=dtype), requires_grad=False)
     module: torch.nn.Module = out
     return module
+
+
+class _Int8Weight(Protocol):
+    """What ``Int8Linear`` reads of torchao's ``Int8Tensor``: the int8 codes and one scale per output row."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
 
 
 class Int8Linear(torch.nn.Linear):
@@ -69,9 +77,9 @@ class Int8Linear(torch.nn.Linear):
     weight."""
 
     def bind(self) -> Int8Linear:
-        codes = self.weight.qdata  # type: ignore[attr-defined]  # torchao's Int8Tensor
-        self._codes = codes.contiguous()  # the same storage as the weight's codes: not held twice
-        self._scales = self.weight.scale.reshape(-1).to(torch.bfloat16)  # type: ignore[attr-defined]
+        weight = cast(_Int8Weight, self.weight)  # torchao's Int8Tensor, as ``quantize_layer`` made it (untyped there)
+        self._codes = weight.qdata.contiguous()  # the same storage as the weight's codes: not held twice
+        self._scales = weight.scale.reshape(-1).to(torch.bfloat16)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +140,7 @@ def load_quantized(
 def _tensor_bytes(t: torch.Tensor) -> int:
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a library's tensor subclass: its parts
+        names, _ = flatten(t)  # a library's tensor subclass: its parts
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
 

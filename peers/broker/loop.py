@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 
 from peers.broker.election import Election
-from peers.broker.planner import PeerInfo, Plan, Role
+from peers.broker.planner import PeerInfo, PlacementPlan, Role
 from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time
 from swarm.ids import assignment_key, broker_key, peers_key
@@ -20,7 +20,7 @@ from swarm.perf.placement import link_tokens
 from swarm.records import Assignment, Lease, PeerRecord, PeerState, Placement
 
 log = logging.getLogger(__name__)
-Planner = Callable[[list[PeerInfo]], Plan]  # the stage's placement of the live peers (pure)
+Planner = Callable[[list[PeerInfo]], PlacementPlan]  # the stage's placement of the live peers (pure)
 Convicted = Callable[[], frozenset[str]]  # servers convicted of wrong answers so far (``peers.judge``)
 
 

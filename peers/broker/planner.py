@@ -59,7 +59,9 @@ class Placement:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PlacementPlan:
+    """Where each peer goes (span and role), and how fast the swarm it makes serves (its bottleneck and bound)."""
+
     placements: dict[str, Placement] = field(default_factory=dict)
     bottleneck: float = 0.0
     upper_bound: float = 0.0
@@ -70,7 +72,7 @@ class Plan:
         return sum(1 for p in peers if p.peer_id in self.placements and self.placements[p.peer_id].span != p.span)
 
 
-def settled(peers: list[PeerInfo], plan: Plan) -> list[PeerInfo]:
+def settled(peers: list[PeerInfo], plan: PlacementPlan) -> list[PeerInfo]:
     """The peers as they will be once they have followed ``plan`` (for simulations and tests of replanning)."""
     out = []
     for p in peers:
@@ -138,7 +140,7 @@ def _add(totals: list[float], span: Span, share: float) -> None:
         totals[b] += share
 
 
-def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy: Policy = Policy()) -> Plan:
+def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy: Policy = Policy()) -> PlacementPlan:
     speed = {p.peer_id: max(p.throughput, 1e-9) for p in peers}
     link = {p.peer_id: p.link_tokens for p in peers}
 
@@ -172,14 +174,14 @@ def plan_swarm(peers: list[PeerInfo], num_blocks: int, block_bytes: int, policy:
     movable = [p for p in peers if p.pinned is None and p.peer_id in placed]
     # each peer's most: its compute, or its link times the blocks it can hold, whichever is smaller
     bound = sum(min(speed[p.peer_id], link[p.peer_id] * cap[p.peer_id]) for p in peers if cap[p.peer_id] >= 1)
-    best: Plan | None = None
+    best: PlacementPlan | None = None
     for window in (_best_window, _weakest_window):
         found, found_totals = _search(dict(spans), list(totals), free, movable, cap, speed, share, policy, window)
         placements = {pid: Placement(span, Role.SERVE) for pid, span in found.items()}
         placements = _choose_standbys(peers, placements, found_totals, speed, policy)
         serving = {pid: pl.span for pid, pl in placements.items() if pl.role == Role.SERVE}
         final = _totals(num_blocks, serving, share)
-        plan = Plan(placements, min(final) if final else 0.0, bound / max(num_blocks, 1), unplaceable)
+        plan = PlacementPlan(placements, min(final) if final else 0.0, bound / max(num_blocks, 1), unplaceable)
         if best is None or plan.bottleneck > best.bottleneck * (1 + 1e-9) + 1e-12:
             best = plan
     assert best is not None

@@ -8,11 +8,11 @@ hold (ties: the earlier stage)."""
 
 from __future__ import annotations
 
-from peers.broker.planner import PeerInfo, Placement, Plan, Role, capacity
+from peers.broker.planner import PeerInfo, Placement, PlacementPlan, Role, capacity
 from swarm.ids import Span
 
 
-def plan_stages(peers: list[PeerInfo], stages: tuple[Span, ...], block_bytes: int) -> Plan:
+def plan_stages(peers: list[PeerInfo], stages: tuple[Span, ...], block_bytes: int) -> PlacementPlan:
     num_blocks = stages[-1].end
     load = {s: 0.0 for s in stages}  # each stage's throughput per block
     placements: dict[str, Placement] = {}
@@ -33,4 +33,4 @@ def plan_stages(peers: list[PeerInfo], stages: tuple[Span, ...], block_bytes: in
         load[stage] += min(p.throughput / len(stage), p.link_tokens)
         placements[p.peer_id] = Placement(stage, Role.SERVE)
     total = sum(p.throughput for p in peers if p.peer_id in placements)
-    return Plan(placements, min(load.values()), total / num_blocks, tuple(unplaceable))
+    return PlacementPlan(placements, min(load.values()), total / num_blocks, tuple(unplaceable))

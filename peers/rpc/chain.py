@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from peers.rpc.directory import ServerDirectory
+from peers.rpc.edge import Edge
 from peers.serving.counters import PeerMetrics
-from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, caller_of
-from peers.serving.sessions import Session, Sessions
+from peers.serving.limits import CallerContext, StreamIdle, caller_of
+from peers.serving.sessions import Session, SessionTable
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.config import Timing
@@ -42,7 +43,6 @@ from swarm.rpc.transport import Channel
 
 log = logging.getLogger(__name__)
 
-Admit = Callable[[str, dict[str, object]], None]  # raises NotMemberError for a caller outside a private swarm
 MAX_INBOX = 64  # steps waiting in one session (a prompt's chunks in flight); a push beyond is dropped
 MAX_WAITING = 256  # sessions with pushes that arrived before the route allowing them, all pushers together
 MAX_WAITING_PER_PUSHER = 16  # ...and per pusher (anyone can push before a route is known: these bound them)
@@ -57,9 +57,9 @@ class Pushed:
     def __init__(self, push: PushStep, tensors: dict[str, torch.Tensor], nbytes: int = 0) -> None:
         self.push, self.tensors, self.nbytes = push, tensors, nbytes
         self.placed = False  # in its session's inbox (whose end frees it)
-        self._claim: tuple[wire.ByteBudget | wire.Reservation, str] | None = None
+        self._claim: tuple[wire.ByteBudget | wire.SessionRoom, str] | None = None
 
-    def claim(self, budget: wire.ByteBudget | wire.Reservation | None, holder: str) -> None:
+    def claim(self, budget: wire.ByteBudget | wire.SessionRoom | None, holder: str) -> None:
         self.free()
         if budget is not None:
             budget.take(self.nbytes, holder)
@@ -180,26 +180,12 @@ class _PushLink:
         self._task.cancel()
 
 
-class Relay:
+class StepPusher:
     """This server's side of chaining: its push connections to next hops, and the handler for pushes to it."""
 
-    def __init__(
-        self,
-        remote: Remote,
-        sessions: Sessions,
-        timing: Timing,
-        max_bytes: int,
-        admit: Admit,
-        directory: ServerDirectory,
-        budget: wire.ByteBudget | None = None,
-    ) -> None:
-        self.remote = remote
-        self.sessions = sessions
-        self.timing = timing
-        self.max_bytes = max_bytes
-        self.admit = admit
-        self.directory = directory
-        self.budget = budget
+    def __init__(self, remote: Remote, sessions: SessionTable, directory: ServerDirectory, edge: Edge) -> None:
+        self.remote, self.sessions, self.directory, self.edge = remote, sessions, directory, edge
+        self.timing, self.budget, self.metrics = edge.timing, edge.budget, edge.metrics
         self.peer_id = remote.creds.peer_id
         self._links: dict[str, _PushLink] = {}
         self._waiting: dict[tuple[str, str, str], list[Pushed]] = {}  # (pusher, client, session) -> early pushes
@@ -221,8 +207,8 @@ class Relay:
                 self._prune()
             # the addresses its own signed record announces, never those a client wrote into its route
             target = Hop(record.peer_id, 0, 1, record.maddrs, direct=record.direct_address)
-            metrics = self.sessions.compute.metrics
-            link = self._links[record.peer_id] = _PushLink(self.remote, target, metrics, self.budget, self.timing)
+            link = _PushLink(self.remote, target, self.metrics, self.budget, self.timing)
+            self._links[record.peer_id] = link
         return link
 
     def _prune(self) -> None:
@@ -238,7 +224,7 @@ class Relay:
             nxt = route.hops[session.index + 1].peer_id
             record = await self.directory.server_at(nxt, session.sub.end)
             if record is None:
-                self.sessions.compute.metrics.push_refused += 1
+                self.metrics.push_refused += 1
                 raise BadInputError(f"the route's next hop {nxt} announces no record serving block {session.sub.end}")
             session.next_hop = record
             if record.peer_id != self.peer_id:
@@ -267,14 +253,13 @@ class Relay:
         )
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}
         record = session.next_hop
-        assert isinstance(record, ServerRecord)
         if record.peer_id == self.peer_id:  # a repaired route put two spans of this server in a row: no network
             self._push_here(self.remote.meta(push), carried)
             return
         self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller)
 
     def send_pass(self, record: ServerRecord, push: PassPush, tensors: dict[str, torch.Tensor], holder: str) -> None:
-        """A chained training pass's output, to the next hop of the pass (``peers/rpc/passes.py``)."""
+        """A chained training pass's output, to the next hop of the pass (``peers.rpc.passes``)."""
         if record.peer_id == self.peer_id:  # the pass names this server twice in a row: no network
             if self.on_pass is not None:
                 self.on_pass(self.peer_id, push, next(iter(tensors.values())))
@@ -291,7 +276,7 @@ class Relay:
             try:
                 await self._place(self.peer_id, meta, tensors)
             except (BadInputError, BusyError) as e:
-                self.sessions.compute.metrics.push_refused += 1
+                self.metrics.push_refused += 1
                 log.info("push refused: %s", e, extra={"peer": self.peer_id})
 
         self._local = task = asyncio.create_task(place())
@@ -304,15 +289,15 @@ class Relay:
         """Steps pushed by a previous hop, back to back; each goes to the inbox of the session it names. One that
         cannot be placed is dropped and logged (the client, waiting for this hop's reply, repairs the chain)."""
         pusher = caller_of(context)
-        decoder = self.sessions.compute.metrics.decoder(self.max_bytes, self.budget, pusher)  # counts bytes received
-        guarded = GuardedFrames(frames, decoder, self.timing.stream_idle, self.timing.message_timeout)
+        decoder = self.edge.decoder(pusher)  # counts the bytes received
+        guarded = self.edge.guard(frames, decoder)
         try:
             while (message := await wire.read_message(guarded, decoder)) is not None:
                 decoder.release()  # a placed push is counted as its own (``Pushed.claim``)
                 try:
                     await self._place(pusher, *message)
                 except (BadInputError, BusyError) as e:
-                    self.sessions.compute.metrics.push_refused += 1
+                    self.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
         except StreamIdle:
             return
@@ -328,7 +313,7 @@ class Relay:
         """Into its session's inbox now if the session is ready for it; else behind the pushes already waiting for
         that session, which one task waits for, so a push the client's route update has not yet made welcome never
         holds up pushes to other sessions on the same connection (nor are two pushes to one session reordered)."""
-        self.admit(pusher, meta)
+        self.edge.check_member(pusher, meta)
         check_version(meta)
         if meta.get("kind") == "pass":  # a chained training pass's activation or gradient
             pass_push = PassPush.model_validate(meta)
@@ -369,7 +354,7 @@ class Relay:
                         raise why
                     await self._enqueue(pusher, session, pushed)
                 except (BadInputError, BusyError) as e:
-                    self.sessions.compute.metrics.push_refused += 1
+                    self.metrics.push_refused += 1
                     log.info("push refused: %s", e, extra={"peer": pusher})
         finally:
             for pushed in self._waiting.pop(key, []):
@@ -387,7 +372,7 @@ class Relay:
             raise BadInputError(f"{pusher} announces no record serving block {session.sub.start - 1}")
         if session.inbox.qsize() >= MAX_INBOX:
             raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
-        room = session.room if isinstance(session.room, wire.Reservation) else self.budget
+        room = session.room if session.room is not None else self.budget
         pushed.claim(room, session.caller)  # the work of the session's client: counted as its own
         pushed.placed = True
         session.inbox.put_nowait(pushed)

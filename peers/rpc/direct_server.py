@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
+from peers.rpc.edge import Admit, error_reply
 from peers.rpc.framing import Caller, StreamLimits, WriteStalled, close_replies, read_body, write_counted
-from peers.rpc.servicer import Admit, Servicer, error_reply
+from peers.rpc.servicer import Servicer
 from peers.serving.limits import CallerContext
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError
@@ -77,7 +78,7 @@ class DirectServer:
         self.creds, self.limits, self.admit = creds, limits, admit
         self.streams = streams or StreamLimits()
         self.budget = servicer.budget
-        self.metrics = servicer.compute.metrics
+        self.metrics = servicer.metrics
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self.tls: ServerTls | None = None

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # protobuf ships no stubs
+from google.protobuf.message import DecodeError
 
 from peers.serving.limits import PeerIdLike, StreamStalled
 from swarm import wire

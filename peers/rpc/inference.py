@@ -13,16 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import torch
 
-from peers.rpc.chain import Pushed, Relay
+from peers.rpc.chain import Pushed, StepPusher
+from peers.rpc.edge import Edge
+from peers.serving.checks import Limits
 from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
-from peers.serving.sessions import Session, Sessions
+from peers.serving.sessions import Session, SessionTable
 from swarm import wire
 from swarm.codecs import Codec
-from swarm.config import Timing
 from swarm.errors import BadInputError, SessionExpiredError
 from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
 from swarm.rpc.commit import CommitSigner, aux_digest, binding
@@ -66,40 +67,29 @@ def _frames(reply: Message, tensors: dict[str, torch.Tensor] | None = None) -> l
 
 
 class InferenceLoop:
+    """Inference streams: each opens a session in ``sessions`` and runs its steps, pushing on through ``pusher``
+    (None: this server does not chain), answering with ``signer``'s commitments."""
+
     def __init__(
-        self,
-        sessions: Sessions,
-        relay: Relay | None,
-        signer: CommitSigner,
-        timing: Timing,
-        decoder: Callable[[str], wire.Decoder],
-        admit: Callable[[str, dict[str, object]], None],
-        delay: Callable[[], Awaitable[None]],
-        error_reply: Callable[..., list[wire.Frame]],
+        self, sessions: SessionTable, pusher: StepPusher | None, signer: CommitSigner, edge: Edge, limits: Limits
     ) -> None:
-        self.sessions = sessions
-        self.relay = relay
-        self.signer = signer
-        self.timing = timing
-        self.decoder = decoder
-        self.admit = admit
-        self.delay = delay
-        self.error_reply = error_reply
+        self.sessions, self.pusher, self.signer, self.edge, self.limits = sessions, pusher, signer, edge, limits
+        self.timing, self.metrics = edge.timing, edge.metrics
 
     async def serve(self, frames: Frames, context: CallerContext | None) -> Frames:
         caller = caller_of(context)
-        decoder = self.decoder(caller)
+        decoder = self.edge.decoder(caller)
         guarded = GuardedFrames(frames, decoder, self.timing.session_idle, self.timing.message_timeout)
         session: Session | None = None
         reader: asyncio.Task[None] | None = None
-        metrics = self.sessions.compute.metrics
+        metrics = self.metrics
         t0 = time.perf_counter()
         try:
             message = await wire.read_message(guarded, decoder)
             if message is None:
                 return
             t0 = time.perf_counter()  # from the opening message's arrival, as every other request is timed
-            self.admit(caller, message[0])
+            self.edge.check_member(caller, message[0])
             check_version(message[0])
             request = InferenceRequest.model_validate(message[0])
             if request.open is None:
@@ -136,7 +126,7 @@ class InferenceLoop:
                 metrics.observe("session_open", e, time.perf_counter() - t0)
             if session is not None:  # free its room before anything else: the reply may wait on a slow reader
                 await self.sessions.end(session)
-            for f in self.error_reply(e, session=session.id if session else None):
+            for f in self.edge.error_reply(e, session=session.id if session else None):
                 yield f
         finally:
             if reader is not None:
@@ -146,19 +136,18 @@ class InferenceLoop:
                 await self.sessions.end(session)
                 self.signer.end((session.caller, session.id))
                 _drop_inbox(session)
-                if isinstance(session.room, wire.Reservation):
+                if session.room is not None:
                     session.room.close()
 
     def _reserve(self, session: Session, decoder: wire.Decoder) -> None:
-        """Set a room aside for the session's steps and pushes, now that it is established (``wire.Reservation``):
+        """Set a room aside for the session's steps and pushes, now that it is established (``wire.SessionRoom``):
         callers who fill the byte budget later get ``busy``, this session keeps its decode steps."""
         budget = decoder.budget
         if not isinstance(budget, wire.ByteBudget):
             return
-        limits = self.sessions.compute.limits
-        room = min(2 * session.batch * ROOM_TOKENS * limits.hidden_size * 4, budget.per_caller // 16)
+        room = min(2 * session.batch * ROOM_TOKENS * self.limits.hidden_size * 4, budget.per_caller // 16)
         decoder.release()  # the opening's bytes: from here the room counts what this stream holds
-        session.room = decoder.budget = wire.Reservation(budget, session.caller, room)
+        session.room = decoder.budget = wire.SessionRoom(budget, session.caller, room)
 
     @staticmethod
     async def _read(guarded: GuardedFrames, decoder: wire.Decoder, session: Session) -> None:
@@ -182,7 +171,7 @@ class InferenceLoop:
             step, tensors = item.push.step, item.tensors
             hidden = tensors.get("hidden")
             if hidden is not None and hidden.is_floating_point():  # the previous hop sent its own dtype
-                tensors = {**tensors, "hidden": hidden.to(self.sessions.compute.limits.dtype)}
+                tensors = {**tensors, "hidden": hidden.to(self.limits.dtype)}
             return await self._step(session, step, tensors, item.tensors.get("hidden"), item.push.codec)
         assert isinstance(item, _FromClient)
         meta, tensors = item.message
@@ -191,9 +180,9 @@ class InferenceLoop:
         if request.open is not None and not item.opening:
             raise BadInputError("this stream's session is already open")
         if request.route is not None:
-            if self.relay is None:
+            if self.pusher is None:
                 raise BadInputError("this server does not chain steps")
-            await self.relay.bind(session, request.route)
+            await self.pusher.bind(session, request.route)
             await self.sessions.notify()
         if request.step is None:
             return _frames(self.signer.sealed((session.caller, session.id), _bound(session)))
@@ -209,23 +198,23 @@ class InferenceLoop:
     ) -> list[wire.Frame]:
         """Run ``step``; push its output on if it goes further; answer with the output (in ``codec``, the client's
         choice, as the push) and the commitment to what was ``received`` and what receivers decode."""
-        compute = self.sessions.compute
-        compute.active += 1
+        metrics = self.metrics
+        metrics.active += 1
         t0, error = time.perf_counter(), None
         try:
-            await self.delay()
+            await self.edge.delay()
             result = await self.sessions.step(session, step.position, tensors)
         except Exception as e:
             error = e
             raise
         finally:
-            compute.active -= 1
-            compute.metrics.observe("inference_step", error, time.perf_counter() - t0)
+            metrics.active -= 1
+            metrics.observe("inference_step", error, time.perf_counter() - t0)
         out = result["hidden"]
         if step.hops:
-            if self.relay is None:
+            if self.pusher is None:
                 raise BadInputError("this server does not chain steps")
-            self.relay.push(session, step, out, tensors, codec)
+            self.pusher.push(session, step, out, tensors, codec)
         assert received is not None  # the step's checks required it
         sent = wire.as_received(out, codec)
         aux = aux_digest(step.position, received.shape[1], tensors.get("position_ids"), tensors.get("attention_mask"))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peers.rpc.directory import ServerDirectory
-from peers.serving.compute import ComputeService
+from peers.serving.pass_service import PassService
 from swarm import wire
 from swarm.config import Timing
 from swarm.errors import BadInputError
@@ -142,14 +142,14 @@ class Passes:
 
     def __init__(
         self,
-        compute: ComputeService,
+        service: PassService,
         directory: ServerDirectory,
         timing: Timing,
         send: Send,
         budget: wire.ByteBudget | None = None,
     ) -> None:
-        """``send(record, push, tensors, holder)``: push to the peer of ``record`` (``Relay.send_pass``)."""
-        self.compute, self.directory, self.send = compute, directory, send
+        """``send(record, push, tensors, holder)``: push to the peer of ``record`` (``StepPusher.send_pass``)."""
+        self.service, self.directory, self.send = service, directory, send
         self.box = PassBox(timing, budget)
 
     async def run(
@@ -176,11 +176,11 @@ class Passes:
             assert isinstance(req, ForwardRequest)
             if not req.keep_for_backward or req.forward_id != link.key:
                 raise BadInputError("a chained forward keeps its graph under its pass key")
-            out = await self.compute.forward(req, tensors, caller)
+            out = await self.service.forward(req, tensors, caller)
             result: torch.Tensor | None = out.pop("hidden")
         else:
             assert isinstance(req, BackwardRequest)
-            out = await self.compute.backward(req, tensors, caller)
+            out = await self.service.backward(req, tensors, caller)
             result = out.pop("grad_input", None)
         reply = PassReply(input_digest=digest(received), output_digest=digest(result) if result is not None else "")
         if link.target is None:

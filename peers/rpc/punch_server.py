@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from peers.rpc.direct_server import DirectServer
-from peers.rpc.servicer import Admit, _reply, error_reply
+from peers.rpc.edge import Admit, error_reply, reply
 from peers.serving.limits import CallerContext, caller_of
 from swarm import wire
 from swarm.errors import BusyError, NotMemberError, PeerUnavailableError
@@ -92,7 +92,8 @@ class Puncher:
         caller = caller_of(context)
         try:
             meta, _ = wire.decode([frame], 4096)
-            if self.admit is not None and not self.admit(caller, meta.get("member")):  # type: ignore[arg-type]
+            token = meta.get("member")
+            if self.admit is not None and not self.admit(caller, token if isinstance(token, str) else None):
                 raise NotMemberError("this is a private swarm: the caller holds no valid membership (--swarm-key)")
             check_version(meta)
             request = PunchRequest.model_validate(meta)
@@ -100,11 +101,11 @@ class Puncher:
                 raise BusyError("too many hole punches in progress")
             if self.port is None or self.endpoint is None:
                 raise PeerUnavailableError("this peer does not know its own address yet")
-            reply = _reply(PunchReply(address=self.endpoint))
+            answer = reply(PunchReply(address=self.endpoint))
             self._start(caller, self.port.getsockname()[1], request.address)
         except Exception as e:
-            reply = error_reply(e, peer=caller)
-        return reply[0]
+            answer = error_reply(e, peer=caller)
+        return answer[0]
 
     def _start(self, caller: str, port: int, remote: str) -> None:
         self.busy[caller] += 1

@@ -83,7 +83,7 @@ def _pack(t: torch.Tensor) -> _Saved:
 def _unpack(saved: _Saved) -> torch.Tensor:
     tensor, version = saved
     if tensor._version != version:
-        raise RuntimeError(INPLACE)  # the wording ``ComputeService._backward`` recognises, as autograd's own
+        raise RuntimeError(INPLACE)  # the wording ``PassService._backward`` recognises, as autograd's own
     return tensor
 
 

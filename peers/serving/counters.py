@@ -3,11 +3,14 @@
 never share a series.
 
 Only what cannot be read from the peer's state is counted as it happens: requests by kind and outcome with their
-latency (one ``observe`` per request, where the servicer answers it), the bytes the servicer receives and sends, and
-a few events the relay sees. Labels take values from small fixed sets: never a caller's peer id, a session id or an
+latency (one ``observe`` per request, where the servicer answers it), the bytes the servicer receives and sends, the
+requests served and in progress (``served``, ``active``: what ``info`` reports), and a few events the step pusher
+sees. Labels take values from small fixed sets: never a caller's peer id, a session id or an
 error text."""
 
 from __future__ import annotations
+
+import collections
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import ValidationError
@@ -80,6 +83,8 @@ class PeerMetrics:
             self.requests.labels(kind, "ok")
             self.latency.labels(kind)
         # plain ints, added to on the RPC loop (and read there too: see ``PeerCollector``)
+        self.served: collections.Counter[str] = collections.Counter()  # requests served by kind (info, records)
+        self.active = 0  # requests being processed now (reported by info)
         self.received_bytes = 0  # every frame the servicer decoded, requests and pushes
         self.sent_bytes = 0  # every frame it answered with
         self.push_failures = 0  # push connections to a chained route's next hop that failed or were closed

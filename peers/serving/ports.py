@@ -1,4 +1,4 @@
-"""The ports a stage plugs into the serving domain, beside ``Stage`` itself (``peers.serving.stage``): a span whose
+"""The ports a stage plugs into the serving domain, beside ``Stage`` itself (``peers.serving.stage_port``): a span whose
 weights learn gives compute a ``Learner``; a trainable stage gives the handlers its ``TrainingRpc``. Pre-training's
 stage implements both (``peers.training``); a serving stage neither."""
 
@@ -49,7 +49,7 @@ class Learner(Protocol):
 
 
 class TrainingRpc(Protocol):
-    """What a trainable stage answers beyond forward and backward (``peers.training.stage``)."""
+    """What a trainable stage answers beyond forward and backward (``peers.training.trainable_stage``)."""
 
     async def state(self, req: StateRequest, caller: str, budget: wire.ByteBudget | None) -> StateCopy:
         """A copy of the stage's state for ``caller``, admitted and counted (``budget``: the server's bytes held)

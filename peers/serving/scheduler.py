@@ -112,6 +112,26 @@ def pick(
     return batch
 
 
+def batching(runtime: object, sub: Span, row: Row, prompts: int) -> tuple[Batcher | None, Hashable | None]:
+    """Whether a session's step may share a forward, and with which steps: only through a runtime that batches
+    (``Batcher``), when the session's cache has a layout a batch reproduces exactly and no deep prompt is still to be
+    added (``prompts``: the adapter's prompt tokens, added at the first positions); then with the steps through the
+    same blocks with as many tokens per row. ``(None, None)``: it runs alone."""
+    if not isinstance(runtime, Batcher) or not runtime.joins(row.cache) or row.past < prompts:
+        return None, None
+    return runtime, (sub, int(row.hidden.shape[1]))
+
+
+def pieces(runtime: object, n: int, past: int, chunk: int, prompts: int) -> list[tuple[int, int]]:
+    """A step of ``n`` tokens after ``past`` as the turns it takes on the compute thread: a long one (a prompt) in
+    pieces of ``chunk`` tokens, so other sessions' next tokens are not held up by it (chunked prefill), but a deep
+    prompt (``prompts`` tokens, at the start) in one piece. Only a runtime that batches splits a step."""
+    size = max(chunk, prompts if past == 0 else 0)
+    if not isinstance(runtime, Batcher) or n <= size:
+        return [(0, n)]
+    return [(at, min(n, at + size)) for at in range(0, n, size)]
+
+
 CONTENDED = 0.85  # of a core: below it, the device is shared with other work (see ``hold``)
 CONTENDED_FORWARDS = 8  # ... and a batch may wait this many forwards' price for companions
 

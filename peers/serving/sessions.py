@@ -1,6 +1,8 @@
 """Inference sessions on a server: a KV cache per session under the token budget, steps checked against the
 position the server holds, and the client's adapter bound (and pinned in the adapter cache) for the session's life.
-Sessions are capped per caller and in total; they are keyed by caller too, so nobody can squat another's session id."""
+Sessions are capped per caller and in total; they are keyed by caller too, so nobody can squat another's session id.
+The table runs steps on the engine's ports (``peers.serving.engine``): the loaded runtime, the scheduler, the queue
+quota, the limits and the counters."""
 
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from peers.serving.adapters import Adapter, Pin
 from peers.serving.checks import check_aux, check_finite, check_hidden, check_names
-from peers.serving.compute import ComputeService
+from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
-from peers.serving.runtime import Batcher, Row, require
+from peers.serving.runtime import Row
+from peers.serving.scheduler import batching, pieces
+from swarm import wire
 from swarm.errors import BadInputError, PeerUnavailableError, SessionExpiredError, SessionLengthError
 from swarm.ids import Span
 from swarm.protocol import ChainRoute, OpenSession
-from swarm.records import Capability
+from swarm.records import Capability, ServerRecord
 
 
 @dataclass
@@ -39,8 +43,8 @@ class Session:
     last_start: int | None = None  # where the last step began: a step sent again from there redoes it
     route: ChainRoute | None = None  # the client's signed route, once it gave one (``peers.rpc.chain``)
     index: int = 0  # this session's place in it
-    next_hop: object | None = None  # the signed ServerRecord of the hop after it, which pushes are sent to
-    room: object | None = None  # its wire.Reservation in the byte budget: its steps and pushes count there first
+    next_hop: ServerRecord | None = None  # the signed record of the hop after it, which pushes are sent to
+    room: wire.SessionRoom | None = None  # its room in the byte budget: its steps and pushes count there first
     # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
     inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
 
@@ -50,17 +54,21 @@ class Session:
         return self.route.hops[self.index - 1].peer_id if self.route is not None and self.index > 0 else None
 
 
-class Sessions:
+class SessionTable:
+    """The inference sessions open on this server, by (caller, session id), and their steps."""
+
     def __init__(
         self,
-        compute: ComputeService,
+        engine: Engine,
         budget: CacheBudget,
         cache_wait: float,
         quota: Quota | None = None,
         cost: KvCost | None = None,
         prefill_chunk: int = 256,
     ) -> None:
-        self.compute = compute
+        # the engine's ports it steps on (``peers.serving.engine``)
+        self.loaded, self.adapters, self.scheduler = engine.loaded, engine.adapters, engine.scheduler
+        self.queued, self.limits, self.metrics = engine.queued, engine.limits, engine.metrics
         self.budget = budget
         self.cost = cost  # None (servers built by hand in tests): a token of one sequence costs one unit of budget
         self.cache_wait = cache_wait
@@ -74,36 +82,32 @@ class Sessions:
     async def start(self, msg: OpenSession, tensors: Tensors, caller: str) -> Session:
         if self.leaving:
             raise PeerUnavailableError("this server is leaving the swarm; open the session elsewhere")
-        sub = self.compute.sub(msg.start, msg.end)
-        assert self.compute.backend is not None  # sub raised if nothing is held
-        require(self.compute.backend, Capability.INFERENCE, "an inference session")
+        sub, runtime = self.loaded.serve(msg.start, msg.end, Capability.INFERENCE, "an inference session")
         if (caller, msg.session_id) in self.open:
             raise BadInputError(f"session {msg.session_id} is already open here")
         self.quota.acquire(caller)  # counted from here: a session waiting for cache room holds a place too
         pin: Pin | None = None
         try:
-            adapter, pin = self.compute.bind_adapter(caller, msg.adapter, tensors, sub)
+            adapter, pin = self.adapters.bind(caller, msg.adapter, tensors, sub)
             reserved = await self.budget.reserve(self.session_cost(msg), self.cache_wait, caller)
         except BaseException:
             self.quota.release(caller)
             if pin is not None:
                 pin.release()
             raise
-        backend = self.compute.backend
-        assert backend is not None
         session = Session(
             msg.session_id,
             sub,
             msg.max_length,
             msg.batch_size,
-            backend.new_cache(msg.max_length),
+            runtime.new_cache(msg.max_length),
             reserved,
             adapter=adapter,
             pin=pin,
             caller=caller,
         )
         self.open[(caller, session.id)] = session
-        self.compute.stats["sessions"] += 1
+        self.metrics.served["sessions"] += 1
         await self.notify()
         return session
 
@@ -142,7 +146,7 @@ class Sessions:
     async def end(self, session: Session) -> None:
         if self.open.pop((session.caller, session.id), None) is not None:
             session.cache = None
-            self.compute.scheduler.rhythm.forgot((session.caller, session.id))
+            self.scheduler.rhythm.forgot((session.caller, session.id))
             self.quota.release(session.caller)
             if session.pin is not None:
                 session.pin.release()
@@ -150,7 +154,7 @@ class Sessions:
 
     async def step(self, session: Session, position: int, tensors: Tensors) -> Tensors:
         check_names(tensors)
-        hidden = check_hidden(tensors, self.compute.limits)
+        hidden = check_hidden(tensors, self.limits)
         check_finite(hidden, "hidden")  # a NaN would poison this session's cache for every later step
         batch, n = hidden.shape[:2]
         if batch != session.batch:
@@ -161,48 +165,44 @@ class Sessions:
         floor = session.last_start if session.last_start is not None else session.position
         if not floor <= position <= session.position:
             raise BadInputError(f"step at position {position}, but this server holds {session.position} tokens")
-        held = self.compute.held
+        held = self.loaded.held
         if held is None or session.sub not in held:
             raise PeerUnavailableError(f"this peer moved to blocks {held}; reopen the session elsewhere")
         if position + n > session.max_length:
             raise SessionLengthError(
                 f"session of max_length {session.max_length} cannot take {n} more tokens at position {position}"
             )
-        mask, pos = check_aux(tensors, batch, n, position + n, self.compute.limits)
+        mask, pos = check_aux(tensors, batch, n, position + n, self.limits)
         if position < session.position:  # (part of) the last step undone: forget it first
             if _recurrent(session.cache):  # a state-space state cannot be taken back: the client replays elsewhere
                 await self.end(session)
                 raise SessionExpiredError("this span's recurrent states cannot redo a step: reopen it and replay")
             _rewind(session.cache, session.position - position)
-            self.compute.metrics.step_replays += 1
+            self.metrics.step_replays += 1
             session.position = position
         else:
             _rewind(session.cache, 0)
-        self.compute.queued.acquire(session.caller)
+        self.queued.acquire(session.caller)
         try:
             out = await self._chunks(session, hidden, mask, pos)
         finally:
-            self.compute.queued.release(session.caller)
+            self.queued.release(session.caller)
         session.last_start = position
         session.position += n
-        self.compute.stats["inference_steps"] += 1
+        self.metrics.served["inference_steps"] += 1
         return {"hidden": out}
 
     async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
     ) -> torch.Tensor:
-        """The step through the scheduler: a long one (a prompt) in chunks, each its own turn on the compute
-        thread, so other sessions' next tokens are not held up by it (chunked prefill)."""
-        backend = self.compute.backend
-        assert backend is not None
-        n, past = hidden.shape[1], session.position
-        prompts = session.adapter.prompt_tokens if session.adapter is not None else 0
-        size = max(self.prefill_chunk, prompts if past == 0 else 0)  # deep prompts go in one piece
-        if not isinstance(backend, Batcher) or n <= size:  # only the torch runtime's steps are batched or split
+        """The step through the scheduler, in the turns ``pieces`` cuts it into."""
+        past, prompts = session.position, session.adapter.prompt_tokens if session.adapter is not None else 0
+        runtime = self.loaded.current()
+        cuts = pieces(runtime, hidden.shape[1], past, self.prefill_chunk, prompts)
+        if len(cuts) == 1:
             return await self._turn(session, hidden, mask, pos, past)
         outs = []
-        for at in range(0, n, size):
-            end = min(n, at + size)
+        for at, end in cuts:
             m = mask[:, : past + end] if mask is not None else None
             p = pos[:, at:end] if pos is not None else None
             outs.append(await self._turn(session, hidden[:, at:end], m, p, past + at))
@@ -211,16 +211,12 @@ class Sessions:
     async def _turn(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int
     ) -> torch.Tensor:
-        backend = self.compute.backend
-        assert backend is not None
         row = Row(hidden, session.cache, past, mask, pos, session.adapter)
         prompts = session.adapter.prompt_tokens if session.adapter is not None else 0
-        # a step joins batches when the runtime batches, its cache has the plain layout and no deep prompt is added
-        runtime = backend if isinstance(backend, Batcher) and backend.joins(session.cache) and past >= prompts else None
-        key = (session.sub, int(hidden.shape[1])) if runtime is not None else None
+        runtime, key = batching(self.loaded.current(), session.sub, row, prompts)
         alone = partial(self._alone, session, hidden, mask, pos, past)
         lone = len(self.open) == 1
-        scheduler = self.compute.scheduler
+        scheduler = self.scheduler
         return await scheduler.step(
             session.caller, session.sub, row, alone, runtime, key, lone, (session.caller, session.id)
         )
@@ -228,10 +224,9 @@ class Sessions:
     def _alone(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None, past: int
     ) -> torch.Tensor:
-        backend = self.compute.backend
-        assert backend is not None
+        runtime = self.loaded.current()
         with torch.inference_mode():
-            return backend.run(
+            return runtime.run(
                 hidden,
                 session.sub,
                 attention_mask=mask,

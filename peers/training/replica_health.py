@@ -14,8 +14,8 @@ the replicas are apart, and averaging alone will not bring them together: someon
   that two other replicas signed alike (``swarm.training.state``). Two replicas that both look sound never swap
   states on each other's word.
 
-The copy itself is fetched and checked by the stage (``peers/training/stage.py``), imported on the compute thread,
-logged, and counted (``swarm_peer_replica_heals_total``)."""
+The copy itself is fetched and checked by the stage (``peers/training/trainable_stage.py``), imported on the compute
+thread, logged, and counted (``swarm_peer_replica_heals_total``)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,11 @@ from peers.training.outer_rounds import OuterRounds
 from peers.training.proofs import StepClaims, StepProofs
 from peers.training.replica_health import ReplicaHealth
 from peers.training.state_parts import STATE_PARTS, parse_state
-from swarm.dht import OwnedDHT, dht_time
+from swarm.dht import dht_time
 from swarm.errors import BadInputError, StaleStepError
 from swarm.identity import Signed
 from swarm.ids import Span
+from swarm.owned_dht import OwnedDHT
 from swarm.protocol import TrainTag
 from swarm.training import checkpoints
 from swarm.training.averaging import OwnedAverager

@@ -10,8 +10,13 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peers.rpc.chain import accept_route
-from peers.serving.sessions import Session, Sessions
-from swarm.client.chain import chunks
+from peers.serving.checks import Limits
+from peers.serving.config import ComputeConfig
+from peers.serving.engine import Engine
+from peers.serving.kv_cache import CacheBudget
+from peers.serving.sessions import Session, SessionTable
+from swarm.client.session.steps import chunks
+from swarm.config import Timing
 from swarm.errors import BadInputError
 from swarm.identity import Credentials, Signed
 from swarm.ids import Span
@@ -132,7 +137,8 @@ def test_a_long_step_goes_in_pieces():
 
 def test_a_push_waits_for_its_session_and_route_then_gives_up():
     async def main() -> None:
-        sessions = Sessions(compute=None, budget=None, cache_wait=0.1)  # type: ignore[arg-type]
+        engine = Engine(Limits(8, torch.float32, 2, 64), ComputeConfig(), Timing())
+        sessions = SessionTable(engine, CacheBudget(100, per_caller=100), cache_wait=0.1)
         with pytest.raises(BadInputError, match="no session"):
             await sessions.wait_for("client", "s1", 0, 0.05)
         s = session()

@@ -15,12 +15,11 @@ import torch
 from peers.serving.activations import ActivationStore, Kept, SavedBytes
 from peers.serving.adapters import AdapterCache, parse_adapter
 from peers.serving.checks import Limits, check_aux, check_finite, check_hidden
-from peers.serving.compute import ComputeService
 from peers.serving.config import ComputeConfig
+from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget
 from peers.serving.limits import ANONYMOUS, GuardedFrames, Quota, StreamIdle, StreamStalled, caller_of
-from peers.serving.scheduler import Rhythm
-from peers.serving.sessions import Sessions
+from peers.serving.sessions import SessionTable
 from swarm import wire
 from swarm.config import Timing
 from swarm.errors import AdapterMissingError, BadInputError, BusyError
@@ -71,20 +70,21 @@ async def test_cache_budget_share_per_caller():
     assert await budget.reserve(50, 0.05, "me") == 50 and budget.free == 0
 
 
-def _fake_compute() -> SimpleNamespace:
-    return SimpleNamespace(
-        sub=lambda start, end: Span(start, end),
-        bind_adapter=lambda caller, ref, tensors, sub: (None, None),
-        backend=SimpleNamespace(new_cache=lambda max_length=None: None, name="torch", capabilities=ALL_CAPABILITIES),
-        stats={"sessions": 0},
-        scheduler=SimpleNamespace(rhythm=Rhythm()),  # what the scheduler knows of a session is forgotten at its end
+def _serving_engine() -> Engine:
+    """An engine serving blocks 0:2 through a runtime that runs nothing (sessions open and end, no step runs)."""
+    engine = _engine()
+    runtime = SimpleNamespace(
+        span=Span(0, 2), new_cache=lambda max_length=None: None, name="torch", capabilities=ALL_CAPABILITIES
     )
+    engine.loaded.set(runtime)
+    engine.loaded.serving = True
+    return engine
 
 
 async def test_sessions_capped_per_caller_and_in_total_with_50_identities():
     quota = Quota("open sessions", per_caller=2, total=10, flags=("--max-caller-sessions", "--max-sessions"))
     budget = CacheBudget(10_000, per_caller=5_000)
-    sessions = Sessions(_fake_compute(), budget, cache_wait=0.05, quota=quota)
+    sessions = SessionTable(_serving_engine(), budget, cache_wait=0.05, quota=quota)
 
     def msg(i: int) -> OpenSession:
         return OpenSession(session_id=f"{i:032d}", start=0, end=1, max_length=10, batch_size=1)
@@ -190,13 +190,12 @@ def test_adapter_cache_callers_pins_and_refusals():
     assert cache.nbytes <= 1024
 
 
-def _service(**cfg: int) -> ComputeService:
-    limits = Limits(8, torch.float32, 2, 64)
-    return ComputeService(limits, ComputeConfig(**cfg), Timing())  # type: ignore[arg-type]
+def _engine(**cfg: int) -> Engine:
+    return Engine(Limits(8, torch.float32, 2, 64), ComputeConfig(**cfg), Timing())
 
 
 async def test_compute_queue_capped_per_caller_and_in_total():
-    service = _service(max_queued=3, max_caller_queued=1)
+    service = _engine(max_queued=3, max_caller_queued=1)
     gate = threading.Event()
     try:
         first = asyncio.ensure_future(service.run(gate.wait, 5.0, caller="a"))

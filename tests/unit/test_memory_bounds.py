@@ -16,13 +16,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peers.rpc.chain import Relay
+from peers.rpc.assembly import assemble
+from peers.rpc.chain import StepPusher
 from peers.rpc.directory import ServerDirectory
+from peers.rpc.edge import Edge
 from peers.rpc.servicer import Servicer
 from peers.serving.activations import ActivationStore, Kept, SavedBytes, storages
 from peers.serving.checks import Limits
-from peers.serving.compute import ComputeService
 from peers.serving.config import ComputeConfig
+from peers.serving.engine import Engine
+from peers.serving.pass_service import PassService
 from swarm import wire
 from swarm.config import Timing
 from swarm.ids import Span
@@ -59,7 +62,7 @@ class _Tracking(SavedBytes):
 
 
 def _kept(refs: list[weakref.ref[torch.Tensor]], weight: torch.Tensor = WEIGHT) -> Kept:
-    """A forward kept as ``ComputeService._forward_kept`` keeps it: tanh and exp save their own outputs, the ops
+    """A forward kept as ``PassService._forward_kept`` keeps it: tanh and exp save their own outputs, the ops
     whose saved tensors made a cycle through their ``grad_fn``."""
     saved = _Tracking(storages([weight]), refs)
     with torch.enable_grad(), saved.measuring():
@@ -158,12 +161,12 @@ HANDLERS = {  # handler -> the frames it gets
 }
 
 
-def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakref.ref[wire.Decoder]]]:
-    """A server's RPC handlers over a compute service without a model (sessions open as fakes), every decoder they
-    make tracked."""
-    compute = ComputeService(Limits(8, torch.float32, 2, 64), ComputeConfig(), timing)
+def _server(timing: Timing) -> tuple[Engine, Servicer, StepPusher, list[weakref.ref[wire.Decoder]]]:
+    """A server's RPC handlers over an engine without a model (sessions open as fakes), every decoder they make
+    tracked."""
+    engine = Engine(Limits(8, torch.float32, 2, 64), ComputeConfig(), timing)
     decoders: list[weakref.ref[wire.Decoder]] = []
-    make = compute.metrics.decoder
+    make = engine.metrics.decoder
 
     def tracked(max_bytes: int, budget: wire.ByteBudget | None, caller: str = "anonymous") -> wire.Decoder:
         decoder = make(max_bytes, budget, caller)
@@ -176,14 +179,13 @@ def _server(timing: Timing) -> tuple[ComputeService, Servicer, Relay, list[weakr
     async def end(_: object) -> None:
         return None
 
-    compute.metrics.decoder = tracked
-    sessions = SimpleNamespace(compute=compute, start=start, end=end, open={})
-    servicer = Servicer(compute, sessions, lambda: None, max_bytes=1 << 30, timing=timing)
+    engine.metrics.decoder = tracked
+    sessions = SimpleNamespace(start=start, end=end, open={})
+    edge = Edge(engine.metrics, timing, max_bytes=1 << 30)
+    servicer = assemble(edge, engine.limits, PassService(engine, ComputeConfig(), timing), sessions, lambda: None)
     directory = ServerDirectory(lambda _: [], frozenset({"fingerprint"}), 2, 1.0)
-    relay = Relay(
-        SimpleNamespace(creds=SimpleNamespace(peer_id="me")), sessions, timing, 1 << 30, lambda *_: None, directory
-    )
-    return compute, servicer, relay, decoders
+    pusher = StepPusher(SimpleNamespace(creds=SimpleNamespace(peer_id="me")), sessions, directory, edge)
+    return engine, servicer, pusher, decoders
 
 
 @contextmanager
@@ -201,7 +203,7 @@ def no_log_records() -> Iterator[None]:
 @pytest.mark.parametrize("handler", sorted(HANDLERS))
 async def test_a_partial_message_is_freed_when_its_stream_fails(handler, then):
     with no_cyclic_gc(), no_log_records():
-        compute, servicer, relay, decoders = _server(Timing(message_timeout=0.05, session_idle=30.0))
+        engine, servicer, pusher, decoders = _server(Timing(message_timeout=0.05, session_idle=30.0))
         try:
             serve: Callable[..., object] = {
                 "forward_stream": servicer.rpc_forward_stream,
@@ -209,7 +211,7 @@ async def test_a_partial_message_is_freed_when_its_stream_fails(handler, then):
                 "bandwidth": servicer.rpc_bandwidth,
                 "inference_opening": servicer.rpc_inference,
                 "inference_step": servicer.rpc_inference,
-                "push": relay.rpc_push,
+                "push": pusher.rpc_push,
             }[handler]
             stream = _Stream(HANDLERS[handler](), then)
             replies = [wire.decode([f])[0] async for f in serve(stream, None)]
@@ -220,4 +222,4 @@ async def test_a_partial_message_is_freed_when_its_stream_fails(handler, then):
                 await asyncio.sleep(0)
             assert len(decoders) == 1 and decoders[0]() is None  # the decoder, and the parts it held, are gone
         finally:
-            compute.close()
+            engine.close()

@@ -4,8 +4,6 @@ convolution states can be cut back; a state-space (recurrent) state cannot: the 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -13,13 +11,15 @@ from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.serving.checks import Limits
+from peers.serving.config import ComputeConfig
+from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget
-from peers.serving.scheduler import Rhythm
-from peers.serving.sessions import Session, Sessions, _recurrent
+from peers.serving.sessions import Session, SessionTable, _recurrent
+from swarm.config import Timing
 from swarm.errors import SessionExpiredError
 from swarm.ids import Span
 from swarm.model_files import load_config
-from tests.conftest import FAMILY_CONFIGS, make_tiny_model
+from tests.helpers.models import FAMILY_CONFIGS, make_tiny_model
 
 
 def _prefilled(folder) -> tuple[SpanBackend, object]:
@@ -34,20 +34,23 @@ def _prefilled(folder) -> tuple[SpanBackend, object]:
     return backend, cache
 
 
+def _table(backend: SpanBackend) -> SessionTable:
+    """A session table on an engine serving ``backend``'s span."""
+    engine = Engine(Limits(64, torch.float32, 4, 64), ComputeConfig(), Timing())
+    engine.loaded.set(backend)
+    engine.loaded.serving = True
+    return SessionTable(engine, CacheBudget(100, per_caller=100), cache_wait=0.05)
+
+
 def _tiny(tmp_path, name: str):
     cfg = dict(FAMILY_CONFIGS[name])
     return make_tiny_model(tmp_path / name, str(cfg.pop("model_type")), **cfg)
 
 
 async def test_a_redone_step_over_recurrent_states_ends_the_session_for_a_replay(tmp_path):
-    _, cache = _prefilled(_tiny(tmp_path, "nemotron_h"))
+    backend, cache = _prefilled(_tiny(tmp_path, "nemotron_h"))
     assert _recurrent(cache)
-    compute = SimpleNamespace(
-        held=Span(0, 4),
-        limits=Limits(64, torch.float32, 4, 64),
-        scheduler=SimpleNamespace(rhythm=Rhythm()),
-    )
-    sessions = Sessions(compute, CacheBudget(100, per_caller=100), cache_wait=0.05)  # type: ignore[arg-type]
+    sessions = _table(backend)
     sessions.quota.acquire("me")
     session = Session("s" * 32, Span(0, 4), 16, 1, cache, 0, position=7, caller="me", last_start=5)
     sessions.open[("me", session.id)] = session
@@ -66,9 +69,8 @@ async def test_a_step_may_start_only_inside_the_last_step(tmp_path):
     back more than its own last step, nor skip ahead: both are ``bad_input``, and the session is left as it was."""
     from swarm.errors import BadInputError
 
-    _, cache = _prefilled(_tiny(tmp_path, "llama"))
-    compute = SimpleNamespace(held=Span(0, 4), limits=Limits(64, torch.float32, 4, 64))
-    sessions = Sessions(compute, CacheBudget(100, per_caller=100), cache_wait=0.05)  # type: ignore[arg-type]
+    backend, cache = _prefilled(_tiny(tmp_path, "llama"))
+    sessions = _table(backend)
     session = Session("s" * 32, Span(0, 4), 16, 1, cache, 0, position=5, caller="me", last_start=1)
     for position in (0, 6):  # before the last step's start, past the end
         with pytest.raises(BadInputError, match="this server holds 5 tokens"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peers.serving.runtime import Row
-from peers.serving.scheduler import Rhythm, Shares, StepScheduler, Waiting, hold, pick
+from peers.serving.scheduler import Rhythm, Shares, StepScheduler, Waiting, batching, hold, pick, pieces
 from swarm.ids import Span
 
 SUB = Span(0, 4)
@@ -247,3 +247,33 @@ def test_a_held_round_runs_as_one_forward():
     finally:
         pool.shutdown()
     assert sizes == [2] and runtime.batches == [2]
+
+
+class _Batching:
+    """A runtime that batches sessions whose cache it is told joins."""
+
+    def __init__(self, joins: bool) -> None:
+        self._joins = joins
+
+    def joins(self, cache: object) -> bool:
+        return self._joins
+
+    def run_batch(self, rows: list[Row], sub: Span) -> list[torch.Tensor]:
+        raise AssertionError("not run here")
+
+
+def test_a_step_batches_only_through_a_batching_runtime_with_a_plain_cache_past_its_prompts():
+    row = Row(torch.zeros(1, 3, 4), object(), past=5)
+    runtime = _Batching(joins=True)
+    assert batching(runtime, SUB, row, prompts=0) == (runtime, (SUB, 3))
+    assert batching(runtime, SUB, row, prompts=8) == (None, None)  # a deep prompt still to add: alone
+    assert batching(_Batching(joins=False), SUB, row, prompts=0) == (None, None)
+    assert batching(object(), SUB, row, prompts=0) == (None, None)  # a runtime that does not batch (ONNX)
+
+
+def test_a_long_step_is_cut_into_prefill_chunks_but_a_deep_prompt_stays_whole():
+    runtime = _Batching(joins=True)
+    assert pieces(runtime, 600, 0, 256, 0) == [(0, 256), (256, 512), (512, 600)]
+    assert pieces(runtime, 200, 0, 256, 0) == [(0, 200)]
+    assert pieces(runtime, 600, 0, 256, 600) == [(0, 600)]  # the prompt's tokens go in one piece
+    assert pieces(object(), 600, 0, 256, 0) == [(0, 600)]  # only a batching runtime splits a step

@@ -14,11 +14,11 @@ import torch
 from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
-from peers.broker.planner import PeerInfo, Plan, Policy
+from peers.broker.planner import PeerInfo, PlacementPlan, Policy
 from peers.broker.stages import plan_stages
 from peers.serving.config import ComputeConfig
 from peers.serving.ports import Learner
-from peers.serving.stage import ModelInfo, StageEnv
+from peers.serving.stage_port import ModelInfo, StageEnv
 from peers.training.proofs import StepProofs
 from peers.training.span_trainer import SpanTrainer
 from peers.training.state_gate import StateCopy, StateGate
@@ -166,7 +166,7 @@ class TrainableStage:
             layer = m.family.build_layer(0)
         return SpanBackend(m.config, m.family, torch.nn.ModuleList([layer]), Span(0, 1), self.device, torch.float32)
 
-    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> PlacementPlan:
         return plan_stages(peers, self.run.stages, max(self.model.block_bytes, 1))
 
     # ---- the global step ----------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class TrainableStage:
 
     async def state(self, req: StateRequest, caller: str, budget: wire.ByteBudget | None) -> StateCopy:
         """The stage's weights and optimizer state, taken between requests on the compute thread: admitted as any
-        compute request is (``ComputeService.queued``), and as a copy of the state (``StateGate``: copies held at
+        compute request is (``Engine.queued``), and as a copy of the state (``StateGate``: copies held at
         once, per caller and in all, their bytes in ``budget``, and how often one caller gets one)."""
         trainer = self._held()
         if (req.start, req.end) != (trainer.span.start, trainer.span.end):

@@ -1,10 +1,10 @@
 """What a peer serves: a stage object the node is handed, so the node itself never asks which kind it runs. This
 module is the port (``Stage``, with what it may use of the peer, ``StageEnv``); the stages themselves are:
 
-- ``peers.blocks.stage.ServingStage``: frozen weights of a model card, read from safetensors; the broker spreads
-  peers over the blocks (``peers.broker.planner``).
-- ``peers.training.stage.TrainableStage``: a pre-training run's stage, whose weights learn; the broker balances
-  peers over the run's fixed stages.
+- ``peers.blocks.serving_stage.ServingStage``: frozen weights of a model card, read from safetensors; the broker
+  spreads peers over the blocks (``peers.broker.planner``).
+- ``peers.training.trainable_stage.TrainableStage``: a pre-training run's stage, whose weights learn; the broker
+  balances peers over the run's fixed stages.
 
 A stage knows its model, loads a span (``load``), plans placements when its peer is the broker (``plan``), and may
 add background work and RPC handlers of its own (``peers.serving.ports``)."""
@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 from transformers import PretrainedConfig
 
-from peers.broker.planner import PeerInfo, Plan, Policy
-from peers.serving.compute import ComputeService
+from peers.broker.planner import PeerInfo, PlacementPlan, Policy
+from peers.serving.engine import Engine
 from peers.serving.ports import Learner, TrainingRpc
 from peers.serving.runtime import SpanRuntime
 from swarm.config import Timing
@@ -72,7 +72,7 @@ class StageEnv:
     store: RecordStore
     remote: Remote
     peer_id: str
-    compute: ComputeService
+    compute: Engine  # the compute thread a stage's own work runs on (``run``, ``in_background``)
     timing: Timing
 
 
@@ -91,7 +91,7 @@ class Stage(Protocol):
     def probe(self) -> SpanRuntime:
         """One block to measure this peer's speed on before the broker places it (blocking)."""
 
-    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> PlacementPlan:
         """The broker's placement of ``peers`` (pure)."""
 
     def background(self) -> list[Coroutine[object, None, None]]:

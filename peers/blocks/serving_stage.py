@@ -14,11 +14,11 @@ from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import block_bytes, load_span
 from peers.blocks.quantize import load_quantized, quantized_block_bytes
-from peers.broker.planner import PeerInfo, Plan, Policy, plan_swarm
+from peers.broker.planner import PeerInfo, PlacementPlan, Policy, plan_swarm
 from peers.serving.config import ComputeConfig
 from peers.serving.ports import Learner, TrainingRpc
 from peers.serving.runtime import SpanRuntime
-from peers.serving.stage import ModelInfo, StageEnv
+from peers.serving.stage_port import ModelInfo, StageEnv
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
 from swarm.families.weights import load_layers
@@ -142,7 +142,7 @@ class ServingStage:
     def probe(self) -> SpanRuntime:
         return self._load(Span(0, 1))
 
-    def plan(self, peers: list[PeerInfo], policy: Policy) -> Plan:
+    def plan(self, peers: list[PeerInfo], policy: Policy) -> PlacementPlan:
         return plan_swarm(peers, self.model.num_blocks, max(self.model.block_bytes, 1), policy)
 
     def background(self) -> list[Coroutine[object, None, None]]:
