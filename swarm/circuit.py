@@ -14,9 +14,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory  # type: ignore[import-untyped]
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+if TYPE_CHECKING:
+    from hivemind.p2p import P2P, PeerID
 
 HOP = "/libp2p/circuit/relay/0.2.0/hop"  # a peer to a relay: reserve a slot, or connect to a peer holding one
 STOP = "/libp2p/circuit/relay/0.2.0/stop"  # a relay to the peer holding a slot: someone connects to you
@@ -51,14 +54,49 @@ class Reservation:
     limit_bytes: int  # 0: none given
 
 
-def _field(name: str, number: int, kind: int, label: int = 1, type_name: str = "") -> Any:
+class _PeerField(Protocol):
+    id: bytes
+
+
+class _ReservationField(Protocol):
+    expire: int
+
+
+class _LimitField(Protocol):
+    duration: int
+    data: int
+
+
+class CircuitMessage(Protocol):
+    """A ``HopMessage`` or ``StopMessage`` (classes protobuf builds at run time from ``_messages``' descriptors, so
+    nothing types them there): the fields this code reads. A ``StopMessage`` has no ``reservation``."""
+
+    type: int
+    status: int
+    peer: _PeerField
+    reservation: _ReservationField
+    limit: _LimitField
+
+    def HasField(self, name: str) -> bool: ...
+    def SerializeToString(self) -> bytes: ...
+    def ParseFromString(self, data: bytes) -> int: ...
+
+
+class StreamInfo(Protocol):
+    """What a stream handler reads of hivemind's ``StreamInfo``: who opened the stream, and over which address."""
+
+    peer_id: PeerID
+    addr: object
+
+
+def _field(name: str, number: int, kind: int, label: int = 1, type_name: str = "") -> object:
     return descriptor_pb2.FieldDescriptorProto(
         name=name, number=number, type=kind, label=label, **({"type_name": type_name} if type_name else {})
     )
 
 
 @cache
-def _messages() -> dict[str, Any]:
+def _messages() -> dict[str, Callable[..., CircuitMessage]]:
     """The circuit v2 message classes (the spec's ``circuit.proto``, proto2). Enums are read as plain numbers, so an
     unknown one parses and is refused by the code that reads it, not by the parser."""
     f = descriptor_pb2.FieldDescriptorProto
@@ -105,15 +143,15 @@ def _messages() -> dict[str, Any]:
     }
 
 
-def hop_message(**fields: Any) -> Any:
+def hop_message(**fields: object) -> CircuitMessage:
     return _messages()["HopMessage"](**fields)
 
 
-def stop_message(**fields: Any) -> Any:
+def stop_message(**fields: object) -> CircuitMessage:
     return _messages()["StopMessage"](**fields)
 
 
-def parse(kind: str, data: bytes) -> Any:
+def parse(kind: str, data: bytes) -> CircuitMessage:
     """``data`` as a ``HopMessage`` or ``StopMessage``, or ``CircuitError``."""
     message = _messages()[kind]()
     try:
@@ -132,9 +170,9 @@ def varint(n: int) -> bytes:
             return bytes(out)
 
 
-def frame(message: Any) -> bytes:
+def frame(message: CircuitMessage) -> bytes:
     """A message as libp2p writes it on a stream: its length as an unsigned varint, then its bytes."""
-    data: bytes = message.SerializeToString()
+    data = message.SerializeToString()
     return varint(len(data)) + data
 
 
@@ -174,10 +212,10 @@ def parse_reservation(data: bytes) -> Reservation:
     )
 
 
-Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Handler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def take_hop(p2p: Any, handler: Handler | None = None) -> None:
+async def take_hop(p2p: P2P, handler: Handler | None = None) -> None:
     """Take the relay protocol off a p2p daemon (hivemind's ``P2P``): ``handler`` answers it from now on, or
     nobody does (a handler put in place of the daemon's built-in relay, then removed). The daemon's own relay
     serves anyone with go-libp2p's default limits whatever its flags say (``peers.relay_service``)."""
@@ -188,5 +226,5 @@ async def take_hop(p2p: Any, handler: Handler | None = None) -> None:
     await p2p.remove_binary_stream_handler(HOP)
 
 
-async def _refuse(_info: Any, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _refuse(_info: StreamInfo, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     writer.close()

@@ -30,9 +30,10 @@ import struct
 import warnings
 from collections.abc import Callable, MutableSequence
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from hivemind.compression import Quantile8BitQuantization, Uniform8BitQuantization
 from hivemind.proto import runtime_pb2
@@ -250,7 +251,7 @@ def _expect_length(codec: Codec, buffer: bytes, expected: int, shape: tuple[int,
         raise BadInputError(f"malformed {codec} tensor: {len(buffer)} bytes for shape {list(shape)}, not {expected}")
 
 
-def _floats(buffer: bytes, offset: int, count: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+def _floats(buffer: bytes, offset: int, count: int) -> npt.NDArray[np.float32]:
     return np.frombuffer(buffer, dtype="<f4", count=count, offset=offset).astype(np.float32)  # a copy of `count`
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -195,9 +195,9 @@ class ClientConfig:
     # how hidden states and gradients travel: "auto" (exact on fast links, float16 on medium ones, 8-bit where the
     # link is the bottleneck: ``swarm.codecs.choose_codec``) or a codec name to force ("none", "float16", "block8"...)
     codec: str = "auto"
-    # verification (``swarm.client.verify``): each hop's work is run again on another server of the same weights,
-    # in windows of a random length averaging this many steps (0: off), and calls of forwards and backwards with
-    # probability 1 / verify_every; a cheater caught is banned and, with the evidence, accused in the DHT
+    # verification (``swarm.client.verify.verifier``): each hop's work is run again on another server of the same
+    # weights, in windows of a random length averaging this many steps (0: off), and calls of forwards and backwards
+    # with probability 1 / verify_every; a cheater caught is banned and, with the evidence, accused in the DHT
     verify_every: int = 16
     verify_seed: int | None = None  # seeds which steps are checked and by whom (None: unpredictable, as it should be)
     accuse: bool = True  # publish accusations, and act on others' once their evidence re-runs wrong
@@ -205,6 +205,26 @@ class ClientConfig:
     # server sees the embeddings; with ``trusted_peers`` set, routes use only those peer ids (missing blocks else)
     local_blocks: int = 0
     trusted_peers: tuple[str, ...] = ()
+
+
+class ClientOptions(TypedDict, total=False):
+    """The ``ClientConfig`` fields ``client_config`` takes by keyword beyond its named ones (each as typed there)."""
+
+    hop_latency_s: float
+    latency_smoothing: float
+    slow_steps: int
+    move_gain: float
+    small_step_tokens: int
+    chain: bool
+    prefill_chunk: int
+    pool_size: int
+    max_reply_bytes: int
+    codec: str
+    verify_every: int
+    verify_seed: int | None
+    accuse: bool
+    local_blocks: int
+    trusted_peers: tuple[str, ...]
 
 
 def client_config(
@@ -215,7 +235,7 @@ def client_config(
     wiring_seed: int | None = None,
     identity: Path | None = None,
     swarm_key: Path | None = None,
-    **fields: object,
+    **fields: Unpack[ClientOptions],
 ) -> ClientConfig:
     """A client's configuration from what a user passes (``fields``: further ``ClientConfig`` fields), checked."""
     if not initial_peers:
@@ -230,5 +250,5 @@ def client_config(
         wiring_seed=wiring_seed,
         identity=identity,
         swarm_key=swarm_key,
-        **fields,  # type: ignore[arg-type]
+        **fields,
     )

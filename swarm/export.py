@@ -15,6 +15,7 @@ import torch
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, run_command
+from swarm.hf_calls import output_embeddings
 from swarm.ids import Span
 from swarm.logs import configure_logging
 from swarm.training import checkpoints
@@ -104,7 +105,7 @@ def export(
         model = new_model(config)
     missing = sorted(set(model.state_dict()) - set(state))
     if getattr(config, "tie_word_embeddings", False):
-        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        head = output_embeddings(model)
         tied = {f"{n}.weight" for n, m in model.named_modules() if m is head}
         missing = [k for k in missing if k not in tied]
     if missing:

@@ -11,6 +11,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 
+from swarm.hf_calls import disable_progress_bar
+
 FIELDS = ("peer", "span", "session", "kind")
 FORMATS = ("text", "json")
 _format = "text"  # what configure_logging set: a library caller that never called it logs text
@@ -99,10 +101,9 @@ def _hide_library_bars() -> None:
     ``from_pretrained``, "Writing model shards" of every ``save_pretrained``: the first start of a random card writes
     its folder) and huggingface_hub's. Both switches are process-wide, and a fork of this process keeps them."""
     from huggingface_hub.utils.tqdm import disable_progress_bars
-    from transformers.utils import logging as transformers_logging
 
     disable_progress_bars()
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers leaves it unannotated)
+    disable_progress_bar()
 
 
 def add_log_flags(parser: argparse.ArgumentParser, level: str = "INFO") -> None:

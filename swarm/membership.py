@@ -9,6 +9,7 @@ many small calls, and every one is signed and checked."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import heapq
 import hmac
@@ -18,7 +19,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from hivemind.utils import get_dht_time
 from hivemind.utils.auth import AuthorizerBase
@@ -124,7 +125,28 @@ def swarm_key_for(path: Path | None, *, new_swarm: bool = False) -> SwarmKey | N
     return SwarmKey.load(path)
 
 
-def _signable(domain: bytes, message: Any) -> bytes:
+class _Auth(Protocol):
+    """The ``auth`` field of hivemind's DHT requests and responses (protobuf, untyped there)."""
+
+    signature: bytes
+    nonce: bytes
+    time: float
+
+
+class _Descriptor(Protocol):
+    full_name: str
+
+
+class _Signed(Protocol):
+    """A hivemind DHT request or response, as far as signing it goes."""
+
+    DESCRIPTOR: _Descriptor
+    auth: _Auth
+
+    def SerializeToString(self, *, deterministic: bool = ...) -> bytes: ...
+
+
+def _signable(domain: bytes, message: _Signed) -> bytes:
     """What is signed: the message's type and its bytes with ``auth.signature`` empty (as hivemind's authorizers do).
     Deterministic serialization: sender and receiver must produce the same bytes."""
     kind: str = message.DESCRIPTOR.full_name
@@ -150,17 +172,17 @@ class SwarmKeyAuthorizer(AuthorizerBase):  # type: ignore[misc]  # hivemind ship
         self._floor = float("-inf")
         # Answers without a signature (from an open swarm's peers) the DHT process saw, in shared memory: the process
         # that started the DHT (whose child was forked after this was made) reads it to say why joining failed.
-        self._unsigned: Any = multiprocessing.RawValue("i", 0)
+        self._unsigned = multiprocessing.RawValue(ctypes.c_int, 0)
 
     @property
     def unsigned_answers(self) -> int:
         return int(self._unsigned.value)
 
-    def _sign(self, domain: bytes, message: Any) -> None:
+    def _sign(self, domain: bytes, message: _Signed) -> None:
         message.auth.signature = b""
         message.auth.signature = self.key.mac(domain, _signable(domain, message))
 
-    def _verify(self, domain: bytes, message: Any) -> bool:
+    def _verify(self, domain: bytes, message: _Signed) -> bool:
         signature = message.auth.signature
         message.auth.signature = b""
         try:
@@ -168,12 +190,12 @@ class SwarmKeyAuthorizer(AuthorizerBase):  # type: ignore[misc]  # hivemind ship
         finally:
             message.auth.signature = signature
 
-    async def sign_request(self, request: Any, service_public_key: object) -> None:
+    async def sign_request(self, request: _Signed, service_public_key: object) -> None:
         request.auth.time = get_dht_time()
         request.auth.nonce = secrets.token_bytes(16)
         self._sign(_REQUEST_DOMAIN, request)
 
-    async def validate_request(self, request: Any) -> bool:
+    async def validate_request(self, request: _Signed) -> bool:
         if not self._verify(_REQUEST_DOMAIN, request):
             log.debug("refused a DHT request not signed with this swarm's key")
             return False
@@ -194,11 +216,11 @@ class SwarmKeyAuthorizer(AuthorizerBase):  # type: ignore[misc]  # hivemind ship
         heapq.heappush(self._expiries, (sent, nonce))
         return True
 
-    async def sign_response(self, response: Any, request: Any) -> None:
+    async def sign_response(self, response: _Signed, request: _Signed) -> None:
         response.auth.nonce = request.auth.nonce  # binds the answer to its question
         self._sign(_RESPONSE_DOMAIN, response)
 
-    async def validate_response(self, response: Any, request: Any) -> bool:
+    async def validate_response(self, response: _Signed, request: _Signed) -> bool:
         if not response.auth.signature:
             self._unsigned.value += 1
             log.debug("a DHT answer carries no swarm key signature (the peer runs an open swarm)")

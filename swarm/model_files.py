@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from swarm.config import ModelCard
 from swarm.errors import BadInputError
+from swarm.hf_calls import model_from_config
 from swarm.logs import progress_bars
 from swarm.quantization import weights_format
 
@@ -123,11 +124,7 @@ def _gguf_bar(bars: bool) -> Iterator[None]:
 def new_model(config: PretrainedConfig, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """A causal LM of ``config``'s family, freshly initialised (on the current default device: ``meta`` builds one
     without memory)."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {} if dtype is None else {"dtype": dtype}
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, **kwargs)  # type: ignore[no-untyped-call]
-    return model  # (transformers leaves its Auto classes' from_config unannotated)
+    return model_from_config(config, dtype)
 
 
 def _materialise_random(card: ModelCard, out: Path) -> None:

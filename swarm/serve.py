@@ -37,18 +37,18 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 
 def preload() -> None:
     """Import what ``_main`` imports on start (a fork server pays it once for all the peers it forks)."""
-    import peers.blocks.stage  # noqa: F401
+    import peers.blocks.serving_stage  # noqa: F401
     import peers.run  # noqa: F401
-    import peers.training.stage  # noqa: F401
+    import peers.training.trainable_stage  # noqa: F401
     import swarm.dashboard.peer  # noqa: F401
 
 
 async def _main(cfg: PeerConfig) -> None:
     # the entry point wires the two sides: the node and the stage it serves
-    from peers.blocks.stage import ServingStage
+    from peers.blocks.serving_stage import ServingStage
     from peers.run import run_peer
-    from peers.serving.stage import Stage
-    from peers.training.stage import TrainableStage
+    from peers.serving.stage_port import Stage
+    from peers.training.trainable_stage import TrainableStage
     from swarm.dashboard.peer import serve_peer_dashboard
 
     cfg.check()

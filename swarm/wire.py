@@ -127,7 +127,7 @@ class ByteBudget:
             self.by_caller.pop(caller, None)  # a caller holding nothing costs no memory
 
 
-class Reservation:
+class SessionRoom:
     """Room set aside in a ``ByteBudget`` for one established session (taken when it opens, so a full server refuses
     the newcomer instead): its messages count here first, so callers filling the budget later never starve it. What
     does not fit the room is claimed from the budget as any request's bytes are."""
@@ -171,7 +171,7 @@ class Decoder:
     (the caller is done with them) or the decoder is dropped by ``release`` at the end of its stream."""
 
     def __init__(
-        self, max_bytes: int = 1 << 62, budget: ByteBudget | Reservation | None = None, caller: str = "anonymous"
+        self, max_bytes: int = 1 << 62, budget: ByteBudget | SessionRoom | None = None, caller: str = "anonymous"
     ) -> None:
         self.max_bytes = max_bytes
         self.total_bytes = 0  # every frame fed so far (traffic accounting)

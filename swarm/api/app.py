@@ -13,10 +13,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -181,7 +182,9 @@ async def _watch_disconnect(request: Request, run: Run) -> None:
         await asyncio.sleep(0.1)
 
 
-def create_app(state: ApiState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def create_app(
+    state: ApiState, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None
+) -> FastAPI:
     app = FastAPI(title="swarm: OpenAI-compatible API", version="1", lifespan=lifespan)
     app.state.api = state
 
@@ -339,8 +342,8 @@ class _RunStream(StreamingResponse):
     """A stream that stops its generation however the response ends: also when the connection drops before the
     body's first chunk (the body generator, never started, would run no ``finally``)."""
 
-    def __init__(self, run: Run, content: AsyncIterator[str], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(self, run: Run, content: AsyncIterator[str], media_type: str, headers: Mapping[str, str]) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
         self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.client.speculative import Sampler
+from swarm.client.speculative.loop import Sampler
 
 if TYPE_CHECKING:
     from swarm.api.grammar import Matcher

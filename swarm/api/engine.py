@@ -8,28 +8,28 @@ head), and picks each token here (``swarm.api.controls``: bias, penalties, a gra
 decoding (temperature 0) picks what Hugging Face's greedy ``generate`` picks.
 
 With a drafter (``--draft``), a request of one choice that asks for nothing beyond the warpers (no penalties, bias,
-grammar, tools or log-probabilities) decodes speculatively (``swarm.client.speculative``): same tokens greedy, same
+grammar, tools or log-probabilities) decodes speculatively (``swarm.client.speculative.loop``): same tokens greedy, same
 distribution sampled, several tokens a trip where the drafts hold."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from swarm.api import errors
 from swarm.api.controls import ChoiceState, Controls, Logprob, logprob_of, prompt_logprobs
 from swarm.api.grammar import Grammar, Vocabulary
+from swarm.api.schema import JsonObject
 from swarm.api.text import TextStream
-from swarm.api.tools import Call, Watch, parse, takes_tools
+from swarm.api.tools import Call, ChatMessage, Watch, parse, takes_tools
 from swarm.client.executor import Context
-from swarm.client.inference_session import InferenceSession
-from swarm.client.speculate import check, factory, hooks
-from swarm.client.speculative import Speculation, Trace, decode
+from swarm.client.session.inference_session import InferenceSession
+from swarm.client.speculative.loop import Speculation, Trace, decode
 from swarm.hop import Hop
 
 if TYPE_CHECKING:
@@ -96,9 +96,9 @@ class ServedModel:
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.speculation = speculation
         # loaded now, so a bad drafter is refused at start, not at the first request
-        self.drafters = factory(model, speculation.drafter) if speculation is not None else None
+        self.drafters = model.speculator.drafters(speculation.drafter) if speculation is not None else None
         if speculation is not None:
-            check(model)
+            model.speculator.check()
         self.context = int(getattr(model.config, "max_position_embeddings", 2048))
         if max_context is not None:
             self.context = min(self.context, max_context)
@@ -150,16 +150,16 @@ class ServedModel:
                 gaps = gaps[:-1] + [(gaps[-1][0], b + 1)] if gaps and gaps[-1][1] == b else [*gaps, (b, b + 1)]
         return gaps
 
-    def chat_ids(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_ids(self, chat: list[ChatMessage], tools: list[JsonObject] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise errors.bad_request(f"{self.name} has no chat template: use /v1/completions", param="messages")
+        # transformers annotates a conversation's messages as text only: templates take tool calls in them too
+        apply: Callable[..., object] = self.tokenizer.apply_chat_template
         try:
-            offered: Any = tools  # transformers types tools as a list of dicts or functions
-            out: Any = self.tokenizer.apply_chat_template(
-                chat, tools=offered, add_generation_prompt=True, tokenize=True, return_dict=True
-            )  # Any: a BatchEncoding
+            out = apply(chat, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True)
         except Exception as e:  # the template's own checks (roles, alternation): the request's fault
             raise errors.bad_request(f"the chat template refused the messages: {e}", param="messages") from None
+        assert isinstance(out, Mapping)  # a BatchEncoding, as return_dict asks
         return [int(i) for i in out["input_ids"]]
 
     def text_ids(self, text: str) -> list[int]:
@@ -325,7 +325,7 @@ def _speculative(
             raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
         return False
 
-    speculative_step, take_back = hooks(model, session, step)
+    speculative_step, take_back = model.speculator.hooks(session, step)
     outcome.speculation = Trace()
     decode(
         prompt,

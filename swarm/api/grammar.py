@@ -11,23 +11,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from swarm.api import errors
+from swarm.api.schema import JsonObject
 from swarm.errors import BadInputError
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
     from transformers import PreTrainedTokenizerBase
 
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+ANY_OBJECT: JsonObject = {"type": "object"}
+NO_ARGUMENTS: JsonObject = {"type": "object", "properties": {}, "additionalProperties": False}
 # JSON as json.dumps writes it, with no freedom in its whitespace: a model may not pad an answer without end
-LAYOUT: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 
 
@@ -44,20 +47,22 @@ class Vocabulary:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos: frozenset[int]) -> None:
         self.n_vocab = n_vocab
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=sorted(eos))  # type: ignore[arg-type]
+        if not isinstance(tokenizer, PreTrainedTokenizerFast):  # as llguidance itself refuses a slow one
+            raise ValueError("Only fast tokenizers are supported")
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=sorted(eos))
 
     def token_bytes(self, token: int) -> bytes:
         return bytes(self.tokenizer.decode_bytes([token]))
 
-    def json(self, schema: dict[str, Any], param: str) -> Grammar:
+    def json(self, schema: JsonObject, param: str) -> Grammar:
         """Answers that are one JSON value of ``schema`` (laid out as ``LAYOUT`` says)."""
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=LAYOUT)  # type: ignore[arg-type]
+            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=LAYOUT)
         except ValueError as e:
             raise errors.bad_request(f"the JSON schema does not compile: {e}", param=param) from None
         return self._checked(Grammar(text, "json"), param)
 
-    def tool_calls(self, functions: dict[str, dict[str, Any] | None], parallel: bool) -> Grammar:
+    def tool_calls(self, functions: dict[str, JsonObject | None], parallel: bool) -> Grammar:
         """Answers that are tool calls: ``<tool_call>`` blocks (the Hermes format most open chat templates use), each
         a JSON object naming one of ``functions`` with arguments that match its parameters' schema."""
         options = [

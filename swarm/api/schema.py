@@ -7,9 +7,9 @@ ignored; unknown fields are ignored, as OpenAI's clients' extra fields are by mo
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from swarm.api.conformance import Endpoint, refused
 
@@ -23,11 +23,14 @@ MAX_TOOLS = 128  # OpenAI's limit on functions per request
 MAX_SCHEMA = 64_000  # characters of one JSON schema (compiled on the client: bounded before it is)
 
 
+JsonObject = dict[str, JsonValue]  # a JSON object as parsed (a JSON schema, a function's parameters)
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-def _schema_size(v: dict[str, Any] | None) -> dict[str, Any] | None:
+def _schema_size(v: JsonObject | None) -> JsonObject | None:
     if v is not None and len(json.dumps(v)) > MAX_SCHEMA:
         raise ValueError(f"a JSON schema of at most {MAX_SCHEMA} characters")
     return v
@@ -36,7 +39,7 @@ def _schema_size(v: dict[str, Any] | None) -> dict[str, Any] | None:
 class FunctionDef(_Frozen):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(None, max_length=8192)
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None
 
     _size = field_validator("parameters")(_schema_size)
@@ -62,7 +65,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedTool
 class JsonSchemaFormat(_Frozen):
     name: str = Field("response", max_length=64)
     description: str | None = Field(None, max_length=8192)
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: JsonObject = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
     _size = field_validator("schema_")(_schema_size)
@@ -98,18 +101,18 @@ class _Request(_Frozen):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    # refused fields (swarm.api.conformance): read only to be refused by name
-    store: Any = None
-    modalities: Any = None
-    audio: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    functions: Any = None
-    function_call: Any = None
-    best_of: Any = None
-    suffix: Any = None
+    # refused fields (swarm.api.conformance): read only to be refused by name, whatever their value
+    store: object = None
+    modalities: object = None
+    audio: object = None
+    reasoning_effort: object = None
+    verbosity: object = None
+    web_search_options: object = None
+    moderation: object = None
+    functions: object = None
+    function_call: object = None
+    best_of: object = None
+    suffix: object = None
 
     _endpoint: Endpoint = "chat"
 
@@ -257,16 +260,19 @@ class CompletionRequest(_Request):
         return self.prompt[0]
 
 
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]  # texts, or token ids: one input or several
+
+
 class EmbeddingRequest(_Frozen):
     model: str = Field(min_length=1, max_length=256)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: EmbeddingInput
     dimensions: int | None = Field(None, ge=1, le=1 << 16)
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = Field(None, max_length=256)
 
     @field_validator("input")
     @classmethod
-    def _bounded(cls, v: str | list[str] | list[int] | list[list[int]]) -> Any:
+    def _bounded(cls, v: EmbeddingInput) -> EmbeddingInput:
         items = [v] if isinstance(v, str) else v
         if not items:
             raise ValueError("input is empty")
@@ -285,7 +291,7 @@ class EmbeddingRequest(_Frozen):
             return [v]
         if v and isinstance(v[0], int):
             return [[int(i) for i in v]]
-        return list(v)  # type: ignore[arg-type]
+        return [item for item in v if not isinstance(item, int)]  # all of them: a list holds one kind (validated)
 
 
 ChatRequest.model_rebuild()

@@ -9,12 +9,13 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 from swarm.api.app import ApiState, create_app
 from swarm.api.engine import ServedModel
 from swarm.api.limits import Limits
-from swarm.client.speculative import Speculation
+from swarm.client.speculative.loop import Speculation
 from swarm.config import Timing
 from swarm.errors import BadInputError
 from swarm.metrics import ApiMetrics
@@ -85,7 +86,7 @@ class Service:
         service.on_failover.append(lambda model, peer, n: metrics.failover())
         return service
 
-    def app(self, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+    def app(self, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None) -> FastAPI:
         return create_app(self.state, lifespan)
 
     def attach_dashboard(self, app: FastAPI, stopping: Callable[[], bool]) -> None:

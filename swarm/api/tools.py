@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
+
+from pydantic import JsonValue
 
 from swarm.api.grammar import CALL_OPEN
-from swarm.api.schema import CalledTool, ChatRequest, Message
+from swarm.api.schema import CalledTool, ChatRequest, JsonObject, Message
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARSED = 200_000  # characters of an answer read for calls (an answer is at most --max-tokens-limit tokens)
@@ -35,11 +37,32 @@ class Call:
     arguments: str  # JSON text
 
 
+class NativeFunction(TypedDict):
+    name: str
+    arguments: JsonValue  # an object, or the text as sent where it is not JSON
+
+
+class NativeCall(TypedDict):
+    id: str
+    type: str
+    function: NativeFunction
+
+
+class ChatMessage(TypedDict, total=False):
+    """A message as Hugging Face's chat templates take it."""
+
+    role: str
+    content: str
+    tool_calls: list[NativeCall]
+    tool_call_id: str | None
+    name: str
+
+
 def takes_tools(template: str | None) -> bool:
     return bool(template) and "tools" in str(template)
 
 
-def render(req: ChatRequest, native: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def render(req: ChatRequest, native: bool) -> tuple[list[ChatMessage], list[JsonObject] | None]:
     """(messages for ``apply_chat_template``, its ``tools`` argument or None)."""
     offered = req.tools if req.choice()[0] != "none" else None
     names = {c.id: c.function.name for m in req.messages for c in m.tool_calls or ()}
@@ -61,8 +84,8 @@ def _role(m: Message) -> str:
     return "system" if m.role == "developer" else m.role  # OpenAI's developer role is the templates' system
 
 
-def _native(m: Message, names: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": _role(m), "content": m.text()}
+def _native(m: Message, names: dict[str, str]) -> ChatMessage:
+    out: ChatMessage = {"role": _role(m), "content": m.text()}
     if m.tool_calls:
         out["tool_calls"] = [_native_call(c) for c in m.tool_calls]
     if m.role == "tool":
@@ -72,12 +95,12 @@ def _native(m: Message, names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _native_call(c: CalledTool) -> dict[str, Any]:
-    function = {"name": c.function.name, "arguments": _args(c.function.arguments)}
+def _native_call(c: CalledTool) -> NativeCall:
+    function: NativeFunction = {"name": c.function.name, "arguments": _args(c.function.arguments)}
     return {"id": c.id, "type": "function", "function": function}
 
 
-def _hermes(m: Message) -> dict[str, Any]:
+def _hermes(m: Message) -> ChatMessage:
     if m.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
     text = m.text()
@@ -87,10 +110,11 @@ def _hermes(m: Message) -> dict[str, Any]:
     return {"role": _role(m), "content": text}
 
 
-def _args(arguments: str) -> Any:
+def _args(arguments: str) -> JsonValue:
     """Arguments as templates take them (an object); text that is not JSON stays text."""
     try:
-        return json.loads(arguments)
+        parsed: JsonValue = json.loads(arguments)  # what json.loads makes is a JSON value
+        return parsed
     except (ValueError, RecursionError):
         return arguments
 

@@ -31,7 +31,7 @@ import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -84,7 +84,7 @@ class Guard:
         guard = self
 
         class Bound(GuardedProtocol):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
+            def __init__(self, *args: object, **kwargs: object) -> None:  # uvicorn's, passed on
                 super().__init__(*args, guard=guard, **kwargs)
 
         return Bound
@@ -123,7 +123,7 @@ class Guard:
 class GuardedProtocol(H11Protocol):
     """uvicorn's h11 protocol with the deadlines, the pending cap and the request pools of ``Guard``."""
 
-    def __init__(self, *args: Any, guard: Guard, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, guard: Guard, **kwargs: Any) -> None:  # Any: uvicorn's, passed on (its app_state)
         super().__init__(*args, **kwargs)
         self.guard = guard
         self.inner: ASGIApp = self.app
@@ -131,8 +131,9 @@ class GuardedProtocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # cast: asyncio gives a stream protocol its stream's Transport (uvicorn narrows asyncio.Protocol's parameter)
+        super().connection_made(cast(asyncio.Transport, transport))
         if not self.guard.admit(self):
             self.cut("refused")
             return

@@ -127,16 +127,18 @@ def dashboard_router(
     ``lambda: server.should_exit``), so live event streams end instead of holding the shutdown. ``access``: the keys
     that open the pages, state and events (None or no keys: open to whoever reaches the server)."""
     router = APIRouter()
-    files = static_files()
-    streams = [0]
     gate = access or Access()
+    _add_pages(router, gate, chat)
+    _add_data(router, gate, observers, chat, stopping)
+    _add_files(router)
+    return router
+
+
+def _add_pages(router: APIRouter, gate: Access, chat: bool) -> None:
+    """The pages (a login form in their place without a key) and the login each page's address takes."""
 
     def allowed(request: Request) -> bool:
         return gate.allows(request.headers, request.cookies)
-
-    def refuse_data(request: Request) -> None:
-        if not allowed(request):
-            raise HTTPException(401, "this dashboard requires an API key: 'Authorization: Bearer KEY' or its login")
 
     async def login(request: Request) -> Response:
         """The login form posted to a page's own address: a valid key is answered with that page and a cookie."""
@@ -165,6 +167,21 @@ def dashboard_router(
 
         router.add_api_route("/chat", login, methods=["POST"], include_in_schema=False)
 
+
+def _add_data(
+    router: APIRouter,
+    gate: Access,
+    observers: Mapping[str, SwarmObserver],
+    chat: bool,
+    stopping: Callable[[], bool],
+) -> None:
+    """The swarm's state, whole and as live events (at most ``MAX_STREAMS`` at once), for key holders only."""
+    streams = [0]
+
+    def refuse_data(request: Request) -> None:
+        if not gate.allows(request.headers, request.cookies):
+            raise HTTPException(401, "this dashboard requires an API key: 'Authorization: Bearer KEY' or its login")
+
     @router.get("/dashboard/state")
     def dashboard_state(request: Request) -> JSONResponse:
         refuse_data(request)
@@ -187,6 +204,11 @@ def dashboard_router(
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(counted(), media_type="text/event-stream", headers=headers)
 
+
+def _add_files(router: APIRouter) -> None:
+    """The pages' static files (scripts, styles, the icon)."""
+    files = static_files()
+
     @router.get("/favicon.ico", include_in_schema=False)
     def favicon() -> RedirectResponse:
         return RedirectResponse("/static/favicon.svg", status_code=307)
@@ -197,5 +219,3 @@ def dashboard_router(
         if path is None:
             raise HTTPException(404, "no such file")
         return Response(path.read_bytes(), media_type=TYPES[path.suffix], headers=SECURITY_HEADERS)
-
-    return router

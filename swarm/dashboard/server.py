@@ -9,9 +9,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from swarm.dashboard.access import Access
 from swarm.dashboard.guard import ConnectionLimits, Guard
@@ -21,7 +21,7 @@ GRACEFUL_SECONDS = 1.0  # open streams (the dashboard's live events) are cut aft
 
 
 class ThreadedServer:
-    def __init__(self, app: Any, host: str, port: int, name: str = "http", guard: Guard | None = None) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, name: str = "http", guard: Guard | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -77,7 +77,9 @@ class ThreadedServer:
         self._sock.close()
 
 
-def serve_in_thread(app: Any, host: str, port: int, name: str = "http", guard: Guard | None = None) -> ThreadedServer:
+def serve_in_thread(
+    app: ASGIApp, host: str, port: int, name: str = "http", guard: Guard | None = None
+) -> ThreadedServer:
     """Start serving ``app`` on ``host:port`` (0: any free port); ``.url`` says where, ``.close()`` stops it.
     ``guard``: its connections' limits and keys (default: the default limits, no keys)."""
     server = ThreadedServer(app, host, port, name, guard)

@@ -1,4 +1,4 @@
-"""Which way an inferred family's embeddings and head stages run (``swarm.families.stage``): from the modules the
+"""Which way an inferred family's embeddings and head stages run (``swarm.families.own_forward``): from the modules the
 base model holds, or through the model's own forward. Both run on a tiny twin of the config with perturbed weights,
 and the model's own way is taken where they disagree; the self-check then proves whichever was taken. A pure
 function of the family (``family_of`` asks it once per config)."""
@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from transformers import PreTrainedModel
 
-from swarm.families import local, stage
+from swarm.families import local, own_forward
 from swarm.families.family import Family
 from swarm.families.twin import VOCAB, twin_of
 
@@ -46,7 +46,7 @@ def embed_differs(family: Family) -> bool:
             mask = torch.ones(2, 6, dtype=torch.long)
             mask[1, :2] = 0
             steps = [(ids[:, past : past + n], mask[:, : past + n], past) for n, past in ((4, 0), (2, 4))]
-            own = [stage.forward_embed(twin, base, ids=part, mask=m, past=past) for part, m, past in steps]
+            own = [own_forward.forward_embed(twin, base, ids=part, mask=m, past=past) for part, m, past in steps]
         except Exception:  # noqa: BLE001 - the model's own way cannot run here: the modules' way stays
             return False
         try:
@@ -68,7 +68,7 @@ def head_differs(family: Family) -> bool:
             twin, lm, gen = _perturbed_twin(family, 12)
             base, head = local.base_of(twin, lm), local.head_of(lm)
             hidden = torch.randn(2, 3, int(twin.config.hidden_size), generator=gen)
-            own = stage.forward_head(twin, base, head, hidden)
+            own = own_forward.forward_head(twin, base, head, hidden)
         except Exception:  # noqa: BLE001 - the model's own way cannot run here: the modules' way stays
             return False
         try:

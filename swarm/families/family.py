@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from swarm.hf_calls import init_weights
+
 # How the model calls its decoder layers (transformers 5.24): the keyword the cache goes under, what else they take.
 CallStyle = Literal["decoder", "gpt2", "neox", "falcon", "bloom"]
 # Rotary tables a span computes: none (learned positions or ALiBi), one for all layers, or one per layer type.
@@ -38,7 +40,7 @@ class FamilySpec:
     embed_norm: str | None = None  # a norm right after the embeddings (BLOOM's ``word_embeddings_layernorm``)
     needs_eager: bool = False  # soft-capping, sinks or additive ALiBi masks: sdpa would fail or silently differ
     # the embeddings stage: from the modules the base model holds, or through the model's own forward
-    # (``swarm.families.stage``); None: not decided yet (an inferred family, until ``family_of`` compares the two)
+    # (``swarm.families.own_forward``); None: not decided yet (an inferred family, until ``family_of`` compares the two)
     embed: Literal["modules", "forward"] | None = "modules"
     head: Literal["modules", "forward"] | None = "modules"  # the head stage, the same way
     base: str | None = None  # the base model's attribute where it is not the class's ``base_model_prefix``
@@ -79,7 +81,7 @@ _EMPTY_WEIGHTS = threading.Lock()
 @contextlib.contextmanager
 def weights_on_meta() -> Iterator[None]:
     """Modules built inside get their weights on meta and their buffers computed on CPU (one thread at a time)."""
-    from accelerate import init_empty_weights  # type: ignore[import-untyped]  # accelerate ships no stubs
+    from accelerate import init_empty_weights
 
     with _EMPTY_WEIGHTS, torch.device("cpu"), init_empty_weights(include_buffers=False):
         yield
@@ -165,7 +167,7 @@ class Family:
             layer.get_submodule(path)._buffers[leaf] = buffer
         with torch.no_grad():
             for module in layer.modules():
-                model._init_weights(module)  # type: ignore[no-untyped-call]  # transformers' initialiser
+                init_weights(model, module)
         return layer
 
     def layer_buffers(self, index: int) -> dict[str, torch.Tensor]:

@@ -30,9 +30,12 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from swarm.errors import BadInputError
-from swarm.families.family import Family, FamilySpec, rotary_attr
+from swarm.families.family import CallStyle, Experts, Family, FamilySpec, Rotary, rotary_attr
 
-_CALLS = {"cache": "decoder", "layer_past": "neox"}  # the cache keyword -> the call style that passes it
+_CALLS: dict[str, CallStyle] = {
+    "cache": "decoder",
+    "layer_past": "neox",
+}  # the cache keyword -> the call style that passes it
 _PASSED = {"attention_mask", "position_ids", "position_embeddings", "use_cache", *_CALLS}  # what those styles pass
 _LAYER_LISTS = ("layers", "h", "blocks")  # the usual names, for a base model that holds other lists too
 _LORA_NAMES = ("q_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack")
@@ -73,7 +76,7 @@ def _base_attr(lm_class: type[PreTrainedModel], model: torch.nn.Module) -> str:
     return found
 
 
-def _call_style(lm_class: type[PreTrainedModel], layer: torch.nn.Module) -> str:
+def _call_style(lm_class: type[PreTrainedModel], layer: torch.nn.Module) -> CallStyle:
     params = list(inspect.signature(layer.forward).parameters.values())[1:]  # after the hidden states
     required = [
         p.name
@@ -93,7 +96,7 @@ def _call_style(lm_class: type[PreTrainedModel], layer: torch.nn.Module) -> str:
     raise BadInputError(f"{lm_class.__name__}: its layers take no cache (a keyword among {', '.join(_CALLS)})")
 
 
-def _rotary(base: torch.nn.Module) -> str:
+def _rotary(base: torch.nn.Module) -> Rotary:
     named = rotary_attr(base)
     if named is None:
         return "none"
@@ -127,7 +130,7 @@ def _stages(lm_class: type[PreTrainedModel], base: torch.nn.Module, layers: str)
             embed_norm = first[0]
             norms.remove(embed_norm)
     if len(norms) > 1:  # which runs where is not told by the modules: the model's own forward runs them
-        # (``swarm.families.stage``: the modules' way, without them, then differs from it)
+        # (``swarm.families.own_forward``: the modules' way, without them, then differs from it)
         return "", None, None
     return (norms[0] if norms else ""), (positions[0] if positions else None), embed_norm
 
@@ -147,7 +150,7 @@ def _lora_targets(layers: torch.nn.ModuleList, model_type: str) -> tuple[str, ..
     return tuple(n for n in _LORA_NAMES if n in leaves)[:1] or tuple(sorted(leaves))[:2]
 
 
-def _experts(layers: torch.nn.ModuleList) -> str:
+def _experts(layers: torch.nn.ModuleList) -> Experts:
     """``per_expert`` where the layer holds its experts fused (``gate_up_proj`` [E, 2I, H], as transformers 5 does)
     which ``save_pretrained`` writes one tensor per expert; else ``none``."""
     for path, module in layers.named_modules():  # every layer: the first ones may be dense (DeepSeek's)
@@ -176,16 +179,16 @@ def infer_spec(lm_class: type[PreTrainedModel], config: PretrainedConfig, model:
     scales = _scales(config)
     return FamilySpec(
         label=str(getattr(config, "model_type", lm_class.__name__)),
-        call=call,  # type: ignore[arg-type]  # one of _CALLS' values
-        rotary=_rotary(base),  # type: ignore[arg-type]
+        call=call,
+        rotary=_rotary(base),
         kv="gqa",
-        experts=_experts(layers),  # type: ignore[arg-type]
+        experts=_experts(layers),
         norm=norm,
         positions=positions,
         embed_norm=embed_norm,
         lora_defaults=_lora_targets(layers, str(getattr(config, "model_type", ""))),
         inferred=True,
-        embed=None,  # decided by ``family_of`` (``swarm.families.stage``)
+        embed=None,  # decided by ``family_of`` (``swarm.families.own_forward``)
         head=None,
         layers=attr,
         base=base_attr if base_attr != lm_class.base_model_prefix else None,

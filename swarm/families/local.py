@@ -4,7 +4,7 @@ final-logit soft-cap).
 
 They are the family's own causal-LM class with zero layers (``swarm.families.shell``); an inferred family whose model
 does more around its layers than its modules tell runs those stages through the model's own forward
-(``swarm.families.stage``)."""
+(``swarm.families.own_forward``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from swarm.errors import BadInputError
-from swarm.families import stage
+from swarm.families import own_forward
 from swarm.families.family import Family
 from swarm.families.shell import base_of, beside_of, head_name, head_of, local_model, restore_buffers
 
@@ -35,7 +35,7 @@ def embed(
     embedding norm. Or, for a family whose model does more there, through its own forward (``stage``; ``mask``:
     [batch, past + n], None without padding)."""
     if family.spec.embed == "forward":
-        return stage.forward_embed(family, base, ids=ids, position_ids=position_ids, mask=mask, past=past)
+        return own_forward.forward_embed(family, base, ids=ids, position_ids=position_ids, mask=mask, past=past)
     embedding = base.get_input_embeddings()
     assert isinstance(embedding, torch.nn.Module)
     return finish_embedding(family, base, embedding(ids), position_ids, past)
@@ -53,7 +53,9 @@ def finish_embedding(
     learned positions, then an embedding norm. The identity for most families."""
     spec = family.spec
     if spec.embed == "forward":
-        return stage.forward_embed(family, base, inputs_embeds=hidden, position_ids=position_ids, mask=mask, past=past)
+        return own_forward.forward_embed(
+            family, base, inputs_embeds=hidden, position_ids=position_ids, mask=mask, past=past
+        )
     if spec.positions is not None:
         if position_ids is None:
             position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
@@ -70,7 +72,7 @@ def head(family: Family, base: torch.nn.Module, lm_head: torch.nn.Module, hidden
     then the final soft-cap if configured; or, for a family whose model does more there, through its own forward."""
     if family.spec.head == "forward":
         assert isinstance(base, PreTrainedModel)
-        return stage.forward_head(family, base, lm_head, hidden)
+        return own_forward.forward_head(family, base, lm_head, hidden)
     if family.spec.norm:  # a family without a final norm (inferred: none among its base model's modules)
         hidden = getattr(base, family.spec.norm)(hidden)
     logits = _rows(lm_head, hidden)

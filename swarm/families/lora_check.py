@@ -4,7 +4,7 @@ head) against PEFT's LoRA on Hugging Face's own model with the same A and B: log
 and every A and B gradient. The serving self-check (``selfcheck``) proves the forward; this proves that gradients
 reach every adapter as PEFT's do (a stage run through the model's forward, layers returning tuples, fused modules).
 
-PEFT is the reference the swarm's adapters are exchanged with (``swarm.client.peft_format``)."""
+PEFT is the reference the swarm's adapters are exchanged with (``swarm.client.tuning.peft_format``)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def _check(config: PretrainedConfig, targets: tuple[str, ...], rank: int, alpha:
     blocks = range(family.num_layers)
     conv = any(isinstance(m, Conv1D) for n, m in split.layers[0].named_modules() if n in targets)
     names = [f"{family.layers_path}.{i}.{t}" for i in blocks for t in targets]
-    lora = LoraConfig(
+    lora_config: Callable[..., LoraConfig] = LoraConfig  # PEFT annotates lora_alpha an int and takes floats
+    lora = lora_config(
         r=rank,
-        lora_alpha=alpha,  # type: ignore[arg-type]  # PEFT annotates an int and takes floats
+        lora_alpha=alpha,
         target_modules=names,
         lora_dropout=0.0,
         fan_in_fan_out=conv,
@@ -80,8 +81,8 @@ def _check(config: PretrainedConfig, targets: tuple[str, ...], rank: int, alpha:
     with torch.enable_grad():
         ours = split.run(ids, mask, None, 0)
         want = peft(input_ids=ids, attention_mask=mask).logits
-        _loss(ours, ids, mask).backward()  # type: ignore[no-untyped-call]
-        _loss(want, ids, mask).backward()  # type: ignore[no-untyped-call]
+        torch.autograd.backward(_loss(ours, ids, mask))  # Tensor.backward is untyped
+        torch.autograd.backward(_loss(want, ids, mask))
     diff = float((ours - want).detach()[keep].abs().max())
     if not diff <= selfcheck.TOLERANCE:
         return f"with LoRA, logits off by {diff:.1e}"

@@ -16,7 +16,7 @@ def loaded_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    mapping = cast(list[Any], get_model_conversion_mapping(cast(Any, model)))
+    mapping = cast(list[Any], get_model_conversion_mapping(cast(Any, model)))  # Any: transformers types neither
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None)

@@ -13,6 +13,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from swarm.families.family import Family
+from swarm.hf_calls import output_embeddings
 
 
 def _zero_layers(config: PretrainedConfig) -> PretrainedConfig:
@@ -96,7 +97,7 @@ def base_of(family: Family, model: torch.nn.Module) -> PreTrainedModel:
 def head_name(model: PreTrainedModel) -> str:
     """Where the LM head lives: the class's output embeddings (``lm_head`` in most families; NeoX's ``embed_out`` is
     renamed on load; BioGPT's ``output_projection``)."""
-    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    head = output_embeddings(model)
     found = next((n for n, m in model.named_modules() if m is head and n), None) if head is not None else None
     return found or "lm_head"
 

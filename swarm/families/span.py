@@ -7,7 +7,7 @@ own code; this module only reproduces what the Hugging Face model does around it
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +36,14 @@ class SpanInputs:
     alibi: torch.Tensor | None = None
 
 
-class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+class GrowingLayer(DynamicLayer):
     """A full-attention cache layer that writes each step's keys and values in place, into room it grows ahead
     (by a quarter, at least 16 tokens, never past ``limit``), where transformers' ``DynamicLayer`` concatenates: a
     copy of the whole past at every step. ``keys`` and ``values`` are views of what it holds."""
 
     def __init__(self, limit: int | None = None, room: tuple[torch.Tensor, torch.Tensor] | None = None, held: int = 0):
-        super().__init__()  # type: ignore[no-untyped-call]
+        init: Callable[[], None] = super().__init__  # typed here: transformers leaves it unannotated
+        init()
         self.limit = limit
         self._room = room  # (keys, values) with room for more positions than held
         self._held = 0
@@ -98,7 +99,7 @@ def new_cache(family: Family, max_length: int | None = None) -> DynamicCache:
     # Sliding-window layers then keep the last step's tokens beyond their window until the next step settles them
     # (``peers.serving.sessions._rewind``), so a step sent again after a repair upstream can be redone: without it,
     # transformers can crop a sliding layer only before it fills its window.
-    cache.activate_past_recording()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    cache.activate_past_recording()
     return cache
 
 

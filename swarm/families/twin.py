@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 from transformers import PretrainedConfig
 
@@ -136,9 +137,10 @@ def _mamba_heads(config: PretrainedConfig, twin: PretrainedConfig) -> None:
     hidden = getattr(config, "hidden_size", None)
     for heads, width, expand in _MAMBA_HEADS:
         values = [vars(config).get(k) for k in (heads, width, expand)]
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values) or hidden is None:
+        numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if len(numbers) != len(values) or hidden is None:
             continue
-        n, d, e = (float(v) for v in values)  # type: ignore[arg-type]  # numbers, checked above
+        n, d, e = numbers
         ssm = vars(config).get("mamba_d_ssm")  # Falcon-H1's mixer width, set apart from the expansion
         if int(n) * int(d) != (int(ssm) if isinstance(ssm, int) else int(e * int(hidden))):  # attention heads
             continue
@@ -182,7 +184,8 @@ def _follow_derived(config: PretrainedConfig, twin: PretrainedConfig) -> None:
 
 
 def _build(cls: type[PretrainedConfig], values: dict[str, object]) -> PretrainedConfig:
-    return cls(**copy.deepcopy(values))  # type: ignore[arg-type]  # its own copies: constructors write into sub-configs (DBRX's experts')
+    build: Callable[..., PretrainedConfig] = cls  # a config class takes its own values as keywords
+    return build(**copy.deepcopy(values))  # its own copies: constructors write into sub-configs (DBRX's experts')
 
 
 def twin_of(family: Family) -> Family:

@@ -22,10 +22,10 @@ class Arch:
     tied: bool = False
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any] | Any) -> Arch:
+    def from_config(cls, config: Mapping[str, Any] | Any) -> Arch:  # Any: JSON values, or a PretrainedConfig
         """From a config dict (``config.json``, a card's ``[source.config]``) or a ``PretrainedConfig``."""
 
-        def get(key: str, default: Any = None) -> Any:
+        def get(key: str, default: Any = None) -> Any:  # Any: a config value, whatever its key holds
             return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
         hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))

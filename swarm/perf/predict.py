@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypedDict, Unpack
 
 from swarm.hop import Hop
 from swarm.perf.arch import Arch
@@ -16,6 +17,18 @@ from swarm.plan.compile import Call, ModelShape, finetune_plan, forward_plan, ge
 from swarm.plan.ir import CLIENT
 
 LOCAL = "local"
+
+
+class Numbers(TypedDict, total=False):
+    """A call's numbers, as ``Setting``'s fields of the same names say."""
+
+    batch: int
+    tokens: int
+    past: int
+    chained: bool
+    adapter_params: int
+    client_params: int
+    weight_grads: bool
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,7 @@ class Swarm:
             return [Hop(LOCAL, 0, self.arch.layers)]
         return [Hop(f"s{i}", a, b) for i, (a, b, _) in enumerate(self.servers)]
 
-    def setting(self, warm: bool = False, **numbers: object) -> Setting:
+    def setting(self, warm: bool = False, **numbers: Unpack[Numbers]) -> Setting:
         """``warm``: the calls' connections are busy enough that TCP keeps its window open between them (training's
         kept-open compute connections, idle far less than a retransmission timeout between a step's calls); an
         inference session's small steps never grow the window, so a prompt after them starts from the initial one."""
@@ -47,7 +60,7 @@ class Swarm:
         devices |= {f"s{i}": d for i, (_, _, d) in enumerate(self.servers)}
         link = Link(bandwidth=math.inf) if self.local else replace(self.link, warm=warm or self.link.warm)
         software = Software() if self.local else self.software
-        return Setting(self.arch, devices, lambda a, b: link, software, **numbers)  # type: ignore[arg-type]
+        return Setting(self.arch, devices, lambda a, b: link, software, **numbers)
 
     def shape(self) -> ModelShape:
         return ModelShape("model", self.arch.layers, self.arch.hidden, self.arch.vocab)

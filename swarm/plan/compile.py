@@ -61,10 +61,14 @@ class Call:
     tokens: Dim = "tokens"
 
 
+_FLOAT_DTYPES: dict[str, DType] = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
 def float_dtype(name: str) -> DType:
-    if name not in ("float32", "float16", "bfloat16"):
+    dtype = _FLOAT_DTYPES.get(name)
+    if dtype is None:
         raise PlanError(f"a server computes in {name!r}, which plans do not carry")
-    return name  # type: ignore[return-value]  # checked just above
+    return dtype
 
 
 def _hidden(model: ModelShape, call: Call, tokens: Dim | None = None, dtype: DType | None = None) -> TensorType:

@@ -20,7 +20,7 @@ import ssl
 import struct
 from collections.abc import AsyncIterator
 
-from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # protobuf ships no stubs
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from swarm import wire

@@ -1,9 +1,9 @@
-"""Judging accusations (``swarm.accusations``): the part every reader shares, clients (``swarm.client.trust``) and
-the broker (``peers.judge``). Each believes an accusation only once its evidence checks (``swarm.rpc.evidence``:
-signed by the accused, for the claimed blocks, the context its cache held) and re-runs wrong on servers drawn at
-random that are neither the accused nor the accuser: two, and a third where they disagree (the majority rules; one
-where only one exists). An accuser whose evidence does not check, or re-runs to what the accused committed to, is a
-false accuser: its accusations are ignored from then on. The accused loses nothing by a false accusation.
+"""Judging accusations (``swarm.accusations``): the part every reader shares, clients (``swarm.client.verify.trust``)
+and the broker (``peers.judge``). Each believes an accusation only once its evidence checks (``swarm.rpc.evidence``:
+signed by the accused, for the claimed blocks, the context its cache held) and re-runs wrong on servers drawn at random
+that are neither the accused nor the accuser: two, and a third where they disagree (the majority rules; one where only
+one exists). An accuser whose evidence does not check, or re-runs to what the accused committed to, is a false accuser:
+its accusations are ignored from then on. The accused loses nothing by a false accusation.
 
 A reader takes up at most ``RERUNS_PER_LOOK`` accusations per look, at most one per accuser, in random order; one
 it cannot judge yet (no server to re-run it on, the accused not announced) waits ``RETRY_AFTER`` seconds."""

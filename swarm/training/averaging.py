@@ -15,7 +15,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
-from swarm.dht import OwnedDHT, die_with_parent
+from swarm.owned_dht import OwnedDHT, die_with_parent
 from swarm.training.codec import Codec, Format
 from swarm.training.robust import ClipRule, RobustAllReduceRunner
 from swarm.training.run import RunConfig
@@ -40,7 +40,9 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
 
     _allowed: frozenset[str] = frozenset()  # in the averager's process; nobody until the owner says
 
-    def __init__(self, *args: Any, rule: ClipRule | None = None, codec: Codec | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: object, rule: ClipRule | None = None, codec: Codec | None = None, **kwargs: object
+    ) -> None:
         # before hivemind's __init__, which may fork the averager's process
         self._rule = rule or ClipRule()
         self.codec = codec or Codec("none")  # its byte counter is shared with the averager's process

@@ -14,9 +14,10 @@ strictly increasing inside the part, scales finite (``CodecError`` otherwise: th
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing as mp
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ class Codec(CompressionBase):  # type: ignore[misc]  # hivemind ships no type in
 
     def __init__(self, fmt: Format, density: float = 1.0) -> None:
         self.fmt, self.density = fmt, density
-        self._sent: Any = mp.Value("q", 0, lock=True)  # made before hivemind forks the averager's process
+        self._sent = mp.Value(ctypes.c_longlong, 0, lock=True)  # made before hivemind forks the averager's process
 
     @property
     def sent(self) -> int:

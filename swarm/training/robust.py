@@ -192,7 +192,7 @@ class RobustAllReduceRunner(AllReduceRunner):  # type: ignore[misc]  # hivemind 
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, *, rule: ClipRule, codec: Codec, **kwargs: Any) -> None:
+    def __init__(self, *, rule: ClipRule, codec: Codec, **kwargs: object) -> None:  # the rest: hivemind's
         super().__init__(compression=codec, **kwargs)
         self.codec = codec
         index = self.ordered_peer_ids.index(self.peer_id)
@@ -214,7 +214,7 @@ class RobustAllReduceRunner(AllReduceRunner):  # type: ignore[misc]  # hivemind 
         assert isinstance(reducer, RobustPartReducer)
         return {self.sender_peer_ids[s].to_base58(): n for s, n in reducer.clipped.items()}
 
-    async def _communicate_with_peer(self, peer_id: Any) -> None:
+    async def _communicate_with_peer(self, peer_id: Any) -> None:  # Any: hivemind's PeerID (untyped there)
         """Send this peer's parts to the groupmate that reduces them and take back the reduced values (as hivemind's,
         with the codec and its replies of values)."""
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -247,7 +247,7 @@ class RobustAllReduceRunner(AllReduceRunner):  # type: ignore[misc]  # hivemind 
             container.register_failed_reducer(peer_index)
             raise
 
-    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int) -> Any:  # Any: hivemind's messages
         """Reduce a groupmate's parts as they come and send back each reduced part (hivemind sends differences)."""
         part_index = 0
         shapes = self.tensor_part_reducer.part_shapes
