@@ -266,7 +266,7 @@ def install(cheat: Cheat) -> None:
     speed probe's block (``ServingStage.probe``) stays honest."""
     if cheat.mode == "honest":
         return
-    from peers.blocks.stage import ServingStage
+    from peers.blocks.serving_stage import ServingStage
 
     load = ServingStage.load
 
@@ -281,7 +281,7 @@ def install(cheat: Cheat) -> None:
     ServingStage.load = cheating_load  # type: ignore[method-assign]
     if cheat.mode in WEIGHT_MODES:
         return
-    from peers.training.stage import TrainableStage
+    from peers.training.trainable_stage import TrainableStage
 
     train_load = TrainableStage.load
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from peers.blocks.stage import ServingStage
+from peers.blocks.serving_stage import ServingStage
 from peers.config import PeerConfig
 from peers.serving.config import ComputeConfig
 from peers.serving.runtime import SpanRuntime

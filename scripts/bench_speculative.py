@@ -86,7 +86,7 @@ def job(spec: dict[str, Any]) -> None:
     import torch
 
     from swarm import DistributedModelForCausalLM, load_tokenizer
-    from swarm.client.speculative import Speculation
+    from swarm.client.speculative.loop import Speculation
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(MODEL)
@@ -143,7 +143,7 @@ def job(spec: dict[str, Any]) -> None:
 
 def streams(model: Any, prompt: Any, spec: dict[str, Any]) -> None:
     """``streams`` generations at once, the workloads in turn: aggregate tokens/s, plain then speculative."""
-    from swarm.client.speculative import Speculation
+    from swarm.client.speculative.loop import Speculation
 
     n, new = spec["streams"], spec["stream_tokens"]
     names = list(WORKLOADS)

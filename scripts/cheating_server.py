@@ -7,7 +7,7 @@ and measuring verification. The cheats themselves are ``harness/cheats.py`` (its
 
 MODE: ``honest`` (no change), ``noise``, ``quant4``, ``swap``, ``last``, ``int8``, ``nf4``. Tests and benchmarks
 start one inside a ``LocalSwarm`` with ``start_cheater``
-(``tests.conftest.load_script("cheating_server").start_cheater``): it announces itself ten times faster than the
+(``tests.helpers.scripts.load_script("cheating_server").start_cheater``): it announces itself ten times faster than the
 test servers (``--throughput 1000``), so clients route to it first. Importing this file costs only the standard
 library and ``swarm.launch``."""
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness.local_swarm import ApiProcess  # noqa: E402
 from swarm.launch import LocalSwarm  # noqa: E402
-from tests.integration.browser import chrome, map_peers, save_screenshot, wait_until  # noqa: E402
+from tests.helpers.browser import chrome, map_peers, save_screenshot, wait_until  # noqa: E402
 
 MODEL = "smollm2-135m"
 STARTUP = 300.0

@@ -1,5 +1,5 @@
 """The long fuzz run: the wire decoder and a live tiny-model server on both planes, with the generators of the test
-suite (tests/fuzz_cases.py, tests/integration/fuzz_live.py) and many more cases, an honest session beside them.
+suite (tests/helpers/fuzz_cases.py, tests/helpers/fuzz_live.py) and many more cases, an honest session beside them.
 
     python scripts/fuzz.py --examples 100000
 
@@ -25,10 +25,10 @@ import torch  # noqa: E402
 from swarm import wire  # noqa: E402
 from swarm.errors import BadInputError  # noqa: E402
 from swarm.rpc import direct  # noqa: E402
-from tests import fuzz_cases  # noqa: E402
-from tests.conftest import local_reference, make_tiny_model  # noqa: E402
-from tests.integration.fuzz_live import LiveFuzzer, vm_hwm_mib  # noqa: E402
-from tests.integration.swarms import connect, running_swarm  # noqa: E402
+from tests.helpers import fuzz_cases  # noqa: E402
+from tests.helpers.fuzz_live import LiveFuzzer, vm_hwm_mib  # noqa: E402
+from tests.helpers.models import local_reference, make_tiny_model  # noqa: E402
+from tests.helpers.swarms import connect, running_swarm  # noqa: E402
 
 
 async def _read_all(data: bytes) -> list[wire.Frame]:

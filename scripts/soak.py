@@ -1,5 +1,5 @@
 """The long run of the memory-ceiling soak test (``tests/integration/test_soak.py``): a one-server swarm of the tiny
-Llama card under ``--max-memory-mb``, the memory attacker (``tests/integration/attacker_memory.py``, every attack
+Llama card under ``--max-memory-mb``, the memory attacker (``tests/helpers/attacker_memory.py``, every attack
 with several identities on both planes) in rounds for ``--minutes``, an honest client generating throughout in one
 session per round, checked against a local run of the same weights.
 
@@ -76,7 +76,7 @@ def main() -> int:
                 hop = client.route[0]
                 baseline = rss(pid)
                 target = {"peer_id": hop.peer_id, "start": hop.start, "end": hop.end, "direct": hop.direct}
-                cmd = [sys.executable, "-m", "tests.integration.attacker_memory", "--hop"]
+                cmd = [sys.executable, "-m", "tests.helpers.attacker_memory", "--hop"]
                 cmd += [json.dumps(target | {"maddrs": list(hop.maddrs)}), "--seconds", str(args.round_seconds)]
                 cmd += ["--identities", str(args.identities), "--p2p-identities", str(args.p2p_identities)]
                 cmd += ["--hidden-size", str(local.config.hidden_size)]

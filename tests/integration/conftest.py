@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from harness.fork_server import ForkServer
-from tests.conftest import local_reference
-from tests.integration import swarms
+from swarm.training.data import corpus_files, tokenize
+from tests.helpers import swarms
+from tests.helpers.models import local_reference
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,6 +28,12 @@ def fork_server() -> Iterator[ForkServer]:
 def folder(tiny_models) -> str:
     """The tiny Llama's folder: what most loopback swarms serve."""
     return str(tiny_models["llama"])
+
+
+@pytest.fixture(scope="module")
+def corpus_ids():
+    """The shipped corpus as byte tokens: what the pre-training tests train on."""
+    return tokenize(corpus_files(None), "bytes", 256)
 
 
 @pytest.fixture(scope="module")

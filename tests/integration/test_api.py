@@ -16,8 +16,8 @@ import torch
 
 from harness.local_swarm import ApiProcess
 from swarm.hop import Hop
-from tests.conftest import local_reference
-from tests.integration.swarms import connect, counter, running_swarm, scrape, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, counter, running_swarm, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 

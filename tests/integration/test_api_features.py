@@ -19,9 +19,9 @@ import torch
 
 from harness.local_swarm import ApiProcess
 from swarm.api import conformance
-from tests.conftest import local_reference
-from tests.integration.swarms import running_swarm
-from tests.unit.test_api_controls import SCHEMAS, _closed
+from tests.helpers.models import local_reference
+from tests.helpers.schemas import SCHEMAS, closed
+from tests.helpers.swarms import running_swarm
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +169,7 @@ def test_a_tool_call_round_trip_streamed_and_not(api):
 def test_every_json_schema_answer_parses_and_validates(api):
     """10 schemas x 10 sampled answers (5 choices x 2 seeds each, four requests at a time: the servers batch them)."""
     client = _client(api)
-    schemas = list(map(_closed, SCHEMAS))
+    schemas = list(map(closed, SCHEMAS))
 
     def ask(job: tuple[int, int]) -> list[tuple[dict, str, str]]:
         k, seed = job

@@ -24,8 +24,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.local_swarm import ApiProcess
-from tests.conftest import local_reference
-from tests.integration.swarms import closed_by_peer, running_swarm, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import closed_by_peer, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import local_reference, make_tiny_model
-from tests.integration.swarms import running_swarm, wait_for
+from tests.helpers.models import local_reference, make_tiny_model
+from tests.helpers.swarms import running_swarm, wait_for
 
 KEY = "folder-api-key"
 VOCAB = 320

@@ -1,4 +1,4 @@
-"""Attacks by a real malicious process (``tests/integration/attacker.py``: its own identity, DHT peer and RPC calls
+"""Attacks by a real malicious process (``tests/helpers/attacker.py``: its own identity, DHT peer and RPC calls
 on loopback) on real swarms. Every attack fails: honest clients get the outputs of a local Hugging Face run, the
 swarm keeps its coverage, the servers stay up, and a pre-training run learns exactly what it learns alone."""
 
@@ -21,9 +21,9 @@ from swarm.dht import RecordStore, current_broker, dht_time, load_identity, star
 from swarm.identity import peer_id_of_key
 from swarm.ids import assignment_key, peers_key
 from swarm.records import Assignment, PeerRecord, PeerState, servers
-from tests.conftest import local_reference
-from tests.integration import swarms
-from tests.integration.swarms import patient_timing, running_swarm, wait_for
+from tests.helpers import swarms
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import patient_timing, running_swarm, wait_for
 
 # The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
 # every one.
@@ -33,7 +33,7 @@ TIMING = Timing.for_tests()
 ROOT = Path(__file__).parents[2]
 
 
-ATTACKER = "tests.integration.attacker"
+ATTACKER = "tests.helpers.attacker"
 
 
 def _command(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str) -> list[str]:
@@ -218,7 +218,7 @@ def test_forged_records_a_fake_broker_and_a_seized_broker_change_nothing(tiny_mo
 
 
 def closed_run(tmp_path: Path, *identities: Path, **sections: Any) -> Path:
-    from tests.integration.test_pretrain import write_run
+    from tests.helpers.runs import write_run
 
     trainers = [peer_id_of_key(load_identity(i).get_public_key().to_bytes()) for i in identities]
     return write_run(tmp_path, trust={"trainers": trainers}, **sections)
@@ -237,7 +237,7 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     from swarm.errors import BusyError
     from swarm.training.data import Samples, corpus_files, tokenize
     from swarm.training.run import load_run
-    from tests.integration.test_pretrain import close_all, stage_state
+    from tests.helpers.runs import close_all, stage_state
 
     identity, rogue = tmp_path / "trainer.key", tmp_path / "rogue.key"
     run_file = closed_run(tmp_path, identity, rogue, checkpoint={"every_steps": 0}, averaging={"every_steps": 0})
@@ -310,7 +310,7 @@ def test_an_outsider_cannot_join_the_replicas_averaging(tmp_path):
     from swarm.model_files import new_model
     from swarm.training.data import Samples, corpus_files, tokenize
     from swarm.training.run import load_run
-    from tests.integration.test_pretrain import stage_state, write_run
+    from tests.helpers.runs import stage_state, write_run
 
     run_file = write_run(
         tmp_path,

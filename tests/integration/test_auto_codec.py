@@ -21,8 +21,8 @@ from harness.wan.nodes import ClientJob, WanSwarm
 from swarm import wire
 from swarm.codecs import Codec, choose_codec
 from swarm.config import ClientConfig
-from tests.conftest import local_reference
-from tests.integration.swarms import TEST_SERVER_ARGS, check_forward, check_greedy, connect, running_swarm
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import TEST_SERVER_ARGS, check_forward, check_greedy, connect, running_swarm
 
 LINK_MBIT = 5.0
 SERVERS = ("--network-mbps", str(LINK_MBIT))  # the link each server announces: the codec choice's prior

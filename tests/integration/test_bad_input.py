@@ -12,8 +12,8 @@ from swarm import wire
 from swarm.errors import BadInputError, CacheFullError, SessionLengthError, VersionMismatchError
 from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD, RPC_INFERENCE
-from tests.conftest import local_reference
-from tests.integration.swarms import connect, counter, raw_call, running_swarm
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, counter, raw_call, running_swarm
 
 HIDDEN = 64
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from swarm.client.executor import Context
-from swarm.client.inference_session import InferenceSession
-from tests.conftest import local_reference
-from tests.integration.swarms import connect, patient_timing, running_swarm, scrape
+from swarm.client.session.inference_session import InferenceSession
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, patient_timing, running_swarm, scrape
 
 pytestmark = pytest.mark.slow
 STEPS = 10

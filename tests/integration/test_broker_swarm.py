@@ -14,8 +14,8 @@ from swarm.dht import RecordStore, current_broker, start_dht
 from swarm.hop import Hop
 from swarm.ids import peers_key
 from swarm.records import Lease, PeerRecord, PeerState, servers
-from tests.conftest import local_reference
-from tests.integration.swarms import running_swarm, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import running_swarm, wait_for
 
 POLICY = ("--max-blocks", "2", "--standby-fraction", "0.25")
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Chained training passes through real stage servers (``swarm/client/chained_passes.py``, ``peers/rpc/passes.py``):
+"""Chained training passes through real stage servers (``swarm/client/passes/chained.py``, ``peers/rpc/passes.py``):
 a micro-batch's forward goes stage to stage and its backward back, the trainer sending only the first hop's input;
 the losses equal the client-mediated run's, and a stage killed mid-run costs a fallback, not the run."""
 
@@ -11,11 +11,10 @@ from swarm.codecs import Codec
 from swarm.config import Timing
 from swarm.training.data import Samples
 from swarm.training.run import load_run
-from tests.integration.swarms import running_swarm
-from tests.integration.test_pretrain import close_all, corpus_ids, write_run
+from tests.helpers.runs import close_all, write_run
+from tests.helpers.swarms import running_swarm
 
 pytestmark = pytest.mark.slow
-__all__ = ["corpus_ids"]  # the fixture, shared
 STEPS = 4
 
 

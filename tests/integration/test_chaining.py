@@ -21,8 +21,8 @@ from swarm.identity import Credentials, Signed
 from swarm.protocol import ChainHop, ChainRoute, InferenceRequest, OpenReply, OpenSession
 from swarm.rpc.commit import SIGN_EVERY, ChainCopy
 from swarm.rpc.stream import open_session
-from tests.integration.liar import start_liar
-from tests.integration.swarms import connect, counter, patient_timing, running_swarm, scrape, wait_for
+from tests.helpers.liar import start_liar
+from tests.helpers.swarms import connect, counter, patient_timing, running_swarm, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -68,14 +68,16 @@ def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, re
                 assert len(states) == 3
                 # the 21-token prompt went in 3 pipelined pieces, then 11 single-token steps
                 for state in states:
-                    assert len(state.commitments) == 3 + 11
+                    assert len(state.commitments.replies) == 3 + 11
                     # the session's end sealed each hop's chain and checked the signature: it covers every step
-                    assert state.chain.length == state.chain.signed_length == state.chain.verified == 3 + 11
-                    assert sum(bool(c.signature) for c in state.commitments) == (3 + 11) // SIGN_EVERY
+                    chain_copy = state.commitments.chain
+                    assert chain_copy.length == chain_copy.signed_length == chain_copy.verified == 3 + 11
+                    assert sum(bool(c.signature) for c in state.commitments.replies) == (3 + 11) // SIGN_EVERY
                 for before, after in zip(states, states[1:], strict=False):
-                    assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
+                    sent_on = [c.digest for c in before.commitments.replies]
+                    assert sent_on == [c.input_digest for c in after.commitments.replies]
                 forged = ChainCopy(states[0].session_id)
-                for i, c in enumerate(states[0].commitments):
+                for i, c in enumerate(states[0].commitments.replies):
                     forged.fold(c.model_copy(update={"digest": "0" * 64}) if i == 0 else c)
                 assert forged.seal(
                     OpenReply(
@@ -83,10 +85,10 @@ def test_chained_steps_are_exact_committed_and_cheaper_for_the_client(folder, re
                         public_key="",
                         commit_cert="",
                         chain_length=3 + 11,
-                        chain_signature=states[0].chain.signed[2],
+                        chain_signature=states[0].commitments.chain.signed[2],
                     )
                 )
-                assert not forged.audit(states[0].commit)
+                assert not forged.audit(states[0].commitments.key)
         # the client sends each step once instead of once per hop
         assert sent[True] < 0.6 * sent[False], sent
 
@@ -104,7 +106,8 @@ def test_chained_steps_carry_compressed_activations_with_consistent_commitments(
             states = session.hop_states
         assert client.failovers == 0
         for before, after in zip(states, states[1:], strict=False):
-            assert [c.digest for c in before.commitments] == [c.input_digest for c in after.commitments]
+            sent_on = [c.digest for c in before.commitments.replies]
+            assert sent_on == [c.input_digest for c in after.commitments.replies]
         traffic = client.connection.remote.traffic
         assert traffic["codec.block8"] == 3 + 7 and traffic["codec.none"] == 0
 
@@ -120,7 +123,7 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
         cmd = [
             sys.executable,
             "-m",
-            "tests.integration.attacker",
+            "tests.helpers.attacker",
             "push",
             "--initial-peers",
             *swarm.initial_peers,
@@ -186,7 +189,7 @@ def test_a_route_names_only_servers_that_announce_the_blocks_around(folder):
         received = lambda: scrape(swarm.peer_by_id(second.peer_id).urls["metrics"])[  # noqa: E731
             ("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))
         ]
-        cmd = [sys.executable, "-m", "tests.integration.attacker", "push", "--initial-peers", *swarm.initial_peers]
+        cmd = [sys.executable, "-m", "tests.helpers.attacker", "push", "--initial-peers", *swarm.initial_peers]
         cmd += ["--model-id", Path(folder).name, "--num-blocks", "4", "--hidden-size", "64"]
         attacker = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         listener = socket.create_server(("127.0.0.1", 0))  # where a client would have the first hop dial

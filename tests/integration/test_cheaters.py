@@ -18,8 +18,9 @@ import torch
 from harness.cheats import Cheat, cheating_span, decisions, main, quantize_layers, swap_blocks
 from swarm.hop import Hop
 from swarm.ids import Span
-from tests.conftest import load_script, local_reference
-from tests.integration.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.scripts import load_script
+from tests.helpers.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
 
 VOCAB = 320
 SPAN = Span(0, 2)

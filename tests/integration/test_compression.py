@@ -15,8 +15,8 @@ from hivemind.p2p import PeerID
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.protocol import PROTOCOL_VERSION, RPC_FORWARD
-from tests.conftest import local_reference
-from tests.integration.swarms import connect, running_swarm
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, running_swarm
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow

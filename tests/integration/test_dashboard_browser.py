@@ -15,7 +15,7 @@ import pytest
 
 from harness.local_swarm import ApiProcess
 from swarm.launch import LocalSwarm
-from tests.integration.browser import (
+from tests.helpers.browser import (
     chrome,
     map_peers,
     save_screenshot,
@@ -23,7 +23,7 @@ from tests.integration.browser import (
     text_of,
     wait_until,
 )
-from tests.integration.swarms import TEST_SERVER_ARGS
+from tests.helpers.swarms import TEST_SERVER_ARGS
 
 MODEL = "smollm2-135m"
 STARTUP = 180.0
@@ -64,7 +64,7 @@ def test_a_malicious_peers_markup_stays_text(swarm, driver, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "tests.integration.attacker",
+        "tests.helpers.attacker",
         "markup",
         "--initial-peers",
         *swarm.initial_peers,

@@ -17,11 +17,10 @@ from swarm.records import stage_servers
 from swarm.training.data import Samples
 from swarm.training.init import stage_state_bytes
 from swarm.training.run import load_run
-from tests.integration.swarms import patient_timing, running_swarm, wait_for
-from tests.integration.test_pretrain import close_all, corpus_ids, write_run
+from tests.helpers.runs import close_all, write_run
+from tests.helpers.swarms import patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
-__all__ = ["corpus_ids"]  # the fixture, shared
 
 
 def test_one_replica_per_stage_equals_one_process_diloco(tmp_path, corpus_ids):

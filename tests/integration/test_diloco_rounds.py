@@ -13,7 +13,7 @@ from swarm.training.codec import Codec
 from swarm.training.diloco import OuterSync
 from swarm.training.robust import ClipRule
 from swarm.training.run import Sync
-from tests.integration.test_robust_averaging import dhts
+from tests.helpers.runs import dhts
 
 SIZES = (30_000, 4_000)  # two tensors: several parts, reduced by each of the three peers
 SLACK = 1e-2

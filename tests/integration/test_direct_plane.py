@@ -21,7 +21,7 @@ from swarm.protocol import RPC_FORWARD, DirectCall, ForwardRequest
 from swarm.rpc.direct import TcpChannel, frames_of, split_address, write_frame
 from swarm.rpc.remote import Remote
 from swarm.rpc.secure import client_context
-from tests.integration.swarms import connect, running_swarm
+from tests.helpers.swarms import connect, running_swarm
 
 HIDDEN = 64
 

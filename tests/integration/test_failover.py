@@ -13,7 +13,7 @@ import torch
 from harness.local_swarm import Disturber
 from swarm.config import Timing
 from swarm.errors import MissingBlocksError
-from tests.integration.swarms import KillWhileServing, connect, running_swarm, wait_for, within
+from tests.helpers.swarms import KillWhileServing, connect, running_swarm, wait_for, within
 
 # The fast subset keeps the first drill (a kill mid-generation); the full suite runs every one.
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.conftest import FAMILY_CONFIGS, local_reference, make_tiny_model
-from tests.integration.swarms import (
+from tests.helpers.models import FAMILY_CONFIGS, local_reference, make_tiny_model
+from tests.helpers.swarms import (
     check_backward,
     check_forward,
     check_greedy,
@@ -26,7 +26,7 @@ from tests.integration.swarms import (
 # experts; and Phi-3, which no row of the family table lists. Each family's local math is checked without a swarm
 # in tests/unit/test_family_layer.py (inferred families: tests/unit/test_family_infer.py).
 # Phi-3 and OPT: families inferred from their class, not rows of the table (OPT's embeddings and head run through its
-# own forward: ``swarm.families.stage``)
+# own forward: ``swarm.families.own_forward``)
 # ModernBERT-decoder: a module beside its base model and head, which the client holds (``shell.beside_of``)
 # Families whose blocks differ in kind (Nemotron-H's state-space, attention, MoE and MLP blocks): LoRA refused
 HYBRID_BLOCKS = ("nemotron_h",)

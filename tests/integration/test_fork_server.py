@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.env import child_env
 from harness.fork_server import ForkServer
 
-IDLER = "tests.integration.idler"
+IDLER = "tests.helpers.idler"
 GONE_WITHIN_S = 60.0  # generous: the grace a peer's clean shutdown gets, on 2 busy cores
 
 
@@ -46,7 +46,7 @@ import sys, time
 from pathlib import Path
 from harness.fork_server import ForkServer
 server = ForkServer()
-child = server.spawn([], Path(sys.argv[1]), main="tests.integration.idler")
+child = server.spawn([], Path(sys.argv[1]), main="tests.helpers.idler")
 print(child.pid, flush=True)
 time.sleep(600)
 """

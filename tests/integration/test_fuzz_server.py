@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from tests.conftest import local_reference
-from tests.integration.fuzz_live import LiveFuzzer, vm_hwm_mib
-from tests.integration.swarms import connect, counter, running_swarm
+from tests.helpers.fuzz_live import LiveFuzzer, vm_hwm_mib
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, counter, running_swarm
 
 pytestmark = pytest.mark.slow  # 10,000 messages and a real server: the full suite runs it, the fast loop not
 

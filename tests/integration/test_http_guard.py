@@ -23,7 +23,7 @@ from starlette.routing import Route
 from swarm.dashboard.access import Access
 from swarm.dashboard.guard import ConnectionLimits, Guard
 from swarm.dashboard.server import ThreadedServer, serve_in_thread
-from tests.integration.swarms import closed_by_peer, wait_for
+from tests.helpers.swarms import closed_by_peer, wait_for
 
 KEY = "guard-test-key"
 BEARER = {"Authorization": f"Bearer {KEY}"}

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.dht import _own_children
 from swarm.launch import LocalSwarm
-from tests.conftest import local_reference
-from tests.integration.swarms import (
+from swarm.owned_dht import _own_children
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import (
     TEST_SERVER_ARGS,
     check_forward,
     connect,

@@ -1,4 +1,4 @@
-"""Servers that lie in their replies (``tests/integration/liar.py``: real peers whose answers are rewritten in their
+"""Servers that lie in their replies (``tests/helpers/liar.py``: real peers whose answers are rewritten in their
 own process) cost the client a failover each, never a wrong output or an error: a reply without ``hidden``, one far
 larger than the request implies, ``bad_input`` to a valid request, an internal "out of memory" failure. With one
 honest server beside them, the client's forward and generate equal a local Hugging Face run, and every liar ends
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from swarm.errors import BadInputError, MessageTooLargeError, PeerUnavailableError, SwarmError, WrongReplyError
-from tests.conftest import local_reference
-from tests.integration.liar import MODES, start_liar
-from tests.integration.swarms import check_forward, connect, counter, running_swarm, wait_for
+from tests.helpers.liar import MODES, start_liar
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import check_forward, connect, counter, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 

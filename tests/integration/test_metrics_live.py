@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.swarms import Samples, connect, running_swarm, scrape
+from tests.helpers.swarms import Samples, connect, running_swarm, scrape
 
 MODEL = "tiny-llama"
 

@@ -17,8 +17,8 @@ import torch
 from harness.wan import Wan, WanConfig, unavailable_reason
 from harness.wan.config import NatConfig
 from harness.wan.nodes import ClientJob, WanSwarm
-from tests.conftest import local_reference
-from tests.integration.swarms import PATIENT
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import PATIENT
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from swarm.plan.ir import Plan
-from tests.integration.swarms import descendants, running_swarm, survivors
+from tests.helpers.swarms import descendants, running_swarm, survivors
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,6 @@ process (same per-tensor seeds, data order, optimizer and schedule)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,46 +12,13 @@ from swarm.client.training.local import LocalTraining
 from swarm.client.training.trainer import Trainer
 from swarm.config import Timing
 from swarm.errors import BusyError
-from swarm.hop import Hop
 from swarm.records import PeerState, stage_servers
-from swarm.training.data import Samples, corpus_files, tokenize
-from swarm.training.init import stage_state_bytes
+from swarm.training.data import Samples
 from swarm.training.run import load_run
-from tests.integration.swarms import patient_timing, running_swarm, wait_for
+from tests.helpers.runs import close_all, stage_state, write_run
+from tests.helpers.swarms import patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
-
-SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
-def write_run(folder: Path, **sections) -> Path:
-    """The shipped tiny run with some fields replaced: ``write_run(tmp, checkpoint={"every_steps": 5})``."""
-    data = tomllib.loads(SHIPPED.read_text())
-    data["checkpoint"]["dir"] = str(folder / "checkpoints")
-    for section, fields in sections.items():
-        data.setdefault(section, {}).update(fields)
-    lines = [f"{k} = {_toml(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for section, fields in data.items():
-        if isinstance(fields, dict):
-            lines += [f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in fields.items()]
-    path = folder / "run.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def corpus_ids():
-    return tokenize(corpus_files(None), "bytes", 256)
 
 
 def assert_exported(folder: Path, local: LocalTraining) -> None:
@@ -64,22 +30,6 @@ def assert_exported(folder: Path, local: LocalTraining) -> None:
     assert set(exported) == set(reference)
     for key, value in reference.items():
         assert (exported[key] - value).abs().max().item() < 1e-5, (folder.name, key)
-
-
-def close_all(ours: list[float], theirs: list[float], tol: float = 1e-5) -> bool:
-    return all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(ours, theirs, strict=True))
-
-
-def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, torch.Tensor]]:
-    """A stage's step and weights as one peer holds them, over the ``state`` RPC."""
-    conn = trainer.model.connection
-    record = next(
-        r for rs in conn.store.view(trainer.run.model_id, stage.end).values() for r in rs if r.peer_id == peer_id
-    )
-    limit = stage_state_bytes(trainer.run, stage)
-    reply, tensors = conn.loop.run(conn.remote.state(Hop.of(record, stage.start, stage.end), 30.0, limit))
-    assert (reply.start, reply.end) == (stage.start, stage.end)
-    return reply.step, {k: v for k, v in tensors.items() if k.startswith("param.")}
 
 
 def test_training_equals_local_resumes_after_a_full_restart_and_exports(tmp_path, corpus_ids):

@@ -12,7 +12,7 @@ import torch
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, MissingBlocksError
-from tests.integration.swarms import (
+from tests.helpers.swarms import (
     check_backward,
     check_forward,
     check_greedy,

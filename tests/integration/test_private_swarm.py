@@ -17,9 +17,10 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.dht import OwnedDHT, RecordStore, dht_time, start_dht
+from swarm.dht import RecordStore, dht_time, start_dht
 from swarm.errors import NotMemberError
 from swarm.membership import SwarmKey
+from swarm.owned_dht import OwnedDHT
 from swarm.records import TrainerProgress
 
 KEY = "private-swarm-test"
@@ -134,8 +135,8 @@ def test_an_outsider_of_a_private_swarm_runs_nothing_on_either_plane(tiny_models
     import torch
 
     from swarm.hop import Hop
-    from tests.conftest import local_reference
-    from tests.integration.swarms import connect, running_swarm
+    from tests.helpers.models import local_reference
+    from tests.helpers.swarms import connect, running_swarm
 
     key_file, stranger_key = tmp_path / "swarm.key", tmp_path / "other.key"
     SwarmKey.create(key_file)
@@ -160,7 +161,7 @@ def test_an_outsider_of_a_private_swarm_runs_nothing_on_either_plane(tiny_models
                 cmd = [
                     sys.executable,
                     "-m",
-                    "tests.integration.attacker",
+                    "tests.helpers.attacker",
                     "outsider",
                     "--initial-peers",
                     *swarm.initial_peers,

@@ -14,9 +14,10 @@ import torch
 from peers.blocks.quantize import quantize_layer
 from swarm.errors import MissingBlocksError
 from swarm.families.selfcheck import TOLERANCES
-from tests.conftest import load_script, local_reference
-from tests.integration.swarms import connect, patient_timing, running_swarm, wait_for
-from tests.integration.test_finetune import batch, close, lora_pairs, randomize
+from tests.helpers.finetune import batch, close, lora_pairs, randomize
+from tests.helpers.models import local_reference
+from tests.helpers.scripts import load_script
+from tests.helpers.swarms import connect, patient_timing, running_swarm, wait_for
 
 VOCAB = 320
 FAST = ("--throughput", "1000")  # routing prefers these peers whenever a client may use them

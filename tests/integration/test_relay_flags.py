@@ -18,7 +18,7 @@ from peers.relay_slots import reserve
 from swarm.circuit import CircuitError
 from swarm.dht import start_dht
 from swarm.relay import RelayPolicy, dial_addr
-from tests.integration.swarms import connect, descendants, running_swarm
+from tests.helpers.swarms import connect, descendants, running_swarm
 
 ECHO = "swarm-test-echo"
 MIB = 1 << 20
@@ -186,7 +186,7 @@ def test_a_peer_killed_mid_check_leaves_no_probe_daemon():
     import subprocess
     import sys
 
-    from tests.integration.swarms import alive, wait_for
+    from tests.helpers.swarms import alive, wait_for
 
     me = "QmbTghmKayfByLZqY4eUqwERKtLM1tR5fJPj96J8GVTdhy"
     code = (

@@ -11,9 +11,9 @@ from swarm.client.training.crosscheck import CrossCheckConfig
 from swarm.client.training.trainer import Trainer
 from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.run import load_run
-from tests.conftest import load_script
-from tests.integration.swarms import patient_timing, running_swarm
-from tests.integration.test_pretrain import write_run
+from tests.helpers.runs import write_run
+from tests.helpers.scripts import load_script
+from tests.helpers.swarms import patient_timing, running_swarm
 
 pytestmark = pytest.mark.slow
 

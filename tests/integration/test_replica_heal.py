@@ -17,8 +17,8 @@ from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.init import stage_state_bytes
 from swarm.training.run import load_run
 from swarm.training.state import agree
-from tests.integration.swarms import counter, running_swarm
-from tests.integration.test_pretrain import write_run
+from tests.helpers.runs import write_run
+from tests.helpers.swarms import counter, running_swarm
 
 MAX_STEPS = 30  # corrupted after step 3, found at the round of step 4, healed, equal after a round or two
 LEARN_STEPS = 20  # and the run keeps learning: its loss at step 20 below its first

@@ -4,31 +4,14 @@ the round's result stays by the honest replicas' mean, where hivemind's plain me
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-from swarm.dht import OwnedDHT
 from swarm.training.averaging import OwnedAverager
 from swarm.training.robust import ClipRule
+from tests.helpers.runs import dhts
 
 SIZE = 20_000  # two tensors of this many values: several parts, reduced by each of the three peers
 SLACK = 1e-3  # how far, per element, the rule lets replicas' weights lie apart
-
-
-@contextmanager
-def dhts(n: int) -> Iterator[list[OwnedDHT]]:
-    started: list[OwnedDHT] = []
-    try:
-        started.append(OwnedDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        for _ in range(n - 1):
-            addresses = [str(a) for a in started[0].get_visible_maddrs()]
-            started.append(OwnedDHT(start=True, initial_peers=addresses, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        yield started
-    finally:
-        for dht in started:
-            dht.shutdown()
 
 
 def test_a_replica_far_from_the_others_cannot_drag_the_round():

@@ -14,8 +14,8 @@ from swarm.errors import BadInputError, MissingBlocksError
 from swarm.hop import Hop
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import ALL_CAPABILITIES, Capability
-from tests.conftest import local_reference
-from tests.integration.swarms import check_forward, check_greedy, check_session_steps, connect, raw_call, running_swarm
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import check_forward, check_greedy, check_session_steps, connect, raw_call, running_swarm
 
 HIDDEN = 64
 # SmolLM2's logits (up to ~34 in size) through 10 blocks on ONNX Runtime differ from Hugging Face's by 5e-5 at most

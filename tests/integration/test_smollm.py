@@ -13,8 +13,8 @@ import torch
 
 from swarm.protocol import RPC_INFERENCE
 from swarm.rpc.transport import Transport
-from tests.conftest import local_reference
-from tests.integration.swarms import (
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import (
     check_backward,
     check_forward,
     check_greedy,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import local_reference
-from tests.integration.swarms import connect, patient_timing, running_swarm
+from tests.helpers.models import local_reference
+from tests.helpers.swarms import connect, patient_timing, running_swarm
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -76,7 +76,7 @@ def attack(hop: object, seconds: float, identities: int = 4, p2p_identities: int
     cmd = [
         sys.executable,
         "-m",
-        "tests.integration.attacker_memory",
+        "tests.helpers.attacker_memory",
         "--hop",
         json.dumps(h),
         "--seconds",

@@ -17,7 +17,7 @@ import torch
 from swarm import wire
 from swarm.protocol import RPC_COMPUTE_LOOP, DirectCall, ForwardRequest
 from swarm.rpc.direct import TcpChannel, split_address
-from tests.integration.swarms import connect, running_swarm, wait_for
+from tests.helpers.swarms import connect, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow  # handshake timeouts on real sockets: the full suite runs it, the fast loop not
 

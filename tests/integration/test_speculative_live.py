@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from swarm.accusations import Accusations, accusations_key
-from swarm.client.drafting import ModelDrafter
-from swarm.client.speculative import Draft, Drafter, Speculation
+from swarm.client.speculative.drafting import ModelDrafter
+from swarm.client.speculative.loop import Draft, Drafter, Speculation
 from swarm.rpc.evidence import facts_or_none
-from tests.conftest import load_script, local_reference
-from tests.integration.swarms import connect, patient_timing, running_swarm, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.scripts import load_script
+from tests.helpers.swarms import connect, patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 NEW = 24

@@ -18,8 +18,9 @@ from swarm.dashboard.observer import SwarmObserver
 from swarm.dht import start_dht
 from swarm.ids import assignment_key
 from swarm.records import Assignment
-from tests.conftest import load_script, local_reference
-from tests.integration.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
+from tests.helpers.models import local_reference
+from tests.helpers.scripts import load_script
+from tests.helpers.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 VOCAB = 320
@@ -85,7 +86,7 @@ def test_cheater_caught_banned_accused_and_avoided(cheating_swarm, tiny_models):
 def test_false_accusation_costs_only_the_accuser(cheating_swarm, tiny_models):
     folder, swarm, cheater = cheating_swarm
     honest = swarm.peers[0].peer_id
-    cmd = [sys.executable, "-m", "tests.integration.false_accuser", folder, honest, *swarm.initial_peers]
+    cmd = [sys.executable, "-m", "tests.helpers.false_accuser", folder, honest, *swarm.initial_peers]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=swarm.env)
     assert done.returncode == 0, done.stderr[-3000:]
     accuser = done.stdout.split()[-1]

@@ -19,7 +19,7 @@ from harness.env import child_env
 from harness.wan import Wan, WanConfig, WanError, measure_rtt, measure_throughput, unavailable_reason
 from harness.wan.netns import namespaces, start_time
 from harness.wan.router import IDLE_WAKE_S, MAX_LEAD_S
-from tests.integration.swarms import alive, survivors
+from tests.helpers.swarms import alive, survivors
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]

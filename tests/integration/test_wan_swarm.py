@@ -16,7 +16,7 @@ import torch
 from harness.wan import Wan, WanConfig, unavailable_reason
 from harness.wan.netns import namespaces
 from harness.wan.nodes import ClientJob, WanSwarm
-from tests.integration.swarms import PATIENT, alive, descendants, wait_for
+from tests.helpers.swarms import PATIENT, alive, descendants, wait_for
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import local_reference, make_tiny_model
+from tests.helpers.models import local_reference, make_tiny_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

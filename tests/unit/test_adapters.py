@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peers.serving.adapters import AdapterCache, parse_adapter
-from swarm.client.adapters import ClientAdapters
+from swarm.client.tuning.adapters import ClientAdapters
 from swarm.errors import AdapterMissingError, BadInputError
 from swarm.ids import Span
 from swarm.protocol import AdapterRef

@@ -21,7 +21,8 @@ from swarm.api.grammar import Vocabulary
 from swarm.api.schema import ChatRequest
 from swarm.api.tools import Watch, parse, render
 from swarm.errors import BadInputError
-from tests.conftest import fuzz_examples
+from tests.helpers.examples import fuzz_examples
+from tests.helpers.schemas import SCHEMAS, closed
 
 VOCAB = 12
 
@@ -118,50 +119,6 @@ def test_logprobs_are_the_models_own():
 
 
 # ---- constrained decoding ---------------------------------------------------------------------------------------
-# bounded (strings, numbers, arrays): a schema that allows a 500-digit number lets a sampled answer be one
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]},
-    {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 150}}, "required": ["age"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
-    {
-        "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
-        "required": ["tags"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "x": {"type": "number", "minimum": -10, "maximum": 10},
-            "y": {"type": "integer", "minimum": -99, "maximum": 99},
-        },
-        "required": ["x", "y"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
-            "city": {
-                "type": "object",
-                "properties": {"name": {"type": "string", "maxLength": 8}},
-                "required": ["name"],
-                "additionalProperties": False,
-            }
-        },
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
-    {
-        "type": "object",
-        "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9999}, {"type": "null"}]}},
-        "required": ["v"],
-    },
-    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{2}[0-9]{2}$"}}, "required": ["id"]},
-]
-
-
 @pytest.fixture(scope="module")
 def vocab(smollm_folder):
     from swarm.model_files import load_tokenizer
@@ -170,21 +127,11 @@ def vocab(smollm_folder):
     return tokenizer, Vocabulary(tokenizer, len(tokenizer), frozenset({int(tokenizer.eos_token_id)}))
 
 
-def _closed(schema):
-    """The schema with every object closed (no keys beyond its properties: random logits would name endless ones)."""
-    if isinstance(schema, dict):
-        out = {k: _closed(v) for k, v in schema.items()}
-        if out.get("type") == "object":
-            out["additionalProperties"] = False
-        return out
-    return [_closed(v) for v in schema] if isinstance(schema, list) else schema
-
-
 def test_any_logits_give_answers_that_validate(vocab):
     """10 schemas x 10 seeds, random logits biased toward ending: every answer parses and matches its schema."""
     tokenizer, v = vocab
     eos = int(tokenizer.eos_token_id)
-    for schema in map(_closed, SCHEMAS):
+    for schema in map(closed, SCHEMAS):
         grammar = v.json(schema, "response_format")
         for seed in range(10):
             matcher = v.matcher(grammar)

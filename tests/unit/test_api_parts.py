@@ -18,7 +18,7 @@ from swarm.api.controls import ChoiceState, Controls
 from swarm.api.limits import Limits, Slots
 from swarm.api.schema import ChatRequest, CompletionRequest
 from swarm.api.text import TextStream
-from tests.conftest import fuzz_examples
+from tests.helpers.examples import fuzz_examples
 
 
 class _Chars:

@@ -7,30 +7,8 @@ import pytest
 from swarm.config import builtin_model_names, load_model_card
 from swarm.errors import BadInputError, MissingBlocksError
 from swarm.ids import Span, block_key, parse_span
-from swarm.protocol import PROTOCOL_VERSION
-from swarm.records import SCHEMA_VERSION, PeerState, ServerRecord, parse_record
-
-
-def record(**over) -> ServerRecord:
-    base = dict(
-        peer_id="peerA",
-        state=PeerState.ONLINE,
-        start=0,
-        end=4,
-        model_id="m",
-        num_blocks=8,
-        fingerprint="fp",
-        dtype="float32",
-        device="cpu",
-        forward_tps=100.0,
-        inference_sps=10.0,
-        cache_tokens_free=100,
-        cache_tokens_total=100,
-        software_version="0",
-        protocol_version=PROTOCOL_VERSION,
-    )
-    base.update(over)
-    return ServerRecord(**base)
+from swarm.records import SCHEMA_VERSION, parse_record
+from tests.helpers.records import record
 
 
 def test_parse_span():

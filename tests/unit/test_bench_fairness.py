@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import load_script
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")

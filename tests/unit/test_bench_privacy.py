@@ -3,7 +3,7 @@ swarm started) and prints its table; the training and test texts come from diffe
 
 from __future__ import annotations
 
-from tests.conftest import load_script
+from tests.helpers.scripts import load_script
 
 
 def test_quick_attack_runs_and_prints_the_table(tiny_models, capsys):

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tests.conftest import load_script
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_a_peer_without_room_for_one_block_is_told_so(monkeypatch):
 
     from peers import run
     from peers.config import PeerConfig, PlacementConfig
-    from peers.serving.stage import ModelInfo
+    from peers.serving.stage_port import ModelInfo
     from swarm.errors import BadInputError
 
     config = type("C", (), {"num_hidden_layers": 30, "hidden_size": 8})()
@@ -246,8 +246,7 @@ def test_live_peers_drop_missed_heartbeats_and_convert_links():
 def test_followers_refuse_harmful_plans():
     from peers.follower import refusal
     from swarm.records import PeerState
-    from tests.unit.test_basics import record
-    from tests.unit.test_routing import view_of
+    from tests.helpers.records import record, view_of
 
     def plan(**placements):
         return Assignment(

@@ -1,5 +1,5 @@
 """What a server holds for others, counted per caller and in total (``wire.ByteBudget``), a session's room in it
-(``wire.Reservation``), the budgets one ``--max-memory-mb`` sets, and whom chaining trusts (``ServerDirectory``)."""
+(``wire.SessionRoom``), the budgets one ``--max-memory-mb`` sets, and whom chaining trusts (``ServerDirectory``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_caller_is_bounded_alone_and_all_together() -> None:
 
 def test_a_session_keeps_its_room_when_others_fill_the_budget() -> None:
     budget = wire.ByteBudget(100, per_caller=100)
-    room = wire.Reservation(budget, "honest", 20)
+    room = wire.SessionRoom(budget, "honest", 20)
     budget.take(80, "sybil")  # the rest of the budget, taken after the session opened
     with pytest.raises(BusyError):
         budget.take(1, "newcomer")

@@ -14,7 +14,7 @@ from hivemind.proto import runtime_pb2
 from swarm import codecs, wire
 from swarm.codecs import ACTIVATIONS, Codec, choose_codec, parse_codec
 from swarm.errors import BadInputError
-from tests.conftest import fuzz_examples
+from tests.helpers.examples import fuzz_examples
 
 LOSSY = [c for c in Codec if c != Codec.none]
 

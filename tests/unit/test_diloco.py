@@ -14,7 +14,7 @@ from swarm.errors import BadInputError
 from swarm.training.codec import BLOCK, CodecError, decode, encode, encoded_bytes
 from swarm.training.diloco import OuterSync, top_k
 from swarm.training.run import Sync, load_run
-from tests.integration.test_pretrain import write_run
+from tests.helpers.runs import write_run
 
 
 def _values(n: int, seed: int = 0) -> torch.Tensor:

@@ -104,3 +104,17 @@ def test_readme_relative_links_point_at_files():
     # a link to a heading of a page names one the page has
     wrong = [t for t in targets if "#" in t and t.split("#", 1)[1] not in _anchors(ROOT / t.split("#", 1)[0])]
     assert wrong == []
+
+
+def test_paths_the_docs_name_exist():
+    """Every repository path the docs and the README name in code spans (`swarm/client/session/chain.py`) exists: a
+    file moved or renamed takes its mentions along."""
+    path = re.compile(r"`((?:swarm|peers|harness|scripts|tests|configs|docs)/[\w/.\-]*)`")
+    pages = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+    missing = [
+        f"{page.relative_to(ROOT)}: {m.group(1)}"
+        for page in pages
+        for m in path.finditer(page.read_text())
+        if "*" not in m.group(1) and not (ROOT / m.group(1)).exists()
+    ]
+    assert missing == []

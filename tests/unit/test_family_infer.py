@@ -124,7 +124,7 @@ def test_the_coverage_walk_serves_nothing_beyond_tolerance():
 def test_an_embeddings_or_head_stage_the_modules_do_not_tell_runs_through_the_models_forward():
     """CTRL scales its embeddings inline and OPT offsets its positions along the mask and projects in and out of a
     narrower embedding: the modules' way would be wrong there, so their stages run through the class's own forward
-    (``swarm.families.stage``), and the proof passes; Phi-3's modules tell all, and keep the direct way."""
+    (``swarm.families.own_forward``), and the proof passes; Phi-3's modules tell all, and keep the direct way."""
     ctrl = AutoConfig.for_model("ctrl", n_embd=64, dff=128, n_layer=4, n_head=4, vocab_size=320)
     opt = _opt()
     for config, embed, head in (

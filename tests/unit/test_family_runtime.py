@@ -15,7 +15,9 @@ from swarm.errors import BadInputError
 from swarm.families import local, weights
 from swarm.families.selfcheck import TOLERANCE
 from swarm.families.spec import family_of
-from tests.unit.test_family_layer import FAMILIES, _one_thread, tiny_config  # noqa: F401  # (an autouse fixture)
+from tests.helpers.families import FAMILIES, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def saved_reference(name: str, folder: Path) -> PreTrainedModel:
@@ -64,9 +66,9 @@ def test_a_server_refuses_at_start_what_it_cannot_serve_exactly(tmp_path):
     """A quantized checkpoint (FP8 DeepSeek, MXFP4 GPT-OSS) is refused by the serving stage, naming why."""
     import json
 
-    from peers.blocks.stage import ServingStage
+    from peers.blocks.serving_stage import ServingStage
     from peers.serving.config import ComputeConfig
-    from tests.conftest import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "m", "llama")
     config = json.loads((folder / "config.json").read_text())

@@ -3,7 +3,7 @@ a well-formed message or raises ``BadInputError`` (never another exception), nev
 and a declared size larger than the bytes present is refused without waiting or allocating.
 
 Deterministic (``derandomize``): 1,500 examples per test in the full suite, a fifth in the fast subset;
-``SWARM_FUZZ_EXAMPLES`` sets the count (``tests.conftest.fuzz_examples``)."""
+``SWARM_FUZZ_EXAMPLES`` sets the count (``tests.helpers.examples.fuzz_examples``)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from swarm import wire
 from swarm.errors import BadInputError
 from swarm.rpc import direct
-from tests import fuzz_cases
-from tests.conftest import fuzz_examples
+from tests.helpers import fuzz_cases
+from tests.helpers.examples import fuzz_examples
 
 EXAMPLES = fuzz_examples(1500)
 FUZZ = settings(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.client.history import TokenHistory
+from swarm.client.session.history import TokenHistory
 
 
 def test_the_last_output_given_back_as_it_was_is_the_whole_conversation() -> None:

@@ -203,3 +203,19 @@ def test_import_swarm_is_cheap():
     code = "import sys, swarm; print('torch' in sys.modules, 'hivemind' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_tests_share_helpers_not_test_modules():
+    """What tests share lives in ``tests/helpers/``: no module under ``tests/`` imports a test module (``test_*``) or
+    a ``conftest`` (pytest loads those itself; importing one runs it twice under two names)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                last = name.split(".")[-1]
+                if name.startswith("tests.") and (last.startswith("test_") or last == "conftest"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert bad == []

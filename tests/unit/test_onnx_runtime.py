@@ -12,7 +12,7 @@ from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
 from peers.blocks.onnx_export import block_path, check_exportable, export_span
 from peers.blocks.onnx_runtime import OnnxSpan
-from peers.blocks.stage import ServingStage
+from peers.blocks.serving_stage import ServingStage
 from peers.config import PeerConfig
 from peers.serving.adapters import Adapter
 from peers.serving.config import ComputeConfig

@@ -14,7 +14,7 @@ from peers.serving.kv_cache import CacheBudget
 from swarm import model_files
 from swarm.errors import CacheFullError
 from swarm.ids import Span
-from tests.conftest import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 
 async def test_cache_budget_waits_then_refuses():

@@ -24,7 +24,7 @@ from swarm.perf.placement import (
     petals_rebalance,
     span_seconds_per_token,
 )
-from tests.unit.test_basics import record
+from tests.helpers.records import record
 
 LLAMA70B = Arch(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000, head_dim=128)
 

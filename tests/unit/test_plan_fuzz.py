@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swarm.plan.ir import MAX_NODES, Plan, PlanError
-from tests.conftest import fuzz_examples
-from tests.unit.test_plan_ir import PLANS, as_dict
+from tests.helpers.examples import fuzz_examples
+from tests.helpers.plans import PLANS, as_dict
 
 # ---- fuzzing -------------------------------------------------------------------------------------------------------
 EXAMPLES = fuzz_examples(300)

@@ -12,7 +12,7 @@ from peers.blocks.quantize import held_bytes, quantize_layer
 from peers.broker.planner import PeerInfo, capacity
 from swarm.errors import BadInputError
 from swarm.quantization import FORMATS, accepted_formats, describe, parse_quantization, weights_format
-from tests.unit.test_basics import record
+from tests.helpers.records import record
 
 CPU = torch.device("cpu")
 

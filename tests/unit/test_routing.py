@@ -8,15 +8,7 @@ import pytest
 from swarm.client.routing import choose_route, eligible, pick_fingerprint
 from swarm.errors import MissingBlocksError
 from swarm.records import ALL_CAPABILITIES, Capability, PeerState, parse_record
-from tests.unit.test_basics import record
-
-
-def view_of(*records, num_blocks=8):
-    view = {b: [] for b in range(num_blocks)}
-    for r in records:
-        for b in range(r.start, r.end):
-            view[b].append(r)
-    return view
+from tests.helpers.records import record, view_of
 
 
 def spans(route):

@@ -1,7 +1,7 @@
-"""Speculative decoding's loop and rules (``swarm.client.speculative``, ``swarm.client.drafting``) against local
-targets: a Hugging Face model with a KV cache that forgets what is taken back, as servers do, and a bigram table whose
-exact sequence distribution is known. Greedy decoding must give plain greedy's tokens with every drafter; sampling
-must give plain sampling's distribution (a chi-square test on seeded draws: the same draws every run)."""
+"""Speculative decoding's loop and rules (``swarm.client.speculative.loop``, ``swarm.client.speculative.drafting``)
+against local targets: a Hugging Face model with a KV cache that forgets what is taken back, as servers do, and a bigram
+table whose exact sequence distribution is known. Greedy decoding must give plain greedy's tokens with every drafter;
+sampling must give plain sampling's distribution (a chi-square test on seeded draws: the same draws every run)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from swarm.client.drafting import ModelDrafter, NgramDrafter, drafter_factory, truncated
-from swarm.client.speculative import Draft, Drafter, Lengths, Sampler, Speculation, Trace, accept, decode
+from swarm.client.speculative.drafting import ModelDrafter, NgramDrafter, drafter_factory, truncated
+from swarm.client.speculative.loop import Draft, Drafter, Lengths, Sampler, Speculation, Trace, accept, decode
 from swarm.errors import BadInputError
-from tests.conftest import local_reference
+from tests.helpers.models import local_reference
 
 
 class LocalTarget:

@@ -4,46 +4,22 @@ only as the replicas signed it. Real span trainers over the shipped tiny run, no
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peers.training.proofs import StepProofs
 from peers.training.span_trainer import SpanTrainer
-from swarm.dht import dht_time
 from swarm.errors import BadInputError, StaleStepError
-from swarm.identity import Signed, peer_id_of_key, sign_record
-from swarm.ids import Span
-from swarm.model_files import new_model
+from swarm.identity import Signed, peer_id_of_key
 from swarm.protocol import StateReply, TrainTag
-from swarm.records import RoundRecord, ServerRecord, TrainerProgress
+from swarm.records import RoundRecord, ServerRecord
 from swarm.training.checkpoints import state_digest
-from swarm.training.run import RunConfig, load_run
 from swarm.training.state import StageSources, stage_state
-from tests.unit.test_basics import record
+from tests.helpers.records import record
+from tests.helpers.stages import KEY, STAGE, proof, stage
 
-SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
-STAGE = Span(0, 2)
-
-
-KEY, STRANGER = RSAPrivateKey(), RSAPrivateKey()
+STRANGER = RSAPrivateKey()
 TRAINER = peer_id_of_key(KEY.get_public_key().to_bytes())
-
-
-def stage(tmp_path: Path, **changes: object) -> SpanTrainer:
-    run: RunConfig = dataclasses.replace(load_run(SHIPPED), **changes)  # type: ignore[arg-type]
-    model = new_model(run.hf_config(), torch.float32)
-    t = SpanTrainer(run, torch.nn.ModuleList(model.model.layers[STAGE.start : STAGE.end]), STAGE, tmp_path)
-    t.proofs = StepProofs(run, max_age=60.0, skew=2.0)
-    return t
-
-
-def proof(step: int, key: RSAPrivateKey = KEY, age: float = 0.0, trainer: str | None = None) -> Signed:
-    me = trainer or peer_id_of_key(key.get_public_key().to_bytes())
-    return sign_record(key, TrainerProgress(trainer=me, step=step, samples=0, updated=dht_time() - age))
 
 
 def tag(step: int, signed: Signed | None = None, trainer: str = TRAINER) -> TrainTag:

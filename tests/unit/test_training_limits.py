@@ -18,7 +18,8 @@ from swarm.errors import BusyError
 from swarm.identity import peer_id_of_key
 from swarm.protocol import StateReply
 from swarm.training.run import RunConfig, load_run
-from tests.unit.test_stage_integrity import SHIPPED, proof, stage
+from tests.helpers.runs import SHIPPED
+from tests.helpers.stages import proof, stage
 
 RUN = load_run(SHIPPED)
 

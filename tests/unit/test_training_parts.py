@@ -20,7 +20,7 @@ from swarm.model_files import new_model
 from swarm.training.data import Samples
 from swarm.training.init import init_full_model, init_module, stage_state_bytes
 from swarm.training.run import load_run
-from tests.unit.test_basics import record
+from tests.helpers.records import record
 
 SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
 

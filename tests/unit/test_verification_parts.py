@@ -19,7 +19,7 @@ from swarm.rpc.commit import CommitSigner, binding
 from swarm.rpc.evidence import build, check
 from swarm.rpc.judging import RETRY_AFTER, Conviction, Docket, judge
 from swarm.verdict import FLOAT32, HALF, Gaps, compare, tolerance
-from tests.unit.test_basics import record
+from tests.helpers.records import record
 
 
 def _block(seed: int = 0) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The malicious participant's attacks on pre-training (``tests.integration.attacker`` runs them): poisoned requests
+"""The malicious participant's attacks on pre-training (``tests.helpers.attacker`` runs them): poisoned requests
 to a run's first stage, and hivemind's own averager trying to join the replicas' averaging."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from swarm.dht import RecordStore, dht_time, die_with_parent
+from swarm.dht import RecordStore, dht_time
 from swarm.errors import BusyError, SwarmError
 from swarm.hop import Hop
+from swarm.owned_dht import die_with_parent
 from swarm.protocol import RPC_FORWARD, BackwardRequest, ForwardRequest, Reply, StepNotice, TrainTag
 from swarm.records import TrainerProgress
 from swarm.rpc.loop import LoopThread

@@ -2,7 +2,7 @@
 steps on a server, has it sign them, and publishes them as an accusation with valid evidence: every signature and
 digest checks, only the claim is false (the server's output is right). Prints its peer id and exits.
 
-    python -m tests.integration.false_accuser MODEL ACCUSED_PEER_ID INITIAL_PEER..."""
+    python -m tests.helpers.false_accuser MODEL ACCUSED_PEER_ID INITIAL_PEER..."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from swarm import DistributedModelForCausalLM
-from swarm.client.shadow import Shadow, plain_opening
+from swarm.client.verify.shadow import Shadow, plain_opening
 from swarm.config import Timing
 from swarm.hop import Hop
 from swarm.records import servers
@@ -33,16 +33,16 @@ def main(argv: list[str]) -> int:
             conn.loop.run(shadow.run(hidden[:, 2 * i : 2 * i + 2], torch.arange(2 * i, 2 * i + 2)[None]))
         assert conn.loop.run(shadow.seal())
         state = shadow.state
-        assert state.opening is not None and state.chain.signed is not None
-        _, length, signature = state.chain.signed
-        output = state.outputs[2]
+        assert state.commitments.opening is not None and state.commitments.chain.signed is not None
+        _, length, signature = state.commitments.chain.signed
+        output = state.replay.outputs[2]
         assert output is not None
         evidence = build(
             session_id=state.session_id,
-            opening=state.opening,
-            chain=state.commitments[:length],
+            opening=state.commitments.opening,
+            chain=state.commitments.replies[:length],
             signature=signature,
-            context=torch.cat(state.inputs, dim=1),
+            context=torch.cat(state.replay.inputs, dim=1),
             bad=4,
             output=output,
         )

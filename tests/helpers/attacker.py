@@ -2,7 +2,7 @@
 and DHT peer, signed values where signing helps it and raw unsigned ones where it does not, real RPC calls to real
 servers, a real hivemind averager. The tests in ``test_attacks.py`` start it and check that every attack fails.
 
-    python -m tests.integration.attacker ATTACK --initial-peers MADDR... --model-id ID --num-blocks N [options]
+    python -m tests.helpers.attacker ATTACK --initial-peers MADDR... --model-id ID --num-blocks N [options]
 
 Each attack prints one JSON line on stdout (what it did, and what the servers answered) and exits.
 """
@@ -50,7 +50,7 @@ from swarm.records import (
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 from swarm.rpc.stream import open_session
-from tests.integration.attacker_training import attack_training, errors_of, huge_notice, join_averaging
+from tests.helpers.attacker_training import attack_training, errors_of, huge_notice, join_averaging
 
 TIMING = Timing.for_tests()
 
@@ -312,7 +312,7 @@ ATTACKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.integration.attacker")
+    p = argparse.ArgumentParser(prog="python -m tests.helpers.attacker")
     p.add_argument("attack", choices=sorted(ATTACKS))
     p.add_argument("--initial-peers", nargs="+", required=True)
     p.add_argument("--model-id", required=True)

@@ -1,4 +1,4 @@
-"""Fuzzing a live server on both planes with the cases of ``tests.fuzz_cases`` (shared by
+"""Fuzzing a live server on both planes with the cases of ``tests.helpers.fuzz_cases`` (shared by
 ``tests/integration/test_fuzz_server.py`` and ``scripts/fuzz.py``).
 
 Every malformed message must get an error reply or a closed connection within ``TIMEOUT`` seconds; the counters say
@@ -21,7 +21,7 @@ from swarm import wire
 from swarm.hop import Hop
 from swarm.protocol import RPC_BANDWIDTH, RPC_COMPUTE_LOOP, RPC_FORWARD, RPC_FORWARD_STREAM, RPC_INFERENCE
 from swarm.rpc.direct import TcpChannel, split_address
-from tests import fuzz_cases
+from tests.helpers import fuzz_cases
 
 TIMEOUT = 15.0  # one malformed call, or one batch on a kept-open connection: never a hang
 CLOSER = struct.pack(">I", 1 << 31)  # a declared size over the frame limit: ends any direct connection at once

@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.fork_server import ForkServer
 from swarm.config import Timing
-from swarm.dht import _own_children
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.launch import LocalSwarm
+from swarm.owned_dht import _own_children
 from swarm.protocol import RPC_FORWARD, Reply, parse_reply
 from swarm.records import PeerState
 

@@ -9,7 +9,7 @@ both planes (``test_soak.py``, ``scripts/soak.py``):
 - kept forwards whose backward never comes;
 - compressed activations whose header declares a tensor of 16 TiB.
 
-    python -m tests.integration.attacker_memory --hop JSON --seconds S --identities N --hidden-size H
+    python -m tests.helpers.attacker_memory --hop JSON --seconds S --identities N --hidden-size H
 
 Every identity runs every attack until ``--seconds`` have passed, then leaves; it prints one JSON line of what the
 server answered (outcomes counted by kind) and exits."""
@@ -256,7 +256,7 @@ async def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.integration.attacker_memory")
+    p = argparse.ArgumentParser(prog="python -m tests.helpers.attacker_memory")
     p.add_argument("--hop", required=True, help="the server: JSON of peer_id, start, end, maddrs, direct")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--identities", type=int, default=4, help="identities on the direct plane")

@@ -1,7 +1,7 @@
 """A lying server, in a process of its own: a real ``swarm.serve`` peer (its own identity, DHT peer, record, blocks
 and transports) whose compute and inference answers are rewritten in this process only, by the MODE given first:
 
-    python -m tests.integration.liar MODE [swarm.serve arguments...]
+    python -m tests.helpers.liar MODE [swarm.serve arguments...]
 
 Modes: ``no_hidden`` (a reply without ``hidden``: its tensor under another name), ``oversized`` (the true reply plus
 16 MiB of padding), ``bad_input`` (refuses every valid request as bad input), ``oom`` (fails every request with an
@@ -47,35 +47,35 @@ def install(mode: str) -> None:
     """Rewrite forward, backward and inference-step answers of this process's server."""
     if mode == "fork":
         return install_fork()
-    from peers.serving.compute import ComputeService
-    from peers.serving.sessions import Sessions
+    from peers.serving.pass_service import PassService
+    from peers.serving.sessions import SessionTable
 
-    forward, backward, step = ComputeService.forward, ComputeService.backward, Sessions.step
+    forward, backward, step = PassService.forward, PassService.backward, SessionTable.step
 
-    async def lying_forward(self: ComputeService, *args: Any) -> Tensors:
+    async def lying_forward(self: PassService, *args: Any) -> Tensors:
         return await lie(mode, lambda: forward(self, *args))()
 
-    async def lying_backward(self: ComputeService, *args: Any) -> Tensors:
+    async def lying_backward(self: PassService, *args: Any) -> Tensors:
         return await lie(mode, lambda: backward(self, *args))()
 
-    async def lying_step(self: Sessions, *args: Any) -> Tensors:
+    async def lying_step(self: SessionTable, *args: Any) -> Tensors:
         return await lie(mode, lambda: step(self, *args))()
 
-    ComputeService.forward = lying_forward  # type: ignore[method-assign]
-    ComputeService.backward = lying_backward  # type: ignore[method-assign]
-    Sessions.step = lying_step  # type: ignore[method-assign]
+    PassService.forward = lying_forward  # type: ignore[method-assign]
+    PassService.backward = lying_backward  # type: ignore[method-assign]
+    SessionTable.step = lying_step  # type: ignore[method-assign]
 
 
 def install_fork() -> None:
     """Push a slightly different output to the next hop than the one the client gets (and commits to)."""
-    from peers.rpc.chain import Relay
+    from peers.rpc.chain import StepPusher
 
-    push = Relay.push
+    push = StepPusher.push
 
-    def forking_push(self: Relay, session: Any, step: Any, out: torch.Tensor, tensors: Tensors) -> None:
+    def forking_push(self: StepPusher, session: Any, step: Any, out: torch.Tensor, tensors: Tensors) -> None:
         push(self, session, step, out + 1e-3, tensors)
 
-    Relay.push = forking_push  # type: ignore[method-assign]
+    StepPusher.push = forking_push  # type: ignore[method-assign]
 
 
 def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:
@@ -83,7 +83,7 @@ def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> Pe
     cmd = [
         sys.executable,
         "-m",
-        "tests.integration.liar",
+        "tests.helpers.liar",
         mode,
         "--model",
         swarm.model,
@@ -111,7 +111,7 @@ def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> Pe
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in MODES + CHAIN_MODES:
-        print(f"usage: python -m tests.integration.liar {{{','.join(MODES + CHAIN_MODES)}}} [swarm.serve arguments...]")
+        print(f"usage: python -m tests.helpers.liar {{{','.join(MODES + CHAIN_MODES)}}} [swarm.serve arguments...]")
         return 2
     install(argv[0])
     from swarm.serve import main as serve
