@@ -1,5 +1,5 @@
 """Accusations: a client that caught a server computing wrong answers says so in the DHT, with evidence anyone can
-check (``swarm.rpc.evidence``) and re-run on a server of their own choosing (``swarm.client.trust``).
+check (``swarm.rpc.evidence``) and re-run on a server of their own choosing (``swarm.client.verify.trust``).
 
 The evidence is what the accused signed: its certified commitment key (from the session's opening), the chain of
 its commitments up to a head it signed, the inputs it committed to (the whole context, position 0 to the end of the

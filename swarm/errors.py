@@ -67,6 +67,16 @@ class WrongReplyError(PeerUnavailableError):
     finite inputs): raised by the client that checked it, never named by a server (so not in ``_BY_CODE``)."""
 
 
+class DisagreedInputError(WrongReplyError):
+    """A chained hop committed to computing on another input than the hop before it committed to giving out: one of
+    the two lies, so both are replaced and the sender is the one banned (raised by the client, never named by a
+    server)."""
+
+    def __init__(self, peer_id: str) -> None:
+        super().__init__(f"peer {peer_id} computed on another input than the previous hop gave out")
+        self.peer_id = peer_id
+
+
 class ActivationsGoneError(SwarmError):
     """The server no longer holds the forward pass a backward refers to: resend the inputs."""
 

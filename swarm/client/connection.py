@@ -30,8 +30,8 @@ RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its 
 
 
 class Judge(Protocol):
-    """What sessions ask of the client's trust in servers (``swarm.client.trust.Trust``, set by the model): look at
-    the accusations before routing, and accuse a server caught computing wrong answers."""
+    """What sessions ask of the client's trust in servers (``swarm.client.verify.trust.Trust``, set by the model): look
+    at the accusations before routing, and accuse a server caught computing wrong answers."""
 
     def refresh(self, force: bool = False) -> None: ...
 
@@ -93,7 +93,7 @@ class SwarmConnection:
             self.retrier = Retrier(self.view, cfg.timing)
             # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
             self.rtt: dict[str, float] = self.view.rtt
-            self.trust: Judge | None = None  # the model sets it (``swarm.client.trust``): no circle of imports
+            self.trust: Judge | None = None  # the model sets it (``swarm.client.verify.trust``): no circle of imports
             self._notice: concurrent.futures.Future[list[SwarmError]] | None = None  # a step notice on its way
             # closed by ``close``, or at the interpreter's exit for a model nobody closed (the README's example):
             # while the loop's thread still runs, so its tasks end instead of printing "Task was destroyed..."

@@ -6,124 +6,104 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from swarm.client.inference_session import InferenceSession
-from swarm.client.speculate import speculate
-from swarm.client.speculative import Trace
+from swarm.client.runner import PlanRunner
+from swarm.client.session.inference_session import InferenceSession
 from swarm.errors import BadInputError
 
-if TYPE_CHECKING:
-    from swarm.client.connection import SwarmConnection
-    from swarm.client.runner import PlanRunner
-    from swarm.client.sequential import RemoteChain
-    from swarm.client.speculate import Model
+Passed = Any  # generate's arguments and result: transformers' own, passed through unchanged (untyped there)
+NewSession = Callable[[int, int], InferenceSession]  # (max_length, batch_size) -> a session opened on the swarm
 
 
-class Sessions:
-    """The model's inference sessions (a mixin of ``DistributedModelForCausalLM``, before transformers' classes)."""
+def session_maker(runner: PlanRunner, prompts: int) -> NewSession:
+    """The model's sessions: KV caches for ``max_length`` tokens after its ``prompts`` trainable prompts' positions.
+    (The one place the client model builds an ``InferenceSession``.)"""
 
-    generation_config: GenerationConfig
-    # the last speculative ``generate``'s trips, drafts and tokens (transformers reads annotations at run time)
-    last_speculation: Trace | None
+    def new(max_length: int, batch_size: int) -> InferenceSession:
+        return InferenceSession(
+            runner.conn,
+            runner.chain.delivery,
+            max_length + prompts,
+            batch_size,
+            runner.shape,
+            runner.plans,
+            prefix=prompts,
+        )
 
-    if TYPE_CHECKING:  # defined by the model; declared here only, so nothing is overridden
+    return new
 
-        @property
-        def connection(self) -> SwarmConnection: ...
 
-        @property
-        def blocks(self) -> RemoteChain: ...
+class OpenSessions:
+    """The inference sessions open on one model: the calling thread's (``current``: one a thread) and every
+    thread's, so that ``close`` ends them all."""
 
-        @property
-        def runner(self) -> PlanRunner: ...
-
-        @property
-        def prompt_tokens(self) -> int: ...
-
-    def _init_sessions(self) -> None:
+    def __init__(self, new: NewSession) -> None:
+        self._new = new
         self._open = threading.local()  # the calling thread's open session
-        self._all_open: set[InferenceSession] = set()  # every thread's, so that ``close`` ends them all
-        self._all_lock = threading.Lock()
-        self.last_speculation = None
+        self._all: set[InferenceSession] = set()
+        self._lock = threading.Lock()
 
     @property
-    def _session(self) -> InferenceSession | None:
-        """The calling thread's open inference session (``inference_session``, or the one ``generate`` opened)."""
+    def current(self) -> InferenceSession | None:
+        """The calling thread's open inference session (``open``'s, or the one ``generate`` opened)."""
         session: InferenceSession | None = getattr(self._open, "session", None)
         return session
 
-    def _close_sessions(self) -> None:
-        with self._all_lock:
-            sessions = list(self._all_open)
-        for session in sessions:
-            session.close()
-
     @contextlib.contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
-        """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session.
-        One session a thread: other threads open their own at the same time."""
-        if self._session is not None:
+    def open(self, max_length: int, batch_size: int = 1) -> Iterator[InferenceSession]:
+        """Server-side KV caches for up to ``max_length`` tokens, the calling thread's session until it closes."""
+        if self.current is not None:
             raise BadInputError("an inference session is already open on this model in this thread")
-        session = InferenceSession(
-            self.connection,
-            self.blocks.delivery,
-            max_length + self.prompt_tokens,
-            batch_size,
-            self.runner.shape,
-            self.runner.plans,
-            prefix=self.prompt_tokens,
-        )
+        session = self._new(max_length, batch_size)
         self._open.session = session
-        with self._all_lock:
-            self._all_open.add(session)
+        with self._lock:
+            self._all.add(session)
         try:
             yield session
         finally:
             self._open.session = None
-            with self._all_lock:
-                self._all_open.discard(session)
+            with self._lock:
+                self._all.discard(session)
             session.close()
 
-    # Any: generate's arguments and result are transformers' own, passed through unchanged (untyped there)
-    def generate(self, inputs: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Hugging Face's ``generate`` through the swarm. ``speculative``: decode with drafts verified several per
-        trip (``swarm.client.speculative``): "ngram", "first:N", a draft model's name or folder, a ``Drafter`` or a
-        ``Speculation``; greedy gives plain greedy's tokens, sampling plain sampling's distribution."""
-        speculative = kwargs.pop("speculative", None)
-        if speculative is not None and speculative is not False:
-            if args:
-                raise BadInputError("speculative generate takes its options by keyword")
-            return speculate(cast("Model", self), inputs, speculative, kwargs)
-        if kwargs.get("num_beams", 1) > 1 or getattr(kwargs.get("generation_config"), "num_beams", 1) > 1:
-            raise BadInputError("beam search is not supported through the swarm yet; use greedy or sampling")
-        kwargs["use_cache"] = False  # the cache lives on the servers, in the inference session
-        ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-        if ids is None:
-            raise BadInputError("generate needs input_ids")
-        session = self._session
-        if session is not None:
-            ids, kwargs = session.history.generate_inputs(ids, kwargs)
-            out = super().generate(ids, *args, **kwargs)  # type: ignore[misc]  # GenerationMixin's, in the model
-            session.history.conversation = out if isinstance(out, torch.Tensor) else out.sequences
-            return out
-        gen = kwargs.get("generation_config") or self.generation_config
-        max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
-        max_length = ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or gen.max_length)
-        batch = ids.shape[0] * kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1) or 1)
-        with self.inference_session(max_length=max_length, batch_size=batch):
-            return super().generate(ids, *args, **kwargs)  # type: ignore[misc]
+    def close(self) -> None:
+        """End every thread's open session (the model is closing)."""
+        with self._lock:
+            sessions = list(self._all)
+        for session in sessions:
+            session.close()
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> dict[str, torch.Tensor | None]:
-        # Whole sequences each step: ``forward`` sends the session only the tokens its servers have not seen.
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+def generate(
+    hf_generate: Callable[..., Passed],
+    sessions: OpenSessions,
+    default: GenerationConfig,
+    ids: torch.Tensor | None,
+    args: tuple[Passed, ...],
+    kwargs: dict[str, Passed],
+) -> Passed:
+    """Hugging Face's ``generate`` (``hf_generate``) in the calling thread's open session, continuing its
+    conversation, or in a session opened for the call (``default``: the model's generation config)."""
+    if kwargs.get("num_beams", 1) > 1 or getattr(kwargs.get("generation_config"), "num_beams", 1) > 1:
+        raise BadInputError("beam search is not supported through the swarm yet; use greedy or sampling")
+    kwargs["use_cache"] = False  # the cache lives on the servers, in the inference session
+    ids = ids if ids is not None else kwargs.pop("input_ids", None)
+    if ids is None:
+        raise BadInputError("generate needs input_ids")
+    session = sessions.current
+    if session is not None:
+        ids, kwargs = session.history.generate_inputs(ids, kwargs)
+        out = hf_generate(ids, *args, **kwargs)
+        session.history.conversation = out if isinstance(out, torch.Tensor) else out.sequences
+        return out
+    gen = kwargs.get("generation_config") or default
+    max_new = kwargs.get("max_new_tokens") or gen.max_new_tokens
+    max_length = ids.shape[1] + max_new if max_new else (kwargs.get("max_length") or gen.max_length)
+    batch = ids.shape[0] * kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1) or 1)
+    with sessions.open(max_length, batch):
+        return hf_generate(ids, *args, **kwargs)

@@ -7,43 +7,49 @@ the remote blocks, input or deep prompts) and nothing else trains."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Literal, Unpack
 
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarm.client.adapters import AdapterDelivery, ClientAdapters
+from swarm.client import generation
+from swarm.client.connected import Connected, Own, connect
 from swarm.client.connection import SwarmConnection
-from swarm.client.executor import Context
-from swarm.client.generation import Sessions
+from swarm.client.executor import Context, Handler
+from swarm.client.generation import OpenSessions, Passed
+from swarm.client.load_options import Loading, LoadOptions
 from swarm.client.local_blocks import LocalBlocks
-from swarm.client.procedures import Procedures
+from swarm.client.passes.sequential import RemoteChain
 from swarm.client.runner import PlanRunner
-from swarm.client.sequential import RemoteChain
-from swarm.client.trust import Trust
-from swarm.client.tuning_setup import build_adapters, save_adapters, tuning_spec
-from swarm.config import ClientConfig, DirectPolicy, Timing, client_config, load_model_card
+from swarm.client.session.inference_session import InferenceSession
+from swarm.client.speculative.loop import Trace
+from swarm.client.speculative.speculator import Speculator
+from swarm.client.tuning.adapters import ClientAdapters
+from swarm.client.tuning.setup import build_adapters, save_adapters
+from swarm.config import ClientConfig, load_model_card
 from swarm.errors import BadInputError
 from swarm.families import local
 from swarm.families.selfcheck import require_exact
 from swarm.families.spec import Family, family_of
 from swarm.hop import Hop
+from swarm.identity import Signed
 from swarm.model_files import fingerprint_groups, load_config, model_folder, read_tensors, weight_map
-from swarm.plan.compile import ModelShape, float_dtype
-from swarm.plan.ir import Plan, Task
-from swarm.protocol import ReleaseRequest, TrainTag
+from swarm.plan.ir import Plan
+from swarm.protocol import TrainTag
 from swarm.quantization import accepted_formats
 from swarm.tuning import TuningSpec, linear_modules
 
-log = logging.getLogger(__name__)
 
+class DistributedModelForCausalLM(  # type: ignore[no-untyped-call]  # transformers' __init_subclass__: unannotated
+    PreTrainedModel, GenerationMixin
+):
+    """The model's own modules (what Hugging Face's API asks of it), and, while connected, its parts
+    (``swarm.client.connected``): the open sessions, the procedures and speculative decoding, each its own object."""
 
-# transformers leaves PreTrainedModel.__init_subclass__ unannotated
-class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, GenerationMixin):  # type: ignore[no-untyped-call]
     config_class = PretrainedConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -63,111 +69,41 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             self._block_linears = linear_modules(self.family.build_layer(0))
         self.adapters: ClientAdapters | None = None
         self.loaded_tensor_names: tuple[str, ...] = ()
-        self._conn: SwarmConnection | None = None
-        self._blocks: RemoteChain | None = None
         self.local_blocks: LocalBlocks | None = None  # the first blocks, run on this client (``local_blocks=N``)
-        self._runner: PlanRunner | None = None
         self.folder: Path | None = None  # the model folder it was loaded from (None: built from parts)
-        self._init_sessions()
-        self._pretraining: tuple[int, int] | None = None  # a trainer's (target batch, average every)
+        self._parts: Connected | None = None  # while connected
 
     # ---- loading ------------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(  # type: ignore[override]  # a swarm client takes other arguments than a local model
-        cls,
-        name_or_path: str,
-        *,
-        initial_peers: Sequence[str] = (),
-        dtype: torch.dtype = torch.float32,
-        timing: Timing | None = None,
-        cache_dir: Path | None = None,
-        fingerprint: str | None = None,
-        direct: DirectPolicy = "auto",
-        tuning: str | None = None,
-        adapter: str | Path | None = None,
-        lora_rank: int = 8,
-        lora_alpha: float = 8.0,
-        lora_targets: Sequence[str] | None = None,
-        num_prompt_tokens: int = 16,
-        swarm_key: Path | None = None,
-        chain: bool = True,
-        prefill_chunk: int = 128,
-        codec: str = "auto",
-        local_blocks: int = 0,
-        trusted_peers: Sequence[str] = (),
-        verify_every: int = 16,
-        verify_seed: int | None = None,
-        accuse: bool = True,
-        allow_quantized: bool | str | Sequence[str] = False,
-        **unused: object,
+        cls, name_or_path: str, **options: Unpack[LoadOptions]
     ) -> DistributedModelForCausalLM:
-        """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder).
-
-        ``direct``: use servers' plain-TCP data plane "auto" (only on loopback/private networks), "always" or
-        "never" (libp2p only). ``fingerprint`` pins the exact weights; by default the best-covered ones are used.
-
-        ``tuning``: "lora" (``lora_rank``, ``lora_alpha``, ``lora_targets`` as in PEFT, whose defaults these are:
-        by default the family's, e.g. ``q_proj, v_proj``; GPT-2 ``c_attn``; NeoX, Falcon, BLOOM ``query_key_value``),
-        "prompt" or "deep_prompt" (``num_prompt_tokens``); ``adapter``: a PEFT adapter folder to start from (its
-        config sets the tuning). The model's own weights are then frozen; only the adapter's parameters train.
-        ``swarm_key``: a private swarm's key file (``--swarm-key`` of its peers). ``chain``: inference steps pass
-        from server to server (``False``: through this client at every hop); ``prefill_chunk``: tokens per pipelined
-        piece of a long chained step. ``codec``: activations' codec, "auto" (per link) or one to force.
-
-        Privacy (docs/serving.md): ``local_blocks``: run the first N blocks on this client (their weights read from
-        the model folder) and route only the rest, so no server sees the embeddings of the tokens (not with
-        ``tuning`` or ``adapter``: the adapter would have to run here too); ``trusted_peers``: route only through
-        these peer ids (your own servers): blocks none of them serves are missing, never routed elsewhere.
-
-        Verification (docs/trust.md): ``verify_every``: each hop's work is run again on another server, in windows
-        of about this many steps (0: off), and forwards and backwards with probability 1 / ``verify_every``;
-        ``verify_seed``: makes which steps and verifiers reproducible (tests only: servers must not predict it);
-        ``accuse``: publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong.
-
-        ``allow_quantized``: route through servers holding quantized blocks too (``swarm.quantization``): True for
-        every format, or the formats to take ("int8", "nf4"); by default only servers of the exact weights, so
-        results are those of the dtype they are served in. ``fingerprint`` overrides it."""
-        if unused:
-            raise BadInputError(f"unsupported arguments: {', '.join(unused)}")
-        cfg = client_config(
-            initial_peers,
-            timing,
-            cache_dir,
-            direct,
-            swarm_key=swarm_key,
-            chain=chain,
-            prefill_chunk=prefill_chunk,
-            codec=codec,
-            local_blocks=local_blocks,
-            trusted_peers=tuple(trusted_peers),
-            verify_every=verify_every,
-            verify_seed=verify_seed,
-            accuse=accuse,
-        )
-        if local_blocks and (tuning is not None or adapter is not None):
-            raise BadInputError(
-                "local_blocks cannot be combined with tuning or an adapter yet: the adapter's parts for the local "
-                "blocks would have to run on this client"
-            )
+        """Connect to a swarm serving ``name_or_path`` (a model card name or a Hugging Face folder). The options
+        (``swarm.client.load_options.LoadOptions``, each explained there) group into the swarm's ``ClientConfig``,
+        the weights (``dtype``, ``fingerprint``, ``allow_quantized``) and the tuning (``tuning``, ``adapter``,
+        ``lora_*``, ``num_prompt_tokens``)."""
+        load = Loading.of(options)
         card = load_model_card(name_or_path)
-        folder = model_folder(card, cfg.cache_dir)
+        folder = model_folder(card, load.client.cache_dir)
         config = load_config(folder)
+        dtype = load.weights.dtype
         require_exact(config, dtype)  # the family's local parts and spans reproduce Hugging Face, or this is refused
         model = cls(config)
         names = local.client_names(model.family, weight_map(folder))  # never the blocks' tensors
-        state = {names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()}
-        model._load_local(state)
-        if local_blocks:
-            model.local_blocks = LocalBlocks.load(model.family, folder, local_blocks, dtype)
+        model._load_local({names[k]: v.to(dtype) for k, v in read_tensors(folder, list(names)).items()})
+        if load.client.local_blocks:
+            model.local_blocks = LocalBlocks.load(model.family, folder, load.client.local_blocks, dtype)
         model.name_or_path = card.name
-        model.folder = folder  # drafters of speculative decoding may read it (``swarm.client.drafting``)
+        model.folder = folder
         model.train(False)
-        spec = tuning_spec(tuning, adapter, lora_rank, lora_alpha, lora_targets, num_prompt_tokens, model.family)
+        spec = load.tuning.spec(model.family)
         if spec is not None:
-            model._attach_adapters(spec, adapter)
+            model._attach_adapters(spec, load.tuning.adapter)
         # only servers of these very weights are chained (a stranger's other weights never are, however fast)
-        groups = fingerprint_groups(folder, cfg.cache_dir, accepted_formats(allow_quantized))
-        model._connect(cfg, card.name, frozenset({fingerprint}) if fingerprint else frozenset(groups), groups)
+        formats = accepted_formats(load.weights.allow_quantized)
+        groups = fingerprint_groups(folder, load.client.cache_dir, formats)
+        pinned = load.weights.fingerprint
+        model._connect(load.client, card.name, frozenset({pinned}) if pinned else frozenset(groups), groups)
         return model
 
     @classmethod
@@ -183,36 +119,17 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         state: dict[str, torch.Tensor],
         *,
         model_id: str,
-        initial_peers: Sequence[str],
+        client: ClientConfig,
         fingerprint: str | None = None,
-        timing: Timing | None = None,
-        cache_dir: Path | None = None,
-        direct: DirectPolicy = "auto",
-        wiring_seed: int | None = None,
-        identity: Path | None = None,
-        swarm_key: Path | None = None,
-        codec: str = "auto",
-        chain: bool = True,
     ) -> DistributedModelForCausalLM:
         """A client whose own tensors are ``state`` (all trainable) and whose blocks are served in the swarm under
-        ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``identity``: its key file (a
-        closed run lists its trainers' peer ids). ``swarm_key``: a private swarm's key file. ``chain``: micro-batches
-        pass from stage to stage (``swarm/client/chained_passes.py``), not through the client."""
-        cfg = client_config(
-            initial_peers,
-            timing,
-            cache_dir,
-            direct,
-            wiring_seed=wiring_seed,
-            identity=identity,
-            swarm_key=swarm_key,
-            codec=codec,
-            chain=chain,
-        )
+        ``model_id``: what a pre-training trainer drives (``swarm.client.training``). ``client``: its configuration
+        (``swarm.config.client_config``: its ``identity`` is the key file a closed run lists among its trainers;
+        ``chain``: micro-batches pass from stage to stage, ``swarm/client/passes/chained.py``)."""
         model = cls(config)
         model.to_empty(device="cpu")
         model._load_local(state)
-        model._connect(cfg, model_id, frozenset({fingerprint}) if fingerprint else None)
+        model._connect(client, model_id, frozenset({fingerprint}) if fingerprint else None)
         return model
 
     def _load_local(self, state: dict[str, torch.Tensor]) -> None:
@@ -233,28 +150,10 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         fingerprints: frozenset[str] | None,
         groups: Mapping[str, str] | None = None,
     ) -> None:
-        dtype_name = str(self.model.get_input_embeddings().weight.dtype).removeprefix("torch.")
-        self._conn = SwarmConnection(
-            cfg,
-            model_id,
-            int(self.config.num_hidden_layers),
-            fingerprints,
-            groups=groups,
-            hidden=int(self.config.hidden_size),
-            value_bytes=getattr(torch, dtype_name).itemsize,  # hidden states travel in the embeddings' dtype
-        )
-        self._conn.trust = Trust.of(self._conn)
-        remote = self.adapters is not None and self.adapters.applies_remotely
-        self._blocks = RemoteChain(self._conn, AdapterDelivery(self.adapters) if remote and self.adapters else None)
-        dtype = float_dtype(dtype_name)
-        shape = ModelShape(
-            model_id,
-            int(self.config.num_hidden_layers),
-            int(self.config.hidden_size),
-            int(self.config.vocab_size),
-            dtype,
-        )
-        self._runner = PlanRunner(self, self._conn, self._blocks, shape, self.local_blocks)
+        weight = self.get_input_embeddings().weight  # hidden states travel in the embeddings' dtype
+        assert isinstance(weight, torch.Tensor)
+        own = Own(self, self.config, weight.dtype, self.family, self.adapters, self.local_blocks, self.folder)
+        self._parts = connect(own, cfg, model_id, fingerprints, groups)
 
     def _attach_adapters(self, spec: TuningSpec, folder: str | Path | None) -> None:
         """Build (and fill from ``folder``) the adapter; shapes and targets are checked here, before any training.
@@ -277,15 +176,9 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         return self.adapters.spec.prompt_tokens if self.adapters is not None else 0
 
     def close(self) -> None:
-        self._close_sessions()
-        if self._conn is not None:
-            delivery = self.blocks.delivery
-            if delivery is not None:  # servers would drop it after Timing.adapter_ttl anyway
-                with contextlib.suppress(Exception):
-                    self._conn.notify(delivery.holders(), ReleaseRequest(client=delivery.adapters.client_id))
-                delivery.forget()
-            self._conn.close()
-            self._conn = self._blocks = self._runner = None
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            parts.close()
 
     def __enter__(self) -> DistributedModelForCausalLM:
         return self
@@ -293,31 +186,49 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the swarm, as users and tools see it ---------------------------------------------------------------------
+    # ---- the parts, as users and tools see them -------------------------------------------------------------------
+    @property
+    def parts(self) -> Connected:
+        """The model's parts while connected (``swarm.client.connected``)."""
+        if self._parts is None:
+            raise BadInputError("this model is closed")
+        return self._parts
+
     @property
     def connection(self) -> SwarmConnection:
         """The connection to the swarm: its DHT store (``.store``), transport (``.remote``), view and retry helper."""
-        if self._conn is None:
-            raise BadInputError("this model is closed")
-        return self._conn
+        return self.parts.conn
 
     @property
     def blocks(self) -> RemoteChain:
-        if self._blocks is None:
-            raise BadInputError("this model is closed")
-        return self._blocks
+        return self.parts.blocks
 
     @property
     def runner(self) -> PlanRunner:
         """Compiles this model's procedures into plans and runs them (``swarm.client.runner``)."""
-        if self._runner is None:
-            raise BadInputError("this model is closed")
-        return self._runner
+        return self.parts.runner
+
+    @property
+    def sessions(self) -> OpenSessions:
+        """The inference sessions open on this model, one a thread (``swarm.client.generation``)."""
+        return self.parts.sessions
+
+    @property
+    def speculator(self) -> Speculator:
+        """Speculative decoding's drafters and hooks (``swarm.client.speculative.speculator``; the API's decode shares
+        them)."""
+        return self.parts.speculator
+
+    @property
+    def last_speculation(self) -> Trace | None:
+        """The last speculative ``generate``'s trips, drafts and tokens."""
+        return self.parts.speculator.last
 
     @property
     def route(self) -> list[Hop]:
         """The servers the last call went through."""
-        return self._session.route if self._session is not None else self.blocks.last_route
+        session = self.sessions.current
+        return session.route if session is not None else self.blocks.last_route
 
     @property
     def last_plan(self) -> Plan | None:
@@ -343,7 +254,7 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
 
-    # ---- forward ------------------------------------------------------------------------------------------------
+    # ---- forward and generate (Hugging Face's API) ----------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -356,20 +267,20 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
         train: TrainTag | None = None,
         **kwargs: object,
     ) -> CausalLMOutputWithPast:
-        """Hugging Face's causal LM forward, as a plan run by the executor. ``train`` tags every remote call with a
-        pre-training run's global step and the micro-batch's sample count (``swarm.client.training``)."""
+        """Hugging Face's causal LM forward: a step of the thread's open inference session, or a plan run by the
+        executor. ``train`` tags every remote call with a pre-training run's global step and the micro-batch's sample
+        count (``swarm.client.training``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise BadInputError("give exactly one of input_ids or inputs_embeds")
-        if self._session is not None:
+        parts = self.parts
+        session = parts.sessions.current
+        if session is not None:
             if input_ids is None:
                 raise BadInputError("inside an inference session, pass input_ids")
-            logits = self._session_step(self._session, input_ids, attention_mask, position_ids)
-            loss = None
-            if labels is not None:
-                loss = self.causal_loss(logits, labels)
+            logits = parts.procedures.session_step(session, input_ids, attention_mask, position_ids)
+            loss = self.causal_loss(logits, labels) if labels is not None else None
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         padded = attention_mask is not None and not bool(attention_mask.all())
-        ctx = Context(attention_mask if padded else None, position_ids, train)
         inputs = {"input_ids": input_ids} if input_ids is not None else {}
         if inputs_embeds is not None:  # what the model adds to them (GPT-2's positions, BLOOM's norm), as HF's does
             inputs["inputs_embeds"] = local.finish_embedding(
@@ -381,20 +292,100 @@ class DistributedModelForCausalLM(Procedures, Sessions, PreTrainedModel, Generat
             any(p.requires_grad for p in self.parameters())
             or (inputs_embeds is not None and inputs_embeds.requires_grad)
         )
-        task: Task = "forward"
-        target, every = self._pretraining or (1, 0)
-        if keep and train is not None:
-            task = "pretrain"
-        elif keep and labels is not None:
-            task = "finetune"
-        out = self.runner.forward(
-            inputs,
-            ctx,
-            keep=keep,
-            prompts=self.prompt_tokens,
-            task=task,
-            target_batch=target,
-            average_every=every,
-            params="adapter" if self.adapters else "client",
-        )
+        ctx = Context(attention_mask if padded else None, position_ids, train)
+        params: Literal["adapter", "client"] = "adapter" if self.adapters else "client"
+        out = parts.procedures.forward(inputs, ctx, keep=keep, prompts=self.prompt_tokens, params=params)
         return CausalLMOutputWithPast(loss=out.get("loss"), logits=out["logits"])
+
+    def generate(self, inputs: torch.Tensor | None = None, *args: Passed, **kwargs: Passed) -> Passed:
+        """Hugging Face's ``generate`` through the swarm. ``speculative``: decode with drafts verified several per
+        trip (``swarm.client.speculative.loop``): "ngram", "first:N", a draft model's name or folder, a ``Drafter`` or a
+        ``Speculation``; greedy gives plain greedy's tokens, sampling plain sampling's distribution."""
+        speculative = kwargs.pop("speculative", None)
+        if speculative is not None and speculative is not False:
+            if args:
+                raise BadInputError("speculative generate takes its options by keyword")
+            return self.parts.speculator.generate(inputs, speculative, kwargs, self.generation_config)
+        hf_generate = super().generate
+        return generation.generate(hf_generate, self.sessions, self.generation_config, inputs, args, kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> dict[str, torch.Tensor | None]:
+        # Whole sequences each step: ``forward`` sends the session only the tokens its servers have not seen.
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+    def inference_session(self, max_length: int, batch_size: int = 1) -> AbstractContextManager[InferenceSession]:
+        """Server-side KV caches for up to ``max_length`` tokens; ``generate`` calls inside continue the session.
+        One session a thread: other threads open their own at the same time."""
+        return self.sessions.open(max_length, batch_size)
+
+    # ---- the other procedures (``swarm.client.procedures``) -----------------------------------------------------
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's log-probability given the tokens before it (evaluation, reward models): [batch, n - 1],
+        float32; 0 where the token is padding (``attention_mask`` 0)."""
+        return self.parts.procedures.score(input_ids, attention_mask)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, block: int, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The output of block ``block`` (0-based: Hugging Face's ``hidden_states[block + 1]``) for every token,
+        [batch, n, hidden]: only blocks ``0..block`` are computed."""
+        return self.parts.procedures.hidden_states(input_ids, block, attention_mask)
+
+    def train_step(
+        self,
+        input_ids: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> float:
+        """One fine-tuning step as its plan: forward keeping graphs, loss, backward through every server, then the
+        plan's update phase (``optimizer`` steps and clears the gradients). Returns the loss."""
+        labels = input_ids if labels is None else labels
+
+        def loss() -> torch.Tensor:
+            out: CausalLMOutputWithPast = self(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+            assert out.loss is not None
+            return out.loss
+
+        return self.parts.procedures.train_step(loss, optimizer)
+
+    def run_update(self, handlers: dict[str, Handler]) -> None:
+        """The update phase of the last training plan (``optimizer_step``, ``average``), through ``handlers``."""
+        self.parts.procedures.update(handlers)
+
+    def pretraining(self, target_batch: int, average_every: int) -> None:
+        """Mark this model as a pre-training trainer's: its training plans carry the global step's update."""
+        self.parts.procedures.pretraining = (target_batch, average_every)
+
+    def notify_step(self, step: int, proof: Signed | None = None, wait: bool = True) -> None:
+        """Pre-training: tell every server that global step ``step`` has begun, with this client's signed progress
+        (``proof``, or signed here; best effort). ``wait=False``: sent while the caller goes on."""
+        self.parts.procedures.notify_step(step, proof, wait)
+
+    # ---- the client's own modules, as the executor calls them (``swarm.client.runner.ModelParts``) ------------------
+    def embed(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Embeddings, plus learned positions (GPT-2: ``position_ids``, by default ``past`` onwards); ``mask`` over
+        every position of the session (None: no padding), for a family whose model counts positions along it."""
+        return local.embed(self.family, self.model, ids, position_ids, past, mask)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return local.head(self.family, self.model, self.lm_head, hidden)  # final norm, head, logit soft-cap
+
+    def prompt_vectors(self) -> torch.Tensor | None:
+        return self.adapters.prompts if self.adapters is not None and self.prompt_tokens else None
+
+    def causal_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return loss

@@ -10,7 +10,7 @@ the client where it can, claimed otherwise). Servers may overlap and be entered 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from swarm.errors import MissingBlocksError
@@ -104,12 +104,25 @@ def choose_route(
     ``network_mbps``. A forward's blocks cost their speed times ``costs.tokens``; an inference step's, one step."""
     measured, noise, rtt = measured or {}, noise or {}, rtt or {}
     costs = costs or RouteCosts.from_prior(default_latency)
+    block_cost = _block_pricer(records, mode, measured, noise, costs)
+    prev = _cheapest_paths(records, start, end, block_cost, noise, rtt, costs)
+    if end not in prev and end != start:
+        covered = {b for r in records for b in range(r.start, r.end)}
+        raise MissingBlocksError([b for b in range(start, end) if b not in covered], model_id)
+    return _route_to(prev, start, end)
+
+
+def _block_pricer(
+    records: list[ServerRecord],
+    mode: Mode,
+    measured: Mapping[str, float],
+    noise: Mapping[str, float],
+    costs: RouteCosts,
+) -> Callable[[ServerRecord], float]:
+    """What one block of a server costs a call (before its noise factor): measured where it was, else claimed."""
     # A claim is believed only as far as the fastest peer measured so far: a stranger that announces an absurd speed
     # under a fresh id would otherwise take every first call.
     fastest = min((measured[r.peer_id] for r in records if r.peer_id in measured), default=0.0)
-    points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
-    index = {p: i for i, p in enumerate(points)}
-
     # a forward's compute grows with its tokens, as its bytes do; an inference step (one token of each sequence)
     # costs a server about one step whatever the batch (reading the weights dominates)
     scale = costs.tokens if mode == "forward" else 1
@@ -125,6 +138,22 @@ def choose_route(
         speed = r.inference_sps if mode == "inference" else r.forward_tps
         return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest) * scale
 
+    return block_cost
+
+
+def _cheapest_paths(
+    records: list[ServerRecord],
+    start: int,
+    end: int,
+    block_cost: Callable[[ServerRecord], float],
+    noise: Mapping[str, float],
+    rtt: Mapping[str, float],
+    costs: RouteCosts,
+) -> dict[int, tuple[int, ServerRecord]]:
+    """Dijkstra over the block boundaries from ``start``: for each boundary reached, the boundary before it on its
+    cheapest path and the server that covers the blocks between (``end`` absent: not covered)."""
+    points = sorted({start, end} | {p for r in records for p in (r.start, r.end) if start < p < end})
+    index = {p: i for i, p in enumerate(points)}
     dist = {start: 0.0}
     prev: dict[int, tuple[int, ServerRecord]] = {}
     heap: list[tuple[float, int, str]] = [(0.0, start, "")]
@@ -148,9 +177,11 @@ def choose_route(
                     dist[b] = nd
                     prev[b] = (a, r)
                     heapq.heappush(heap, (nd, b, r.peer_id))
-    if end not in dist:
-        covered = {b for r in records for b in range(r.start, r.end)}
-        raise MissingBlocksError([b for b in range(start, end) if b not in covered], model_id)
+    return prev
+
+
+def _route_to(prev: dict[int, tuple[int, ServerRecord]], start: int, end: int) -> list[Hop]:
+    """The hops of the cheapest path to ``end``, read back from ``prev`` (in order from ``start``)."""
     route: list[Hop] = []
     b = end
     while b != start:

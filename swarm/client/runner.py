@@ -13,13 +13,13 @@ from typing import Literal, Protocol
 
 import torch
 
-from swarm.client.chain_run import ChainRun
 from swarm.client.coalesce import Coalescer
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, Executor, Handler, PlanCache, Schedule, Tensors
-from swarm.client.inference_session import InferenceSession
 from swarm.client.local_blocks import LocalBlocks
-from swarm.client.sequential import RemoteChain, aux_tensors
+from swarm.client.passes.chain_run import ChainRun
+from swarm.client.passes.sequential import RemoteChain, aux_tensors
+from swarm.client.session.inference_session import InferenceSession
 from swarm.errors import BadInputError, MissingBlocksError
 from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, finetune_plan, forward_plan, hidden_plan, pretrain_plan, score_plan

@@ -156,6 +156,13 @@ class SwarmView:
         weight = self.cfg.latency_smoothing
         self.speeds[(peer_id, mode)] = sample if old is None else (1 - weight) * old + weight * sample
 
+    def observe_rtt(self, peer_id: str, seconds: float) -> None:
+        """A round trip to ``peer_id`` measured where a session opens, averaged like speeds (``latency_smoothing``):
+        what chained steps' deadlines add, and what routing prices a hop's link at."""
+        old = self.rtt.get(peer_id)
+        weight = self.cfg.latency_smoothing
+        self.rtt[peer_id] = seconds if old is None else (1 - weight) * old + weight * seconds
+
     def measured(self, mode: Mode) -> dict[str, float]:
         return {peer: seconds for (peer, m), seconds in list(self.speeds.items()) if m == mode}
 

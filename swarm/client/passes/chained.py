@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from swarm.client.chain_run import ChainRun
 from swarm.client.connection import SwarmConnection
+from swarm.client.passes.chain_run import ChainRun
 from swarm.client.replies import SLACK_BYTES, distrust, spec
 from swarm.errors import BadInputError, StaleStepError, SwarmError, WrongReplyError
 from swarm.hop import Hop
@@ -83,7 +83,7 @@ def _run(conn: SwarmConnection, calls: list[Call]) -> list[tuple[PassReply, Tens
                 raise error
     if errors:
         raise errors[0]
-    return results  # type: ignore[return-value]  # every item is a (PassReply, Tensors) now
+    return [r for r in results if isinstance(r, tuple)]  # every item is a (PassReply, Tensors) now
 
 
 def fail_over(conn: SwarmConnection, e: SwarmError, what: str) -> None:

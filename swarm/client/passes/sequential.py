@@ -18,16 +18,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from swarm.client import chained_passes
-from swarm.client.adapters import AdapterDelivery
-from swarm.client.chain_run import ChainRun
 from swarm.client.connection import SwarmConnection
+from swarm.client.passes import chained
+from swarm.client.passes.chain_run import ChainRun
 from swarm.client.replies import checked, expected
-from swarm.client.verify_calls import CallAudit
+from swarm.client.tuning.adapters import AdapterDelivery
+from swarm.client.verify.calls import CallAudit
 from swarm.errors import ActivationsGoneError, AdapterMissingError, BadInputError, StaleStepError, SwarmError
 from swarm.hop import Hop
 from swarm.plan.compile import repair
@@ -40,6 +40,12 @@ def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype)
     return dtype
+
+
+def _apply(fn: type[torch.autograd.Function], *args: object) -> torch.Tensor:
+    """``fn.apply(*args)``: torch declares ``Function.apply`` without types, and its output is one tensor here."""
+    apply = cast("Callable[..., torch.Tensor]", fn.apply)
+    return apply(*args)
 
 
 def aux_tensors(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> Tensors:
@@ -68,14 +74,11 @@ class RemoteChain:
         """The chain's output for ``hidden``, differentiable when it needs to be (a kept forward under grad)."""
         params = self.params()
         grad = hidden.requires_grad or any(p.requires_grad for p in params)
-        out: torch.Tensor
         if torch.is_grad_enabled() and grad:
-            # torch declares Function.apply without types
             if run.keep:
-                out = _RemoteFn.apply(hidden, self, run, *params)  # type: ignore[no-untyped-call]
-            else:  # routed over servers that cannot backpropagate: a backward must fail, not skip the servers
-                out = _ForwardOnlyFn.apply(hidden, self, run)  # type: ignore[no-untyped-call]
-            return out
+                return _apply(_RemoteFn, hidden, self, run, *params)
+            # routed over servers that cannot backpropagate: a backward must fail, not skip the servers
+            return _apply(_ForwardOnlyFn, hidden, self, run)
         return self.forward(run, hidden)
 
     # ---- one call ---------------------------------------------------------------------------------------------------
@@ -88,7 +91,7 @@ class RemoteChain:
         try:
             out = self._exchange(hop, request, tensors, send)
         except AdapterMissingError:  # the server dropped its copy (timeout, restart, memory): send it again
-            if send:
+            if not delivery.resend(hop, send):
                 raise
             out = self._exchange(hop, request, tensors, True)
         delivery.delivered(hop)
@@ -162,15 +165,15 @@ class RemoteChain:
     # ---- forward ----------------------------------------------------------------------------------------------------
     def forward(self, run: ChainRun, hidden: torch.Tensor) -> torch.Tensor:
         self.last_route = run.route()
-        if chained_passes.usable(self.conn, run, self._hop_by_hop):
+        if chained.usable(self.conn, run, self._hop_by_hop):
             try:
-                out = chained_passes.forward(self.conn, run, hidden.detach(), self._codec(run, self._first_input(run)))
+                out = chained.forward(self.conn, run, hidden.detach(), self._codec(run, self._first_input(run)))
                 self.last_plan = run.plan
                 return out
             except StaleStepError:
                 raise
             except SwarmError as e:  # hop by hop instead, with the usual failover
-                chained_passes.fail_over(self.conn, e, "forward")
+                chained.fail_over(self.conn, e, "forward")
         out = self._forward_nodes(run, run.forward_ids, hidden.detach())
         self.last_route, self.last_plan = run.route(), run.plan
         return out
@@ -222,14 +225,14 @@ class RemoteChain:
         """The gradient of the chain's input (None if ``input_grad`` is False), and every backward node's reply
         (which holds the adapter's gradients)."""
         replies: list[Tensors] = []
-        if input_grad and chained_passes.usable(self.conn, run, self._hop_by_hop):
+        if input_grad and chained.usable(self.conn, run, self._hop_by_hop):
             try:
                 wire = self._codec(run, self._first_input(run))
-                return chained_passes.backward(self.conn, run, grad, wire), replies
+                return chained.backward(self.conn, run, grad, wire), replies
             except StaleStepError:
                 raise
             except SwarmError as e:  # the forward again hop by hop (stages add a micro-batch's gradient once)
-                chained_passes.fail_over(self.conn, e, "backward")
+                chained.fail_over(self.conn, e, "backward")
                 first = run.forward_ids[0]
                 self._forward_nodes(run, run.forward_ids, run.inputs[first])
         g = self._backward_nodes(run, run.backward_ids(run.forward_ids), grad, input_grad, replies)

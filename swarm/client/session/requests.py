@@ -1,6 +1,6 @@
-"""What an inference session sends a hop: the opening that binds the session (and its adapter) on the server,
-and each step's request. Kept apart from ``inference_session`` so that the session holds only its control flow;
-the chain (``swarm.client.chain``) and the verifier (``swarm.client.verify``) open hops through the same function."""
+"""What an inference session sends a hop: the opening that binds the session (and its adapter) on the server, and each
+client-mediated step's request. The chain (``session.chain``) and the verifier (``swarm.client.verify.verifier``) open
+hops through the same function."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from swarm.client.adapters import AdapterDelivery
-from swarm.client.chain import HopState
+from swarm.client.session.hop import HopState
+from swarm.client.tuning.adapters import AdapterDelivery
 from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
 from swarm.rpc.remote import Tensors
 
@@ -23,7 +23,7 @@ def opening(
     tensors: Tensors = {}
     ref = None
     if delivery is not None:
-        send = state.send_adapter or delivery.needs_sending(hop)
+        send = state.link.send_adapter or delivery.needs_sending(hop)
         ref, tensors = delivery.part(hop, send)
         delivery.delivered(hop)  # optimistic: an adapter_missing reply sends the tensors next time
     request = OpenSession(
@@ -49,7 +49,7 @@ def step_request(
     step = InferenceStep(position=position)
     tensors: Tensors = {"hidden": hidden.to(getattr(torch, state.hop.dtype))}
     request = InferenceRequest(step=step)
-    if state.stream is None:
+    if state.link.stream is None:
         request_open, part = open_hop(state)
         tensors.update(part)
         request = InferenceRequest(open=request_open, step=step)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from swarm.client.chain import HopState
 from swarm.client.connection import SwarmConnection
+from swarm.client.session.hop import HopState
 from swarm.errors import CacheFullError, MissingBlocksError, SwarmError
 from swarm.hop import Hop
 from swarm.records import Capability
@@ -28,6 +28,7 @@ class SessionRoutes:
         self.conn, self.batch_size, self.max_length = conn, batch_size, max_length
         self.needs, self.session_id = needs, session_id
         self.avoid: set[str] = set()  # peers this session moved away from for slowness
+        self.slow_steps: dict[str, int] = {}  # hop (its session id) -> slow steps in a row
 
     def new(self, start: int, end: int) -> list[Hop]:
         """A route over blocks ``start:end`` whose servers have room for the session; ``CacheFullError`` (not
@@ -70,10 +71,11 @@ class SessionRoutes:
         expected = hop.step_seconds * tokens + view.hop_latency  # what the server claimed
         view.observe(hop.peer_id, "inference", elapsed, tokens * len(hop.span))
         slow = elapsed > self.conn.timing.slow_factor * expected
-        state.slow_steps = state.slow_steps + 1 if slow else 0
-        if state.slow_steps < self.conn.cfg.slow_steps:
+        slow_steps = self.slow_steps.pop(state.session_id, 0) + 1 if slow else 0
+        if 0 < slow_steps < self.conn.cfg.slow_steps:
+            self.slow_steps[state.session_id] = slow_steps  # kept only while a hop is slow: a count per hop at most
+        if slow_steps < self.conn.cfg.slow_steps:
             return
-        state.slow_steps = 0
         try:
             other = await asyncio.to_thread(
                 view.route,
@@ -90,4 +92,4 @@ class SessionRoutes:
         if estimate < elapsed / self.conn.cfg.move_gain:
             log.warning("moving a slow hop", extra={"peer": hop.peer_id, "session": self.session_id})
             self.avoid.add(hop.peer_id)
-            state.broken = True
+            state.link.broken = True

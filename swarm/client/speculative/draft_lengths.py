@@ -1,4 +1,4 @@
-"""How many drafts a speculative trip carries (``swarm.client.speculative``): pure, driven by the measurements the
+"""How many drafts a speculative trip carries (``swarm.client.speculative.loop``): pure, driven by the measurements the
 decode loop feeds it, so it is tested with made-up trips."""
 
 from __future__ import annotations

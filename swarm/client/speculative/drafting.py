@@ -1,4 +1,4 @@
-"""Drafters for speculative decoding (``swarm.client.speculative``), all on the client:
+"""Drafters for speculative decoding (``swarm.client.speculative.loop``), all on the client:
 
 - ``ngram``: prompt lookup. The longest run of the last tokens (up to ``ngram`` of them) that occurred earlier in the
   context proposes what followed it there: free to run, strong where the output repeats the input (summaries, edits,
@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PretrainedConfig, PreTrainedModel
 
-from swarm.client.speculative import Draft, Drafter, Sampler
+from swarm.client.speculative.loop import Draft, Drafter, Sampler
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
+from swarm.hf_calls import model_from_config
 from swarm.model_files import load_config, load_tokenizer, model_folder, read_tensors, weight_map
 
 DrafterFactory = Callable[[], Drafter]
@@ -191,7 +192,7 @@ def truncated(folder: Path, blocks: int) -> PreTrainedModel:
     config.num_hidden_layers = blocks
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:blocks]
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    model = model_from_config(config, torch.float32)
     files = weight_map(folder)
     wanted = [n for n in model.state_dict() if n in files]
     missing = model.load_state_dict(read_tensors(folder, wanted), strict=False).missing_keys

@@ -1,6 +1,6 @@
-"""Speculative decoding through the chain of servers: a drafter on the client (``swarm.client.drafting``) proposes
-k tokens, the k + 1 positions (the last token and the drafts) go through every server as one step, one trip, and the
-client keeps the longest agreeing prefix plus one token of its own; the servers drop the rest at the next step
+"""Speculative decoding through the chain of servers: a drafter on the client (``swarm.client.speculative.drafting``)
+proposes k tokens, the k + 1 positions (the last token and the drafts) go through every server as one step, one trip,
+and the client keeps the longest agreeing prefix plus one token of its own; the servers drop the rest at the next step
 (``InferenceSession.take_back``).
 
 Greedy decoding keeps a draft while it is the target's argmax, so the tokens are those of plain greedy decoding.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import (
@@ -28,7 +29,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from swarm.client.draft_lengths import Lengths
+from swarm.client.speculative.draft_lengths import Lengths
 from swarm.errors import BadInputError
 
 
@@ -63,7 +64,8 @@ class Sampler:
     @classmethod
     def of(cls, gen: GenerationConfig) -> Sampler:
         """The sampler ``generate`` would use for ``gen``; ``BadInputError`` naming the options it cannot honour."""
-        default = GenerationConfig()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+        new_config: Callable[[], GenerationConfig] = GenerationConfig  # transformers leaves it unannotated
+        default = new_config()
         odd = [k for k in _REFUSED if getattr(gen, k, None) not in (None, getattr(default, k, None))]
         if odd:
             raise BadInputError(f"speculative decoding does not support {', '.join(sorted(odd))}")
@@ -81,7 +83,8 @@ class Sampler:
         if self.top_p < 1.0:
             scores = TopPLogitsWarper(self.top_p)(torch.empty(0), scores)
         if self.min_p > 0.0:
-            scores = MinPLogitsWarper(self.min_p)(torch.empty(0), scores)  # type: ignore[arg-type]
+            no_ids = cast(torch.LongTensor, torch.empty(0, dtype=torch.long))  # a LongTensor: it reads no ids
+            scores = MinPLogitsWarper(self.min_p)(no_ids, scores)
         return torch.softmax(scores, dim=-1)
 
 
@@ -168,7 +171,7 @@ def _row(draft: Draft, i: int, vocab: int) -> torch.Tensor:
 
 
 class Drafter:
-    """Proposes continuations of a context (``swarm.client.drafting`` has the real ones)."""
+    """Proposes continuations of a context (``swarm.client.speculative.drafting`` has the real ones)."""
 
     name = "drafter"
     free = False  # proposing costs nothing: the loop asks for ``max_k`` tokens, then keeps what their kind earns
@@ -290,9 +293,9 @@ def decode(
 
 @dataclass(frozen=True)
 class Speculation:
-    """``generate(speculative=...)``: the drafter (a spec string of ``swarm.client.drafting``, a ``Drafter``, or a
-    callable making one per decode), and the drafts per trip: ``k`` always (None: chosen from measurements, at most
-    ``max_k``)."""
+    """``generate(speculative=...)``: the drafter (a spec string of ``swarm.client.speculative.drafting``, a
+    ``Drafter``, or a callable making one per decode), and the drafts per trip: ``k`` always (None: chosen from
+    measurements, at most ``max_k``)."""
 
     drafter: str | Drafter | Callable[[], Drafter] = "ngram"
     k: int | None = None

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.client.chain_run import ChainRun
 from swarm.client.connection import SwarmConnection
-from swarm.client.sequential import RemoteChain
+from swarm.client.passes.chain_run import ChainRun
+from swarm.client.passes.sequential import RemoteChain
 from swarm.errors import BadInputError, SwarmError
 from swarm.hop import Hop
 from swarm.ids import Span

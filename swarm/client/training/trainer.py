@@ -12,6 +12,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,10 +21,11 @@ import torch
 from swarm.client.executor import Handler
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.client.training.crosscheck import CrossCheckConfig, CrossChecker
-from swarm.config import DirectPolicy, Timing
+from swarm.config import DirectPolicy, Timing, client_config
 from swarm.dht import RecordStore, dht_time
 from swarm.errors import StaleStepError
 from swarm.identity import Signed
+from swarm.plan.ir import AnyNode
 from swarm.protocol import TrainTag
 from swarm.records import TrainerProgress, fresh
 from swarm.training import checkpoints
@@ -37,6 +39,15 @@ from swarm.training.optim import make_optimizer, set_lr
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
+
+
+def _ignoring_node(update: Callable[[], None]) -> Handler:
+    """An update as the plan's handler of its node (the update needs nothing of the node)."""
+
+    def handle(_node: AnyNode) -> None:
+        update()
+
+    return handle
 
 
 class _Publisher:
@@ -101,19 +112,18 @@ class Trainer:
         self.timing = timing or Timing()
         config = run.hf_config()
         state = initial_client_state(run, DistributedModelForCausalLM.local_tensor_names(config))
-        self.model = DistributedModelForCausalLM.from_parts(
-            config,
-            state,
-            model_id=run.model_id,
-            initial_peers=initial_peers,
-            fingerprint=run.fingerprint,
-            timing=self.timing,
-            cache_dir=run.cache_dir,
-            direct=direct,
+        client = client_config(
+            initial_peers,
+            self.timing,
+            run.cache_dir,
+            direct,
             wiring_seed=wiring_seed,
             identity=identity,
             swarm_key=swarm_key,
             chain=chain,
+        )
+        self.model = DistributedModelForCausalLM.from_parts(
+            config, state, model_id=run.model_id, client=client, fingerprint=run.fingerprint
         )
         self.model.pretraining(run.target_batch_size, run.average_every)  # its plans carry the step's update
         self.params = list(self.model.parameters())
@@ -231,16 +241,17 @@ class Trainer:
 
     def _apply_step(self, to_step: int) -> None:
         """The update phase of the pre-training plan: the optimizer step, then the averaging round when due."""
-        handlers: dict[str, Handler] = {
-            "optimizer_step": lambda node: self._optimizer_step(to_step),
-            "average": lambda node: self._average_due(),
+        updates: dict[str, Callable[[], None]] = {
+            "optimizer_step": lambda: self._optimizer_step(to_step),
+            "average": self._average_due,
         }
         last = self.model.runner.last
         if last is not None and last[0].task == "pretrain":
+            handlers: dict[str, Handler] = {op: _ignoring_node(update) for op, update in updates.items()}
             self.model.run_update(handlers)
         else:  # no micro-batch of this step ran here (others completed it): the same update, in the same order
-            handlers["optimizer_step"](None)  # type: ignore[arg-type]  # the handlers ignore their node
-            handlers["average"](None)  # type: ignore[arg-type]
+            for update in updates.values():
+                update()
         if self.run.checkpoint_every and self.step % self.run.checkpoint_every == 0:
             self.save_checkpoint()
 

@@ -152,6 +152,14 @@ class AdapterDelivery:
         else:
             self._known.pop(key, None)
 
+    def resend(self, hop: Hop, sent: bool) -> bool:
+        """``hop``'s server said it holds no copy of this version: whether to send the tensors again (not when they
+        went along already: a server that drops them on arrival is not fed twice); its copy there is forgotten."""
+        if sent:
+            return False
+        self.delivered(hop, False)
+        return True
+
     def part(self, hop: Hop, send: bool) -> tuple[AdapterRef, dict[str, torch.Tensor]]:
         """The reference, and (with ``send``) the tensors of the hop's blocks in the server's dtype."""
         tensors = self.adapters.payload(hop.start, hop.end, getattr(torch, hop.dtype)) if send else {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from swarm.client.adapters import ClientAdapters
+from swarm.client.tuning.adapters import ClientAdapters
 from swarm.errors import BadInputError
 from swarm.tuning import TuningSpec
 

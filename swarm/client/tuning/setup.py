@@ -1,42 +1,48 @@
-"""A client's adapter from its arguments or a PEFT folder: the tuning asked for, its targets and shapes checked
+"""A client's adapter from its options or a PEFT folder: the tuning asked for, its targets and shapes checked
 against the family and the blocks' layers before any training; and the adapter saved back in the PEFT format
 (``DistributedModelForCausalLM.from_pretrained(tuning=..., adapter=...)`` and ``save_adapter``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from swarm.client import peft_format
-from swarm.client.adapters import ClientAdapters
+from swarm.client.tuning import peft_format
+from swarm.client.tuning.adapters import ClientAdapters
 from swarm.errors import BadInputError
 from swarm.families.spec import Family
 from swarm.tuning import TuningSpec, linear_modules, resolve_targets
 
 
-def tuning_spec(
-    tuning: str | None,
-    adapter: str | Path | None,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_targets: Sequence[str] | None,
-    num_prompt_tokens: int,
-    family: Family,
-) -> TuningSpec | None:
-    """What to train: an adapter folder's own config (``tuning`` may only agree with it), else the arguments (LoRA's
-    targets by default the family's, as PEFT's are); None for no tuning at all."""
-    if tuning is None and adapter is None:
-        return None
-    if adapter is not None:
-        spec = peft_format.read_spec(Path(adapter))
-        if tuning not in (None, spec.mode):
-            raise BadInputError(f"tuning={tuning!r}, but the adapter in {adapter} is {spec.mode!r}")
-        return spec
-    assert tuning is not None
-    targets = tuple(lora_targets) if lora_targets is not None else family.spec.lora_defaults
-    return TuningSpec(tuning, lora_rank, lora_alpha, targets, num_prompt_tokens)
+@dataclass(frozen=True)
+class TuningRequest:
+    """What a user asked to train (``from_pretrained``'s tuning keywords), before the family is known."""
+
+    mode: str | None = None  # "lora", "prompt", "deep_prompt"; None: the adapter's own, or no tuning
+    adapter: Path | None = None  # a PEFT adapter folder to start from: its config sets the tuning
+    lora_rank: int = TuningSpec.lora_rank
+    lora_alpha: float = TuningSpec.lora_alpha
+    lora_targets: tuple[str, ...] | None = None  # None: the family's defaults, as PEFT's are
+    num_prompt_tokens: int = TuningSpec.num_prompt_tokens
+
+    @property
+    def asked(self) -> bool:
+        return self.mode is not None or self.adapter is not None
+
+    def spec(self, family: Family) -> TuningSpec | None:
+        """What to train: the adapter folder's own config (``mode`` may only agree with it), else the options (LoRA's
+        targets by default the family's); None for no tuning at all."""
+        if self.adapter is not None:
+            spec = peft_format.read_spec(self.adapter)
+            if self.mode not in (None, spec.mode):
+                raise BadInputError(f"tuning={self.mode!r}, but the adapter in {self.adapter} is {spec.mode!r}")
+            return spec
+        if self.mode is None:
+            return None
+        targets = self.lora_targets if self.lora_targets is not None else family.spec.lora_defaults
+        return TuningSpec(self.mode, self.lora_rank, self.lora_alpha, targets, self.num_prompt_tokens)
 
 
 def build_adapters(

@@ -1,9 +1,9 @@
-"""Verification of client-mediated forwards and backwards (``swarm.client.sequential``): a call drawn with
+"""Verification of client-mediated forwards and backwards (``swarm.client.passes.sequential``): a call drawn with
 probability ``1 / ClientConfig.verify_every`` is sent again to another server of the same blocks and weights, and
 every tensor of the two replies is compared (``swarm.verdict``). On a mismatch a third server decides; a hop that
 computed wrong is banned and its call fails, so the retry helper routes it again and the caller gets honest
 servers' answer; a verifier that did is banned. Forward replies carry no signed commitment, so unlike an inference
-session's hops (``swarm.client.verify``) a cheater caught here is not accused in the DHT."""
+session's hops (``swarm.client.verify.verifier``) a cheater caught here is not accused in the DHT."""
 
 from __future__ import annotations
 

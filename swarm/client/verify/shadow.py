@@ -10,12 +10,13 @@ from collections.abc import Callable
 import torch
 
 from swarm.client import replies
-from swarm.client.chain import HopState, chunks
 from swarm.client.connection import SwarmConnection
+from swarm.client.session.hop import HopState
+from swarm.client.session.steps import chunks
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.protocol import InferenceRequest, InferenceStep, OpenReply, OpenSession, StepReply
-from swarm.rpc.commit import CommitKey, digest
+from swarm.rpc.commit import digest
 from swarm.rpc.remote import Tensors, unavailable
 from swarm.rpc.stream import open_session
 
@@ -50,11 +51,11 @@ class Shadow:
     async def _open(self) -> None:
         state, timing = self.state, self.conn.timing
         request, tensors = self.opening(state)
-        state.bind(request)
-        state.stream = await open_session(self.conn.remote, state.hop, timing.open_timeout)
-        await state.stream.send(InferenceRequest(open=request), tensors)
-        opening, _, _ = await state.stream.receive(OpenReply, timing.open_timeout, 1 << 16)
-        state.commit, state.opening = CommitKey(opening, state.hop.peer_id), opening
+        state.commitments.bind(request)
+        state.link.stream = await open_session(self.conn.remote, state.hop, timing.open_timeout)
+        await state.link.stream.send(InferenceRequest(open=request), tensors)
+        opening, _, _ = await state.link.stream.receive(OpenReply, timing.open_timeout, 1 << 16)
+        state.commitments.certify(opening, state.hop.peer_id)
 
     async def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The server's output for the next positions ``hidden`` [batch, n, hidden] (client dtype back), sent in
@@ -65,10 +66,10 @@ class Shadow:
             raise replies.distrust(e, self.hop.peer_id) from None
 
     async def _run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.state.stream is None:
+        if self.state.link.stream is None:
             await self._open()
         state, hop = self.state, self.state.hop
-        assert state.stream is not None
+        assert state.link.stream is not None
         dtype = getattr(torch, hop.dtype)
         outs: list[torch.Tensor] = []
         for c in chunks(hidden.shape[1], self.chunk):
@@ -76,24 +77,21 @@ class Shadow:
             tensors: Tensors = {"hidden": x, "position_ids": positions[:, c.start : c.end].to(torch.int64)}
             request = InferenceRequest(step=InferenceStep(position=self.position))
             expect = replies.expected(request, tensors)
-            await state.stream.send(request, tensors)
+            await state.link.stream.send(request, tensors)
             timeout = self.conn.timeout(self.conn.timing.request_timeout, hop.peer_id)
-            reply, out_tensors, _ = await state.stream.receive(StepReply, timeout, expect.max_bytes)
-            state.chain.fold(reply)
-            state.commitments.append(reply)
+            reply, out_tensors, _ = await state.link.stream.receive(StepReply, timeout, expect.max_bytes)
+            state.commitments.fold(reply)
             out = replies.check(out_tensors, expect, hop.peer_id)["hidden"]
             if reply.position != self.position or digest(out) != reply.digest or digest(x) != reply.input_digest:
                 raise unavailable(hop.peer_id, "sent a reply unlike its own commitment")
-            state.inputs.append(x)
-            state.positions.append(positions[:, c.start : c.end])
-            state.outputs.append(out)
+            state.replay.record(x, positions[:, c.start : c.end], out)
             self.position += c.end - c.start
             outs.append(out)
         return torch.cat(outs, dim=1).to(hidden.dtype)
 
     async def seal(self) -> bool:
         """Have the server sign the head of this session's chain (evidence against it covers every step)."""
-        stream = self.state.stream
+        stream = self.state.link.stream
         if stream is None:
             return False
         try:
@@ -101,7 +99,7 @@ class Shadow:
             opening, _, _ = await stream.receive(OpenReply, self.conn.timing.notice_timeout, 1 << 16)
         except SwarmError:
             return False
-        return self.state.chain.seal(opening) and self.state.chain.audit(self.state.commit)
+        return self.state.commitments.seal(opening) and self.state.commitments.audit()
 
     def close(self) -> None:
         self.state.close()

@@ -13,7 +13,7 @@ import torch
 
 from swarm.accusations import ACCUSATION_TTL, MAX_ACCUSATIONS, Accusation, Accusations, Evidence, accusations_key
 from swarm.client.connection import SwarmConnection
-from swarm.client.shadow import Shadow, plain_opening
+from swarm.client.verify.shadow import Shadow, plain_opening
 from swarm.dht import dht_time
 from swarm.errors import SwarmError
 from swarm.hop import Hop

@@ -1,7 +1,8 @@
-"""Acting on verification verdicts (``swarm.client.verify``), on the session's thread between steps: the cheater is
-banned, a cheating hop is replaced at the next step, and the evidence its signed commitments give is published as
-an accusation (``swarm.client.trust``). Evidence needs the cheater's signature over the bad step's commitment: it is
-asked to sign its chain's head first (the seal every session ends with); one that will not sign is still banned.
+"""Acting on verification verdicts (``swarm.client.verify.verifier``), on the session's thread between steps: the
+cheater is banned, a cheating hop is replaced at the next step, and the evidence its signed commitments give is
+published as an accusation (``swarm.client.verify.trust``). Evidence needs the cheater's signature over the bad step's
+commitment: it is asked to sign its chain's head first (the seal every session ends with); one that will not sign is
+still banned.
 
 The accused piece is one that fails the rule by itself against the third server's output (the piece with the
 largest distance), so readers who re-run just that piece's context see what the client saw. Nothing is published
@@ -16,10 +17,10 @@ import logging
 import torch
 
 from swarm.accusations import ACCUSATION_TTL, Evidence
-from swarm.client.chain import Chain, HopState
 from swarm.client.connection import SwarmConnection
-from swarm.client.shadow import Shadow
-from swarm.client.verify import Verdict
+from swarm.client.session.hop import HopState, seal_chains
+from swarm.client.verify.shadow import Shadow
+from swarm.client.verify.verifier import Verdict
 from swarm.rpc.evidence import build
 from swarm.verdict import compare, tolerance
 
@@ -43,7 +44,7 @@ def act(verdicts: list[Verdict], conn: SwarmConnection, chunk: int) -> list[str]
 
 def _act(v: Verdict, conn: SwarmConnection, chunk: int, caught: list[str]) -> None:
     if v.who == "unresolved" and v.comparison is not None:
-        v.state.broken = True  # two servers disagree and nothing decides: move off the hop, blaming nobody
+        v.state.link.broken = True  # two servers disagree and nothing decides: move off the hop, blaming nobody
     cheater = v.cheater
     if cheater is None:
         return
@@ -58,10 +59,10 @@ def _act(v: Verdict, conn: SwarmConnection, chunk: int, caught: list[str]) -> No
     cfg = conn.cfg
     publish = conn.trust is not None and cfg.accuse and not cfg.trusted_peers and not cfg.local_blocks
     evidence = None
-    if publish and not v.state.lossy:
+    if publish and not v.state.replay.lossy:
         evidence = _hop_evidence(v, conn, chunk) if v.who == "hop" else _shadow_evidence(v, conn)
     if v.who == "hop":
-        v.state.broken = True  # replaced at the next step, its history replayed onto another server
+        v.state.link.broken = True  # replaced at the next step, its history replayed onto another server
     if evidence is not None and conn.trust is not None:
         hop = v.state.hop if v.who == "hop" else v.shadow.hop if v.shadow is not None else v.state.hop
         conn.trust.accuse(cheater, hop, evidence, v.reason)
@@ -90,9 +91,10 @@ def _worst_piece(
 def _hop_evidence(v: Verdict, conn: SwarmConnection, chunk: int) -> Evidence | None:
     """Evidence from a chained hop's own commitments (a client-mediated session has none)."""
     state = v.state
-    if not state.commitments or state.opening is None or v.mine is None or v.reference is None:
+    commitments = state.commitments
+    if not commitments.replies or commitments.opening is None or v.mine is None or v.reference is None:
         return None
-    lengths = [x.shape[1] for x in state.inputs]
+    lengths = [x.shape[1] for x in state.replay.inputs]
     pieces, at = [], 0
     for k in range(v.first, len(lengths)):
         size = chunk if chunk > 0 else lengths[k]
@@ -106,11 +108,11 @@ def _hop_evidence(v: Verdict, conn: SwarmConnection, chunk: int) -> Evidence | N
     if found is None:
         return None
     timeout = conn.timing.notice_timeout
-    unsigned = conn.loop.run(Chain.seal([state], timeout), timeout + 1.0)
-    if unsigned or not state.chain.audit(state.commit):
+    unsigned = conn.loop.run(seal_chains([state], timeout), timeout + 1.0)
+    if unsigned or not state.commitments.audit():
         return None
     k, begin, end = found
-    output = state.outputs[k]
+    output = state.replay.outputs[k]
     if output is None:
         return None
     return _evidence(state, k, begin, end, output)
@@ -121,8 +123,8 @@ def _shadow_evidence(v: Verdict, conn: SwarmConnection) -> Evidence | None:
     if shadow is None or v.theirs is None or v.reference is None:
         return None
     pieces, at = [], -v.skip
-    for k in range(v.shadow_first, len(shadow.state.inputs)):
-        n = shadow.state.inputs[k].shape[1]
+    for k in range(v.shadow_first, len(shadow.state.replay.inputs)):
+        n = shadow.state.replay.inputs[k].shape[1]
         pieces.append((k, 0, n, at))
         at += n
     found = _worst_piece(pieces, v.theirs, v.reference, (shadow.hop.dtype,))
@@ -132,29 +134,29 @@ def _shadow_evidence(v: Verdict, conn: SwarmConnection) -> Evidence | None:
     if not conn.loop.run(shadow.seal(), timeout + 1.0):
         return None
     k, begin, end = found
-    output = shadow.state.outputs[k]
+    output = shadow.state.replay.outputs[k]
     return None if output is None else _evidence(shadow.state, k, begin, end, output)
 
 
 def _evidence(state: HopState, step: int, begin: int, end: int, output: torch.Tensor) -> Evidence | None:
-    if state.opening is None or state.chain.signed is None:
+    if state.commitments.opening is None or state.commitments.chain.signed is None:
         return None
-    _, length, signature = state.chain.signed
+    _, length, signature = state.commitments.chain.signed
     dtype = getattr(torch, state.hop.dtype)
-    starts = _starts([x.shape[1] for x in state.inputs])
-    context = [x.to(dtype) for x in state.inputs[: step + 1]]
+    starts = _starts([x.shape[1] for x in state.replay.inputs])
+    context = [x.to(dtype) for x in state.replay.inputs[: step + 1]]
     output = output[:, begin:end]
-    tail = state.tails.get(step)
-    if tail is not None and tail[1] is not None and end == state.inputs[step].shape[1]:
+    tail = state.replay.tails.get(step)
+    if tail is not None and tail[1] is not None and end == state.replay.inputs[step].shape[1]:
         # the bad step's drafts were rejected: its commitment covers them too, input and output
         context[-1] = torch.cat([context[-1], tail[0].to(dtype)], dim=1)
         output = torch.cat([output, tail[1].to(output.dtype)], dim=1)
-    tails = {starts[j]: t[0].to(dtype) for j, t in state.tails.items() if j < step}
+    tails = {starts[j]: t[0].to(dtype) for j, t in state.replay.tails.items() if j < step}
     try:
         return build(
             session_id=state.session_id,
-            opening=state.opening,
-            chain=state.commitments[:length],
+            opening=state.commitments.opening,
+            chain=state.commitments.replies[:length],
             signature=signature,
             context=torch.cat(context, dim=1),
             bad=starts[step] + begin,

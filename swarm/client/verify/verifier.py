@@ -11,7 +11,7 @@ result is acted on before the next step.
 On a mismatch a third server runs the hop's whole context once and decides: the one of the two that disagrees with
 it is the cheater (when the third agrees with neither, or there is no third, nobody is blamed: the session moves off
 the hop). The cheater is banned and, where its signed commitments bind it to the wrong output, accused in the DHT
-with that evidence (``swarm.client.trust``). The steps between the cheat and its check have already run on the
+with that evidence (``swarm.client.verify.trust``). The steps between the cheat and its check have already run on the
 cheater's output: the hop is replaced (its history replayed onto honest servers) and the session goes on."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing import Literal
 
 import torch
 
-from swarm.client.chain import HopState
 from swarm.client.connection import SwarmConnection
-from swarm.client.shadow import Opening, Shadow, plain_opening
+from swarm.client.session.hop import HopState
+from swarm.client.verify.shadow import Opening, Shadow, plain_opening
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.records import Capability
@@ -117,7 +117,7 @@ class Verifier:
             found = self.watches.get(state.session_id)
             watch = found if found is not None else Watch(state, self.gaps.draw())
             self.watches[state.session_id] = watch
-            watch.final = len(state.inputs)  # checks (on the event loop) read no further
+            watch.final = len(state.replay.inputs)  # checks (on the event loop) read no further
             watch.due -= 1
             if watch.due <= 0 and watch.running is None:
                 watch.due = self.gaps.draw()
@@ -168,7 +168,7 @@ class Verifier:
             todo = [
                 w
                 for w in self.watches.values()
-                if w.running is not None or (w.checked < w.final and not w.state.broken)
+                if w.running is not None or (w.checked < w.final and not w.state.link.broken)
             ]
             if not todo or self.stopped:
                 break
@@ -206,14 +206,14 @@ class Verifier:
 
     def _tolerance(self, state: HopState, *others: Hop) -> Tolerance:
         tol = tolerance(state.hop.dtype, *(h.dtype for h in others))
-        return LOSSY if state.lossy else tol
+        return LOSSY if state.replay.lossy else tol
 
     async def _compare(self, watch: Watch) -> Verdict:
         state = watch.state
         n, checked = watch.final, watch.checked
         if checked >= n:
             return Verdict(state, "ok")
-        outs = state.outputs[checked:n]
+        outs = state.replay.outputs[checked:n]
         if any(o is None for o in outs):  # cannot happen: outputs are dropped only once checked
             watch.checked = n
             return Verdict(state, "unverifiable", reason="outputs missing")
@@ -222,16 +222,17 @@ class Verifier:
             if not candidates:
                 watch.checked = n
                 for i in range(checked, n):
-                    state.outputs[i] = None  # never to be compared: not kept
+                    state.replay.release(i)  # never to be compared: not kept
                 return Verdict(state, "unverifiable", reason="no other server holds these blocks")
             watch.shadow, watch.sent = Shadow(self.conn, self.rng.choice(candidates), self.opening, self.chunk), 0
         first, shadow = watch.sent, watch.shadow
-        x = torch.cat(state.inputs[first:n], dim=1)
-        positions = torch.cat(state.positions[first:n], dim=1)
-        shadow_first = len(shadow.state.inputs)
+        x = torch.cat(state.replay.inputs[first:n], dim=1)
+        positions = torch.cat(state.replay.positions[first:n], dim=1)
+        shadow_first = len(shadow.state.replay.inputs)
         ran = await shadow.run(x, positions)
         watch.sent = n
-        skip = sum(t.shape[1] for t in state.inputs[first:checked])  # already compared with an earlier verifier
+        # already compared with an earlier verifier
+        skip = sum(t.shape[1] for t in state.replay.inputs[first:checked])
         theirs = ran[:, skip:]
         mine = torch.cat([o.float() for o in outs if o is not None], dim=1)
         self.stats.checks += 1
@@ -244,7 +245,7 @@ class Verifier:
             self.stats.closest_position = max(self.stats.closest_position, cmp.worst)
             watch.checked = n
             for i in range(checked, n):
-                state.outputs[i] = None  # checked: only inputs stay (replays need them)
+                state.replay.release(i)  # checked: only inputs stay (replays need them)
             return Verdict(state, "ok", cmp)
         over = max(cmp.rms / tol.rms, cmp.worst / tol.worst)
         self.stats.weakest_catch = over if self.stats.weakest_catch is None else min(self.stats.weakest_catch, over)
@@ -278,13 +279,13 @@ class Verifier:
         if not candidates:
             return "unresolved", None
         self.rng.shuffle(candidates)
-        x = torch.cat(state.inputs[:n], dim=1)
+        x = torch.cat(state.replay.inputs[:n], dim=1)
         # with an adapter, the third server needs it too (the session's own opening sends it)
         opening = self.opening if Capability.ADAPTERS in self.needs else plain_opening(x.shape[1], x.shape[0])
         for hop in candidates[:2]:  # a third that fails is banned and replaced once: its failure decides nothing
             third = Shadow(self.conn, hop, opening, self.chunk)
             try:
-                ref = (await third.run(x, torch.cat(state.positions[:n], dim=1)))[:, -mine.shape[1] :]
+                ref = (await third.run(x, torch.cat(state.replay.positions[:n], dim=1)))[:, -mine.shape[1] :]
             except SwarmError as e:
                 self.conn.retrier.note_failure(e, "verification")
                 continue

@@ -1,0 +1,212 @@
+"""The client's side of chained inference steps (the server's is ``peers.rpc.chain``): one trip through the whole
+route per step, and a long step cut into chunks that flow through the servers one behind the other.
+
+The client opens its session on every hop (all at once), gives each hop the route it signed, and sends a step to the
+first hop only, for the rest of the route. Each server passes its output on and sends the client its output with a
+signed commitment: digests of what it took in and what it gave out. The client checks, hop after hop, that each
+commitment is signed by the key the hop's identity certified, that the output it got matches its digest, and that
+each hop took in exactly what the one before it gave out; so the history it keeps for replays (each hop's inputs)
+is what the servers really computed on. A hop that fails, stays silent past its deadline or breaks the digests is
+reported to the caller, which repairs the plan; the repaired chain sends the step again from that hop, and the hops
+after it redo it (a server takes the start of its last step again: ``peers.serving.sessions``). Replies of an earlier
+attempt still in a stream are told apart by the step's ``tag`` and skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from swarm import wire
+from swarm.client import replies
+from swarm.client.connection import RTT_SLACK, SwarmConnection
+from swarm.client.session.hop import HopState
+from swarm.client.session.hop_replies import Sent, read_acks, read_outputs
+from swarm.client.session.steps import Step, chunks
+from swarm.codecs import Codec
+from swarm.errors import DisagreedInputError, SwarmError
+from swarm.identity import Signed
+from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession
+from swarm.rpc.commit import digest
+from swarm.rpc.remote import Tensors, unavailable
+from swarm.rpc.stream import InferenceStream, open_session
+
+_SAVING = {Codec.none: 0, Codec.float16: 1, Codec.bfloat16: 1, Codec.uint8: 2, Codec.quantile8: 2, Codec.block8: 2}
+Opening = Callable[[HopState], tuple[OpenSession, Tensors]]
+Observe = Callable[[HopState, float, int], Awaitable[None]]
+
+
+class Chain:
+    """Runs steps through a list of hop states, chained; owned by one inference session, whose hops it opens with
+    ``opening``, cuts long steps into pieces of ``chunk`` tokens and gives each step ``base_timeout(tokens)`` of
+    compute."""
+
+    def __init__(
+        self,
+        conn: SwarmConnection,
+        opening: Opening,
+        chunk: int,
+        base_timeout: Callable[[int], float],
+        observe: Observe,
+    ) -> None:
+        self.conn, self.opening, self.chunk, self.base_timeout = conn, opening, chunk, base_timeout
+        self.observe = observe  # each hop's share of a step's time (routing's estimates, moving slow hops)
+        self._signed: tuple[int, tuple[str, ...], Signed] | None = None
+        self._tag = 0
+
+    def signed_route(self, states: list[HopState], generation: int) -> Signed:
+        """The signed route over ``states`` (signed once per generation and route: ~1 ms of RSA)."""
+        key = tuple(s.session_id for s in states)
+        if self._signed is None or self._signed[:2] != (generation, key):
+            creds = self.conn.remote.creds
+            hops = tuple(s.chain_hop() for s in states)
+            payload = ChainRoute(client=creds.peer_id, generation=generation, hops=hops).model_dump_json()
+            signed = Signed(public_key=creds.public_key, payload=payload, signature=creds.sign(payload.encode()))
+            self._signed = (generation, key, signed)
+        return self._signed[2]
+
+    async def prepare(self, states: list[HopState], route: list[HopState], generation: int) -> None:
+        """Open (all at once) every hop of ``states`` that has no stream, and give every one of them the route over
+        ``route`` (of ``generation``); their acknowledgements are read with the step's replies, at no extra trip."""
+        signed = self.signed_route(route, generation)
+        todo = [s for s in states if s.link.stream is None or s.link.generation < generation]
+        if not todo:
+            return  # the usual decode step: every hop open under the current route, no task to make
+        results = await asyncio.gather(*(self._tell(s, signed, generation) for s in todo), return_exceptions=True)
+        failed = [(s, r) for s, r in zip(todo, results, strict=True) if isinstance(r, BaseException)]
+        for state, _ in failed:
+            state.link.broken = True  # every hop that could not be opened or told: each is replaced
+        if failed:
+            raise failed[0][1]
+
+    async def _tell(self, state: HopState, signed: Signed, generation: int) -> None:
+        link = state.link
+        if link.stream is None:
+            opening, tensors = self.opening(state)
+            state.commitments.bind(opening)
+            link.stream = await open_stream(self.conn, state)
+            link.acks.append(time.perf_counter())
+            await link.stream.send(InferenceRequest(open=opening, route=signed), tensors)
+        else:
+            link.acks.append(time.perf_counter())
+            await link.stream.send(InferenceRequest(route=signed), {})
+        link.generation = generation
+
+    # ---- a step, and a replay --------------------------------------------------------------------------------------
+    async def run(self, states: list[HopState], step: Step, done: list[torch.Tensor]) -> None:
+        """Send ``step`` through ``states`` in one trip, appending each hop's output (client dtype) to ``done`` as it
+        arrives and recording each hop's input. A hop that fails is marked broken (with the hop before it, when the
+        two disagree on what passed between them) and its error raised; the hops before it keep what they did."""
+        sent = await self._send(states, step)
+        inputs, digests = sent.hidden, sent.digests
+        before = time.perf_counter()
+        for k, state in enumerate(states):
+            try:
+                out, digests = await self._collect(states, k, sent, step.position, digests)
+            except DisagreedInputError as e:
+                if k == 0:  # the client's own input: the first hop alone is wrong
+                    raise
+                prior = states[k - 1]
+                prior.replay.unrecord()  # the step runs again from the sender
+                done.pop()
+                raise _blame(prior, state) from e
+            state.replay.lossy |= sent.lossy
+            state.replay.record(inputs, step.explicit, out)
+            inputs = out.to(step.hidden.dtype)
+            done.append(inputs)
+            before = await self._observed(state, before, step.tokens)
+
+    async def replay(self, states: list[HopState], step: Step) -> None:
+        """Send ``step``, a fresh hops' whole history, through them in one trip: each keeps it as its inputs whether it
+        succeeds or fails (its replacement then replays them)."""
+        sent = await self._send(states, step)
+        inputs, digests = sent.hidden, sent.digests
+        before = time.perf_counter()
+        for k, state in enumerate(states):
+            state.replay.restart(inputs, step.explicit)
+            try:
+                out, digests = await self._collect(states, k, sent, step.position, digests)
+            except DisagreedInputError as e:
+                if k == 0:
+                    raise
+                raise _blame(states[k - 1], state) from e
+            state.replay.lossy |= sent.lossy
+            state.replay.outputs = [out]
+            inputs = out.to(step.hidden.dtype)
+            before = await self._observed(state, before, step.tokens)
+
+    async def _observed(self, state: HopState, before: float, tokens: int) -> float:
+        now = time.perf_counter()  # this hop's share: its compute and one crossing, as a relayed hop sees it
+        await self.observe(state, now - before, tokens)
+        return now
+
+    async def _send(self, states: list[HopState], step: Step) -> Sent:
+        """Send the step's pieces to the first hop, for the rest of ``states``."""
+        self._tag += 1
+        first = states[0]
+        stream = first.link.stream
+        assert stream is not None
+        pieces = chunks(step.tokens, self.chunk)
+        xs = [step.hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype)) for c in pieces]
+        codec = self.codec(states, xs[0])
+        lossy = codec not in (None, Codec.none)
+        hidden = step.hidden
+        if lossy:  # what the first hop takes in, as kept for replays and verification
+            hidden = torch.cat([wire.as_received(x, codec) for x in xs], dim=1).to(hidden.dtype)
+        digests: list[str] = []
+        for c, x in zip(pieces, xs, strict=True):
+            tensors: Tensors = {"hidden": x}
+            if step.mask is not None:
+                tensors["attention_mask"] = step.mask[:, : step.position + c.end]
+            if step.positions is not None:
+                tensors["position_ids"] = step.positions[:, c.start : c.end]
+            request = InferenceStep(position=step.position + c.start, hops=len(states) - 1, tag=self._tag)
+            await stream.send(InferenceRequest(step=request), tensors, codec)
+            # what the first hop decodes and commits to: worked out while it computes, not before it can start
+            digests.append(digest(wire.as_received(x, codec)))
+        return Sent(pieces, digests, hidden, lossy, self._tag)
+
+    def codec(self, states: list[HopState], piece: torch.Tensor) -> Codec:
+        """One codec for a chained step's activations on every link it crosses: what the slowest link calls for
+        (each link's own choice, ``Remote.codec_for``; the most compressing of them)."""
+        choices = [self.conn.remote.codec_for(s.hop, {"hidden": piece}) for s in states]
+        return max(choices, key=lambda c: _SAVING.get(c, 0))
+
+    def deadline(self, states: list[HopState], upto: int, base: float) -> float:
+        """How long hop ``upto`` of a chained step may take to answer: the compute allowance ``base`` plus a few
+        measured round trips per hop the step crosses to reach it (unmeasured hops count nothing)."""
+        return base + RTT_SLACK * sum(self.conn.rtt.get(s.hop.peer_id, 0.0) for s in states[: upto + 1])
+
+    # ---- one hop's replies ----------------------------------------------------------------------------------------
+    async def _collect(
+        self, states: list[HopState], k: int, sent: Sent, position: int, inputs: list[str]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Hop ``k``'s replies to a chained step: its pending acknowledgements, then one reply per piece (each
+        checked against ``inputs``, the digests the hop before it committed to); its output and their digests. A
+        hop that fails is marked broken (and the one before it, when they disagree on what passed between them)."""
+        state = states[k]
+        timeout = self.deadline(states, k, self.base_timeout(sent.pieces[0].end))
+        try:
+            await read_acks(self.conn, state, timeout)
+            return await read_outputs(state, sent, position, inputs, timeout)
+        except BaseException as e:
+            state.link.fail()
+            if k > 0 and isinstance(e, DisagreedInputError):
+                states[k - 1].link.fail()  # either of the two lies: both are replaced
+            if isinstance(e, SwarmError):
+                raise replies.distrust(e, state.hop.peer_id) from None
+            raise
+
+
+async def open_stream(conn: SwarmConnection, state: HopState) -> InferenceStream:
+    return await open_session(conn.remote, state.hop, conn.timing.open_timeout)
+
+
+def _blame(prior: HopState, state: HopState) -> SwarmError:
+    """The two disagree on what passed between them: one of them lies. Both are replaced, and the sender is the one
+    banned (what it gave the client is as doubtful as what it passed on)."""
+    return unavailable(
+        prior.hop.peer_id, f"gave the next hop ({state.hop.peer_id}) another output than it committed to"
+    )

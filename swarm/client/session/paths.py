@@ -1,0 +1,124 @@
+"""The two ways a step goes through an inference session's hops, behind one interface (``StepPath``):
+
+- ``ChainedPath`` (``ClientConfig.chain``, the default): the step goes to the first hop, each server passes its output
+  to the next, and every hop sends the client its output with a signed commitment (``session.chain``);
+- ``MediatedPath``: the client sends each hop its input and takes its output back, hop after hop.
+
+Both run a step from the first hop not done yet (the hops before keep what they did), and replay a replaced hop's
+history onto its fresh hops. A server that dropped its copy of the client's adapter is opened again with the adapter's
+tensors, once, through the one rule of ``AdapterDelivery.resend``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from swarm.client import replies
+from swarm.client.connection import SwarmConnection
+from swarm.client.session.chain import Chain, Observe, Opening, open_stream
+from swarm.client.session.hop import HopState
+from swarm.client.session.requests import step_request
+from swarm.client.session.route import BoundRoute
+from swarm.client.session.steps import Step
+from swarm.client.tuning.adapters import AdapterDelivery
+from swarm.errors import AdapterMissingError
+
+
+class StepPath(Protocol):
+    async def run(self, route: BoundRoute, step: Step, done: list[torch.Tensor]) -> None:
+        """Run ``step`` through ``route``'s hops from the first not ``done`` (``done``: outputs of the hops before,
+        client dtype), appending each hop's output. A hop that fails is marked broken and the error raised."""
+        ...
+
+    async def replay(self, route: BoundRoute, fresh: list[HopState], step: Step) -> None:
+        """Give ``fresh`` hops of ``route`` (the repaired one) their whole history, ``step``."""
+        ...
+
+
+def resend_adapter(delivery: AdapterDelivery | None, state: HopState, opening: bool) -> bool:
+    """``state``'s server said it lacks the client's adapter: whether to open it again with the tensors (only where
+    the call was its opening and they did not go along already), the hop made ready for it if so."""
+    if delivery is None or not opening or not delivery.resend(state.hop, state.link.send_adapter):
+        return False
+    state.link.reopen_with_adapter()
+    return True
+
+
+class ChainedPath:
+    def __init__(self, chain: Chain, delivery: AdapterDelivery | None) -> None:
+        self.chain, self.delivery = chain, delivery
+
+    async def run(self, route: BoundRoute, step: Step, done: list[torch.Tensor]) -> None:
+        rest = route.states[len(done) :]
+        if not rest:
+            return
+        entering = step.entering(done[-1]) if done else step
+        try:
+            await self.chain.prepare(rest, route.states, route.generation)
+            await self.chain.run(rest, entering, done)
+        except AdapterMissingError as e:  # deep prompts and adapters are bound at the session's first step only
+            state = next((s for s in rest if s.hop.peer_id == e.peer_id), None)
+            if state is None or not resend_adapter(self.delivery, state, step.position == 0):
+                raise
+            await self.run(route, step, done)
+
+    async def replay(self, route: BoundRoute, fresh: list[HopState], step: Step) -> None:
+        """Through the fresh hops only, in pipelined chunks like any long step; the route they are given names them."""
+        await self.chain.prepare(fresh, route.states, route.generation)
+        await self.chain.replay(fresh, step)
+
+
+class MediatedPath:
+    def __init__(
+        self,
+        conn: SwarmConnection,
+        delivery: AdapterDelivery | None,
+        opening: Opening,
+        base_timeout: Callable[[int], float],
+        observe: Observe,
+    ) -> None:
+        self.conn, self.delivery, self.opening = conn, delivery, opening
+        self.base_timeout, self.observe = base_timeout, observe
+
+    async def run(self, route: BoundRoute, step: Step, done: list[torch.Tensor]) -> None:
+        h = done[-1] if done else step.hidden
+        for state in route.states[len(done) :]:
+            try:
+                out = await self.exchange(state, step.entering(h))
+            except BaseException:
+                state.link.fail()
+                raise
+            state.replay.record(h, step.explicit, out)
+            done.append(out)
+            h = out
+
+    async def replay(self, route: BoundRoute, fresh: list[HopState], step: Step) -> None:
+        hidden = step.hidden
+        for state in fresh:
+            state.replay.restart(hidden, step.explicit)
+            hidden = await self.exchange(state, step.entering(hidden))
+            state.replay.outputs = [hidden]
+
+    async def exchange(self, state: HopState, step: Step) -> torch.Tensor:
+        """One step to one hop (opened first if it is not yet): its output, client dtype."""
+        link, hidden = state.link, step.hidden
+        opening = link.stream is None
+        request, tensors = step_request(state, hidden, step.mask, step.positions, step.position, self.opening)
+        if link.stream is None:
+            link.stream = await open_stream(self.conn, state)
+        t0 = time.perf_counter()
+        try:
+            expect = replies.expected(request, tensors)
+            codec = self.conn.remote.codec_for(state.hop, tensors)
+            timeout = self.conn.timeout(self.base_timeout(step.tokens), state.hop.peer_id)
+            call = link.stream.exchange(request, tensors, timeout, expect.max_bytes, codec)
+            out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
+        except AdapterMissingError:
+            if not resend_adapter(self.delivery, state, opening):
+                raise
+            return await self.exchange(state, step)
+        await self.observe(state, time.perf_counter() - t0, step.tokens)
+        return out.to(hidden.dtype)
