@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from swarm.client.connection import SwarmConnection
 from swarm.client.session.hop import HopState, seal_chains
 from swarm.client.verify.verdicts import act
@@ -31,10 +33,10 @@ class SessionChecks:
         if self.verifier is not None:
             self.caught += act(self.verifier.settle(), self.conn, self.chunk)
 
-    def after_step(self, states: list[HopState], plain: bool, final: bool) -> None:
-        """A step went through ``states``; ``plain``: no padding (a padded session's steps are no plain prefixes, not
-        verified yet); ``final``: no draft of it can be taken back."""
-        if self.verifier is not None and not plain:
+    def after_step(self, states: list[HopState], mask: torch.Tensor | None, final: bool) -> None:
+        """A step went through ``states`` with ``mask`` over every position so far (padding: the steps are no plain
+        prefixes, not verified yet); ``final``: no draft of it can be taken back."""
+        if self.verifier is not None and mask is not None and not bool((mask == 1).all()):
             self.verifier.stop()
         self.pending = True
         if final:

@@ -194,8 +194,7 @@ class InferenceSession:
         out = conn.retrier.run(lambda: conn.loop.run(self._attempt(step, done)), "inference step", confirm=True)
         self.position += step.tokens
         self._last_n = step.tokens
-        plain = step.mask is None or bool((step.mask == 1).all())
-        self.checks.after_step(self.bound.states, plain, final=not self.provisional)
+        self.checks.after_step(self.bound.states, step.mask, final=not self.provisional)
         return out
 
     def _admit(
