@@ -46,6 +46,8 @@ class Bans(Protocol):
 
     def invalidate(self) -> None: ...
 
+    def parole(self) -> frozenset[str]: ...
+
 
 class Retrier:
     def __init__(
@@ -72,6 +74,7 @@ class Retrier:
         missing_since: float | None = None
         delay = self.timing.backoff_min
         suspect: SwarmError | None = None  # a server's bad_input, awaiting a second server's opinion
+        paroled = False  # peers banned for failing were tried again before blocks counted as missing
         while True:
             try:
                 result = attempt()
@@ -81,6 +84,12 @@ class Retrier:
                 now = self.clock()
                 missing_since = now if missing_since is None else missing_since
                 left = missing_since + self.timing.missing_blocks_wait - now
+                if left <= 0 and not paroled:
+                    # the blocks may be held by peers this client banned for failing (a saturated server's timeout,
+                    # a step lost through a dead relay): before the call fails, they are tried once more
+                    paroled = True
+                    if self.view.parole():
+                        continue
                 if left <= 0:
                     raise
                 self.view.invalidate()

@@ -60,6 +60,7 @@ class SwarmView:
         self._view: View = {}
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
+        self._for_cause: set[str] = set()  # peers banned for wrong answers or convicted: never paroled
         # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
         self.speeds: dict[tuple[str, Mode], float] = {}
         # peer -> measured round trip (s): routing prices a measured peer's hop by it (the connection may share its own)
@@ -135,9 +136,23 @@ class SwarmView:
         of the same weights it allowed: they chain together)."""
         return pick_fingerprint(view, self.fingerprints, self.groups)
 
-    def ban(self, peer_id: str, seconds: float) -> None:
-        log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id})
-        self._banned[peer_id] = time.monotonic() + seconds
+    def ban(self, peer_id: str, seconds: float, for_cause: bool = False) -> None:
+        """Route around ``peer_id`` for ``seconds``. ``for_cause``: it was caught computing wrong answers or convicted
+        by an accusation, never paroled; a peer banned for failing (an error, a timeout) may be (``parole``)."""
+        log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id, "for_cause": for_cause})
+        self._banned[peer_id] = max(self._banned.get(peer_id, 0.0), time.monotonic() + seconds)
+        if for_cause:
+            self._for_cause.add(peer_id)
+
+    def parole(self) -> frozenset[str]:
+        """Lift the bans of the peers banned only for failing, and say whose: a call that would fail for blocks
+        nobody else serves tries them again first (a busy or briefly unreachable server is not a missing one)."""
+        lifted = self.banned() - self._for_cause
+        for peer_id in lifted:
+            self._banned.pop(peer_id, None)
+        if lifted:
+            log.info("paroling %d banned peer(s) before blocks count as missing", len(lifted))
+        return lifted
 
     def unban(self, peer_id: str) -> None:
         """Lift a ban (one set while a second server judged this peer's claim, which that server confirmed)."""

@@ -22,6 +22,7 @@ class FakeView:
     def __init__(self) -> None:
         self.bans: list[tuple[str, float]] = []
         self.banned: set[str] = set()
+        self.for_cause: set[str] = set()
         self.invalidated = 0
 
     def ban(self, peer: str, seconds: float) -> None:
@@ -33,6 +34,11 @@ class FakeView:
 
     def invalidate(self) -> None:
         self.invalidated += 1
+
+    def parole(self) -> frozenset[str]:
+        lifted = frozenset(self.banned - self.for_cause)
+        self.banned -= lifted
+        return lifted
 
 
 def failing(peer: str, cls: type[SwarmError] = PeerUnavailableError) -> SwarmError:
@@ -103,6 +109,38 @@ def test_missing_blocks_are_waited_for_with_fresh_views_then_reported():
     with pytest.raises(MissingBlocksError):
         retrier.run(lambda: (_ for _ in ()).throw(MissingBlocksError([3], "m")))
     assert 2.0 <= now[0] <= 2.0 + 1e-9
+
+
+def test_peers_banned_for_failing_are_tried_again_before_blocks_count_as_missing():
+    """A saturated server's timeout bans it; if it alone holds blocks, the call tries it once more after the wait for
+    missing blocks instead of failing with ``MissingBlocksError`` while it still serves them."""
+    retrier, view, now = make(missing_wait=2.0)
+
+    def attempt() -> str:
+        if "a" in view.banned:  # "a" alone serves block 3: banned, it leaves block 3 without a server
+            raise MissingBlocksError([3], "m")
+        if not view.bans:
+            raise failing("a")  # its first step timed out (busy, not dead)
+        return "served by a"
+
+    assert retrier.run(attempt) == "served by a"
+    assert 2.0 <= now[0] <= 2.0 + view.bans[0][1]  # after the wait for missing blocks, not at once
+    assert retrier.failures == {"a": 1}
+
+
+def test_a_peer_banned_for_cause_is_never_paroled():
+    retrier, view, now = make(missing_wait=2.0)
+    view.ban("a", 3600.0)
+    view.for_cause.add("a")  # caught computing wrong answers
+
+    def attempt() -> str:
+        if "a" in view.banned:
+            raise MissingBlocksError([3], "m")
+        return "served by a cheater"
+
+    with pytest.raises(MissingBlocksError):
+        retrier.run(attempt)
+    assert "a" in view.banned and now[0] >= 2.0
 
 
 # ---- a server's bad_input, confirmed elsewhere ------------------------------------------------------------------

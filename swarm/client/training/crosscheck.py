@@ -178,7 +178,7 @@ class CrossChecker:
             worst = max(worst, *(disagreement(r, replies[-1]) for r in replies[:-1]))
         liars, settled = verdict(replies, tol)
         for peer in liars:
-            self.conn.view.ban(peer, self.config.ban_seconds)
+            self.conn.view.ban(peer, self.config.ban_seconds, for_cause=True)
         record = CheckRecord(
             hop.start, hop.end, tuple(r.peer_id for r in replies), worst, tuple(sorted(liars)), settled
         )

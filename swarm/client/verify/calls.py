@@ -106,12 +106,12 @@ class CallAudit:
         verifier_ok = verifier_cmp is not None and verifier_cmp.within(tol)
         if verifier_ok and not hop_ok:
             self.outcomes["hop"] += 1
-            self.conn.view.ban(hop.peer_id, ACCUSATION_TTL)
+            self.conn.view.ban(hop.peer_id, ACCUSATION_TTL, for_cause=True)
             what = hop_cmp.describe() if hop_cmp is not None else "other tensors"
             raise unavailable(hop.peer_id, f"computed a wrong {request.kind} ({what} from two other servers')")
         if hop_ok and not verifier_ok:
             self.outcomes["verifier"] += 1
-            self.conn.view.ban(verifier.peer_id, ACCUSATION_TTL)
+            self.conn.view.ban(verifier.peer_id, ACCUSATION_TTL, for_cause=True)
             log.warning("a verifier computed a wrong %s", request.kind, extra={"peer": verifier.peer_id})
             return
         self.outcomes["unresolved"] += 1

@@ -87,10 +87,10 @@ class Trust:
     def _act(self, c: Conviction) -> None:
         view = self.conn.view
         if c.upheld:
-            view.ban(c.accused, ACCUSATION_TTL)
+            view.ban(c.accused, ACCUSATION_TTL, for_cause=True)
             log.warning("a server was convicted of wrong answers: %s", c.reason, extra={"peer": c.accused})
         else:
-            view.ban(c.accuser, ACCUSATION_TTL)
+            view.ban(c.accuser, ACCUSATION_TTL, for_cause=True)
             log.warning("a false accusation: %s", c.reason, extra={"peer": c.accuser})
 
     def _judge(self, accuser: str, item: Accusation) -> Conviction | None:

@@ -49,7 +49,7 @@ def _act(v: Verdict, conn: SwarmConnection, chunk: int, caught: list[str]) -> No
     if cheater is None:
         return
     caught.append(cheater)
-    conn.view.ban(cheater, ACCUSATION_TTL)
+    conn.view.ban(cheater, ACCUSATION_TTL, for_cause=True)
     conn.retrier.failovers += 1
     log.warning(
         "caught a server computing wrong answers: %s",
