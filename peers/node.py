@@ -170,6 +170,7 @@ class Peer:
             inference_sps=per_block_steps / len(span),
             cache_tokens_free=self.sessions.tokens(self.sessions.budget.free, span),
             cache_tokens_total=self.sessions.tokens(self.sessions.budget.total, span),
+            open_sessions=len(self.sessions.open),
             software_version=__version__,
             protocol_version=PROTOCOL_VERSION,
             requests_served=sum(self.engine.metrics.served.values()),

@@ -184,6 +184,9 @@ class ClientConfig:
     latency_smoothing: float = 0.3  # weight of the newest sample in a peer's observed-latency average
     slow_steps: int = 3  # consecutive slow inference steps before a hop is moved
     move_gain: float = 2.0  # ...and only if another route is expected to be at least this many times faster
+    # a new session prices a server's compute as 1 + this x the sessions open on it (its announced count, or this
+    # client's own there, whichever is more): sessions spread over replicas instead of piling on the fastest
+    session_load_weight: float = 0.25
     small_step_tokens: int = 8  # inference steps of at most this many tokens wait step_timeout, others longer
     chain: bool = True  # inference steps pass from server to server (one trip per step), not through the client
     prefill_chunk: int = 128  # a chained step of more tokens goes in pieces this long, pipelined through the servers
@@ -214,6 +217,7 @@ class ClientOptions(TypedDict, total=False):
     latency_smoothing: float
     slow_steps: int
     move_gain: float
+    session_load_weight: float
     small_step_tokens: int
     chain: bool
     prefill_chunk: int

@@ -87,6 +87,9 @@ class ServerRecord(Record):
     inference_sps: float = Field(ge=0)  # single-token inference steps/s of the whole span
     cache_tokens_free: int = 0
     cache_tokens_total: int = 0
+    # inference sessions open on it: a claim that only spreads new sessions (a server that understates it draws more
+    # sessions, whose steps then measure it; one that overstates it only repels them)
+    open_sessions: int = Field(default=0, ge=0, le=1 << 20)
     software_version: str
     protocol_version: int
     requests_served: int = 0

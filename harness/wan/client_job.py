@@ -40,24 +40,31 @@ def client_fields() -> set[str]:
 @contextlib.contextmanager
 def overrides(mode: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """ClientConfig fields (``chain``, ``codec``, ``prefill_chunk``) applied to every client built inside, the
-    pre-training ``Trainer``'s too (it takes none of them as arguments): the config factory the model module uses is
-    wrapped for the duration."""
-    import swarm.client.model as client_model
+    pre-training ``Trainer``'s too (it takes none of them as arguments): the config factory is wrapped, for the
+    duration, in each module that builds a client's config (``from_pretrained``'s options, and the trainer)."""
+    import swarm.client.load_options as load_options
+    import swarm.client.training.trainer as trainer
 
     known = client_fields()
     applied: dict[str, Any] = {
         k: mode[k] for k in ("chain", "codec", "prefill_chunk") if mode.get(k) is not None and k in known
     }
-    original = vars(client_model)["client_config"]
+    modules = (load_options, trainer)
+    originals = [vars(m)["client_config"] for m in modules]
 
-    def patched(*args: Any, **kwargs: Any) -> Any:
-        return dataclasses.replace(original(*args, **kwargs), **applied)
+    def wrapped(original: Any) -> Any:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            return dataclasses.replace(original(*args, **kwargs), **applied)
 
-    vars(client_model)["client_config"] = patched
+        return patched
+
+    for module, original in zip(modules, originals, strict=True):
+        vars(module)["client_config"] = wrapped(original)
     try:
         yield applied
     finally:
-        vars(client_model)["client_config"] = original
+        for module, original in zip(modules, originals, strict=True):
+            vars(module)["client_config"] = original
 
 
 class Stamps:

@@ -90,6 +90,7 @@ def choose_route(
     noise: Mapping[str, float] | None = None,
     rtt: Mapping[str, float] | None = None,
     costs: RouteCosts | None = None,
+    load: Mapping[str, float] | None = None,
 ) -> list[Hop]:
     """Cheapest chain covering ``start:end``; ``mode`` picks which speed prices a block: the client's own
     measurement of a server where it has one (``measured``: seconds per block per step or token, network included),
@@ -101,11 +102,12 @@ def choose_route(
     A hop's network and software are priced by the performance model with ``costs`` (default: a flat
     ``default_latency`` per unmeasured hop, client-mediated, bytes not priced; the live client passes its real ones,
     ``SwarmView.costs``), ``rtt`` (peer -> measured round trip in seconds) and each server's announced
-    ``network_mbps``. A forward's blocks cost their speed times ``costs.tokens``; an inference step's, one step."""
-    measured, noise, rtt = measured or {}, noise or {}, rtt or {}
+    ``network_mbps``. A forward's blocks cost their speed times ``costs.tokens``; an inference step's, one step.
+    ``load`` (peer -> factor >= 1) scales a server's compute, not its network: a new session's share of a busy one."""
+    measured, noise, rtt, load = measured or {}, noise or {}, rtt or {}, load or {}
     costs = costs or RouteCosts.from_prior(default_latency)
     block_cost = _block_pricer(records, mode, measured, noise, costs)
-    prev = _cheapest_paths(records, start, end, block_cost, noise, rtt, costs)
+    prev = _cheapest_paths(records, start, end, lambda r: block_cost(r) * load.get(r.peer_id, 1.0), noise, rtt, costs)
     if end not in prev and end != start:
         covered = {b for r in records for b in range(r.start, r.end)}
         raise MissingBlocksError([b for b in range(start, end) if b not in covered], model_id)

@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 
 from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
@@ -61,6 +62,7 @@ class SwarmView:
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
         self._for_cause: set[str] = set()  # peers banned for wrong answers or convicted: never paroled
+        self.sessions_here: Counter[str] = Counter()  # peer -> this client's inference sessions open on it
         # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
         self.speeds: dict[tuple[str, Mode], float] = {}
         # peer -> measured round trip (s): routing prices a measured peer's hop by it (the connection may share its own)
@@ -171,6 +173,13 @@ class SwarmView:
         weight = self.cfg.latency_smoothing
         self.speeds[(peer_id, mode)] = sample if old is None else (1 - weight) * old + weight * sample
 
+    def session_load(self, records: list[ServerRecord]) -> dict[str, float]:
+        """Each server's load factor for a new session: 1 + ``session_load_weight`` x the sessions open on it, as it
+        announces them or as many as this client holds there, whichever is more (a record is up to a heartbeat old,
+        and this client's own sessions of the last seconds are not in it yet)."""
+        weight = self.cfg.session_load_weight
+        return {r.peer_id: 1.0 + weight * max(r.open_sessions, self.sessions_here[r.peer_id]) for r in records}
+
     def observe_rtt(self, peer_id: str, seconds: float) -> None:
         """A round trip to ``peer_id`` measured where a session opens, averaged like speeds (``latency_smoothing``):
         what chained steps' deadlines add, and what routing prices a hop's link at."""
@@ -221,7 +230,8 @@ class SwarmView:
     ) -> list[Hop]:
         """The cheapest route over live, unbanned servers now whose runtime has every capability in ``needs``, for
         calls of ``tokens`` tokens (priced by ``costs``); ``stochastic`` scales each server's cost by an Exp(1) draw
-        (micro-batches wired to replicas in proportion to their speed). Raises ``MissingBlocksError``. Blocks below
+        (micro-batches wired to replicas in proportion to their speed). An inference route (a new session's) prices
+        each server's compute by its load (``session_load``). Raises ``MissingBlocksError``. Blocks below
         ``local_blocks`` are the client's own: a route starts after them whatever ``start`` says."""
         start = max(start, self.cfg.local_blocks)
         records = self.servers(min_cache_tokens, exclude, needs)
@@ -241,6 +251,7 @@ class SwarmView:
                 model_id=self.model_id,
                 noise=noise,
                 costs=self.costs(mode, tokens),
+                load=self.session_load(records) if mode == "inference" else None,
             )
         except MissingBlocksError as e:
             if self.cfg.trusted_peers:  # say why: the blocks may well be served, by peers this client does not trust

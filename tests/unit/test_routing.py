@@ -3,10 +3,13 @@ the capabilities a route needs of a server's runtime."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from swarm.client.routing import choose_route, eligible, pick_fingerprint
 from swarm.errors import MissingBlocksError
+from swarm.hop import Hop
 from swarm.records import ALL_CAPABILITIES, Capability, PeerState, parse_record
 from tests.helpers.records import record, view_of
 
@@ -265,3 +268,31 @@ def test_swarm_view_passes_the_models_costs_to_routing():
     assert [p for p, *_ in spans(view(whole, a, b, software=None).route(0, 8))] == ["a", "b"]
     costly = Software(step_hop_chained=0.05)
     assert [p for p, *_ in spans(view(whole, a, b, software=costly).route(0, 8))] == ["whole"]
+
+
+def test_new_sessions_spread_over_replicas_by_their_load():
+    """32 sessions over 4 replicas of a span, one client: each new session counts where the earlier ones went, so they
+    spread within 20% of even although one replica was measured 10% faster; a server announcing more open sessions
+    (other clients') gets fewer; forwards are not priced by sessions."""
+    from swarm.client.session.routes import SessionRoutes
+    from swarm.client.swarm_view import SwarmView
+    from swarm.config import ClientConfig
+
+    replicas = [record(peer_id=f"r{i}", start=0, end=8) for i in range(4)]
+    sv = SwarmView(_Store(view_of(*replicas)), "m", 8, ClientConfig())
+    sv.speeds[("r0", "inference")] = 0.9 / (10.0 * 8)  # measured a little faster than it claims
+    for r in replicas[1:]:
+        sv.speeds[(r.peer_id, "inference")] = 1.0 / (10.0 * 8)
+
+    class Conn:
+        view, trust = sv, None
+
+    routes = SessionRoutes(Conn(), 1, 16, frozenset(), "s")  # a view (and no trust) is all ``new`` reads
+    counts = Counter(routes.new(0, 8)[0].peer_id for _ in range(32))
+    assert set(counts) == {"r0", "r1", "r2", "r3"} and max(counts.values()) <= 8 * 1.2
+    routes.release([h for peer, n in counts.items() for h in [Hop(peer, 0, 8)] * n])
+    assert not sv.sessions_here  # every session let go: nothing counted
+    busy = [record(peer_id="r0", start=0, end=8, open_sessions=20), record(peer_id="r1", start=0, end=8)]
+    sv = SwarmView(_Store(view_of(*busy)), "m", 8, ClientConfig())
+    assert [h.peer_id for h in sv.route(0, 8)] == ["r1"]  # claimed speeds equal: the idle one
+    assert len(sv.route(0, 8, mode="forward")) == 1  # a forward is priced by speed alone

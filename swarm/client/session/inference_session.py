@@ -66,6 +66,7 @@ class InferenceSession:
             else None
         )
         self.checks = SessionChecks(conn, verifier, self._chunk, self.session_id)
+        self.verifier, self.caught = verifier, self.checks.caught  # the servers it caught computing wrong answers
         self.path: StepPath = (
             ChainedPath(Chain(conn, self._opening, self._chunk, self._base_timeout, self.routes.observe), delivery)
             if conn.cfg.chain
@@ -88,14 +89,6 @@ class InferenceSession:
     def hop_states(self) -> list[HopState]:
         """Each hop's state in chain order: its server, inputs, and (chained) signed commitments."""
         return [] if self.bound is None else self.bound.states
-
-    @property
-    def verifier(self) -> Verifier | None:
-        return self.checks.verifier
-
-    @property
-    def caught(self) -> list[str]:
-        return self.checks.caught
 
     @property
     def failovers(self) -> int:
@@ -149,7 +142,9 @@ class InferenceSession:
         except BaseException:
             for state in fresh:
                 state.close()
+            self.routes.release(route)
             raise
+        self.routes.release([old.hop])
         self.bound = repaired
 
     async def _attempt(self, step: Step, done: list[torch.Tensor]) -> torch.Tensor:
@@ -240,6 +235,7 @@ class InferenceSession:
         finally:
             for state in self.hop_states:
                 state.close()
+            self.routes.release(self.route)
 
     def __enter__(self) -> InferenceSession:
         return self

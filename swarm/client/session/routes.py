@@ -31,8 +31,21 @@ class SessionRoutes:
         self.slow_steps: dict[str, int] = {}  # hop (its session id) -> slow steps in a row
 
     def new(self, start: int, end: int) -> list[Hop]:
-        """A route over blocks ``start:end`` whose servers have room for the session; ``CacheFullError`` (not
+        """A route over blocks ``start:end`` whose servers have room for the session, priced by their load, each of
+        its servers counted as holding one more of this client's sessions until ``release``; ``CacheFullError`` (not
         retried) when the blocks are served but none has the room."""
+        route = self._route(start, end)
+        self.conn.view.sessions_here.update(h.peer_id for h in route)
+        return route
+
+    def release(self, hops: list[Hop]) -> None:
+        """The session left these hops (replaced, or closed): their servers count it no more."""
+        here = self.conn.view.sessions_here
+        here.subtract(h.peer_id for h in hops)
+        for peer in [p for p, n in here.items() if n <= 0]:
+            del here[peer]
+
+    def _route(self, start: int, end: int) -> list[Hop]:
         need = self.batch_size * self.max_length
         view = self.conn.view
         if self.conn.trust is not None:  # servers convicted by others' accusations are banned before routing
