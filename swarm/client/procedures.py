@@ -100,12 +100,14 @@ class Procedures:
 
     def notify_step(self, step: int, proof: Signed | None = None, wait: bool = True) -> None:
         """Pre-training: tell every server that global step ``step`` has begun (best effort), with this client's
-        progress at that step, signed with its key (``proof``, or signed here)."""
+        progress at that step, signed with its key (``proof``, or signed here). The servers this client banned hear it
+        too: a stage set aside for refusing a step it was behind on would otherwise stay behind, and refuse again."""
         conn = self.runner.conn
         if proof is None:
             progress = TrainerProgress(trainer=conn.peer_id, step=step, samples=0, updated=dht_time())
             proof = conn.store.sign(progress)
-        conn.notify([Hop.of(r) for r in conn.view.servers()], StepNotice(step=step, proof=proof), wait=wait)
+        hops = [Hop.of(r) for r in conn.view.servers(with_banned=True)]
+        conn.notify(hops, StepNotice(step=step, proof=proof), wait=wait)
 
     # ---- an inference session's step -------------------------------------------------------------------------------
     def session_step(

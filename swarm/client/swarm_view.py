@@ -142,9 +142,14 @@ class SwarmView:
         """Route around ``peer_id`` for ``seconds``. ``for_cause``: it was caught computing wrong answers or convicted
         by an accusation, never paroled; a peer banned for failing (an error, a timeout) may be (``parole``)."""
         log.info("banning peer for %.1f s", seconds, extra={"peer": peer_id, "for_cause": for_cause})
-        self._banned[peer_id] = max(self._banned.get(peer_id, 0.0), time.monotonic() + seconds)
+        until = time.monotonic() + seconds
         if for_cause:
             self._for_cause.add(peer_id)
+        elif peer_id in self._for_cause:  # a failure's shorter ban does not cut a ban for cause short
+            until = max(until, self._banned.get(peer_id, 0.0))
+        # otherwise the latest ban stands, shorter too: a stage set aside briefly while a second server judges its
+        # refusal must come back soon (it then hears of the trainers' steps again: ``Procedures.notify_step``)
+        self._banned[peer_id] = until
 
     def parole(self) -> frozenset[str]:
         """Lift the bans of the peers banned only for failing, and say whose: a call that would fail for blocks
@@ -202,8 +207,10 @@ class SwarmView:
         min_cache_tokens: int = 0,
         exclude: frozenset[str] = frozenset(),
         needs: frozenset[Capability] = frozenset(),
+        with_banned: bool = False,
     ) -> list[ServerRecord]:
-        """The servers a route may use now (``needs``: capabilities their runtime must have)."""
+        """The servers a route may use now (``needs``: capabilities their runtime must have; ``with_banned``: the
+        ones this client banned too, for what every server of the swarm should hear)."""
         view = self.snapshot()
         trusted = self.cfg.trusted_peers
         if trusted:  # before the weights are picked too: only the trusted peers' weights can be chosen
@@ -211,7 +218,7 @@ class SwarmView:
         return eligible(
             view,
             fingerprint=self.current_fingerprint(view),
-            banned=self.banned() | exclude,
+            banned=exclude if with_banned else self.banned() | exclude,
             min_cache_tokens=min_cache_tokens,
             needs=needs,
         )
