@@ -21,10 +21,9 @@ from peers.rpc.punch_server import Puncher
 from peers.serving.stage_port import ModelInfo
 from swarm import wire
 from swarm.dht import RecordStore, start_dht
-from swarm.ids import block_key
 from swarm.membership import SwarmKey, swarm_key_for
 from swarm.protocol import RPC_PUNCH
-from swarm.records import OBSERVER, ServerRecord, servers
+from swarm.records import OBSERVER, servers
 from swarm.relay import RelayPolicy, relay_peer
 from swarm.rpc.remote import Remote
 
@@ -120,7 +119,7 @@ def admit_of(store: RecordStore) -> Admit | None:
 def directory_of(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDirectory:
     """The servers of this model with our weights, from their signed records: whom chaining trusts."""
     return ServerDirectory(
-        lambda block: store.read(block_key(model.name, block), ServerRecord),
+        lambda shard: store.shard(model.name, shard),
         model.chain_fingerprints,
         model.num_blocks,
         ttl,

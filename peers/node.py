@@ -21,7 +21,7 @@ from peers.serving.runtime import SpanRuntime
 from peers.serving.sessions import SessionTable
 from peers.serving.stage_port import Stage
 from swarm.dht import RecordStore, dht_time
-from swarm.ids import Span, peers_key
+from swarm.ids import Span
 from swarm.protocol import PROTOCOL_VERSION, InfoReply
 from swarm.records import ALL_CAPABILITIES, PeerRecord, PeerState, Reached, ServerRecord
 from swarm.version import __version__
@@ -204,7 +204,7 @@ class Peer:
             network_mbps=self.network_mbps,
             token_bytes=self.model.token_bytes,
         )
-        await asyncio.to_thread(self.store.publish, peers_key(self.model.name), heartbeat, expiration)
+        await asyncio.to_thread(self.store.heartbeat, self.model.name, heartbeat, expiration)
         if self._span is not None:
             await asyncio.to_thread(self.store.announce, self._server_record(self._span, self.state), expiration)
 

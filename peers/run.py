@@ -312,13 +312,15 @@ async def _observe(
 
 
 async def leave(peer: Peer, tasks: Tasks) -> None:
-    """Announce leaving, so new sessions go elsewhere, and give the open ones a grace period to finish (or fail
-    over)."""
+    """Quit politely: refuse new sessions and say so in every reply to the open ones (their clients ready the span
+    elsewhere and move at a step boundary: ``swarm.client.session.handover``), announce leaving so the broker moves
+    the span and new sessions go elsewhere, and serve the open sessions until they have moved or finished, for
+    ``Timing.leave_grace`` at most (a session still open then fails over with a replay)."""
     log.info("leaving", extra={"peer": peer.peer_id, "span": str(peer.span)})
+    sessions = peer.sessions
+    sessions.leaving = True  # first: the very next reply tells its client
     for task in tasks:
         task.cancel()
-    sessions = peer.sessions
-    sessions.leaving = True
     if not peer.lost_dht:
         try:
             await asyncio.wait_for(peer.publish(PeerState.LEAVING), peer.cfg.timing.open_timeout)
@@ -328,3 +330,4 @@ async def leave(peer: Peer, tasks: Tasks) -> None:
     deadline = loop.time() + peer.cfg.timing.leave_grace
     while sessions.open and loop.time() < deadline:
         await asyncio.sleep(0.1)
+    log.info("left with %d sessions still open", len(sessions.open), extra={"peer": peer.peer_id})

@@ -12,10 +12,12 @@ quarter SIGINT, as a volunteer's Ctrl-C) and as many new ones join.
 
 Reported per N: answers, answers equal to Hugging Face (all must be), failed answers (none may be), time per token
 p50/p99 and the longest stall, time from a peer's quit to its blocks served again by live peers (p50/p99, from a watcher
-reading the DHT every 0.5 s), fine-tuning steps, memory (proportional set size of a peer's processes: peer, DHT, p2pd)
-and idle CPU per peer (before the clients start), and I/O bytes of the peers' p2pd daemons per peer per minute (read
-from /proc: what the daemons wrote and read, sockets to the network and to their peer alike; an upper bound on DHT and
-data traffic)."""
+reading the DHT every 0.5 s), the broker's plan changes and the peers each moved (placed elsewhere, of those in both
+plans), the broker's round replayed by the watcher on each new plan (the same heartbeat read and planner, timed; bytes:
+the records' JSON, without each one's signature and key), fine-tuning steps, memory (proportional set size of a peer's
+processes: peer, DHT, p2pd) and idle CPU per peer (before the clients start), and I/O bytes of the peers' p2pd daemons
+per peer per minute (read from /proc: what the daemons wrote and read, sockets to the network and to their peer alike;
+an upper bound on DHT and data traffic)."""
 
 from __future__ import annotations
 
@@ -160,15 +162,19 @@ def tuner_loop(folder: Path, peers: list[str], timing: Timing, stop, stats: Stat
 class Watcher:
     """Reads the DHT every 0.5 s: for each quit, when every block the peer served has a live server again."""
 
-    def __init__(self, peers: list[str], model: str) -> None:
+    def __init__(self, peers: list[str], model: str, timing: Timing) -> None:
         from swarm.dht import start_dht
 
         self.store = start_dht(initial_peers=tuple(peers), client_mode=True)
-        self.model = model
+        self.model, self.timing = model, timing
         self.gone: set[str] = set()
         self.pending: list[tuple[str, float, range]] = []  # peer, when it quit, its blocks
         self.restored: list[float] = []
         self.lock = threading.Lock()
+        self.plan: dict[str, tuple[int, int, str]] | None = None  # the broker's latest placements seen
+        self.plan_stamp: tuple[int, float] | None = None  # (term, issued_at) of that plan
+        self.moves: list[int] = []  # per change of plan: peers in both plans whose placement changed
+        self.rounds: list[tuple[float, int]] = []  # the broker's round replayed: seconds (read + plan), bytes read
 
     def span_of(self, peer_id: str) -> range:
         from swarm.records import servers
@@ -189,6 +195,7 @@ class Watcher:
                 view = self.store.view(self.model, BLOCKS)
             except Exception:  # noqa: BLE001 - a slow read is retried
                 continue
+            self.follow_broker()
             now = time.monotonic()
             with self.lock:
                 live = {b: {r.peer_id for r in view[b] if r.state == PeerState.ONLINE} - self.gone for b in view}
@@ -200,6 +207,36 @@ class Watcher:
                         still.append((peer, t0, span))
                 self.pending = still
             stop.wait(0.5)
+
+    def follow_broker(self) -> None:
+        """On each new plan of the broker, the peers it moved, and its round replayed here: the same read of the
+        peers' heartbeats and the same planner the broker runs (``peers.broker``), timed."""
+        from peers.broker.loop import live_peers
+        from peers.broker.planner import Policy, plan_swarm
+        from swarm.dht import dht_time
+        from swarm.ids import assignment_key
+        from swarm.records import Assignment
+
+        try:
+            plans = self.store.read(assignment_key(self.model), Assignment)
+        except Exception:  # noqa: BLE001 - a slow read is retried on the next turn
+            return
+        if not plans:
+            return
+        plan = max(plans, key=lambda a: (a.term, a.issued_at))
+        if (plan.term, plan.issued_at) == self.plan_stamp:
+            return
+        self.plan_stamp = (plan.term, plan.issued_at)
+        placed = {pid: (pl.start, pl.end, pl.role) for pid, pl in plan.placements.items()}
+        if self.plan is not None and placed != self.plan:
+            self.moves.append(sum(1 for pid, pl in placed.items() if pid in self.plan and self.plan[pid] != pl))
+        self.plan = placed
+        t0 = time.perf_counter()
+        records = self.store.heartbeats(self.model)
+        peers = live_peers(records, dht_time(), self.timing.heartbeat_timeout, self.timing.clock_skew)
+        plan_swarm(peers, BLOCKS, max((r.block_bytes for r in records), default=1) or 1, Policy())
+        read_bytes = sum(len(json.dumps(r.to_wire())) for r in records)
+        self.rounds.append((time.perf_counter() - t0, read_bytes))
 
     def close(self) -> None:
         self.store.shutdown()
@@ -302,7 +339,7 @@ def run(n: int, minutes: float, timings: str, root: Path) -> dict[str, object]:
             time.sleep(10)
             idle_cpu = (cpu_seconds(pids()) - cpu0) / (time.monotonic() - t0) / n
             memory = pss(pids()) / n
-            watcher = Watcher(swarm.initial_peers, folder.name)
+            watcher = Watcher(swarm.initial_peers, folder.name, timing)
             threads = [threading.Thread(target=watcher.run, args=(stop,), daemon=True)]
             threads += [
                 threading.Thread(target=client_loop, args=(i, folder, swarm.initial_peers, timing, work, stop, stats))
@@ -345,6 +382,10 @@ def run(n: int, minutes: float, timings: str, root: Path) -> dict[str, object]:
         restored_p99_s=pct(0.99, restored) if restored else None,
         quits=len(watcher.restored) + len(watcher.pending),
         never_restored=len(watcher.pending),
+        broker_round_p50_ms=1000 * statistics.median(r[0] for r in watcher.rounds) if watcher.rounds else None,
+        broker_round_read_kb=max((r[1] for r in watcher.rounds), default=0) / 1024,
+        plan_changes=len(watcher.moves),
+        moved_per_change=statistics.mean(watcher.moves) if watcher.moves else 0.0,
         tune_steps=stats.tune_steps,
         tune_failed=len(stats.tune_failed),
         pss_per_peer_mb=memory / 2**20,
@@ -373,13 +414,17 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "events"}), flush=True)
             if args.json is not None:
                 args.json.write_text(json.dumps(rows, indent=1))
-    print("\n| N | answers | equal to HF | failed | token p50 / p99 ms | longest stall s | served again p50 / p99 s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| N | answers | equal to HF | failed | token p50 / p99 ms | longest stall s | served again p50 / p99 s "
+        "| broker round ms | moved per change |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['peers']} | {r['answers']} | {r['exact']} | {r['failed']} | {r['token_p50_ms']:.0f} / "
             f"{r['token_p99_ms']:.0f} | {r['longest_stall_s']:.1f} | "
-            f"{_s(r['restored_p50_s'])} / {_s(r['restored_p99_s'])} |"
+            f"{_s(r['restored_p50_s'])} / {_s(r['restored_p99_s'])} | {_s(r['broker_round_p50_ms'])} | "
+            f"{r['moved_per_change']:.1f} |"
         )
 
 

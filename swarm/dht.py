@@ -4,6 +4,7 @@ The DHT process itself, made safe to kill, is ``swarm.owned_dht``'s."""
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -19,13 +20,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.circuit import take_hop
 from swarm.config import Timing
+from swarm.dht_io import Entries, read_copies, store_signed
 from swarm.errors import DhtLostError, NotMemberError, SwarmError
 from swarm.identity import Credentials, Signed, new_identity_file, owner_of, sign_record
-from swarm.ids import block_key, broker_key
+from swarm.ids import SHARDS, broker_key, peers_key, servers_key, shard_of
 from swarm.lease import LeaseRules, LeaseView
 from swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from swarm.owned_dht import OwnedDHT
-from swarm.records import Lease, Record, ServerRecord, View, parse_as
+from swarm.records import Lease, PeerRecord, PeerState, Record, ServerRecord, View, parse_as
 from swarm.relay import RelayPolicy
 
 R = TypeVar("R", bound=Record)
@@ -34,22 +36,16 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-class _Found(Protocol):
-    value: object  # hivemind's ValueWithExpiration: the value (a dict of subkeys, for a record key)
-
-
 class _DHTNode(Protocol):
     """What the coroutines below use of hivemind's DHTNode, which ships without types."""
 
     p2p: P2P
 
-    async def store_many(
-        self, keys: list[str], values: list[dict[str, object]], expiration_time: list[float], *, subkeys: list[bytes]
-    ) -> dict[str, bool]: ...
-
-    async def get_many(self, keys: list[str], *, sufficient_expiration_time: float) -> dict[str, _Found | None]: ...
-
     async def get(self, key: str, *, latest: bool) -> _Found | None: ...
+
+
+class _Found(Protocol):
+    value: object  # hivemind's ValueWithExpiration: the value (a dict of subkeys, for a record key)
 
 
 async def _no_daemon_relay(_dht: object, node: _DHTNode) -> None:
@@ -74,31 +70,39 @@ def load_identity(path: Path) -> RSAPrivateKey:
     return key
 
 
+def announce_keys(record: ServerRecord) -> list[str]:
+    """The DHT keys a server's record is stored under: one, its peer's shard's (readers rebuild the per-block view,
+    ``RecordStore.view``)."""
+    return [servers_key(record.model_id, shard_of(record.peer_id))]
+
+
 # The coroutines below run inside hivemind's DHT process: ``node`` is its DHTNode (``_DHTNode``).
 
 
 async def _store_records(
-    _dht: object, node: _DHTNode, keys: list[str], values: list[dict[str, object]], expiration: float, subkey: bytes
+    _dht: object, node: _DHTNode, keys: list[str], values: list[object], expiration: float, subkey: bytes
 ) -> dict[str, bool]:
-    result = await node.store_many(keys, values, [expiration] * len(keys), subkeys=[subkey] * len(keys))
-    return result
+    return await store_signed(node, keys, values, expiration, subkey)
 
 
-async def _get_many(_dht: object, node: _DHTNode, keys: list[str]) -> dict[str, dict[object, object]]:
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    # unwrap to plain picklable data: {key: {subkey: value}}
-    out: dict[str, dict[object, object]] = {}
-    for key, item in found.items():
-        if item is not None and isinstance(item.value, dict):
-            out[key] = {sub: v.value for sub, v in item.value.items()}
-    return out
+async def _get_many(_dht: object, node: _DHTNode, keys: list[str]) -> dict[str, Entries]:
+    """{key: {subkey: (value, expiration)}}: plain picklable data, merged from two copies (``swarm.dht_io``)."""
+    return await read_copies(node, keys)
 
 
-async def _get_subkeys(_dht: object, node: _DHTNode, key: str) -> dict[object, object]:
+async def _get_thorough(_dht: object, node: _DHTNode, key: str) -> Entries:
+    """{subkey: (value, expiration)} of one key, every replica's copy merged (hivemind's own read: it costs the
+    key's whole value from each node its search asks, so it is kept for the reads that must miss nothing)."""
     found = await node.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
-    return {sub: v.value for sub, v in found.value.items()}
+    return {sub: (v.value, float(v.expiration_time)) for sub, v in found.value.items()}  # hivemind's, untyped
+
+
+async def _get_subkeys(_dht: object, node: _DHTNode, key: str) -> dict[object, object]:
+    """{subkey: value} of one key."""
+    found = await read_copies(node, [key])
+    return {sub: value for sub, (value, _) in found.get(key, {}).items()}
 
 
 class RecordStore:
@@ -120,6 +124,7 @@ class RecordStore:
         self.validator = validator
         self.call_timeout = call_timeout
         self.dropped: Counter[str] = Counter()  # values refused at read, by reason (unsigned, foreign, malformed)
+        self._announced: dict[str, ServerRecord] = {}  # model -> the last server record this peer announced
 
     @property
     def peer_id(self) -> str:
@@ -179,24 +184,79 @@ class RecordStore:
 
     def read(self, key: str, cls: type[R]) -> list[R]:
         """Every authentic value under ``key`` (each author's own subkey) that parses as ``cls``."""
-        found = self._call(partial(_get_subkeys, key=key))
-        return [r for r in (self._authentic(s, v, cls) for s, v in found.items()) if r is not None]
+        found = self._call(partial(_get_many, keys=[key])).get(key, {})
+        return [r for r in (self._authentic(s, v, cls) for s, (v, _) in found.items()) if r is not None]
 
     def announce(self, record: ServerRecord, expiration: float) -> bool:
-        """Store ``record`` under every block key of its span, signed, under this peer's own subkey."""
-        return self._store([block_key(record.model_id, b) for b in range(record.start, record.end)], record, expiration)
+        """Store ``record`` once (``announce_keys``), signed, in this peer's own subkey, where it replaces the peer's
+        last record. A ``leaving`` record of blocks a peer no longer holds (another span than its last record's) is
+        not stored: nothing of its old span lingers to be marked, and it would replace the record of what it holds."""
+        last = self._announced.get(record.model_id)
+        if record.state == PeerState.LEAVING and last is not None and last.state != PeerState.LEAVING:
+            if last.span != record.span:
+                return True
+        self._announced[record.model_id] = record
+        return self._store(announce_keys(record), record, expiration)
 
-    def view(self, model_id: str, num_blocks: int) -> View:
-        """Every valid record for each block of ``model_id``."""
-        keys = [block_key(model_id, b) for b in range(num_blocks)]
-        found = self._call(partial(_get_many, keys=keys))
+    def view(self, model_id: str, num_blocks: int, enough: int | None = None) -> View:
+        """Every valid record for each block of ``model_id``. With ``enough``, shards are read (one, three more, then
+        the rest, from a random one on) only until every block has that many online servers: a client routes over a
+        sample of a large swarm, and reads all of a small one."""
+        first = random.randrange(SHARDS)
+        order = [(first + i) % SHARDS for i in range(SHARDS)]
+        batches = [order] if enough is None else [order[:1], order[1:4], order[4:]]
         view: dict[int, list[ServerRecord]] = {b: [] for b in range(num_blocks)}
-        for b, key in enumerate(keys):
-            for subkey, value in found.get(key, {}).items():
-                record = self._authentic(subkey, value, ServerRecord)
-                if record is not None and record.model_id == model_id and b in record.span:
-                    view[b].append(record)
+        for batch in batches:
+            keys = {servers_key(model_id, shard): shard for shard in batch}
+            found = {keys[k]: entries for k, entries in self._call(partial(_get_many, keys=list(keys))).items()}
+            for record in self._servers(model_id, found):
+                for b in range(record.start, min(record.end, num_blocks)):
+                    view[b].append(record)  # the per-block view: each record under every block of its span
+            if enough is not None and all(sum(r.state == PeerState.ONLINE for r in v) >= enough for v in view.values()):
+                break
         return view
+
+    def heartbeat(self, model_id: str, record: PeerRecord, expiration: float) -> bool:
+        """Store this peer's heartbeat under its shard's peers key (``swarm.ids.peers_key``), in its own subkey."""
+        return self._store([peers_key(model_id, shard_of(record.peer_id))], record, expiration)
+
+    def heartbeats(self, model_id: str) -> list[PeerRecord]:
+        """Every peer's authentic heartbeat (all shards); one under another shard's key than its author's was not
+        stored by ``heartbeat`` and is dropped (``misplaced``)."""
+        keys = {peers_key(model_id, shard): shard for shard in range(SHARDS)}
+        found = self._call(partial(_get_many, keys=list(keys)))
+        out = []
+        for key, entries in sorted(found.items()):
+            for subkey, (value, _expiration) in entries.items():
+                record = self._authentic(subkey, value, PeerRecord)
+                if record is None:
+                    continue
+                if shard_of(record.peer_id) != keys[key]:
+                    self.dropped["misplaced"] += 1
+                    continue
+                out.append(record)
+        return out
+
+    def shard(self, model_id: str, shard: int) -> list[ServerRecord]:
+        """The authentic server records of one shard, read thoroughly (``_get_thorough``): what a chained server
+        checks its neighbours against, where a record stored on any replica must count."""
+        return self._servers(model_id, {shard: self._call(partial(_get_thorough, key=servers_key(model_id, shard)))})
+
+    def _servers(self, model_id: str, found: dict[int, Entries]) -> list[ServerRecord]:
+        """The authentic server records of ``model_id`` in shards' values. A peer signs one subkey, so it has one
+        record (its newest) in its shard's key; one found under another shard's key was not stored by ``announce``
+        and is dropped."""
+        out = []
+        for shard, entries in sorted(found.items()):
+            for subkey, (value, _expiration) in entries.items():
+                record = self._authentic(subkey, value, ServerRecord)
+                if record is None or record.model_id != model_id:
+                    continue
+                if shard_of(record.peer_id) != shard:
+                    self.dropped["misplaced"] += 1
+                    continue
+                out.append(record)
+        return out
 
     def shutdown(self) -> None:
         self.dht.shutdown()

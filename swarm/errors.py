@@ -67,6 +67,20 @@ class WrongReplyError(PeerUnavailableError):
     finite inputs): raised by the client that checked it, never named by a server (so not in ``_BY_CODE``)."""
 
 
+class NextHopUnreachableError(PeerUnavailableError):
+    """A chained hop could not pass a step on to the next hop of the route (its push connection failed: the next hop
+    or the relay between them gone): the hop ends the session with this at once, and the client takes the next hop
+    for the suspect (``swarm.client.session.chain``)."""
+
+    code = "next_hop_unreachable"
+
+
+class SlowPeerError(PeerUnavailableError):
+    """A peer missed a step's deadline but answered a liveness check at once (``swarm.client.session.liveness``):
+    busy, not dead. Its hop is replaced and new routes avoid it for a while, but it is never banned for it (raised by
+    the client, never named by a server)."""
+
+
 class DisagreedInputError(WrongReplyError):
     """A chained hop committed to computing on another input than the hop before it committed to giving out: one of
     the two lies, so both are replaced and the sender is the one banned (raised by the client, never named by a
@@ -116,6 +130,16 @@ class SessionExpiredError(SwarmError):
     retriable = True
 
 
+class UnknownHopError(SwarmError):
+    """A chained hop sees no signed record of the route's hop before or after it serving the blocks the route puts
+    there: a server that joined or moved a moment ago, whose record has not reached this hop's directory yet (it
+    re-reads a block at most every ``record_ttl / 4``), or a name a client made up. Neither this server's fault nor
+    surely the client's: retried after a pause, nobody banned (a made-up name fails again, until the retry budget)."""
+
+    code = "unknown_hop"
+    retriable = True
+
+
 class NotMemberError(SwarmError):
     """The caller holds no valid membership of this private swarm (wrong or missing ``--swarm-key``)."""
 
@@ -138,11 +162,13 @@ _BY_CODE = {
         CacheFullError,
         SessionLengthError,
         PeerUnavailableError,
+        NextHopUnreachableError,
         ActivationsGoneError,
         AdapterMissingError,
         StaleStepError,
         BusyError,
         SessionExpiredError,
+        UnknownHopError,
         NotMemberError,
     )
 }

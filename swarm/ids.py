@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,13 +45,32 @@ def parse_span(text: str) -> Span:
 
 
 def block_key(model_id: str, block: int) -> str:
-    """DHT key of one block's server records; namespaced by model so several models share one swarm."""
+    """DHT key of one block (namespaced by model so several models share one swarm). Server records were stored
+    under each block's key before schema 3; they go under ``servers_key`` now."""
     return f"swarm/{model_id}/block/{block}"
 
 
-def peers_key(model_id: str) -> str:
-    """Every peer's heartbeat record (hardware, state, span), what the broker plans with."""
-    return f"swarm/{model_id}/peers"
+# A server's record is stored once, in one of SHARDS keys chosen by its peer id: a key then holds about N / SHARDS
+# records, a store or a read moves one key's, and a client that needs only some of the servers to route reads a few
+# shards (``swarm.dht.RecordStore.view``). Few keys: each key read or written costs a lookup of its replicas.
+SHARDS = 16
+
+
+def shard_of(peer_id: str) -> int:
+    """The shard a peer's server records go to (stable across processes: not Python's salted hash)."""
+    return hashlib.sha256(peer_id.encode()).digest()[0] % SHARDS
+
+
+def servers_key(model_id: str, shard: int) -> str:
+    """DHT key of the server records of peers of ``shard`` (each in its own signed subkey)."""
+    return f"swarm/{model_id}/servers/{shard}"
+
+
+def peers_key(model_id: str, shard: int) -> str:
+    """The heartbeat records (hardware, state, span) of the peers of ``shard`` (``shard_of``), what the broker plans
+    with: sharded as server records are, so no one key holds every peer's (one key of 10,000 heartbeats is past what
+    one DHT message carries)."""
+    return f"swarm/{model_id}/peers/{shard}"
 
 
 def broker_key(model_id: str) -> str:

@@ -231,6 +231,10 @@ class StepReply(Message):
     digest: str = Field(max_length=64)
     aux: str = Field(default="", max_length=64)  # "" at default positions without a mask (``commit.aux_digest``)
     signature: str = Field(default="", max_length=128)
+    # the server is quitting gracefully: it still answers this session's steps for a grace period, while the client
+    # readies a replacement off the step path (``swarm.client.session.handover``); outside the commitment, and sent
+    # only when true (a reply of a server that is not leaving reads as before)
+    leaving: bool = False
 
 
 class InferenceRequest(Request):

@@ -27,7 +27,7 @@ OBSERVER = r"^[1-9A-HJ-NP-Za-km-z]{32,64}@(\d{1,3}\.){3}\d{1,3}:\d{1,5}$"  # a p
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: leases, trainer progress and typed placements became records
+SCHEMA_VERSION = 3  # 2: leases, trainer progress and typed placements became records; 3: compact, one per server
 MAX_COUNT = 2**62  # most a term or step may be: far beyond any real one, and safe in every integer type
 
 
@@ -63,11 +63,13 @@ class Record(BaseModel):
         raise NotImplementedError
 
     def to_wire(self) -> dict[str, object]:
-        return self.model_dump(mode="json")
+        """The stored form: fields left at their defaults are left out (a reader's model fills them in again), the
+        schema version never."""
+        return {"schema_version": self.schema_version} | self.model_dump(mode="json", exclude_defaults=True)
 
 
 class ServerRecord(Record):
-    """What one peer serves, announced under every block key of its span."""
+    """What one peer serves, announced once, under its peer's shard key (``swarm.dht.announce_keys``)."""
 
     peer_id: str
     maddrs: tuple[str, ...] = ()
@@ -182,7 +184,9 @@ class Assignment(Record):
     term: int = Field(ge=0, le=MAX_COUNT)
     broker: str
     issued_at: float
-    placements: dict[str, Placement]  # peer id -> where it goes
+    placements: dict[str, Placement]  # peer id -> where it goes (only the peers that must move)
+    # live peers the plan leaves out, convicted of wrong answers (``peers.judge``): counted nowhere, placed nowhere
+    shunned: tuple[str, ...] = Field(default=(), max_length=1024)
 
     @property
     def author(self) -> str:

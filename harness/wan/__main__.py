@@ -164,7 +164,8 @@ def parser() -> argparse.ArgumentParser:
             "--nat",
             action="append",
             help="a NAT in front of nodes or NATs: 'home=port-restricted:a,b@60' (kinds: full-cone, "
-            "restricted-cone, port-restricted, symmetric; repeatable, 'cgn=symmetric:home' for a double NAT)",
+            "restricted-cone, port-restricted, symmetric, firewall (stateful, no translation); repeatable, "
+            "'cgn=symmetric:home' for a double NAT)",
         )
     sub.choices["measure"].add_argument("--path", default=None, help="'a,b': measure from a to b (default: first two)")
     sub.choices["measure"].add_argument("--mbytes", type=float, default=16.0, help="throughput transfer size (MiB)")

@@ -84,6 +84,10 @@ class Stamps:
     def end(self) -> None:
         pass
 
+    def first_token(self) -> float | None:
+        """Seconds from the prompt to the first new token: the sessions' opening (every hop's) and the prefill."""
+        return self.times[1] - self.times[0] if len(self.times) > 1 else None
+
     def steps(self) -> list[float]:
         """Seconds between consecutive new tokens (the first new token is the prefill's, excluded)."""
         return [b - a for a, b in zip(self.times[1:], self.times[2:], strict=False)]
@@ -336,6 +340,7 @@ def task_generate(spec: dict[str, Any], mode: dict[str, Any]) -> None:
             tokens=out[0].tolist(),
             step_s=statistics.median(steps) if steps else None,
             steps=steps,
+            first_token_s=stamps.first_token(),
             failovers=client.failovers,
             route=[h.peer_id for h in client.route],
             codecs=codecs_since(client, before),

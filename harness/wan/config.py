@@ -131,10 +131,13 @@ class WanConfig(BaseModel):
         return str(ipaddress.IPv4Network(self.subnet).network_address + 1 + len(self.nodes) + index)
 
     def public_address(self, node: str) -> str:
-        """Where others on the WAN see ``node``'s packets come from: its outermost NAT's address, or its own."""
+        """Where others on the WAN see ``node``'s packets come from: its outermost NAT's address, or its own (a
+        firewall translates nothing)."""
         outer, at = self.address(node), node
         while (nat := next((n for n in self.nats if at in n.inside), None)) is not None:
-            outer, at = self.nat_address(nat.name), nat.name
+            if nat.kind != "firewall":
+                outer = self.nat_address(nat.name)
+            at = nat.name
         return outer
 
     def nat_tables(self) -> tuple[list[tuple[str, str, float]], list[tuple[str, str]]]:

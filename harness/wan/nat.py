@@ -8,7 +8,10 @@ leaves with the inside address and port. The kinds, in RFC 4787's terms:
 - ``full-cone``: one mapping per inside address and port (endpoint-independent), and anyone may send to it;
 - ``restricted-cone``: the same mapping, only hosts the inside endpoint has sent to may answer;
 - ``port-restricted``: the same mapping, only the very address and port it has sent to may answer;
-- ``symmetric``: a mapping per destination (a new outside port for each), answered only by that destination.
+- ``symmetric``: a mapping per destination (a new outside port for each), answered only by that destination;
+- ``firewall``: no translation at all (the hosts behind it keep their own, routable addresses), but stateful: only
+  the very address and port an inside endpoint has sent to may answer it, as a home router's firewall or a
+  connection-tracking host firewall does with addresses that need no NAT (IPv6 at home, a rented server's VPC).
 
 A mapping lives ``timeout_s`` after the last packet through it, each way. There is no hairpinning (a packet from
 behind a box to that box's own outside address is dropped), as on many home routers. Everything here is pure: the
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 
 from harness.wan.tun import IP_PROTO_TCP, IP_PROTO_UDP, VNET_HDR_LEN
 
-KINDS = ("full-cone", "restricted-cone", "port-restricted", "symmetric")
+KINDS = ("full-cone", "restricted-cone", "port-restricted", "symmetric", "firewall")
+FIREWALL = "firewall"
 FIRST_PORT = 20000  # outside ports are handed out from here, one box at a time
 VIRTIO_NET_HDR_F_NEEDS_CSUM = 1
 
@@ -64,6 +68,18 @@ class NatBox:
         mapping.peers.add(dst)
         mapping.last = now
         return mapping.port
+
+    def allow_out(self, proto: int, src: Endpoint, dst: Endpoint, now: float) -> None:
+        """A firewall's state for ``src`` sending to ``dst`` (nothing translated): ``dst`` may answer it now."""
+        self.outbound(proto, src, dst, now)
+
+    def allow_in(self, proto: int, dst: Endpoint, src: Endpoint, now: float) -> bool:
+        """Whether a firewall lets ``src``'s packet in to ``dst``: only an answer to what ``dst`` sent ``src``."""
+        mapping = self.out.get((proto, dst, None))
+        if mapping is None or now - mapping.last > self.timeout_s or src not in mapping.peers:
+            return False
+        mapping.last = now
+        return True
 
     def inbound(self, proto: int, port: int, src: Endpoint, now: float) -> Endpoint | None:
         """Where a packet from ``src`` to the box's ``port`` goes inside, or None where the box drops it."""
@@ -109,19 +125,44 @@ class Nat:
             return None
         src_port, dst_port = struct.unpack_from("!HH", frame, ip + ihl)
         src, dst = (src_ip, src_port), (dst_ip, dst_port)
-        while realm(src[0]) is not None and realm(src[0]) != realm(dst[0]):  # out, box by box (home, carrier)
-            box = self.boxes[realm(src[0])]  # type: ignore[index]  # not None: the loop's condition
+        at = realm(src_ip)  # the box the packet is behind now
+        while at is not None and at not in self._above(dst_ip):  # out, box by box (home, carrier)
+            box = self.boxes[at]
             if dst[0] == box.public:  # to its own outside address from inside: no hairpinning
                 return None
-            src = (box.public, box.outbound(proto, src, dst, now))
-        if realm(src[0]) != realm(dst[0]):  # an address behind a box, from outside it: nobody routes there
-            return None
-        while dst[0] in self.boxes:  # in, box by box
+            if box.kind == FIREWALL:
+                box.allow_out(proto, src, dst, now)
+            else:
+                src = (box.public, box.outbound(proto, src, dst, now))
+            at = realm(at)
+        while True:  # in, box by box: the boxes between here and the address, then the one it names
+            above = self._above(dst[0])
+            if at not in above:  # an address behind a box this packet is not in
+                return None
+            between = [b for b in above[: above.index(at)] if b is not None]  # None is last: never below `at`
+            for wall in reversed(between):  # outermost first
+                box = self.boxes[wall]
+                if box.kind != FIREWALL:  # an address behind a NAT, from outside it: nobody routes there
+                    return None
+                if not box.allow_in(proto, dst, src, now):
+                    return None
+            if dst[0] not in self.boxes or self.boxes[dst[0]].kind == FIREWALL:
+                break
             inside = self.boxes[dst[0]].inbound(proto, dst[1], src, now)
             if inside is None:
                 return None
-            dst = inside
-        return rewrite(frame, src, dst)
+            at, dst = dst[0], inside
+        return rewrite(frame, src, dst) if (src, dst) != ((src_ip, src_port), (dst_ip, dst_port)) else frame
+
+    def _above(self, address: bytes) -> list[bytes | None]:
+        """The boxes ``address`` is behind, innermost first, ending with None (the WAN)."""
+        chain: list[bytes | None] = []
+        at = self.behind.get(address)
+        while at is not None:
+            chain.append(at)
+            at = self.behind.get(at)
+        chain.append(None)
+        return chain
 
 
 def _fold(x: int) -> int:

@@ -13,7 +13,7 @@ from peers.broker.election import Election
 from peers.broker.planner import PeerInfo, PlacementPlan, Role
 from swarm.config import Timing
 from swarm.dht import RecordStore, dht_time
-from swarm.ids import assignment_key, broker_key, peers_key
+from swarm.ids import assignment_key, broker_key
 from swarm.lease import LeaseRules
 from swarm.perf.model import Link
 from swarm.perf.placement import link_tokens
@@ -74,18 +74,23 @@ def plan_once(
     timing: Timing,
     convicted: frozenset[str] = frozenset(),
 ) -> Assignment:
-    records = store.read(peers_key(model_id), PeerRecord)
+    records = store.heartbeats(model_id)
     now = dht_time()
     live = live_peers(records, now, timing.heartbeat_timeout, timing.clock_skew)
     peers = [p for p in live if p.peer_id not in convicted]  # placed nowhere: not counted, not a standby
     plan = planner(peers)
+    # Only the moves: a peer the plan leaves where its heartbeat says it is (and a pinned one) is not named, and a
+    # follower not named stays (``peers.follower``). Every server reads the assignment each broker period: one that
+    # named every peer would cost each of N servers O(N) bytes a period.
+    held = {p.peer_id: (p.span, p.role) for p in peers}
     pinned = {p.peer_id for p in peers if p.pinned}
     placements = {
         pid: Placement(start=pl.span.start, end=pl.span.end, role=pl.role.value)
         for pid, pl in plan.placements.items()
-        if pid not in pinned
+        if pid not in pinned and held.get(pid) != (pl.span, pl.role)
     }
-    return Assignment(term=term, broker=me, issued_at=now, placements=placements)
+    shunned = tuple(sorted(p.peer_id for p in live if p.peer_id in convicted))[:1024]
+    return Assignment(term=term, broker=me, issued_at=now, placements=placements, shunned=shunned)
 
 
 async def run_broker(

@@ -12,8 +12,10 @@ like its own steps. A hop pushes only to a next hop such a record names, at the 
 Push connections are kept per next peer and shared by every session that passes steps to it; each has a queue and
 a task that sends in order, so a slow link never holds up this server's compute. What waits in a queue counts in the
 byte budget as its client's, and each push must leave within ``Timing.write_timeout``: a next hop that stops reading
-loses the connection. A connection that fails drops what was queued: the client, who waits for every hop's reply,
-finds the hop that went silent and repairs its chain."""
+loses the connection. A connection that fails (the next hop gone, its relay gone, a dial refused, the stream closed
+under pushes) drops what was queued, and every session whose steps went through it is ended at once with
+``NextHopUnreachableError``: its client, watching this hop while it waits for the next one, hears it then, not at
+the step's deadline, and replaces the next hop (``swarm.client.session.chain``)."""
 
 from __future__ import annotations
 
@@ -27,19 +29,17 @@ import torch
 
 from peers.rpc.directory import ServerDirectory
 from peers.rpc.edge import Edge
-from peers.serving.counters import PeerMetrics
+from peers.rpc.push_link import PushLink
 from peers.serving.limits import CallerContext, StreamIdle, caller_of
 from peers.serving.sessions import Session, SessionTable
 from swarm import wire
 from swarm.codecs import Codec
-from swarm.config import Timing
-from swarm.errors import BadInputError, BusyError
+from swarm.errors import BadInputError, BusyError, NextHopUnreachableError, UnknownHopError
 from swarm.hop import Hop
 from swarm.identity import Signed, open_signed
-from swarm.protocol import RPC_PUSH, ChainRoute, InferenceStep, PassPush, PushStep, check_version
+from swarm.protocol import ChainRoute, InferenceStep, PassPush, PushStep, check_version
 from swarm.records import ServerRecord
 from swarm.rpc.remote import Remote
-from swarm.rpc.transport import Channel
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ MAX_INBOX = 64  # steps waiting in one session (a prompt's chunks in flight); a 
 MAX_WAITING = 256  # sessions with pushes that arrived before the route allowing them, all pushers together
 MAX_WAITING_PER_PUSHER = 16  # ...and per pusher (anyone can push before a route is known: these bound them)
 MAX_WAITING_BYTES = 64 << 20  # tensor bytes of the pushes waiting, all together
-QUEUE_FRAMES = 4096  # frames waiting on one push connection (their bytes count in the byte budget)
 
 
 class Pushed:
@@ -87,99 +86,6 @@ def accept_route(session: Session, signed: Signed, caller: str, own_peer_id: str
     return route
 
 
-class _PushLink:
-    """One kept-open push connection to a next hop, fed by a queue and drained by its own task."""
-
-    def __init__(
-        self, remote: Remote, target: Hop, metrics: PeerMetrics, budget: wire.ByteBudget | None, timing: Timing
-    ) -> None:
-        self.metrics, self.budget, self.timing = metrics, budget, timing
-        # frames, their holder and bytes, and whether ``send`` already wrote them (then they wait here to be flushed)
-        self.queue: asyncio.Queue[tuple[list[wire.Frame], str, int, bool]] = asyncio.Queue()
-        self.queued = 0
-        self.dead = False
-        self.channel: Channel | None = None  # once open: ``send`` writes to it at once when nothing waits before
-        self.last_used = time.monotonic()
-        self._task = asyncio.create_task(self._run(remote, target))
-
-    async def _run(self, remote: Remote, target: Hop) -> None:
-        channel: Channel | None = None
-        closed: asyncio.Task[wire.Message | None] | None = None
-        try:
-            channel = await asyncio.wait_for(remote.open_channel(target, RPC_PUSH), self.timing.open_timeout)
-            ended = closed = asyncio.ensure_future(channel.receive())  # the next hop never answers: ends when it closes
-            self.channel = channel
-            while True:
-                item = asyncio.ensure_future(self.queue.get())
-                await asyncio.wait((item, ended), return_when=asyncio.FIRST_COMPLETED)
-                if ended.done():
-                    item.cancel()
-                    log.info("push connection closed by the next hop", extra={"peer": target.peer_id})
-                    self.metrics.push_failures += 1
-                    return
-                frames, holder, nbytes, written = item.result()
-                try:
-                    async with asyncio.timeout(self.timing.write_timeout):  # a next hop that stops reading loses it
-                        if not written:
-                            await channel.send(frames)
-                        await channel.flush()
-                finally:
-                    self._done(len(frames), holder, nbytes)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the next hop is gone, unreachable or stopped reading: its client finds out
-            log.info("push connection failed: %s", e, extra={"peer": target.peer_id})
-            self.metrics.push_failures += 1
-        finally:
-            self.dead = True
-            self.channel = None
-            self._drop()
-            if closed is not None:
-                if closed.done() and not closed.cancelled():
-                    closed.exception()  # retrieved: how the stream ended does not matter here
-                closed.cancel()
-            if channel is not None:
-                channel.close()
-
-    def _done(self, nframes: int, holder: str, nbytes: int) -> None:
-        self.queued -= nframes
-        if self.budget is not None:
-            self.budget.give(nbytes, holder)
-
-    def _drop(self) -> None:
-        """Give back what waits in the queue of a connection that ended (its steps are lost: clients repair)."""
-        while not self.queue.empty():
-            frames, holder, nbytes, _ = self.queue.get_nowait()
-            self._done(len(frames), holder, nbytes)
-
-    def send(self, frames: list[wire.Frame], holder: str) -> None:
-        """Send ``frames`` (a step of ``holder``'s session): written to the connection at once when it is open and
-        nothing waits before them (the next hop starts computing before this server answers its client), else
-        queued; either way the task waits until they left (the write deadline). Dropped when the queue or
-        ``holder``'s budget is full."""
-        nbytes = wire.encoded_size(frames)
-        try:
-            if self.dead or self.queued + len(frames) > QUEUE_FRAMES:
-                raise BusyError("push queue full")
-            if self.budget is not None:
-                self.budget.take(nbytes, holder)
-        except BusyError as e:
-            log.warning("push dropped: %s", e, extra={"peer": holder})
-            self.metrics.push_dropped += 1
-            return
-        self.metrics.sent(frames)
-        written = self.channel is not None and self.queued == 0  # nothing queued, sending or flushing before them
-        if written:
-            assert self.channel is not None
-            self.channel.write(frames)
-        self.queued += len(frames)
-        self.last_used = time.monotonic()
-        self.queue.put_nowait((frames, holder, nbytes, written))
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
 class StepPusher:
     """This server's side of chaining: its push connections to next hops, and the handler for pushes to it."""
 
@@ -187,7 +93,7 @@ class StepPusher:
         self.remote, self.sessions, self.directory, self.edge = remote, sessions, directory, edge
         self.timing, self.budget, self.metrics = edge.timing, edge.budget, edge.metrics
         self.peer_id = remote.creds.peer_id
-        self._links: dict[str, _PushLink] = {}
+        self._links: dict[str, PushLink] = {}
         self._waiting: dict[tuple[str, str, str], list[Pushed]] = {}  # (pusher, client, session) -> early pushes
         self._tasks: set[asyncio.Task[None]] = set()
         self._local: asyncio.Task[None] | None = None  # the latest push to this server's own next session
@@ -195,7 +101,7 @@ class StepPusher:
         self._by_pusher: Counter[str] = Counter()
         self.on_pass: Callable[[str, PassPush, torch.Tensor], None] | None = None  # chained training passes
 
-    def _link(self, record: ServerRecord) -> _PushLink:
+    def _link(self, record: ServerRecord) -> PushLink:
         link = self._links.get(record.peer_id)
         # The next hop ends a push stream idle for ``stream_idle`` (``rpc_push``), and this side would not notice: its
         # next push would vanish into the closed stream. So a link idle for half of that is closed and dialled again.
@@ -207,9 +113,23 @@ class StepPusher:
                 self._prune()
             # the addresses its own signed record announces, never those a client wrote into its route
             target = Hop(record.peer_id, 0, 1, record.maddrs, direct=record.direct_address)
-            link = _PushLink(self.remote, target, self.metrics, self.budget, self.timing)
+            link = PushLink(self.remote, target, self.metrics, self.budget, self.timing, self._lost)
             self._links[record.peer_id] = link
         return link
+
+    def _lost(self, sessions: list[Session]) -> None:
+        """A push connection failed: each session still open and still routed to that next hop ends with
+        ``NextHopUnreachableError`` (its serving loop raises what arrives in its inbox, ``peers.rpc.inference``), so
+        the client learns now which link broke instead of waiting out the step's deadline."""
+        for session in sessions:
+            nxt = session.next_hop
+            if nxt is None or self.sessions.open.get((session.caller, session.id)) is not session:
+                continue
+            log.info(
+                "ending a session: its next hop is unreachable", extra={"peer": nxt.peer_id, "session": session.id}
+            )
+            error = NextHopUnreachableError(f"cannot reach the route's next hop {nxt.peer_id}: steps pushed there lost")
+            session.inbox.put_nowait(error)
 
     def _prune(self) -> None:
         for key in [k for k, link in self._links.items() if link.dead or link.queue.empty()]:
@@ -225,7 +145,7 @@ class StepPusher:
             record = await self.directory.server_at(nxt, session.sub.end)
             if record is None:
                 self.metrics.push_refused += 1
-                raise BadInputError(f"the route's next hop {nxt} announces no record serving block {session.sub.end}")
+                raise UnknownHopError(f"the route's next hop {nxt} announces no record serving block {session.sub.end}")
             session.next_hop = record
             if record.peer_id != self.peer_id:
                 self._link(record)  # dial now: the first push then finds it open
@@ -256,7 +176,7 @@ class StepPusher:
         if record.peer_id == self.peer_id:  # a repaired route put two spans of this server in a row: no network
             self._push_here(self.remote.meta(push), carried)
             return
-        self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller)
+        self._link(record).send(wire.encode(self.remote.meta(push), carried, codec), session.caller, session)
 
     def send_pass(self, record: ServerRecord, push: PassPush, tensors: dict[str, torch.Tensor], holder: str) -> None:
         """A chained training pass's output, to the next hop of the pass (``peers.rpc.passes``)."""
@@ -369,7 +289,7 @@ class StepPusher:
         if session.previous != pusher:
             raise BadInputError(f"{pusher} is not the hop before session {session.id} on its route")
         if await self.directory.server_at(pusher, session.sub.start - 1) is None:
-            raise BadInputError(f"{pusher} announces no record serving block {session.sub.start - 1}")
+            raise UnknownHopError(f"{pusher} announces no record serving block {session.sub.start - 1}")
         if session.inbox.qsize() >= MAX_INBOX:
             raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
         room = session.room if session.room is not None else self.budget

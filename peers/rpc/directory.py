@@ -8,8 +8,10 @@ session's with the same weights (its fingerprint, or that of the same weights an
 format: a client that allowed quantized blocks may route through both); and it pushes only to the next hop such a
 record names, at the addresses that record announces (never those the route carries).
 
-Records are read from the DHT per block and kept ``ttl`` seconds; a peer not found is looked up again at most once
-per ``ttl`` / 4 (a server that just joined is found, a flood of unknown names costs one DHT read a block)."""
+Records are read from the DHT by shard (a peer's record is in its shard's key, ``swarm.ids.shard_of``),
+thoroughly (every replica's copy merged: a server that just joined or moved is found as soon as its record is stored
+anywhere), and kept ``ttl`` seconds; a peer not found is looked up again at most once per ``ttl`` / 4 for its shard (a
+flood of unknown names costs one DHT read a shard and period)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from swarm.ids import shard_of
 from swarm.records import PeerState, ServerRecord
 
 
 @dataclass
-class _Block:
+class _Shard:
     fetched: float
     records: dict[str, ServerRecord] = field(default_factory=dict)
 
@@ -36,7 +39,7 @@ class ServerDirectory:
         ttl: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``read``: the authentic server records under one block's key (blocking: a DHT read, run off the loop);
+        """``read``: the authentic server records of one shard (blocking: a DHT read, run off the loop);
         ``fingerprints``: the weights it chains with (its own, in the quantization formats clients may mix)."""
         self._read, self.fingerprints, self.num_blocks, self.ttl, self.clock = (
             read,
@@ -45,31 +48,31 @@ class ServerDirectory:
             ttl,
             clock,
         )
-        self._blocks: dict[int, _Block] = {}
+        self._shards: dict[int, _Shard] = {}
         self._locks: dict[int, asyncio.Lock] = {}
 
     async def server_at(self, peer_id: str, block: int) -> ServerRecord | None:
         """The signed record of ``peer_id`` serving ``block`` with our weights, or None if it announces none."""
         if not 0 <= block < self.num_blocks:
             return None
-        found = self._find(peer_id, block)
-        cached = self._blocks.get(block)
+        shard = shard_of(peer_id)
+        found = self._find(peer_id, shard, block)
+        cached = self._shards.get(shard)
         if found is None and (cached is None or self.clock() - cached.fetched > self.ttl / 4):
-            async with self._locks.setdefault(block, asyncio.Lock()):  # callers at once share one read
-                cached = self._blocks.get(block)
+            async with self._locks.setdefault(shard, asyncio.Lock()):  # callers at once share one read
+                cached = self._shards.get(shard)
                 if cached is None or self.clock() - cached.fetched > self.ttl / 4:
-                    records = await asyncio.to_thread(self._read, block)
-                    self._blocks[block] = _Block(
-                        self.clock(), {r.peer_id: r for r in records if self._serves(r, block)}
-                    )
-            found = self._find(peer_id, block)
+                    records = await asyncio.to_thread(self._read, shard)
+                    self._shards[shard] = _Shard(self.clock(), {r.peer_id: r for r in records})
+            found = self._find(peer_id, shard, block)
         return found
 
-    def _find(self, peer_id: str, block: int) -> ServerRecord | None:
-        cached = self._blocks.get(block)
+    def _find(self, peer_id: str, shard: int, block: int) -> ServerRecord | None:
+        cached = self._shards.get(shard)
         if cached is None or self.clock() - cached.fetched > self.ttl:
             return None
-        return cached.records.get(peer_id)
+        record = cached.records.get(peer_id)
+        return record if record is not None and self._serves(record, block) else None
 
     def _serves(self, record: ServerRecord, block: int) -> bool:
         return (

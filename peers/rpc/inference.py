@@ -4,7 +4,8 @@ own messages on this stream, and steps the previous hop of the client's route pu
 The first message opens the session (and may carry the client's signed route and a first step). Every step is
 answered on the client's stream with its output and this server's commitment (``swarm.rpc.commit``: chained, its
 head signed every few steps and in the answer to a message without a step); a step for further hops is pushed to the
-next one first. The session and its cache room end with the stream, at the first
+next one first. While the server is leaving (``peers.run.leave``), every reply says so, so that the client moves the
+session elsewhere at a step boundary. The session and its cache room end with the stream, at the first
 error, or after ``Timing.session_idle`` with neither a message nor a push (the client then hears
 ``SessionExpiredError`` when it comes back: the reply waits in the stream)."""
 
@@ -24,7 +25,7 @@ from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, Strea
 from peers.serving.sessions import Session, SessionTable
 from swarm import wire
 from swarm.codecs import Codec
-from swarm.errors import BadInputError, SessionExpiredError
+from swarm.errors import BadInputError, NextHopUnreachableError, SessionExpiredError
 from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
 from swarm.rpc.commit import CommitSigner, aux_digest, binding
 
@@ -102,6 +103,8 @@ class InferenceLoop:
             item: object = _FromClient(message, opening=True)
             reader = asyncio.create_task(self._read(guarded, decoder, session))
             while True:
+                if isinstance(item, NextHopUnreachableError):  # put there by the pusher: ``peers.rpc.chain``
+                    raise item
                 if isinstance(item, _Ended):
                     if item.error is not None:
                         raise item.take()
@@ -221,7 +224,9 @@ class InferenceLoop:
         reply = self.signer.reply(
             (session.caller, session.id), step.position, step.tag, received, sent, _bound(session), aux
         )
-        return wire.encode(reply.model_dump(mode="json"), result, codec)
+        if self.sessions.leaving:  # the client readies this span elsewhere while its steps still run here
+            return wire.encode(reply.model_copy(update={"leaving": True}).model_dump(mode="json"), result, codec)
+        return wire.encode(reply.model_dump(mode="json", exclude={"leaving"}), result, codec)
 
 
 def _bound(session: Session) -> str:

@@ -32,7 +32,7 @@ from peers.rpc.directory import ServerDirectory
 from peers.serving.pass_service import PassService
 from swarm import wire
 from swarm.config import Timing
-from swarm.errors import BadInputError
+from swarm.errors import BadInputError, UnknownHopError
 from swarm.protocol import BackwardRequest, ForwardRequest, PassPush, PassReply
 from swarm.records import ServerRecord
 from swarm.rpc.commit import digest
@@ -167,7 +167,7 @@ class Passes:
                 raise BadInputError(f"a hop whose input is pushed takes no {name!r} from the trainer")
             before = req.start - 1 if forward else req.end  # the blocks the pusher must serve
             if before < 0 or await self.directory.server_at(link.source, before) is None:
-                raise BadInputError(f"{link.source} announces no record serving block {before}")
+                raise UnknownHopError(f"{link.source} announces no record serving block {before}")
             tensors = dict(tensors, **{name: await self.box.take(caller, link.key, link.source)})
         received = tensors.get(name)
         if received is None:
@@ -190,7 +190,7 @@ class Passes:
         after = req.end if forward else req.start - 1  # the blocks the next hop of the pass must serve
         record = await self.directory.server_at(link.target, after) if after >= 0 else None
         if record is None:
-            raise BadInputError(f"the pass's next hop {link.target} announces no record serving block {after}")
+            raise UnknownHopError(f"the pass's next hop {link.target} announces no record serving block {after}")
         push = PassPush(client=caller, key=link.target_key)
         self.send(record, push, {name: result}, caller)
         return reply, out

@@ -5,8 +5,9 @@ It keeps one local port for punched connections and its endpoint as the internet
 direct planes (its observers: the relays it holds slots on) every ``REFRESH_S``, which also keeps its NAT's mapping
 of that port alive; each refresh moves to a fresh port, so an observation never reuses a connection's four-tuple.
 A caller's ``swarm.punch`` (over libp2p, through the relay) names the caller's endpoint: the peer answers with its
-own and connects to the caller's from its port until the SYNs cross, then serves the connection as its direct
-plane serves an accepted one (TLS, the caller's identity, its per-caller caps). Punching is bounded: at most
+own and connects to the caller's from its port until the SYNs cross (or, where the caller can be reached, until
+the caller's listening punch port accepts: ``swarm.rpc.punch``), then serves the connection as its direct plane
+serves an accepted one (TLS, the caller's identity, its per-caller caps). Punching is bounded: at most
 ``MAX_CALLER`` at a time per caller and ``MAX_TOTAL`` in all, each given up after ``PUNCH_S``; a caller can make this
 peer send SYNs only to the endpoint it names, for a few seconds."""
 

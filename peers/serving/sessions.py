@@ -77,7 +77,9 @@ class SessionTable:
         self.quota = quota or Quota("open sessions", 1 << 30, 1 << 30, ("--max-caller-sessions", "--max-sessions"))
         self.open: dict[tuple[str, str], Session] = {}  # by (caller, session id)
         self.changed = asyncio.Condition()  # a session opened or took a new route (a push may be waiting for it)
-        self.leaving = False  # set on shutdown: open sessions finish, new ones go elsewhere
+        # set on shutdown: new sessions go elsewhere; open ones are told in every reply (``peers.rpc.inference``) and
+        # move at a step boundary, or finish
+        self.leaving = False
 
     async def start(self, msg: OpenSession, tensors: Tensors, caller: str) -> Session:
         if self.leaving:

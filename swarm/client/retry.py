@@ -21,7 +21,15 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from swarm.config import Timing
-from swarm.errors import BadInputError, MissingBlocksError, SessionExpiredError, SessionLengthError, SwarmError
+from swarm.errors import (
+    BadInputError,
+    MissingBlocksError,
+    SessionExpiredError,
+    SessionLengthError,
+    SlowPeerError,
+    SwarmError,
+    UnknownHopError,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,9 +131,13 @@ class Retrier:
         return suspect
 
     def note_failure(self, e: SwarmError, what: str = "call") -> None:
-        """Ban the peer behind a retriable failure (for a time doubling with each of its failures) and count it."""
+        """Ban the peer behind a retriable failure (for a time doubling with each of its failures) and count it. A
+        session that idled out is no fault of the server's, and a server that missed a deadline but answered its
+        liveness check is busy, not dead (``SlowPeerError``: set aside by routing, ``SwarmView.slow``), and a hop
+        that does not see its neighbour's record yet (``UnknownHopError``: a server that just moved) is no one's
+        fault: no ban."""
         peer = e.peer_id
-        if peer is not None and not isinstance(e, SessionExpiredError):  # our session idled out: no fault of theirs
+        if peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):
             n = self.failures[peer] = self.failures.get(peer, 0) + 1
             self.last_failure[peer] = e
             self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))

@@ -106,7 +106,7 @@ def choose_route(
     ``load`` (peer -> factor >= 1) scales a server's compute, not its network: a new session's share of a busy one."""
     measured, noise, rtt, load = measured or {}, noise or {}, rtt or {}, load or {}
     costs = costs or RouteCosts.from_prior(default_latency)
-    block_cost = _block_pricer(records, mode, measured, noise, costs)
+    block_cost = _block_pricer(records, mode, measured, costs, explore=bool(noise or load))
     prev = _cheapest_paths(records, start, end, lambda r: block_cost(r) * load.get(r.peer_id, 1.0), noise, rtt, costs)
     if end not in prev and end != start:
         covered = {b for r in records for b in range(r.start, r.end)}
@@ -118,10 +118,12 @@ def _block_pricer(
     records: list[ServerRecord],
     mode: Mode,
     measured: Mapping[str, float],
-    noise: Mapping[str, float],
     costs: RouteCosts,
+    explore: bool = False,
 ) -> Callable[[ServerRecord], float]:
-    """What one block of a server costs a call (before its noise factor): measured where it was, else claimed."""
+    """What one block of a server costs a call (before its noise factor): measured where it was, else claimed;
+    ``explore`` (calls spread over replicas: stochastic wiring, or new sessions priced by load): a replica never
+    measured is priced as the fastest measured one until its own calls measure it."""
     # A claim is believed only as far as the fastest peer measured so far: a stranger that announces an absurd speed
     # under a fresh id would otherwise take every first call.
     fastest = min((measured[r.peer_id] for r in records if r.peer_id in measured), default=0.0)
@@ -132,10 +134,10 @@ def _block_pricer(
     def block_cost(r: ServerRecord) -> float:
         if r.peer_id in measured:
             return measured[r.peer_id] * scale
-        if noise and fastest > 0.0:
-            # stochastic wiring explores: a replica never measured is priced as the fastest measured one until its
-            # own calls measure it (a claim far slower than the machine would otherwise starve it of micro-batches,
-            # and it would never be measured)
+        if explore and fastest > 0.0:
+            # a claim far slower than the machine (a measurement counts the network, a claim does not) would
+            # otherwise starve a replica of micro-batches or sessions, and it would never be measured: 32 sessions
+            # of one client once piled 28 on the one replica it had measured, 4 on the other three
             return fastest * scale
         speed = r.inference_sps if mode == "inference" else r.forward_tps
         return max(1.0 / max(speed * (r.end - r.start), 1e-9), fastest) * scale

@@ -30,6 +30,10 @@ from swarm.perf.placement import RouteCosts
 from swarm.records import Capability, ServerRecord, View
 
 log = logging.getLogger(__name__)
+ROUTE_SAMPLE = 8  # online servers per block a client reads before routing (all of a swarm with fewer)
+
+SLOW_LOAD = 16.0  # a new session prices a server that was slow but alive (``slow``) at this many times its load
+MAX_PATIENCE = 8.0  # ...and waits at most this many times the usual deadline for its steps
 
 
 class SwarmView:
@@ -62,6 +66,7 @@ class SwarmView:
         self._read_at = -float("inf")
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
         self._for_cause: set[str] = set()  # peers banned for wrong answers or convicted: never paroled
+        self._slow: dict[str, tuple[float, int]] = {}  # peer -> (avoided until, times): missed deadlines, alive
         self.sessions_here: Counter[str] = Counter()  # peer -> this client's inference sessions open on it
         # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
         self.speeds: dict[tuple[str, Mode], float] = {}
@@ -124,7 +129,8 @@ class SwarmView:
     def snapshot(self) -> View:
         with self._lock:
             if time.monotonic() - self._read_at > self.cfg.timing.view_refresh:
-                self._view = self.store.view(self.model_id, self.num_blocks)
+                # a sample of a large swarm: enough servers of every block to route over (``RecordStore.view``)
+                self._view = self.store.view(self.model_id, self.num_blocks, enough=ROUTE_SAMPLE)
                 self._read_at = time.monotonic()
             return self._view
 
@@ -161,6 +167,23 @@ class SwarmView:
             log.info("paroling %d banned peer(s) before blocks count as missing", len(lifted))
         return lifted
 
+    def slow(self, peer_id: str, seconds: float) -> None:
+        """``peer_id`` missed a step's deadline but answered its liveness check: busy, not dead. Never banned for it:
+        new sessions price it ``SLOW_LOAD`` times dearer for ``seconds`` (they go elsewhere when anyone else serves
+        its blocks), and its steps get longer deadlines (``patience``) when it is the one left."""
+        self._slow[peer_id] = (time.monotonic() + seconds, self._slow.get(peer_id, (0.0, 0))[1] + 1)
+
+    def patience(self, peer_id: str) -> float:
+        """How many times the usual deadline a step to ``peer_id`` gets: doubled each time it was found slow but
+        alive (at most ``MAX_PATIENCE``), so a busy server that alone serves some blocks is waited for, not lost."""
+        times = self._slow.get(peer_id, (0.0, 0))[1]
+        return min(2.0**times, MAX_PATIENCE)
+
+    def slowed(self) -> frozenset[str]:
+        """The peers set aside as slow (``slow``) right now."""
+        now = time.monotonic()
+        return frozenset(p for p, (until, _) in list(self._slow.items()) if until > now)
+
     def unban(self, peer_id: str) -> None:
         """Lift a ban (one set while a second server judged this peer's claim, which that server confirmed)."""
         self._banned.pop(peer_id, None)
@@ -181,9 +204,14 @@ class SwarmView:
     def session_load(self, records: list[ServerRecord]) -> dict[str, float]:
         """Each server's load factor for a new session: 1 + ``session_load_weight`` x the sessions open on it, as it
         announces them or as many as this client holds there, whichever is more (a record is up to a heartbeat old,
-        and this client's own sessions of the last seconds are not in it yet)."""
-        weight = self.cfg.session_load_weight
-        return {r.peer_id: 1.0 + weight * max(r.open_sessions, self.sessions_here[r.peer_id]) for r in records}
+        and this client's own sessions of the last seconds are not in it yet); ``SLOW_LOAD`` times that for a server
+        found slow but alive lately (``slow``)."""
+        weight, slowed = self.cfg.session_load_weight, self.slowed()
+        return {
+            r.peer_id: (1.0 + weight * max(r.open_sessions, self.sessions_here[r.peer_id]))
+            * (SLOW_LOAD if r.peer_id in slowed else 1.0)
+            for r in records
+        }
 
     def observe_rtt(self, peer_id: str, seconds: float) -> None:
         """A round trip to ``peer_id`` measured where a session opens, averaged like speeds (``latency_smoothing``):

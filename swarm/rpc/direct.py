@@ -92,6 +92,7 @@ class TcpChannel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int) -> None:
         self.reader, self.writer = reader, writer
         self.last_used = 0.0  # monotonic time its last reply completed (kept-open connections)
+        self.reverse = False  # punched: opened by the peer's SYNs to this host's listening port (``swarm.rpc.punch``)
         self._frames = frames_of(reader)
         self.decoder = wire.Decoder(max_bytes)
 

@@ -11,7 +11,15 @@ port-restricted, RFC 4787's endpoint-independent mapping), the SYNs cross and th
 symmetric NAT the mapping towards the peer is not the one observed and it does not, and the caller stays on the
 relayed libp2p path. TLS then runs over the punched connection as over a dialled one: the caller as TLS client,
 and the peer proves its identity in its first frame as always (``swarm.rpc.secure``), so a lying observer or peer
-costs one failed attempt, nothing else."""
+costs one failed attempt, nothing else.
+
+The caller also listens on its punching port while it punches: where the caller can be reached there (a public
+host, or a full-cone NAT's mapping the observation opened), the peer's own SYNs open the connection, whatever the
+peer's NAT or firewall does to the caller's SYNs (a volunteer behind a stateful firewall or a symmetric NAT, calling
+a public client back). Only a connection from the peer's address is taken, and TLS still proves who it is. A caller
+whose two observers see two ports is behind a symmetric NAT: no peer behind a NAT could reach it, and it goes to the
+relay at once. A whole attempt is bounded by ``PUNCH_BUDGET_S``, so one that cannot work leaves the session's
+open timeout to the relay (a punch that crossed takes a few round trips)."""
 
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from swarm.protocol import RPC_DIALBACK, RPC_OBSERVE, DialbackReply, DialbackReq
 from swarm.rpc.direct import DirectDialError, TcpChannel, split_address
 
 RETRY_S = 0.05  # a refused connect (the other side's SYN not yet out, or an early RST) is tried again this soon
+PUNCH_BUDGET_S = 3.5  # a caller's whole attempt (observe, signal, SYNs, TLS): an open timeout is 5-10 s
 
 
 def bound_socket(port: int = 0) -> socket.socket:
@@ -112,8 +121,10 @@ async def simultaneous_open(port: int, remote: str, timeout: float) -> socket.so
             async with asyncio.timeout_at(deadline):
                 await loop.sock_connect(sock, address)
             return sock
-        except (OSError, TimeoutError) as e:
+        except BaseException as e:
             sock.close()
+            if not isinstance(e, (OSError, TimeoutError)):
+                raise  # cancelled: the caller took the peer's own connection instead
             last = e
             if isinstance(e, TimeoutError):
                 break
@@ -131,26 +142,79 @@ async def punched(
     tls: ssl.SSLContext,
     timeout: float,
 ) -> TcpChannel:
-    """A direct connection to ``peer``, behind NAT, for ``rpc``: this host's endpoint observed (by the first of
-    ``observers`` that answers), sent by ``signal`` (the ``swarm.punch`` call over libp2p, which returns the peer's
-    endpoint), punched, then TLS as on any direct connection (``DirectDialError`` where any step fails)."""
-    holder = bound_socket()  # keeps this port ours while the observation and the punch use it
+    """A direct connection to ``peer``, behind NAT, for ``rpc``: this host's endpoint observed (by up to two of
+    ``observers`` at once), sent by ``signal`` (the ``swarm.punch`` call over libp2p, which returns the peer's
+    endpoint), punched (or taken as the peer's connection back to this host), then TLS as on any direct connection
+    (``DirectDialError`` where any step fails, within ``PUNCH_BUDGET_S``)."""
+    budget = min(timeout, PUNCH_BUDGET_S)
+    holder = bound_socket()  # keeps this port ours while the observation and the punch use it; listens meanwhile
     port = holder.getsockname()[1]
     try:
-        mine, errors = None, []
-        for observer in observers:
+        holder.listen(4)  # before the signal: the peer's first SYN may overtake its answer through the relay
+        async with asyncio.timeout(budget):
+            mine = await _observed(port, observers, creds, tls, budget)
             try:
-                mine = await observe(port, observer, creds, tls, timeout)
-                break
-            except DirectDialError as e:
-                errors.append(str(e))
-        if mine is None:
-            raise DirectDialError(f"no observer told this peer its address: {'; '.join(errors) or 'none named'}")
-        try:
-            theirs = await signal(mine)
-        except SwarmError as e:
-            raise DirectDialError(f"the peer did not punch: {e}") from None
-        sock = await simultaneous_open(port, theirs, timeout)
-        return await TcpChannel.open(theirs, peer, rpc, limit, creds, tls, timeout, sock)
+                theirs = await signal(mine)
+            except SwarmError as e:
+                raise DirectDialError(f"the peer did not punch: {e}") from None
+            sock, reverse = await _connected(holder, port, theirs, budget)
+            channel = await TcpChannel.open(theirs, peer, rpc, limit, creds, tls, budget, sock)
+            channel.reverse = reverse
+            return channel
+    except TimeoutError:
+        raise DirectDialError(f"no punched connection to {peer} in {budget:g} s") from None
     finally:
         holder.close()
+
+
+async def _observed(port: int, observers: tuple[str, ...], creds: Credentials, tls: ssl.SSLContext, t: float) -> str:
+    """This host's endpoint for ``port``, asked of two observers at once where there are two (``DirectDialError``
+    where none answers, or where two see two ports: a symmetric NAT, which no punch gets through)."""
+    errors: list[str] = []
+    for start in range(0, len(observers), 2):
+        asked = [observe(port, o, creds, tls, t) for o in observers[start : start + 2]]
+        results = await asyncio.gather(*asked, return_exceptions=True)
+        seen = {r for r in results if isinstance(r, str)}
+        errors += [str(r) for r in results if isinstance(r, DirectDialError)]
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, DirectDialError):
+                raise r
+        if len(seen) > 1:
+            raise DirectDialError(f"this host's NAT maps per destination ({sorted(seen)}): no punching")
+        if seen:
+            return seen.pop()
+    raise DirectDialError(f"no observer told this peer its address: {'; '.join(errors) or 'none named'}")
+
+
+async def _connected(listener: socket.socket, port: int, theirs: str, timeout: float) -> tuple[socket.socket, bool]:
+    """The first of: the simultaneous open from ``port`` to ``theirs``, or a connection the peer opened to
+    ``listener`` (from its address, any port: a symmetric NAT shows another port than the one it told); and
+    whether it was the latter."""
+    host = split_address(theirs)[0]
+    punch = asyncio.ensure_future(simultaneous_open(port, theirs, timeout))
+    accept = asyncio.ensure_future(_accept_from(listener, host))
+    chosen: socket.socket | None = None
+    try:
+        await asyncio.wait((punch, accept), return_when=asyncio.FIRST_COMPLETED)
+        if punch.done() and punch.exception() is None:
+            chosen = punch.result()
+            return chosen, False
+        chosen = await accept  # the peer's connection came first, or the SYNs gave up and it may still come
+        return chosen, True
+    finally:
+        for task in (punch, accept):
+            task.cancel()
+        for extra in await asyncio.gather(punch, accept, return_exceptions=True):
+            if isinstance(extra, socket.socket) and extra is not chosen:  # both finished at once
+                extra.close()
+
+
+async def _accept_from(listener: socket.socket, host: str) -> socket.socket:
+    """The next connection to ``listener`` from ``host`` (others are closed: TLS would refuse them anyway)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        sock, address = await loop.sock_accept(listener)
+        if address[0] == host:
+            sock.setblocking(False)
+            return sock
+        sock.close()

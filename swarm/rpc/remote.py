@@ -154,6 +154,8 @@ class Remote:
                     self.dial_timeout,
                 )
                 self.traffic[f"punched:{hop.peer_id}"] += 1
+                if channel.reverse:  # the peer's SYNs reached this host's listening port (a reachable caller)
+                    self.traffic[f"punched_reverse:{hop.peer_id}"] += 1
                 return channel
             return await TcpChannel.open(hop.direct, hop.peer_id, rpc, limit, self.creds, self.tls, self.dial_timeout)
         except DirectDialError as e:

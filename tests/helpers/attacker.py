@@ -23,11 +23,11 @@ import torch
 
 from swarm import wire
 from swarm.config import Timing
-from swarm.dht import RecordStore, _get_subkeys, _store_records, dht_time, start_dht
+from swarm.dht import RecordStore, _get_subkeys, _store_records, announce_keys, dht_time, start_dht
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.identity import owner_of
-from swarm.ids import assignment_key, block_key, broker_key, peers_key
+from swarm.ids import assignment_key, broker_key
 from swarm.membership import SwarmKey
 from swarm.protocol import (
     PROTOCOL_VERSION,
@@ -39,6 +39,7 @@ from swarm.protocol import (
     PushStep,
 )
 from swarm.records import (
+    SCHEMA_VERSION,
     Assignment,
     Lease,
     PeerRecord,
@@ -102,17 +103,17 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
     view = store.view(args.model_id, args.num_blocks)
     honest = sorted(servers(view))
     victim = view[0][0]
-    blocks = [block_key(args.model_id, b) for b in range(args.num_blocks)]
     done: dict[str, Any] = {"honest": honest, "sybils": [second.peer_id, third.peer_id]}
     # 1. an unsigned record claiming every block, its own weights and an absurd speed (hivemind stores it unsigned)
-    done["unsigned"] = _stored(lambda: _raw_store(store, blocks, _server_record(store, args).to_wire(), b"forged"))
+    unsigned = _server_record(store, args)  # where readers look for its author's record (``announce_keys``)
+    done["unsigned"] = _stored(lambda: _raw_store(store, announce_keys(unsigned), unsigned.to_wire(), b"forged"))
     # 2. a signed record of its own: valid, but of weights no client holds
     done["own_weights"] = _stored(lambda: second.announce(_server_record(second, args), now + 60))
     # 3. the honest peer's id with the attacker's address (a shadow), in the attacker's own signed subkey, and the
     #    same shadow unsigned
     shadow = victim.model_copy(update={"maddrs": tuple(store.visible_maddrs()), "forward_tps": 1e12})
     done["shadow"] = _stored(lambda: store.announce(shadow, now + 60))
-    done["shadow_unsigned"] = _stored(lambda: _raw_store(store, blocks, shadow.to_wire(), b"shadow"))
+    done["shadow_unsigned"] = _stored(lambda: _raw_store(store, announce_keys(shadow), shadow.to_wire(), b"shadow"))
     # 4. a lease with a huge term (and an assignment under it making every honest peer a standby); a lease for the
     #    next term while the broker's is live (and its assignment); an assignment in the honest broker's name
     standby = {p: Placement(start=0, end=1, role="standby") for p in honest}
@@ -143,7 +144,13 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
             lambda: _raw_store(store, [assignment_key(args.model_id)], plan.to_wire(), confusing)
         )
     # 6. a malformed lease, signed: a term that is not a number
-    bad = {"schema_version": 2, "term": "infinity", "holder": second.peer_id, "start": now, "expires": now + 1e9}
+    bad = {
+        "schema_version": SCHEMA_VERSION,
+        "term": "infinity",
+        "holder": second.peer_id,
+        "start": now,
+        "expires": now + 1e9,
+    }
     done["malformed_lease"] = _stored(
         lambda: _raw_store(second, [broker_key(args.model_id)], bad, second.validator.local_public_key)
     )
@@ -156,7 +163,7 @@ def attack_records(stores: list[RecordStore], args: argparse.Namespace) -> dict[
         max_blocks=1000,
         updated_at=now + 10**6,
     )
-    done["future_heartbeat"] = _stored(lambda: third.publish(peers_key(args.model_id), beat, now + 60))
+    done["future_heartbeat"] = _stored(lambda: third.heartbeat(args.model_id, beat, now + 60))
     return done
 
 

@@ -19,8 +19,8 @@ import torch
 from swarm.config import Timing
 from swarm.dht import RecordStore, current_broker, dht_time, load_identity, start_dht
 from swarm.identity import peer_id_of_key
-from swarm.ids import assignment_key, peers_key
-from swarm.records import Assignment, PeerRecord, PeerState, servers
+from swarm.ids import assignment_key
+from swarm.records import Assignment, PeerState, servers
 from tests.helpers import swarms
 from tests.helpers.models import local_reference
 from tests.helpers.swarms import patient_timing, running_swarm, wait_for
@@ -126,7 +126,7 @@ def rounds_since(store: RecordStore, model: str, broker: str, peers: list[str], 
             60,
             "a newer plan of the broker",
         )
-    beats = lambda: {r.peer_id: r.updated_at for r in store.read(peers_key(model), PeerRecord)}  # noqa: E731
+    beats = lambda: {r.peer_id: r.updated_at for r in store.heartbeats(model)}  # noqa: E731
     wait_for(lambda: all(beats().get(p, 0.0) > since for p in peers), 60, "every peer's heartbeat since")
 
 

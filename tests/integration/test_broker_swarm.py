@@ -12,8 +12,7 @@ import torch
 from swarm.config import Timing
 from swarm.dht import RecordStore, current_broker, start_dht
 from swarm.hop import Hop
-from swarm.ids import peers_key
-from swarm.records import Lease, PeerRecord, PeerState, servers
+from swarm.records import Lease, PeerState, servers
 from tests.helpers.models import local_reference
 from tests.helpers.swarms import running_swarm, wait_for
 
@@ -66,7 +65,7 @@ def test_broker_places_promotes_and_survives(tiny_models):
             )
             standby_id, (_, s_start, s_end) = next((p, v) for p, v in state.items() if v[0] == "standby")
             # peers that joined a running swarm measured their link to it and told the broker
-            heartbeats = store.read(peers_key(model), PeerRecord)
+            heartbeats = store.heartbeats(model)
             assert sum(1 for r in heartbeats if r.network_mbps and r.network_mbps > 0) >= 1
 
             with DistributedModelForCausalLM.from_pretrained(

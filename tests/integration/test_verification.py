@@ -17,7 +17,7 @@ from swarm.config import Timing
 from swarm.dashboard.observer import SwarmObserver
 from swarm.dht import start_dht
 from swarm.ids import assignment_key
-from swarm.records import Assignment
+from swarm.records import Assignment, servers
 from tests.helpers.models import local_reference
 from tests.helpers.scripts import load_script
 from tests.helpers.swarms import check_backward, check_forward, connect, patient_timing, running_swarm, wait_for
@@ -137,15 +137,20 @@ def test_broker_stops_placing_a_convicted_cheater(tiny_models):
         try:
             model = Path(folder).resolve().name
 
-            def plan() -> dict[str, object]:
+            def plan() -> Assignment | None:
                 plans = store.read(assignment_key(model), Assignment)
-                return max(plans, key=lambda a: a.issued_at).placements if plans else {}
+                return max(plans, key=lambda a: a.issued_at) if plans else None
 
-            wait_for(lambda: cheater in plan(), 60, "the cheater placed by the broker")
+            # placed by the broker (which names a peer only while it must move): serving where it was put
+            wait_for(lambda: cheater in servers(store.view(model, 4)), 60, "the cheater placed by the broker")
             with _client(folder, swarm) as client:  # the placed cheater serving among them
                 with client.inference_session(max_length=64) as session:
                     client.generate(_ids(5), max_new_tokens=24, do_sample=False)
                 assert cheater in session.caught
-            wait_for(lambda: cheater not in plan(), 60, "the broker's plan without the cheater")
+            wait_for(
+                lambda: (a := plan()) is not None and cheater in a.shunned and cheater not in a.placements,
+                60,
+                "the broker's plan without the cheater",
+            )
         finally:
             store.shutdown()

@@ -1,7 +1,8 @@
 """Emulated NATs for real: nodes behind each kind of home router (and a double NAT) in their own namespaces, real TCP
 and UDP sockets through the WAN router. A connection out of a NAT arrives from the NAT's outside address; nothing
-unasked gets in; and UDP hole punching through a rendezvous works between the kinds that allow it and fails where
-a symmetric NAT meets a filtering one (RFC 4787's matrix). Needs root, /dev/net/tun and ``ip``; skipped otherwise."""
+unasked gets in (nor through a stateful firewall, which translates nothing); and UDP hole punching through a
+rendezvous works between the kinds that allow it and fails where a symmetric NAT meets a filtering one (RFC 4787's
+matrix). Needs root, /dev/net/tun and ``ip``; skipped otherwise."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def wan():
         NatConfig(name="home", kind="port-restricted", inside=("dbl",)),
         NatConfig(name="cgn", kind="port-restricted", inside=("home",)),
     ]
-    cfg = WanConfig(nodes=("pub", *BEHIND, "dbl"), delay_ms=5.0, nats=tuple(nats))
+    # a stateful firewall that translates nothing (a rented server's, or IPv6 at home)
+    nats.append(NatConfig(name="wall", kind="firewall", inside=("fw",)))
+    cfg = WanConfig(nodes=("pub", *BEHIND, "dbl", "fw"), delay_ms=5.0, nats=tuple(nats))
     with Wan(cfg) as running:
         yield running
 
@@ -98,6 +101,24 @@ def test_nothing_unasked_gets_in(wan):
     done = wan.run("full", [sys.executable, "-c", CLIENT, wan.address("pub"), "full"], timeout=30)
     assert done.returncode == 0
     server.communicate(timeout=30)
+
+
+def test_a_firewall_keeps_addresses_and_lets_only_answers_in(wan):
+    assert wan.public_address("fw") == wan.address("fw")
+    server = wan.popen("pub", [sys.executable, "-c", SERVER, "1"], stdout=subprocess.PIPE, text=True)
+    _ready(server)
+    done = wan.run("fw", [sys.executable, "-c", CLIENT, wan.address("pub"), "fw"], timeout=30)
+    assert done.returncode == 0
+    out, _ = server.communicate(timeout=30)
+    assert json.loads(out) == {"fw": wan.address("fw")}  # untranslated
+    server = wan.popen("fw", [sys.executable, "-c", SERVER, "1"], stdout=subprocess.PIPE, text=True)
+    _ready(server)
+    try:
+        dial = wan.run("pub", [sys.executable, "-c", DIAL, wan.address("fw"), "7100"], capture_output=True, text=True)
+        assert dial.stdout.strip() == "TimeoutError", dial.stdout  # dropped, not refused: the listener never saw it
+    finally:
+        server.kill()
+        server.wait()
 
 
 # (a, b, whether a UDP hole punch between them works): RFC 4787's matrix, a double NAT as its outer box

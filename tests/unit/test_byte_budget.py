@@ -11,6 +11,7 @@ from peers.rpc.directory import ServerDirectory
 from peers.serving.config import MIB, ComputeConfig, within_memory
 from swarm import wire
 from swarm.errors import BusyError
+from swarm.ids import shard_of
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.records import PeerState, ServerRecord
 
@@ -82,25 +83,34 @@ def _record(
 def test_chaining_trusts_only_servers_of_the_block_with_our_weights() -> None:
     now = [0.0]
     reads: list[int] = []
-    records = {
-        1: [_record("b", 0, 2), _record("other-weights", 0, 2, "xx"), _record("standby", 1, 2, state=PeerState.STANDBY)]
-    }
+    peers = ("b", "other-weights", "standby", "stranger", "late")
+    records: dict[int, list[ServerRecord]] = {}
+    for r in (
+        _record("b", 0, 2),
+        _record("other-weights", 0, 2, "xx"),
+        _record("standby", 1, 2, state=PeerState.STANDBY),
+    ):
+        records.setdefault(shard_of(r.peer_id), []).append(r)
 
-    def read(block: int) -> list[ServerRecord]:
-        reads.append(block)
-        return records.get(block, [])
+    def read(shard: int) -> list[ServerRecord]:
+        reads.append(shard)
+        return records.get(shard, [])
 
     directory = ServerDirectory(read, frozenset({"fp"}), 4, ttl=8.0, clock=lambda: now[0])
+    shards = {p: shard_of(p) for p in peers}
 
     async def scenario() -> None:
         assert (await directory.server_at("b", 1)) is not None
+        assert (await directory.server_at("b", 2)) is None  # not a block of its span
         for peer in ("other-weights", "standby", "stranger"):
             assert (await directory.server_at(peer, 1)) is None
-        assert reads == [1]  # one read served them all: a flood of unknown names costs one read per block and period
-        assert (await directory.server_at("b", 7)) is None and reads == [1]  # no such block: no read
+        # one read a shard served them all: a flood of unknown names costs one read per shard and period
+        assert sorted(reads) == sorted({shards[p] for p in ("b", "other-weights", "standby", "stranger")})
+        seen = len(reads)
+        assert (await directory.server_at("b", 7)) is None and len(reads) == seen  # no such block: no read
         now[0] = 3.0
-        records[1].append(_record("late", 1, 3))
+        records.setdefault(shards["late"], []).append(_record("late", 1, 3))
         assert (await directory.server_at("late", 1)) is not None  # a server that just joined is found
-        assert reads == [1, 1]
+        assert reads[-1] == shards["late"] and len(reads) == seen + 1
 
     asyncio.run(scenario())

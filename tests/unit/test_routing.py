@@ -174,7 +174,7 @@ class _Store:
     def __init__(self, view):
         self._view = view
 
-    def view(self, model_id, num_blocks):
+    def view(self, model_id, num_blocks, enough=None):
         return self._view
 
 

@@ -166,3 +166,23 @@ def test_no_hairpinning_and_no_other_protocols_across_a_box():
     assert nat.translate(bytes(icmp), 0.0) is None
     plain = packet((SERVER, 1), (OTHER, 2), IP_PROTO_TCP, b"public to public")
     assert nat.translate(plain, 0.0) == plain  # crossing no box: untouched
+
+
+def test_a_firewall_translates_nothing_and_admits_only_answers():
+    """A stateful firewall without NAT: the host keeps its own address both ways; only the very endpoint it sent to
+    gets in, and a firewall inside a NAT is crossed as well as the NAT."""
+    nat = _nat("firewall")
+    assert _in(nat, (SERVER, 443), (LAPTOP, 4001)) is None  # unsolicited: dropped
+    frame = nat.translate(packet((LAPTOP, 4001), (SERVER, 443), IP_PROTO_TCP, b"syn"), 0.0)
+    assert frame is not None and parts(frame) == ((LAPTOP, 4001), (SERVER, 443))  # untranslated
+    assert nat.translate(packet((SERVER, 443), (LAPTOP, 4001), IP_PROTO_TCP, b"ack"), 1.0) is not None
+    assert nat.translate(packet((SERVER, 444), (LAPTOP, 4001), IP_PROTO_TCP, b"x"), 1.0) is None
+    assert nat.translate(packet((OTHER, 443), (LAPTOP, 4001), IP_PROTO_TCP, b"x"), 1.0) is None
+    assert nat.translate(packet((SERVER, 443), (LAPTOP, 4002), IP_PROTO_TCP, b"x"), 1.0) is None
+    behind = Nat({HOME: NatBox(HOME, "firewall"), CARRIER: NatBox(CARRIER, "full-cone")}, {LAPTOP: HOME, HOME: CARRIER})
+    out = behind.translate(packet((LAPTOP, 5000), (SERVER, 443), IP_PROTO_TCP, b"x"), 0.0)
+    assert out is not None and parts(out)[0][0] == CARRIER
+    mapped = parts(out)[0]
+    assert behind.translate(packet((SERVER, 443), mapped, IP_PROTO_TCP, b"y"), 0.0) is not None
+    # the full-cone NAT would let a stranger in; the firewall behind it does not
+    assert behind.translate(packet((OTHER, 443), mapped, IP_PROTO_TCP, b"y"), 0.0) is None

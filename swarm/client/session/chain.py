@@ -7,9 +7,14 @@ signed commitment: digests of what it took in and what it gave out. The client c
 commitment is signed by the key the hop's identity certified, that the output it got matches its digest, and that
 each hop took in exactly what the one before it gave out; so the history it keeps for replays (each hop's inputs)
 is what the servers really computed on. A hop that fails, stays silent past its deadline or breaks the digests is
-reported to the caller, which repairs the plan; the repaired chain sends the step again from that hop, and the hops
-after it redo it (a server takes the start of its last step again: ``peers.serving.sessions``). Replies of an earlier
-attempt still in a stream are told apart by the step's ``tag`` and skipped."""
+reported to the caller, which repairs the plan. While it waits for a hop, the client watches the hop before it: a
+hop that cannot push the step on ends its session at once with ``NextHopUnreachableError`` (``peers.rpc.chain``),
+and the hop it could not reach is the one failed (no wait for the step's deadline, no blame on the reporter beyond
+reopening its session). A hop that missed its deadline but answers a liveness check is slow, not dead
+(``swarm.client.session.liveness``): replaced without a ban. The caller repairs the plan; the repaired chain sends
+the step again from that hop, and the hops after it redo it (a server takes the start of its last step again:
+``peers.serving.sessions``). Replies of an earlier attempt still in a stream are told apart by the step's ``tag`` and
+skipped."""
 
 from __future__ import annotations
 
@@ -24,11 +29,12 @@ from swarm.client import replies
 from swarm.client.connection import RTT_SLACK, SwarmConnection
 from swarm.client.session.hop import HopState
 from swarm.client.session.hop_replies import Sent, read_acks, read_outputs
+from swarm.client.session.liveness import judge_silence
 from swarm.client.session.steps import Step, chunks
 from swarm.codecs import Codec
-from swarm.errors import DisagreedInputError, SwarmError
+from swarm.errors import DisagreedInputError, NextHopUnreachableError, SwarmError, UnknownHopError
 from swarm.identity import Signed
-from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession
+from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession, StepReply
 from swarm.rpc.commit import digest
 from swarm.rpc.remote import Tensors, unavailable
 from swarm.rpc.stream import InferenceStream, open_session
@@ -175,9 +181,12 @@ class Chain:
         return max(choices, key=lambda c: _SAVING.get(c, 0))
 
     def deadline(self, states: list[HopState], upto: int, base: float) -> float:
-        """How long hop ``upto`` of a chained step may take to answer: the compute allowance ``base`` plus a few
-        measured round trips per hop the step crosses to reach it (unmeasured hops count nothing)."""
-        return base + RTT_SLACK * sum(self.conn.rtt.get(s.hop.peer_id, 0.0) for s in states[: upto + 1])
+        """How long hop ``upto`` of a chained step may take to answer: the compute allowance ``base`` (longer where a
+        hop on the way was found slow but alive: ``SwarmView.patience``) plus a few measured round trips per hop the
+        step crosses to reach it (unmeasured hops count nothing)."""
+        crossed = states[: upto + 1]
+        patience = max(self.conn.view.patience(s.hop.peer_id) for s in crossed)
+        return base * patience + RTT_SLACK * sum(self.conn.rtt.get(s.hop.peer_id, 0.0) for s in crossed)
 
     # ---- one hop's replies ----------------------------------------------------------------------------------------
     async def _collect(
@@ -188,16 +197,66 @@ class Chain:
         hop that fails is marked broken (and the one before it, when they disagree on what passed between them)."""
         state = states[k]
         timeout = self.deadline(states, k, self.base_timeout(sent.pieces[0].end))
-        try:
+
+        async def reading() -> tuple[torch.Tensor, list[str]]:
             await read_acks(self.conn, state, timeout)
             return await read_outputs(state, sent, position, inputs, timeout)
+
+        try:
+            return await self._watched(states, k, reading())
         except BaseException as e:
             state.link.fail()
+            if isinstance(e, NextHopUnreachableError) and e.declared and k + 1 < len(states):
+                raise _unreached(state, states[k + 1]) from None  # its next hop is the suspect: failed, not it
+            if isinstance(e, UnknownHopError) and k + 1 < len(states):
+                # it sees no record of its next hop serving the blocks after it: a server gone since this client
+                # read the swarm (or not yet seen there, then found again after its parole); that one is replaced
+                raise _unreached(state, states[k + 1]) from None
             if k > 0 and isinstance(e, DisagreedInputError):
                 states[k - 1].link.fail()  # either of the two lies: both are replaced
-            if isinstance(e, SwarmError):
-                raise replies.distrust(e, state.hop.peer_id) from None
+            if isinstance(e, SwarmError):  # a missed deadline: busy (no ban) or dead, as its liveness check says
+                raise await judge_silence(self.conn, state.hop, replies.distrust(e, state.hop.peer_id)) from None
             raise
+
+    async def _watched(
+        self, states: list[HopState], k: int, reading: Awaitable[tuple[torch.Tensor, list[str]]]
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Hop ``k``'s replies (``reading``), while the hop before it is watched: anything it says now is out of
+        turn (it answered the whole step already), so it is the error it ended its session with. That it could not
+        push the step to hop ``k`` fails hop ``k`` at once (``NextHopUnreachableError``); any other end (its session
+        idled out while hop ``k`` computed) marks it for reopening, and hop ``k`` is still waited for."""
+        prior = states[k - 1] if k > 0 else None
+        stream = prior.link.stream if prior is not None else None
+        if prior is None or stream is None or stream.closed:
+            return await reading
+        heard = stream.watch()
+        task = asyncio.ensure_future(reading)
+        await asyncio.wait((task, heard), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        try:
+            await stream.receive(StepReply, 1.0)  # what the watch read (done): an error reply raises what it names
+        except NextHopUnreachableError:
+            prior.link.fail()  # its session ended: reopened at the next attempt, with no blame
+            task.cancel()  # hop k is failed: its read may stop halfway
+            await asyncio.gather(task, return_exceptions=True)
+            raise _unreached(prior, states[k]) from None
+        except SwarmError:  # it ended its session otherwise (idle while this hop computed): reopened next step
+            prior.link.fail()
+            return await task
+        prior.link.fail()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise unavailable(prior.hop.peer_id, "answered a step it had answered already")
+
+
+def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:
+    """``reporter`` could not pass the step on to ``suspect``: the suspect is the one failed (and banned for failing,
+    which parole lifts before its blocks count as missing); the reporter's session ended, so it is reopened."""
+    suspect.link.fail()
+    e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} could not reach the next hop {suspect.hop.peer_id}")
+    e.peer_id = suspect.hop.peer_id
+    return e
 
 
 async def open_stream(conn: SwarmConnection, state: HopState) -> InferenceStream:

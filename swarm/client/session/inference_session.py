@@ -6,7 +6,9 @@ mediated by the client). Each hop remembers what it was sent (``session.hop``). 
 connection, or no answer within the step timeout), the retry helper bans its peer and runs the step again from that
 hop: the route is repaired (the hop rebound to a new route over its blocks, possibly several peers) and the hop's
 remembered inputs are replayed onto the replacement, which rebuilds the cache, so the session goes on from the same
-position. A hop that stays far slower than its server announced is moved the same way, if another route exists.
+position. A hop that stays far slower than its server announced is moved the same way, if another route exists. A
+hop whose server says it is leaving is moved off the step path instead, and taken at a step boundary
+(``session.handover``): a polite quit costs no replay a step waits for.
 Verification, the commitments' signatures and speculative steps' finality are ``session.checks``'s."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
 from swarm.client.session.chain import Chain
 from swarm.client.session.checks import SessionChecks
+from swarm.client.session.handover import Handover
 from swarm.client.session.history import TokenHistory
 from swarm.client.session.hop import HopState
 from swarm.client.session.paths import ChainedPath, MediatedPath, StepPath
@@ -72,6 +75,16 @@ class InferenceSession:
             if conn.cfg.chain
             else MediatedPath(conn, delivery, self._opening, self._base_timeout, self.routes.observe)
         )
+        # hops moved off leaving servers off the step path (``session.handover``)
+        self.handover = Handover(
+            conn,
+            self.routes,
+            self.path,
+            self._repaired,
+            lambda: self.history.mask,
+            lambda: not (self.provisional or self.checks.pending),
+        )
+        self.replays_on_step = 0  # histories replayed while a step waited (a failover's repairs)
         # speculative decoding (``swarm.client.speculative.loop``): a provisional step's drafts may still be taken back;
         # ``_last_n``: the last step's positions (what ``take_back`` may cut)
         self.provisional, self._last_n = False, 0
@@ -93,6 +106,11 @@ class InferenceSession:
     @property
     def failovers(self) -> int:
         return self.conn.retrier.failovers
+
+    @property
+    def moves(self) -> int:
+        """Hops moved off servers that quit politely, their histories replayed off the step path."""
+        return self.handover.taken
 
     # ---- the plan -------------------------------------------------------------------------------------------------
     def plan_for(self, prompts: int) -> tuple[Plan, Schedule]:
@@ -126,10 +144,7 @@ class InferenceSession:
         old.close()
         self.checks.audit(self.bound.states)
         route = await asyncio.to_thread(self.routes.new, old.hop.start, old.hop.end)
-        self._generation += 1
-        plan, ids = repair(self.bound.plan, self.bound.ids[index], route, self._generation)
-        fresh = [HopState(hop) for hop in route]
-        repaired = self.bound.replaced(index, plan, ids, fresh, self._generation)
+        repaired, fresh = self._repaired(self.bound, index, route)
         log.info(
             "replacing a hop",
             extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
@@ -138,6 +153,7 @@ class InferenceSession:
             if old.replay.inputs:
                 hidden, positions = old.replay.history()
                 mask = None if self.history.mask is None else self.history.mask[:, : self.position]
+                self.replays_on_step += 1
                 await self.path.replay(repaired, fresh, Step(hidden, mask, positions, positions, 0))
         except BaseException:
             for state in fresh:
@@ -147,9 +163,21 @@ class InferenceSession:
         self.routes.release([old.hop])
         self.bound = repaired
 
+    def _repaired(self, bound: BoundRoute, index: int, route: list[Hop]) -> tuple[BoundRoute, list[HopState]]:
+        """``bound`` with hop ``index`` rebound to fresh hops on ``route``, under a new generation; the fresh hops."""
+        self._generation += 1
+        plan, ids = repair(bound.plan, bound.ids[index], route, self._generation)
+        fresh = [HopState(hop) for hop in route]
+        return bound.replaced(index, plan, ids, fresh, self._generation), fresh
+
     async def _attempt(self, step: Step, done: list[torch.Tensor]) -> torch.Tensor:
-        """One attempt at ``step`` from the first hop not ``done``: the broken hops from there replaced first."""
+        """One attempt at ``step`` from the first hop not ``done``: a hop whose move off a leaving server is ready
+        moved, and the broken hops from there replaced first; then the moves of leaving hops go on."""
         assert self.bound is not None
+        moved = await self.handover.take(self.bound, len(done))
+        if moved is not None:
+            self.checks.audit(self.bound.states)
+            self.bound = moved
         index = len(done)
         while index < len(self.bound.ids):
             if self.bound.states[index].link.broken:
@@ -157,6 +185,7 @@ class InferenceSession:
                 continue
             index += 1
         await self.path.run(self.bound, step, done)
+        self.handover.notice(self.bound)
         return done[-1] if done else step.hidden
 
     # ---- one hop's allowances -------------------------------------------------------------------------------------
@@ -231,6 +260,11 @@ class InferenceSession:
             return
         self.closed = True  # once: a session closed twice (its ``with`` and the model's close) ends once
         try:
+            if self.handover.moves:  # moves under way: their fresh hops closed, their routes released
+                try:
+                    self.conn.loop.run(self.handover.close(), self.conn.timing.shutdown_timeout)
+                except Exception as e:  # noqa: BLE001 - at the session's end: a fresh hop's stream is all it holds
+                    log.info("dropping a move failed: %s", e, extra={"session": self.session_id})
             self.checks.finish(self.hop_states, chained=self.conn.cfg.chain)
         finally:
             for state in self.hop_states:

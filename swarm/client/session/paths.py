@@ -4,9 +4,10 @@
   to the next, and every hop sends the client its output with a signed commitment (``session.chain``);
 - ``MediatedPath``: the client sends each hop its input and takes its output back, hop after hop.
 
-Both run a step from the first hop not done yet (the hops before keep what they did), and replay a replaced hop's
-history onto its fresh hops. A server that dropped its copy of the client's adapter is opened again with the adapter's
-tensors, once, through the one rule of ``AdapterDelivery.resend``."""
+Both run a step from the first hop not done yet (the hops before keep what they did), replay a replaced hop's
+history onto its fresh hops, run further steps through fresh hops alone (a move's catch-up: ``session.handover``), and
+say which hop's server announced in its last reply that it is leaving. A server that dropped its copy of the client's
+adapter is opened again with the adapter's tensors, once, through the one rule of ``AdapterDelivery.resend``."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ from swarm.client import replies
 from swarm.client.connection import SwarmConnection
 from swarm.client.session.chain import Chain, Observe, Opening, open_stream
 from swarm.client.session.hop import HopState
+from swarm.client.session.liveness import judge_silence
 from swarm.client.session.requests import step_request
 from swarm.client.session.route import BoundRoute
 from swarm.client.session.steps import Step
 from swarm.client.tuning.adapters import AdapterDelivery
-from swarm.errors import AdapterMissingError
+from swarm.codecs import Codec
+from swarm.errors import AdapterMissingError, SwarmError
+from swarm.protocol import InferenceRequest, StepReply
+from swarm.rpc.remote import Tensors
 
 
 class StepPath(Protocol):
@@ -35,6 +40,14 @@ class StepPath(Protocol):
 
     async def replay(self, route: BoundRoute, fresh: list[HopState], step: Step) -> None:
         """Give ``fresh`` hops of ``route`` (the repaired one) their whole history, ``step``."""
+        ...
+
+    async def extend(self, fresh: list[HopState], step: Step) -> None:
+        """Run ``step`` through ``fresh`` hops alone (already replayed), recording it as theirs."""
+        ...
+
+    def leaving(self, state: HopState) -> bool:
+        """Whether the hop's server said in its last reply that it is leaving."""
         ...
 
 
@@ -70,6 +83,13 @@ class ChainedPath:
         await self.chain.prepare(fresh, route.states, route.generation)
         await self.chain.replay(fresh, step)
 
+    async def extend(self, fresh: list[HopState], step: Step) -> None:
+        await self.chain.run(fresh, step, [])
+
+    def leaving(self, state: HopState) -> bool:
+        replies = state.commitments.replies  # every reply a chained hop sent is kept there
+        return bool(replies) and replies[-1].leaving
+
 
 class MediatedPath:
     def __init__(
@@ -82,12 +102,25 @@ class MediatedPath:
     ) -> None:
         self.conn, self.delivery, self.opening = conn, delivery, opening
         self.base_timeout, self.observe = base_timeout, observe
+        self._leaving: set[str] = set()  # hops (their session ids) whose server said in its last reply it is leaving
 
     async def run(self, route: BoundRoute, step: Step, done: list[torch.Tensor]) -> None:
+        await self._through(route.states[len(done) :], step, done)
+
+    async def extend(self, fresh: list[HopState], step: Step) -> None:
+        await self._through(fresh, step, [])
+
+    def leaving(self, state: HopState) -> bool:
+        return state.session_id in self._leaving
+
+    async def _through(self, states: list[HopState], step: Step, done: list[torch.Tensor]) -> None:
         h = done[-1] if done else step.hidden
-        for state in route.states[len(done) :]:
+        for state in states:
             try:
                 out = await self.exchange(state, step.entering(h))
+            except SwarmError as e:  # a missed deadline: busy (no ban) or dead, as its liveness check says
+                state.link.fail()
+                raise await judge_silence(self.conn, state.hop, e) from None
             except BaseException:
                 state.link.fail()
                 raise
@@ -114,7 +147,7 @@ class MediatedPath:
             expect = replies.expected(request, tensors)
             codec = self.conn.remote.codec_for(state.hop, tensors)
             timeout = self.conn.timeout(self.base_timeout(step.tokens), state.hop.peer_id)
-            call = link.stream.exchange(request, tensors, timeout, expect.max_bytes, codec)
+            call = self._call(state, request, tensors, codec, timeout, expect.max_bytes)
             out = (await replies.checked(state.hop.peer_id, expect, call))["hidden"]
         except AdapterMissingError:
             if not resend_adapter(self.delivery, state, opening):
@@ -122,3 +155,16 @@ class MediatedPath:
             return await self.exchange(state, step)
         await self.observe(state, time.perf_counter() - t0, step.tokens)
         return out.to(hidden.dtype)
+
+    async def _call(
+        self, state: HopState, request: InferenceRequest, tensors: Tensors, codec: Codec, timeout: float, bound: int
+    ) -> Tensors:
+        """The step's message and its reply (what ``InferenceStream.exchange`` does, the reply's leaving flag read)."""
+        stream, hop = state.link.stream, state.hop
+        assert stream is not None
+        t0 = time.perf_counter()
+        sent = await stream.send(request, tensors, codec)
+        reply, out, received = await stream.receive(StepReply, timeout, bound)
+        self.conn.remote.links.observe(hop.peer_id, sent + received, time.perf_counter() - t0, hop.network_mbps)
+        (self._leaving.add if reply.leaving else self._leaving.discard)(state.session_id)
+        return out

@@ -27,14 +27,15 @@ class SessionRoutes:
     ) -> None:
         self.conn, self.batch_size, self.max_length = conn, batch_size, max_length
         self.needs, self.session_id = needs, session_id
-        self.avoid: set[str] = set()  # peers this session moved away from for slowness
+        self.avoid: set[str] = set()  # peers this session moved away from (slow, or leaving)
         self.slow_steps: dict[str, int] = {}  # hop (its session id) -> slow steps in a row
 
-    def new(self, start: int, end: int) -> list[Hop]:
-        """A route over blocks ``start:end`` whose servers have room for the session, priced by their load, each of
-        its servers counted as holding one more of this client's sessions until ``release``; ``CacheFullError`` (not
-        retried) when the blocks are served but none has the room."""
-        route = self._route(start, end)
+    def new(self, start: int, end: int, exclude: frozenset[str] = frozenset()) -> list[Hop]:
+        """A route over blocks ``start:end`` whose servers have room for the session, priced by their load, none of
+        them in ``exclude`` (servers that are leaving), each of its servers counted as holding one more of this
+        client's sessions until ``release``; ``CacheFullError`` (not retried) when the blocks are served but none has
+        the room."""
+        route = self._route(start, end, exclude)
         self.conn.view.sessions_here.update(h.peer_id for h in route)
         return route
 
@@ -45,7 +46,7 @@ class SessionRoutes:
         for peer in [p for p, n in here.items() if n <= 0]:
             del here[peer]
 
-    def _route(self, start: int, end: int) -> list[Hop]:
+    def _route(self, start: int, end: int, exclude: frozenset[str]) -> list[Hop]:
         need = self.batch_size * self.max_length
         view = self.conn.view
         if self.conn.trust is not None:  # servers convicted by others' accusations are banned before routing
@@ -58,17 +59,24 @@ class SessionRoutes:
                     mode="inference",
                     min_cache_tokens=need,
                     needs=self.needs,
-                    exclude=frozenset(self.avoid),
+                    exclude=exclude | self.avoid,
                     tokens=self.batch_size,
                 )
             except MissingBlocksError:
                 pass
         try:
             return view.route(
-                start, end, mode="inference", min_cache_tokens=need, needs=self.needs, tokens=self.batch_size
+                start,
+                end,
+                mode="inference",
+                min_cache_tokens=need,
+                needs=self.needs,
+                exclude=exclude,
+                tokens=self.batch_size,
             )
         except MissingBlocksError:
-            view.route(start, end, mode="inference", needs=self.needs)  # raises if the blocks themselves are missing
+            # raises if the blocks themselves are missing
+            view.route(start, end, mode="inference", needs=self.needs, exclude=exclude)
             error = CacheFullError(
                 f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
                 f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"

@@ -43,44 +43,89 @@ function section(modelId) {
   return s;
 }
 
+const DENSE = 20; // more peers than this: compact rows, so a swarm of 50 fits on one screen
+const CHURN_WINDOW = 600; // seconds of joins and quits counted in the summary
+
+function replicaClass(k) {
+  return k === 0 ? "gap" : k === 1 ? "r1" : "covered";
+}
+
 function renderMap(s, snap) {
   const table = s.querySelector("table.map");
   const n = Math.max(0, Math.min(Number(snap.num_blocks) || 0, 4096));
-  const head = el("tr");
-  head.appendChild(el("th", "peer", "peer \\ block"));
+  table.classList.toggle("dense", snap.peers.length > DENSE);
+  // the block numbers and the per-block replica counts head the map (sticky while its rows scroll)
+  const head = el("tr", "blocks");
+  head.appendChild(el("th", "peer", "block"));
   for (let b = 0; b < n; b++) head.appendChild(el("th", "block", b % 5 === 0 ? b : ""));
-  table.tHead.replaceChildren(head);
+  const cover = el("tr", "coverage");
+  cover.appendChild(el("th", "peer", "online replicas"));
+  const standby = el("tr", "standbys");
+  standby.appendChild(el("th", "peer", "standbys"));
+  for (let b = 0; b < n; b++) {
+    const k = Number(snap.online[b]) || 0;
+    const td = el("td", "count " + replicaClass(k), k);
+    td.title = "block " + b + ": " + k + " online";
+    cover.appendChild(td);
+    standby.appendChild(el("td", "count", Number(snap.standby[b]) || ""));
+  }
+  table.tHead.replaceChildren(head, cover, standby);
 
   const rows = [];
-  for (const p of snap.peers) {
+  let previous = null;
+  for (const p of snap.peers) { // in span order (the snapshot's): replicas of a span sit together
     const tr = el("tr", "peer-row");
     tr.dataset.peerId = p.peer_id;
+    const span = p.start + ":" + p.end;
+    if (previous !== null && span !== previous) tr.classList.add("new-span");
+    previous = span;
     const name = el("td", "peer", short(p.peer_id));
-    name.title = p.peer_id;
+    name.title = p.peer_id + " (" + p.state + " " + span + ")";
     tr.appendChild(name);
     const cls = stateClass(p.state);
     for (let b = 0; b < n; b++) {
       const inside = b >= p.start && b < p.end;
       const td = el("td", "cell " + (inside ? cls : "empty"));
-      if (inside) td.title = p.state + " " + p.start + ":" + p.end;
+      if (inside) td.title = p.state + " " + span;
       tr.appendChild(td);
     }
     rows.push(tr);
   }
   table.tBodies[0].replaceChildren(...rows);
+}
 
-  const cover = el("tr", "coverage");
-  cover.appendChild(el("td", "peer", "online replicas"));
-  const standby = el("tr", "standbys");
-  standby.appendChild(el("td", "peer", "standbys"));
-  for (let b = 0; b < n; b++) {
-    const k = Number(snap.online[b]) || 0;
-    const td = el("td", k === 0 ? "gap" : "covered", k);
-    td.title = "block " + b + ": " + k + " online";
-    cover.appendChild(td);
-    standby.appendChild(el("td", "", Number(snap.standby[b]) || ""));
-  }
-  table.tFoot.replaceChildren(cover, standby);
+function where(counts, value) {
+  // the blocks holding value, as runs: "3:5, 9"
+  const runs = [];
+  counts.forEach((k, b) => {
+    if (k !== value) return;
+    const last = runs[runs.length - 1];
+    if (last && last[1] === b) last[1] = b + 1; else runs.push([b, b + 1]);
+  });
+  const text = runs.map(([a, b]) => (b === a + 1 ? String(a) : a + ":" + b)).join(", ");
+  return text.length <= 40 ? text : text.slice(0, 40) + "\u2026";
+}
+
+function renderSummary(s, snap) {
+  const counts = {};
+  for (const p of snap.peers) counts[stateClass(p.state)] = (counts[stateClass(p.state)] || 0) + 1;
+  const parts = STATES.filter((st) => counts[st] || st === "online").map((st) => (counts[st] || 0) + " " + st);
+  s.querySelector(".peer-count").textContent = snap.peers.length + " (" + parts.join(", ") + ")";
+
+  const online = (snap.online || []).map((k) => Number(k) || 0);
+  const low = online.length ? Math.min(...online) : 0;
+  const high = online.length ? Math.max(...online) : 0;
+  const replicas = s.querySelector(".replicas");
+  replicas.textContent = online.length
+    ? "min " + low + " (block " + where(online, low) + "), max " + high + " (block " + where(online, high) + ")"
+    : "-";
+  replicas.className = "replicas " + (low === 0 ? "bad" : low === 1 ? "thin" : "");
+
+  const since = Number(snap.taken_at) - CHURN_WINDOW;
+  const seen = { joined: 0, left: 0, unreachable: 0 };
+  for (const e of snap.events) if (e.kind in seen && Number(e.at) >= since) seen[e.kind] += 1;
+  s.querySelector(".churn").textContent =
+    seen.joined + " joined, " + seen.left + " left, " + seen.unreachable + " stopped answering";
 }
 
 function renderPeers(s, snap) {
@@ -101,23 +146,32 @@ function renderPeers(s, snap) {
     );
     return tr;
   });
-  s.querySelector("table.peers tbody").replaceChildren(...rows);
+  const table = s.querySelector("table.peers");
+  table.classList.toggle("dense", snap.peers.length > DENSE);
+  table.tBodies[0].replaceChildren(...rows);
+}
+
+const CHURN = ["joined", "left", "unreachable", "reachable"]; // listed apart: the broker's and others' can be many
+
+function eventItem(e) {
+  const li = el("li");
+  li.append(el("span", "time", when(e.at)), " ", el("span", "kind kind-" + e.kind, e.kind), " ");
+  if (e.peer_id) {
+    const who = el("span", "mono", short(e.peer_id));
+    who.title = e.peer_id;
+    li.append(who, " ");
+  }
+  li.appendChild(el("span", "detail", e.detail));
+  return li;
 }
 
 function renderEvents(s, snap) {
-  const items = snap.events.slice().reverse().map((e) => {
-    const li = el("li");
-    li.append(el("span", "time", when(e.at)), el("span", "kind " + e.kind, e.kind));
-    if (e.peer_id) {
-      const who = el("span", "mono", short(e.peer_id) + " ");
-      who.title = e.peer_id;
-      li.appendChild(who);
-    }
-    li.appendChild(el("span", "detail", e.detail));
-    return li;
-  });
-  if (items.length === 0) items.push(el("li", "muted", "none yet"));
-  s.querySelector(".events").replaceChildren(...items);
+  const newest = snap.events.slice().reverse();
+  for (const [selector, wanted] of [[".churn-events", true], [".other-events", false]]) {
+    const items = newest.filter((e) => CHURN.includes(e.kind) === wanted).map(eventItem);
+    if (items.length === 0) items.push(el("li", "muted", "none yet"));
+    s.querySelector(selector).replaceChildren(...items);
+  }
 }
 
 function renderAccusations(s, snap) {
@@ -160,9 +214,9 @@ function render(state) {
     s.querySelector(".broker").title = snap.broker ? snap.broker.holder : "";
     s.querySelector(".throughput").textContent =
       num(snap.forward_tps) + " fwd tok/s, " + num(snap.inference_sps) + " inference steps/s";
-    s.querySelector(".peer-count").textContent = String(snap.peers.length);
     s.querySelector(".dropped").textContent = String(snap.dropped);
     s.querySelector(".updated").textContent = when(snap.taken_at);
+    renderSummary(s, snap);
     renderMap(s, snap);
     renderPeers(s, snap);
     renderAccusations(s, snap);
