@@ -32,7 +32,13 @@ from swarm.client.session.hop_replies import Sent, read_acks, read_outputs
 from swarm.client.session.liveness import judge_silence
 from swarm.client.session.steps import Step, chunks
 from swarm.codecs import Codec
-from swarm.errors import DisagreedInputError, NextHopUnreachableError, SwarmError, UnknownHopError
+from swarm.errors import (
+    DisagreedInputError,
+    NextHopUnreachableError,
+    SessionExpiredError,
+    SwarmError,
+    UnknownHopError,
+)
 from swarm.identity import Signed
 from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession, StepReply
 from swarm.rpc.commit import digest
@@ -93,10 +99,12 @@ class Chain:
             opening, tensors = self.opening(state)
             state.commitments.bind(opening)
             link.stream = await open_stream(self.conn, state)
+            link.rerouted = False  # a fresh session: whatever it says is about this route
             link.acks.append(time.perf_counter())
             await link.stream.send(InferenceRequest(open=opening, route=signed), tensors)
         else:
             link.acks.append(time.perf_counter())
+            link.rerouted = True
             await link.stream.send(InferenceRequest(route=signed), {})
         link.generation = generation
 
@@ -200,12 +208,15 @@ class Chain:
 
         async def reading() -> tuple[torch.Tensor, list[str]]:
             await read_acks(self.conn, state, timeout)
+            state.link.rerouted = False
             return await read_outputs(state, sent, position, inputs, timeout)
 
         try:
             return await self._watched(states, k, reading())
         except BaseException as e:
             state.link.fail()
+            if isinstance(e, NextHopUnreachableError) and e.declared and state.link.rerouted:
+                raise _ended_before(state) from None  # about the next hop it had before: nobody to blame now
             if isinstance(e, NextHopUnreachableError) and e.declared and k + 1 < len(states):
                 raise _unreached(state, states[k + 1]) from None  # its next hop is the suspect: failed, not it
             if isinstance(e, UnknownHopError) and k + 1 < len(states):
@@ -248,6 +259,14 @@ class Chain:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise unavailable(prior.hop.peer_id, "answered a step it had answered already")
+
+
+def _ended_before(state: HopState) -> SwarmError:
+    """The hop ended its session for a next hop it could not reach before it heard the route this client sent it
+    since (the client had replaced that next hop already): its session is reopened, no one is blamed."""
+    e = SessionExpiredError(f"peer {state.hop.peer_id} ended its session under an earlier route")
+    e.peer_id = state.hop.peer_id
+    return e
 
 
 def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:

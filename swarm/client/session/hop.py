@@ -33,6 +33,9 @@ class Link:
     send_adapter: bool = False  # open with the adapter's tensors even if the server should have them
     generation: int = -1  # the route generation it was given
     acks: list[float] = field(default_factory=list)  # when each opening/route message still unanswered was sent
+    # a new route was sent on the open stream and not yet acknowledged: what the server says before that ack (its
+    # session ended for a next hop it could not reach) is about the route before
+    rerouted: bool = False
 
     def close(self) -> None:
         if self.stream is not None:
