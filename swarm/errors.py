@@ -131,10 +131,10 @@ class SessionExpiredError(SwarmError):
 
 
 class UnknownHopError(SwarmError):
-    """A chained hop sees no signed record of the route's hop before or after it serving the blocks the route puts
-    there: a server that joined or moved a moment ago, whose record has not reached this hop's directory yet (it
-    re-reads a block at most every ``record_ttl / 4``), or a name a client made up. Neither this server's fault nor
-    surely the client's: retried after a pause, nobody banned (a made-up name fails again, until the retry budget)."""
+    """A chained hop sees no signed record of the route's next hop serving the blocks after its own: a server gone
+    since the client read the swarm, one that joined or moved a moment ago (this hop re-reads a shard at most every
+    ``record_ttl / 4``), or a name a client made up. Not this server's fault: the client replaces that next hop
+    (``swarm.client.session.chain``); reaching the retry helper, it is retried with nobody banned."""
 
     code = "unknown_hop"
     retriable = True

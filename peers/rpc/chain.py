@@ -289,7 +289,7 @@ class StepPusher:
         if session.previous != pusher:
             raise BadInputError(f"{pusher} is not the hop before session {session.id} on its route")
         if await self.directory.server_at(pusher, session.sub.start - 1) is None:
-            raise UnknownHopError(f"{pusher} announces no record serving block {session.sub.start - 1}")
+            raise BadInputError(f"{pusher} announces no record serving block {session.sub.start - 1}")
         if session.inbox.qsize() >= MAX_INBOX:
             raise BadInputError(f"session {session.id} has {MAX_INBOX} steps waiting")
         room = session.room if session.room is not None else self.budget

@@ -167,7 +167,7 @@ class Passes:
                 raise BadInputError(f"a hop whose input is pushed takes no {name!r} from the trainer")
             before = req.start - 1 if forward else req.end  # the blocks the pusher must serve
             if before < 0 or await self.directory.server_at(link.source, before) is None:
-                raise UnknownHopError(f"{link.source} announces no record serving block {before}")
+                raise BadInputError(f"{link.source} announces no record serving block {before}")
             tensors = dict(tensors, **{name: await self.box.take(caller, link.key, link.source)})
         received = tensors.get(name)
         if received is None:

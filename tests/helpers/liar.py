@@ -12,9 +12,7 @@ times faster than the honest test servers, so clients route to it first. ``start
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 
 from swarm.errors import BadInputError
 from swarm.launch import LocalSwarm, PeerProcess
+from tests.helpers.wrapped import start_wrapped
 
 Tensors = dict[str, torch.Tensor]
 MODES = ("no_hidden", "oversized", "bad_input", "oom")  # replies that lie (each liar test starts one of each)
@@ -80,33 +79,7 @@ def install_fork() -> None:
 
 def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:
     """A liar serving ``span`` in ``swarm``, started as ``LocalSwarm`` starts its peers (and stopped with them)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.helpers.liar",
-        mode,
-        "--model",
-        swarm.model,
-        *swarm.extra_args,
-        "--throughput",
-        "1000",
-        "--initial-peers",
-        *swarm.initial_peers,
-        "--blocks",
-        span,
-    ]
-    if swarm.test_timings:
-        cmd.append("--test-timings")
-    swarm.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = swarm.log_dir / f"liar-{len(swarm.peers)}-{mode}.log"
-    with open(log_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=swarm.env)
-    peer = PeerProcess(proc, span, (mode,), log_path)
-    threading.Thread(target=peer._watch_stdout, daemon=True).start()
-    swarm.peers.append(peer)
-    if wait:
-        peer.wait_ready(swarm.startup_timeout)
-    return peer
+    return start_wrapped(swarm, "tests.helpers.liar", [mode], span, f"liar-{mode}", ["--throughput", "1000"], wait)
 
 
 def main(argv: list[str]) -> int:

@@ -8,11 +8,10 @@ really holds; everything else it does is honest.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 
 from swarm.launch import LocalSwarm, PeerProcess
+from tests.helpers.wrapped import start_wrapped
 
 
 def install(sessions: int) -> None:
@@ -32,20 +31,7 @@ def install(sessions: int) -> None:
 def start_load_liar(swarm: LocalSwarm, sessions: int, span: str, wait: bool = True) -> PeerProcess:
     """A server of ``span`` in ``swarm`` announcing ``sessions`` open sessions, started as ``LocalSwarm`` starts its
     peers (and stopped with them)."""
-    cmd = [sys.executable, "-m", "tests.helpers.load_liar", str(sessions), "--model", swarm.model, *swarm.extra_args]
-    cmd += ["--initial-peers", *swarm.initial_peers, "--blocks", span]
-    if swarm.test_timings:
-        cmd.append("--test-timings")
-    swarm.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = swarm.log_dir / f"load-liar-{len(swarm.peers)}-{sessions}.log"
-    with open(log_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=swarm.env)
-    peer = PeerProcess(proc, span, ("load-liar",), log_path)
-    threading.Thread(target=peer._watch_stdout, daemon=True).start()
-    swarm.peers.append(peer)
-    if wait:
-        peer.wait_ready(swarm.startup_timeout)
-    return peer
+    return start_wrapped(swarm, "tests.helpers.load_liar", [str(sessions)], span, f"load-liar-{sessions}", [], wait)
 
 
 def main(argv: list[str]) -> int:

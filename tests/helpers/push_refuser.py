@@ -9,13 +9,12 @@ servers, so clients route to it first), which stops it with its own peers."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from swarm.launch import LocalSwarm, PeerProcess
+from tests.helpers.wrapped import start_wrapped
 
 
 def install() -> None:
@@ -32,20 +31,7 @@ def install() -> None:
 
 def start_push_refuser(swarm: LocalSwarm, span: str, wait: bool = True) -> PeerProcess:
     """A server of ``span`` in ``swarm`` that no push reaches, started as ``LocalSwarm`` starts its peers."""
-    cmd = [sys.executable, "-m", "tests.helpers.push_refuser", "--model", swarm.model, *swarm.extra_args]
-    cmd += ["--throughput", "1000", "--initial-peers", *swarm.initial_peers, "--blocks", span]
-    if swarm.test_timings:
-        cmd.append("--test-timings")
-    swarm.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = swarm.log_dir / f"push-refuser-{len(swarm.peers)}.log"
-    with open(log_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=swarm.env)
-    peer = PeerProcess(proc, span, ("push-refuser",), log_path)
-    threading.Thread(target=peer._watch_stdout, daemon=True).start()
-    swarm.peers.append(peer)
-    if wait:
-        peer.wait_ready(swarm.startup_timeout)
-    return peer
+    return start_wrapped(swarm, "tests.helpers.push_refuser", [], span, "push-refuser", ["--throughput", "1000"], wait)
 
 
 def main(argv: list[str]) -> int:

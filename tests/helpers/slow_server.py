@@ -10,13 +10,13 @@ clients route to it first), which stops it with its own peers."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
 from swarm.launch import LocalSwarm, PeerProcess
+from tests.helpers.wrapped import start_wrapped
 
 
 def install(delay: float) -> None:
@@ -43,20 +43,8 @@ def install(delay: float) -> None:
 
 def start_slow(swarm: LocalSwarm, delay: float, span: str, wait: bool = True) -> PeerProcess:
     """A saturated server of ``span`` in ``swarm``, started as ``LocalSwarm`` starts its peers."""
-    cmd = [sys.executable, "-m", "tests.helpers.slow_server", repr(delay), "--model", swarm.model, *swarm.extra_args]
-    cmd += ["--throughput", "1000", "--inline-tokens", "0", "--initial-peers", *swarm.initial_peers, "--blocks", span]
-    if swarm.test_timings:
-        cmd.append("--test-timings")
-    swarm.log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = swarm.log_dir / f"slow-{len(swarm.peers)}.log"
-    with open(log_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=swarm.env)
-    peer = PeerProcess(proc, span, ("slow",), log_path)
-    threading.Thread(target=peer._watch_stdout, daemon=True).start()
-    swarm.peers.append(peer)
-    if wait:
-        peer.wait_ready(swarm.startup_timeout)
-    return peer
+    extra = ["--throughput", "1000", "--inline-tokens", "0"]
+    return start_wrapped(swarm, "tests.helpers.slow_server", [repr(delay)], span, "slow", extra, wait)
 
 
 def main(argv: list[str]) -> int:
