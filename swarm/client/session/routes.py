@@ -81,7 +81,12 @@ class SessionRoutes:
                 f"no server of blocks {start}:{end} has KV-cache room for a session of {need} tokens "
                 f"(batch {self.batch_size} x max_length {self.max_length}); try a shorter max_length or later"
             )
-            error.retriable = False
+            # a server of every block could hold it once room frees (or once a server that just started announces
+            # its cache): try again, within the retry budget; longer than any server's whole cache: fail now
+            snapshot = view.snapshot()
+            error.retriable = all(
+                any(r.cache_tokens_total >= need for r in snapshot.get(b, [])) for b in range(start, end)
+            )
             raise error from None
 
     async def observe(self, state: HopState, elapsed: float, tokens: int) -> None:
