@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from harness.procstats import cpu_seconds, p2pd_io, pss, tree
 from swarm.config import Timing
 from swarm.launch import LocalSwarm, PeerProcess
 
@@ -175,11 +176,15 @@ class Watcher:
         self.plan_stamp: tuple[int, float] | None = None  # (term, issued_at) of that plan
         self.moves: list[int] = []  # per change of plan: peers in both plans whose placement changed
         self.rounds: list[tuple[float, int]] = []  # the broker's round replayed: seconds (read + plan), bytes read
+        self.view: dict | None = None  # the latest read
 
     def span_of(self, peer_id: str) -> range:
+        """From the latest view the watcher read (a read of its own could time out on a machine this loaded)."""
         from swarm.records import servers
 
-        record = servers(self.store.view(self.model, BLOCKS)).get(peer_id)
+        with self.lock:
+            view = self.view
+        record = servers(view).get(peer_id) if view is not None else None
         return range(record.start, record.end) if record is not None else range(0)
 
     def quit(self, peer_id: str, span: range) -> None:
@@ -198,6 +203,7 @@ class Watcher:
             self.follow_broker()
             now = time.monotonic()
             with self.lock:
+                self.view = view
                 live = {b: {r.peer_id for r in view[b] if r.state == PeerState.ONLINE} - self.gone for b in view}
                 still = []
                 for peer, t0, span in self.pending:
@@ -240,63 +246,6 @@ class Watcher:
 
     def close(self) -> None:
         self.store.shutdown()
-
-
-def tree(pid: int) -> list[int]:
-    """A process and its descendants (a peer's DHT child and p2pd)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def pss(pids: list[int]) -> int:
-    """Proportional set size: a page shared by k processes (the fork server's, copy-on-write) counts 1/k to each."""
-    total = 0
-    for p in pids:
-        for line in _read(f"/proc/{p}/smaps_rollup").splitlines():
-            if line.startswith("Pss:"):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in pids:
-        stat = _read(f"/proc/{p}/stat")
-        if stat:
-            fields = stat.rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def p2pd_io(pids: list[int]) -> int:
-    total = 0
-    for p in pids:
-        if "p2pd" not in _read(f"/proc/{p}/comm"):
-            continue
-        for line in _read(f"/proc/{p}/io").splitlines():
-            if line.startswith(("rchar:", "wchar:")):
-                total += int(line.split()[1])
-    return total
 
 
 def churn(swarm: LocalSwarm, live: list[PeerProcess], watcher: Watcher, rng: random.Random) -> list[str]:
@@ -353,6 +302,14 @@ def run(n: int, minutes: float, timings: str, root: Path) -> dict[str, object]:
                 time.sleep(min(60.0, minutes * 60 - (time.monotonic() - start)))
                 if time.monotonic() - start < minutes * 60 - 1:
                     events += churn(swarm, live, watcher, rng)
+                with stats.lock:  # progress, for a run of many minutes
+                    print(
+                        f"[{n} peers, {(time.monotonic() - start) / 60:.1f} min] answers {stats.answers}, "
+                        f"exact {stats.exact}, failed {len(stats.failed)}, tuning steps {stats.tune_steps}, "
+                        f"quits {len(watcher.restored)} served again ({len(watcher.pending)} pending)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             io_rate = (p2pd_io(pids()) - io0) / max(len(live), 1) / ((time.monotonic() - start) / 60)
             stop.set()
             for t in threads:

@@ -140,6 +140,10 @@ class SwarmConnection:
             self._ban(future.result(), kind)
 
     def _ban(self, failures: list[SwarmError], kind: str) -> None:
+        if kind == "release":  # sent as the client closes: nothing fails over, and servers that left are no news
+            for failure in failures:
+                log.debug("release not delivered: %s", failure, extra={"peer": failure.peer_id})
+            return
         for failure in failures:
             if failure.retriable:
                 self.retrier.note_failure(failure, kind)

@@ -36,6 +36,7 @@ from swarm.protocol import (
     InferenceRequest,
     InferenceStep,
     OpenSession,
+    PassPush,
     PushStep,
 )
 from swarm.records import (
@@ -51,6 +52,7 @@ from swarm.records import (
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
 from swarm.rpc.stream import open_session
+from tests.helpers.attacker_passes import push_passes
 from tests.helpers.attacker_training import attack_training, errors_of, huge_notice, join_averaging
 
 TIMING = Timing.for_tests()
@@ -257,13 +259,14 @@ def outsider(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, A
 
 def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, Any]:
     """Push steps into an honest client's chained session on a server, over both planes and under every route
-    generation up to 3: the server must take pushes only from the hop before it on the client's signed route.
+    generation up to 3: the server must take pushes only from the hop before it on the client's signed route. Then,
+    on each plane, one push of a chained training pass's activation: an inference-only server takes none.
     Started ahead (a DHT peer takes seconds), it says ``ready`` and then reads the target from stdin: one JSON line
     with the server's hop, the client's peer id, its session id there and its position (as a leak would give them).
     After each plane's pushes it says how many it has sent, in how many bytes, and keeps the stream open until a line
     on stdin says the server has read them (the test sees the bytes in the server's count of what it received)."""
     loop = LoopThread("pusher")
-    sent = 0
+    sent = passes = 0
     try:
         p2p = loop.run(stores[0].replicate_p2p())
         print(json.dumps({"ready": True, "peer_id": stores[0].peer_id}), flush=True)
@@ -286,13 +289,17 @@ def push_into(stores: list[RecordStore], args: argparse.Namespace) -> dict[str, 
                 loop.run(channel.send(frames))
                 nbytes += wire.encoded_size(frames)
                 sent += 1
+            frames = wire.encode(remote.meta(PassPush(client=target["client"], key=f"pass-{plane}")), hidden)
+            loop.run(channel.send(frames))
+            nbytes += wire.encoded_size(frames)
+            passes += 1
             print(json.dumps({"sent": sent, "bytes": nbytes}), flush=True)
             sys.stdin.readline()
             channel.close()
             remote.close()
     finally:
         loop.close(5.0)
-    return {"pushes": sent}
+    return {"pushes": sent, "passes": passes}
 
 
 MARKUP = '<img src=x onerror="document.title=1">'
@@ -315,6 +322,7 @@ ATTACKS = {
     "notice": huge_notice,
     "averaging": join_averaging,
     "push": push_into,
+    "passes": push_passes,
 }
 
 
@@ -336,16 +344,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hop", default="", help="outsider: the JSON of one server's hop (peer_id, span, addresses)")
     p.add_argument("--swarm-key", default="", help="outsider: a key file of its own (default: none)")
     p.add_argument("--identity", default="", help="the key file of its first identity (default: a new key)")
+    p.add_argument("--control", default="", help="passes: the folder whose files drive it")
     args = p.parse_args(argv)
     stores: list[RecordStore] = []
     try:
-        for k in range({"records": 3, "training": 3, "outsider": 0}.get(args.attack, 1)):
+        for k in range({"records": 3, "training": 3, "outsider": 0, "passes": 2}.get(args.attack, 1)):
             stores.append(
                 start_dht(
                     initial_peers=tuple(args.initial_peers),
                     identity=Path(args.identity) if args.identity and k == 0 else None,
                     timeout=TIMING.dht_start_timeout,
                     call_timeout=TIMING.dht_timeout,
+                    # the records attack's forgeries must outlive this process for the test to read them: a DHT
+                    # node of its own would be among the nodes nearest to some keys, and keep their copies itself
+                    client_mode=args.attack == "records",
                 )
             )
         result = ATTACKS[args.attack](stores, args)

@@ -4,9 +4,9 @@ clients generating without pause, and churn while they do: two peers killed (SIG
 quitting with Ctrl-C (SIGINT), and four newcomers. Every answer equals local Hugging Face and none fails; the
 newcomers are placed; the blocks of every peer that left are served again by live peers.
 
-The peers run the default timings (a public swarm's): with the tests' short ones each idle peer costs about 0.14 CPU
-cores (about 0.02 with the defaults, measured by ``scripts/bench_scale.py``'s idle phase), which 24 peers on the
-suite's 2 cores could not pay without starving their own heartbeats."""
+The peers and clients run the tests' short timings: an idle peer costs about 0.03 CPU cores with them (0.005 with a
+public swarm's defaults; ``scripts/bench_scale.py``'s idle phase, docs/scale.md), which 24 peers on the suite's 2
+cores can pay."""
 
 from __future__ import annotations
 

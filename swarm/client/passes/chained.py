@@ -71,7 +71,20 @@ def _run(conn: SwarmConnection, calls: list[Call]) -> list[tuple[PassReply, Tens
             raise distrust(e, hop.peer_id) from None
 
     async def every() -> list[object]:
-        return await asyncio.gather(*(one(*c) for c in calls), return_exceptions=True)
+        """Every call's reply or error; once one hop failed in a way that dooms the pass (a stale step, an error
+        of its own), the others are cancelled rather than left waiting out their wait for a push that will not come
+        (a trainer one step behind would otherwise lose ``open_timeout`` per refused pass). A hop that reports it
+        waited in vain (``bad_input``) dooms nothing new: the hop that failed it is still to answer."""
+        tasks = [asyncio.ensure_future(one(*c)) for c in calls]
+        pending: set[asyncio.Future[object]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not isinstance(t.exception(), BadInputError | None) for t in done):
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                break
+        return [None if t.cancelled() else t.exception() or t.result() for t in tasks]  # None: cancelled
 
     results = conn.loop.run(every())
     errors = [r for r in results if isinstance(r, BaseException)]
