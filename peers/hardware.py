@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from peers.serving.runtime import SpanRuntime
 from swarm.errors import SwarmError
 from swarm.hop import Hop
+from swarm.host import cpu_name
 from swarm.records import ServerRecord
 from swarm.rpc.remote import Remote
 
@@ -31,14 +31,8 @@ def probe_hardware(device: str) -> Hardware:
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         return Hardware(props.name, props.total_memory)
-    name = platform.processor() or platform.machine() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware(f"cpu: {name}", memory)
+    return Hardware(f"cpu: {cpu_name()}", memory)
 
 
 def _sync(device: torch.device) -> None:

@@ -10,12 +10,12 @@ import hashlib
 import json
 import math
 import os
-import platform
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from swarm.host import cpu_name
 from swarm.perf.model import Device, Link, Software
 
 CALIBRATION_VERSION: Literal[1] = 1
@@ -79,13 +79,7 @@ class Calibration(BaseModel):
 def machine_key(threads: int) -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{cpu} | torch {torch.__version__} | {threads} thread(s)"
+    return f"{cpu_name()} | torch {torch.__version__} | {threads} thread(s)"
 
 
 def calibration_path(cache_dir: Path, threads: int) -> Path:
