@@ -125,6 +125,8 @@ def client_loop(index: int, folder: Path, peers: list[str], timing: Timing, work
                 out = model.generate(prompts[p], max_new_tokens=NEW_TOKENS, do_sample=False, streamer=stamps)
             except Exception as e:  # noqa: BLE001 - counted: every failed answer is reported
                 with stats.lock:
+                    if not stats.failed or type(e).__name__ not in stats.failed[-1]:
+                        print(f"client {index}: {e!r}"[:400], file=sys.stderr, flush=True)  # a new kind, at once
                     stats.failed.append(repr(e)[:300])
                 continue
             with stats.lock:

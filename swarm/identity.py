@@ -77,7 +77,10 @@ class Signed(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     public_key: str = Field(max_length=1024)  # OpenSSH form, as in hivemind's owner markers
-    payload: str = Field(max_length=4096)  # the record's JSON
+    # the record's JSON: a chained route's hops take ~300 bytes each (id, session, addresses), so a route of the
+    # dozens of small spans a swarm of consumer GPUs gives a model fits (4 KiB held 13: 24 hops of 2 blocks failed,
+    # scripts/bench_scale.py at 50 peers); a server holds one per session, beside that session's KV cache
+    payload: str = Field(max_length=64 * 1024)
     signature: str = Field(max_length=1024)  # base64, over the payload
 
 

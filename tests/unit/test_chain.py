@@ -18,7 +18,7 @@ from peers.serving.sessions import Session, SessionTable
 from swarm.client.session.steps import chunks
 from swarm.config import Timing
 from swarm.errors import BadInputError
-from swarm.identity import Credentials, Signed
+from swarm.identity import Credentials, Signed, sign_record
 from swarm.ids import Span
 from swarm.protocol import ChainHop, ChainRoute, StepReply
 from swarm.rpc.commit import ChainCopy, CommitKey, CommitSigner, digest
@@ -63,6 +63,23 @@ def test_a_route_binds_only_when_its_owner_signed_it_and_it_names_this_session(k
     )
     with pytest.raises(BadInputError, match="signature"):
         accept_route(session(), forged, client.peer_id, server.peer_id)
+
+
+def test_a_route_of_dozens_of_hops_with_their_addresses_is_signed_and_bound(keys):
+    """48 hops of one block each (a swarm of small GPUs), each with its session, direct address and two libp2p
+    addresses: the client's signed route carries them all (4 KiB held 13 hops of this size)."""
+    client, server, _ = keys
+    maddrs = (f"/ip4/203.0.113.7/tcp/31337/p2p/{server.peer_id}", f"/ip6/2001:db8::7/tcp/31337/p2p/{server.peer_id}")
+    hops = tuple(
+        ChainHop(
+            peer_id=f"{server.peer_id[:-2]}{k:02d}", session_id=f"{k:032x}", direct="203.0.113.7:40000", maddrs=maddrs
+        )
+        for k in range(47)
+    ) + (ChainHop(peer_id=server.peer_id, session_id="s1", direct="203.0.113.7:40000", maddrs=maddrs),)
+    route = ChainRoute(client=client.peer_id, generation=0, hops=hops)
+    s = session()
+    accept_route(s, sign_record(client.key, route), client.peer_id, server.peer_id)
+    assert s.index == 47 and len(route.model_dump_json()) > 3 * 4096
 
 
 def test_commitments_are_believed_only_under_a_certified_key(keys):
