@@ -110,7 +110,7 @@ class ForkServer:
     def __init__(self, startup_timeout: float = 120.0) -> None:
         self.env = child_env({"PYTHONUNBUFFERED": "1"})
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.fork_server"],
+            [sys.executable, "-m", "harness.fork_server", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -216,7 +216,9 @@ def _child(request: dict[str, Any], server: int) -> int:
 
 
 def _term_with_parent(server: int) -> None:
-    """SIGTERM this child when the fork server dies (killed, it cannot stop its children itself)."""
+    """SIGTERM this process when its parent (``server``) dies: a peer when the fork server dies (killed, it cannot
+    stop its children itself), the fork server when the process that started it does (the thread that started it,
+    strictly: ``ForkServer`` is made on a thread that lives as long as its peers)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
@@ -289,7 +291,11 @@ def _stop_left(running: set[int], out: IO[str]) -> None:
             return
 
 
-def serve() -> None:
+def serve(parent: int) -> None:
+    # a parent killed without closing stdin (SIGKILL, or a default SIGTERM) takes this server with it, and the
+    # server's death its peers (theirs is SIGTERM too: ``_child``). The end of stdin alone is not enough: a process
+    # the parent forked meanwhile (a client's DHT) inherits the pipe's write end and keeps it open
+    _term_with_parent(parent)
     from swarm.serve import preload
 
     preload()  # the imports every peer pays for, paid once here
@@ -317,4 +323,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(int(sys.argv[1]))
