@@ -144,6 +144,7 @@ def tuner_loop(folder: Path, peers: list[str], timing: Timing, stop, stats: Stat
         )
     except Exception as e:  # noqa: BLE001
         stats.tune_failed.append(f"could not connect: {e!r}")
+        print(f"fine-tuner: could not connect: {e!r}"[:400], file=sys.stderr, flush=True)
         return
     with model:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -155,6 +156,8 @@ def tuner_loop(folder: Path, peers: list[str], timing: Timing, stop, stats: Stat
                 optimizer.step()
                 optimizer.zero_grad()
             except Exception as e:  # noqa: BLE001
+                if not stats.tune_failed or type(e).__name__ not in stats.tune_failed[-1]:
+                    print(f"fine-tuner: {e!r}"[:400], file=sys.stderr, flush=True)  # a new kind, at once
                 stats.tune_failed.append(repr(e)[:300])
                 continue
             if not math.isfinite(loss.item()):
@@ -334,6 +337,7 @@ def run(n: int, minutes: float, timings: str, root: Path) -> dict[str, object]:
         exact=stats.exact,
         failed=len(stats.failed),
         failures=stats.failed[:5],
+        tune_failures=stats.tune_failed[:3],
         token_p50_ms=1000 * statistics.median(gaps),
         token_p99_ms=1000 * pct(0.99, gaps),
         longest_stall_s=gaps[-1],

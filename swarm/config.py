@@ -47,7 +47,10 @@ class Timing:
     stream_idle: float = 120.0  # a server ends any other stream (a kept-open compute connection) idle this long
     message_timeout: float = 60.0  # the rest of a message must arrive this soon after its first frame (slow senders)
     write_timeout: float = 30.0  # a server's reply must be taken this soon, or the caller that stopped reading loses it
-    missing_blocks_wait: float = 10.0  # how long the client waits for blocks nobody serves before failing
+    # how long the client waits for blocks nobody serves before failing: the swarm serves a quitter's blocks again
+    # within two heartbeat timeouts (the broker notices, places a standby or another peer, which loads them; p99
+    # 26.8 s with 50 peers and churn, docs/scale.md), so a shorter wait fails answers the swarm was about to heal
+    missing_blocks_wait: float = 40.0
     retry_budget: float = 60.0  # total time one call may spend failing over before the error reaches the user
     backoff_min: float = 0.02  # the retry helper's first pause after a failure; doubles up to backoff_max
     backoff_max: float = 1.0
