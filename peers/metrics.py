@@ -146,6 +146,12 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
             "swarm_peer_step_replays", "steps sent again after the client repaired its route upstream", m.step_replays
         ),
         _counter("swarm_peer_push_refused", "pushed steps refused (not from the previous hop)", m.push_refused),
+        _pass_pushes(m),
+        _gauge(
+            "swarm_peer_pass_push_early_peak",
+            "the most chained-pass pushes one pusher kept here at once before their requests came",
+            m.pass_early_peak,
+        ),
         _counter(
             "swarm_peer_sessions_expired",
             "inference sessions ended by this server: idle or stalled",
@@ -154,6 +160,17 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
         _counter("swarm_peer_internal_errors", "requests that failed on the server's own error", m.internal_errors),
         traffic,
     ]
+
+
+def _pass_pushes(m: PeerMetrics) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "swarm_peer_pass_pushes",
+        "chained training passes' pushes: taken by their request, kept for it, or refused (by reason)",
+        labels=["outcome"],
+    )
+    for outcome, n in sorted(m.pass_pushes.items()):  # labels from the fixed set of ``peers.rpc.passes.OUTCOMES``
+        family.add_metric([outcome], n)
+    return family
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:

@@ -40,8 +40,8 @@ def assemble(
     pusher = chained = None
     if remote is not None and directory is not None:
         pusher = StepPusher(remote, sessions, directory, edge)
-        chained = Passes(passes, directory, edge.timing, pusher.send_pass, edge.budget)
-        pusher.on_pass = chained.box.put
+        chained = Passes(passes, directory, edge.timing, pusher.send_pass, edge.budget, edge.metrics, pusher.peer_id)
+        pusher.on_pass = chained.accept
     signer = CommitSigner(remote.creds if remote is not None else Credentials.of(RSAPrivateKey()))
     inference = InferenceLoop(sessions, pusher, signer, edge, limits)
     return Servicer(edge, passes, inference, info, pusher, chained, training)

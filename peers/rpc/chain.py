@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 import torch
 
@@ -47,6 +47,8 @@ MAX_INBOX = 64  # steps waiting in one session (a prompt's chunks in flight); a 
 MAX_WAITING = 256  # sessions with pushes that arrived before the route allowing them, all pushers together
 MAX_WAITING_PER_PUSHER = 16  # ...and per pusher (anyone can push before a route is known: these bound them)
 MAX_WAITING_BYTES = 64 << 20  # tensor bytes of the pushes waiting, all together
+# a chained training pass's push, (pusher, metadata, tensors): ``Passes.accept`` checks, counts and logs it itself
+OnPass = Callable[[str, dict[str, object], dict[str, torch.Tensor]], Coroutine[object, object, None]]
 
 
 class Pushed:
@@ -99,7 +101,7 @@ class StepPusher:
         self._local: asyncio.Task[None] | None = None  # the latest push to this server's own next session
         self._waiting_bytes = 0
         self._by_pusher: Counter[str] = Counter()
-        self.on_pass: Callable[[str, PassPush, torch.Tensor], None] | None = None  # chained training passes
+        self.on_pass: OnPass | None = None  # chained training passes
 
     def _link(self, record: ServerRecord) -> PushLink:
         link = self._links.get(record.peer_id)
@@ -182,7 +184,10 @@ class StepPusher:
         """A chained training pass's output, to the next hop of the pass (``peers.rpc.passes``)."""
         if record.peer_id == self.peer_id:  # the pass names this server twice in a row: no network
             if self.on_pass is not None:
-                self.on_pass(self.peer_id, push, next(iter(tensors.values())))
+                self._tasks.add(
+                    task := asyncio.create_task(self.on_pass(self.peer_id, self.remote.meta(push), tensors))
+                )
+                task.add_done_callback(self._tasks.discard)
             return
         self._link(record).send(wire.encode(self.remote.meta(push), tensors), holder)
 
@@ -236,11 +241,9 @@ class StepPusher:
         self.edge.check_member(pusher, meta)
         check_version(meta)
         if meta.get("kind") == "pass":  # a chained training pass's activation or gradient
-            pass_push = PassPush.model_validate(meta)
-            if self.on_pass is None or len(tensors) != 1 or next(iter(tensors)) not in ("hidden", "grad_output"):
-                raise BadInputError("a pass push carries one tensor, hidden or grad_output, to a training stage")
-            self.on_pass(pusher, pass_push, next(iter(tensors.values())))
-            return
+            if self.on_pass is None:
+                raise BadInputError("this server takes no part in chained passes")
+            return await self.on_pass(pusher, meta, tensors)  # counted as a pass push's outcome, not here
         push = PushStep.model_validate(meta)
         pushed = Pushed(push, tensors, sum(t.numel() * t.element_size() for t in tensors.values()))
         key = (pusher, push.client, push.session_id)  # by pusher: another's early pushes never hold these up

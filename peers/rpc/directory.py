@@ -53,10 +53,15 @@ class ServerDirectory:
 
     async def server_at(self, peer_id: str, block: int) -> ServerRecord | None:
         """The signed record of ``peer_id`` serving ``block`` with our weights, or None if it announces none."""
-        if not 0 <= block < self.num_blocks:
+        return await self.server_in(peer_id, block, block + 1)
+
+    async def server_in(self, peer_id: str, first: int, end: int) -> ServerRecord | None:
+        """The signed record of ``peer_id`` serving any block of ``first:end`` with our weights, or None."""
+        first, end = max(first, 0), min(end, self.num_blocks)
+        if first >= end:
             return None
         shard = shard_of(peer_id)
-        found = self._find(peer_id, shard, block)
+        found = self._find(peer_id, shard, first, end)
         cached = self._shards.get(shard)
         if found is None and (cached is None or self.clock() - cached.fetched > self.ttl / 4):
             async with self._locks.setdefault(shard, asyncio.Lock()):  # callers at once share one read
@@ -64,19 +69,20 @@ class ServerDirectory:
                 if cached is None or self.clock() - cached.fetched > self.ttl / 4:
                     records = await asyncio.to_thread(self._read, shard)
                     self._shards[shard] = _Shard(self.clock(), {r.peer_id: r for r in records})
-            found = self._find(peer_id, shard, block)
+            found = self._find(peer_id, shard, first, end)
         return found
 
-    def _find(self, peer_id: str, shard: int, block: int) -> ServerRecord | None:
+    def _find(self, peer_id: str, shard: int, first: int, end: int) -> ServerRecord | None:
         cached = self._shards.get(shard)
         if cached is None or self.clock() - cached.fetched > self.ttl:
             return None
         record = cached.records.get(peer_id)
-        return record if record is not None and self._serves(record, block) else None
+        return record if record is not None and self._serves(record, first, end) else None
 
-    def _serves(self, record: ServerRecord, block: int) -> bool:
+    def _serves(self, record: ServerRecord, first: int, end: int) -> bool:
         return (
             record.fingerprint in self.fingerprints
-            and record.start <= block < record.end
+            and record.start < end
+            and first < record.end
             and record.state in (PeerState.ONLINE, PeerState.LEAVING)
         )

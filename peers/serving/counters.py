@@ -91,6 +91,10 @@ class PeerMetrics:
         self.push_dropped = 0  # steps not pushed on because the next hop's queue was full
         self.step_replays = 0  # steps sent again from an earlier position: a client repaired its route upstream
         self.push_refused = 0  # pushed steps refused: not from the session's previous hop, no such session, bounds
+        # chained training passes' pushes by outcome (``peers.rpc.passes.OUTCOMES``: taken, kept or why refused), and
+        # the most pushes one pusher kept here at once waiting for their requests (its share bounds it)
+        self.pass_pushes: collections.Counter[str] = collections.Counter()
+        self.pass_early_peak = 0
         self.sessions_expired = 0  # inference sessions this server ended: their client went quiet (or stalled)
         self.internal_errors = 0  # failures of the server's own: answered ``swarm_error``, or a connection dropped
         self.watched = False  # its registry reads the peer's state too (set once by ``peers.metrics.watch``)

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from swarm.ids import assignment_key
 from swarm.records import Assignment, PeerState, servers
 from tests.helpers import swarms
 from tests.helpers.models import local_reference
-from tests.helpers.swarms import patient_timing, running_swarm, wait_for
+from tests.helpers.swarms import patient_timing, running_swarm, scrape, wait_for
 
 # The fast subset keeps the attack on a closed pre-training run (it checks the training too); the full suite runs
 # every one.
@@ -99,6 +99,35 @@ def attacking(kind: str, swarm: Any, model_id: str, num_blocks: int, *extra: str
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def pushing_passes(swarm: Any, model_id: str, honest: str, control: Path) -> Iterator[Callable[[], dict]]:
+    """The pass-push attack (``tests/helpers/attacker_passes.py``) in the background, forked like ``attack``'s,
+    driven by files in ``control``; yields a reader of its next JSON line. Killed if the test ends first."""
+    argv = _command("passes", swarm, model_id, 6, "--honest", honest, "--control", str(control), "--seconds", "300")
+    log = control / "passes.log"
+    process = swarms.SPAWNERS[0].spawn(argv[3:], log, main=ATTACKER)
+    assert process.stdout is not None
+    lines = iter(process.stdout)
+
+    def said() -> dict:
+        line = next(lines, None)
+        assert line is not None, log.read_text()[-3000:]  # it ended without saying it
+        return json.loads(line)
+
+    try:
+        yield said
+        assert process.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        process.kill()  # by its PID, if it outlived the test
+
+
+def pass_pushes(peer: Any) -> tuple[dict[str, float], float]:
+    """A server's count of the pass pushes it got, by outcome, and the most one pusher held there at once."""
+    got = scrape(peer.urls["metrics"])
+    outcomes = {dict(k[1])["outcome"]: v for k, v in got.items() if k[0] == "swarm_peer_pass_pushes_total"}
+    return outcomes, got[("swarm_peer_pass_push_early_peak", ())]
 
 
 def roles(store: RecordStore, model: str, num_blocks: int) -> dict[str, tuple[str, int, int]]:
@@ -229,8 +258,12 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     miscounted gradients, its requests as a stranger, its steps far ahead, its step notices and progress records
     (its own and forged in the trainer's name) are all refused or ignored; its flood of state requests from three
     identities is refused as ``busy`` beyond the stage's limits; and the run's losses are exactly those of the
-    same training in one process. Then a second listed trainer gone rogue signs step notices of step 10^12: each
-    stage moves at most ``catch_up_limit`` steps, its schedule far from its end, and still answers."""
+    same training in one process, its last steps run while another attacker identity, which announces a record of
+    the block before the second stage, pushes passes nobody asked for under made-up trainer names: the stage keeps
+    at most that identity's share of them, and none from an identity without such a record. Then a second listed
+    trainer gone rogue signs step notices of step 10^12: each stage moves at most ``catch_up_limit`` steps, its
+    schedule far from its end, and still answers."""
+    from peers.rpc.passes import MAX_EARLY_PER_PUSHER
     from peers.training.state_gate import BURST
     from swarm.client.training.local import LocalTraining
     from swarm.client.training.trainer import Trainer
@@ -246,7 +279,7 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
     local = LocalTraining(run, data)
     expected = [local.train_step() for _ in range(8)]
     interval = 60.0  # test timings turn the per-caller rate of state copies off: on here, longer than the test
-    args = ("--train", str(run_file), "--state-interval", str(interval))
+    args = ("--train", str(run_file), "--state-interval", str(interval), "--metrics-port", "0")
     with running_swarm("tiny-llama", [str(s) for s in run.stages], *args) as swarm:
         with Trainer(run, data, tuple(swarm.initial_peers), timing=TIMING, identity=identity) as trainer:
             losses = [trainer.train_step() for _ in range(4)]
@@ -262,7 +295,28 @@ def test_poisoned_training_requests_forged_steps_and_progress_change_nothing(tmp
                 "--step",
                 str(trainer.step),
             )
-            losses += [trainer.train_step() for _ in range(4)]
+            control = tmp_path / "passes"
+            control.mkdir()
+            target = next(p for p in swarm.peers if p.span != str(run.stages[0]))  # the stage a pass pushes to
+            before, _ = pass_pushes(target)
+            with pushing_passes(swarm, run.model_id, trainer.trainer_id, control) as said:
+                first = said()  # the identity without a record pushed
+                assert first["target"] == target.peer_id
+                refused = lambda: pass_pushes(target)[0].get("no_record", 0) - before.get("no_record", 0)  # noqa: E731
+                wait_for(lambda: refused() >= first["stranger"], 60, "the pushes without a record refused")
+                assert refused() == first["stranger"] and pass_pushes(target)[0].get("kept") == before.get("kept")
+                (control / "go").touch()
+                said()  # the identity with a record pushes twice its share every second from now on
+                wait_for(lambda: pass_pushes(target)[0].get("share", 0) > 0, 60, "pushes beyond its share refused")
+                losses += [trainer.train_step() for _ in range(4)]
+                (control / "stop").touch()
+                report = said()
+            outcomes, peak = pass_pushes(target)
+            print(f"the second stage's pass pushes: {outcomes}, at most {peak} of one pusher; the attacker's: {report}")
+            assert peak == MAX_EARLY_PER_PUSHER, (peak, outcomes)  # its share, whatever trainer names it wrote
+            assert report["sent"] >= 2 * MAX_EARLY_PER_PUSHER and outcomes["share"] > 0, (report, outcomes)
+            assert "full" not in outcomes and "busy" not in outcomes, outcomes  # the room of all pushers never filled
+            assert outcomes.get("taken", 0) > before.get("taken", 0), outcomes  # the honest passes went on beside it
             answers = done["answers"]
             assert answers["stranger"].startswith("BadInputError") and "not a trainer" in answers["stranger"]
             # in the honest trainer's name: both planes know who calls, so a borrowed name is refused outright

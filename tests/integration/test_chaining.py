@@ -167,13 +167,21 @@ def test_pushes_from_outside_the_route_are_refused(folder, ref):
             if attacker.poll() is None:
                 attacker.kill()
                 attacker.wait()
-        assert report["pushes"] == 8
+        assert report["pushes"] == 8 and report["passes"] == 2
         expected = ref.generate(torch.cat([head, more], dim=1), max_new_tokens=10, do_sample=False)
         assert torch.equal(out, expected)  # not one pushed step reached the session
         assert client.failovers == 0
         # each push refused, at once or once its wait for a newer route ended (the servers' open_timeout), no other
         wait_for(lambda: refused() >= 8, 60, "every push refused")
         assert refused() == 8
+        # and a chained training pass's push, one per plane, refused by a server that runs no training stage
+        passes = lambda: {  # noqa: E731
+            dict(k[1])["outcome"]: v
+            for k, v in scrape(swarm.peer_by_id(h.peer_id).urls["metrics"]).items()
+            if k[0] == "swarm_peer_pass_pushes_total"
+        }
+        wait_for(lambda: sum(passes().values()) >= 2, 60, "the pass pushes counted")
+        assert passes() == {"no_stage": 2}
 
 
 def test_a_route_names_only_servers_that_announce_the_blocks_around(folder):

@@ -118,6 +118,8 @@ def test_peer_state_is_read_at_scrape_time():
     now = [snapshot()]
     m.received_bytes, m.sent_bytes, m.push_failures, m.step_replays = 100, 200, 1, 2
     m.push_refused, m.sessions_expired, m.internal_errors = 5, 6, 7
+    m.pass_pushes.update(kept=3, share=2)
+    m.pass_early_peak = 3
     watch(m, lambda: now[0])
     watch(m, lambda: now[0])  # once only
     got = samples(text(m))
@@ -132,6 +134,9 @@ def test_peer_state_is_read_at_scrape_time():
     assert got[("swarm_peer_push_failures_total", ())] == 1 and got[("swarm_peer_step_replays_total", ())] == 2
     assert got[("swarm_peer_push_refused_total", ())] == 5 and got[("swarm_peer_sessions_expired_total", ())] == 6
     assert got[("swarm_peer_internal_errors_total", ())] == 7
+    assert got[("swarm_peer_pass_pushes_total", (("outcome", "kept"),))] == 3
+    assert got[("swarm_peer_pass_pushes_total", (("outcome", "share"),))] == 2
+    assert got[("swarm_peer_pass_push_early_peak", ())] == 3
     assert got[("swarm_peer_bytes_total", (("direction", "received"), ("role", "server")))] == 100
     assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "server")))] == 200
     assert got[("swarm_peer_bytes_total", (("direction", "sent"), ("role", "client")))] == 30
