@@ -79,6 +79,14 @@ class Chain:
             self._signed = (generation, key, signed)
         return self._signed[2]
 
+    def _next_in_route(self, state: HopState) -> str | None:
+        """The peer after ``state`` in the route this client last signed, if any."""
+        if self._signed is None or state.session_id not in self._signed[1]:
+            return None
+        i = self._signed[1].index(state.session_id)
+        hops = ChainRoute.model_validate_json(self._signed[2].payload).hops
+        return hops[i + 1].peer_id if i + 1 < len(hops) else None
+
     async def prepare(self, states: list[HopState], route: list[HopState], generation: int) -> None:
         """Open (all at once) every hop of ``states`` that has no stream, and give every one of them the route over
         ``route`` (of ``generation``); their acknowledgements are read with the step's replies, at no extra trip."""
@@ -219,10 +227,16 @@ class Chain:
                 raise _ended_before(state) from None  # about the next hop it had before: nobody to blame now
             if isinstance(e, NextHopUnreachableError) and e.declared and k + 1 < len(states):
                 raise _unreached(state, states[k + 1]) from None  # its next hop is the suspect: failed, not it
-            if isinstance(e, UnknownHopError) and k + 1 < len(states):
+            if isinstance(e, UnknownHopError):
                 # it sees no record of its next hop serving the blocks after it: a server gone since this client
-                # read the swarm (or not yet seen there, then found again after its parole); that one is replaced
-                raise _unreached(state, states[k + 1]) from None
+                # read the swarm (or not yet seen there, then found again after its parole); that one is replaced.
+                # The next hop is in the route, and not always among the hops stepped here (a replay to fresh hops
+                # whose route goes on past them): left unnamed, each retry would route through it again
+                if k + 1 < len(states):
+                    raise _unreached(state, states[k + 1]) from None
+                following = self._next_in_route(state)
+                if following is not None:
+                    raise _unreached_peer(state, following) from None
             if k > 0 and isinstance(e, DisagreedInputError):
                 states[k - 1].link.fail()  # either of the two lies: both are replaced
             if isinstance(e, SwarmError):  # a missed deadline: busy (no ban) or dead, as its liveness check says
@@ -275,6 +289,14 @@ def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:
     suspect.link.fail()
     e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} could not reach the next hop {suspect.hop.peer_id}")
     e.peer_id = suspect.hop.peer_id
+    return e
+
+
+def _unreached_peer(reporter: HopState, suspect: str) -> SwarmError:
+    """As ``_unreached``, for a next hop of the route that is not among the hops stepped now: failed (banned for
+    failing, paroled before its blocks count as missing), so the repaired route goes around it."""
+    e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect}")
+    e.peer_id = suspect
     return e
 
 
