@@ -1,9 +1,10 @@
 """The broker's reading of accusations: once a broker period, while it holds the lease, it judges a few new ones as
-every reader does (``swarm.rpc.judging``: the evidence must check and re-run wrong on servers drawn at random,
-neither accused nor accuser), asking those servers itself over its own transport (in a task of its own: the broker's
-rounds never wait on a re-run), and leaves every convicted server out of the placement
-(``peers.broker.loop.plan_once``): no span, no standby. A false accusation convicts nobody and its accuser's later
-accusations are ignored.
+every reader does (``swarm.rpc.judging``: the evidence must check and re-run wrong), and leaves every convicted
+server out of the placement (``peers.broker.loop.plan_once``): no span, no standby. The broker judges by running the
+span itself from its model folder (``local``, in a thread of its own: the broker's rounds never wait on it), never
+through servers that merely announce the weights (fresh identities could announce them and judge falsely); where it
+cannot run the span (other weights, a folder without those blocks) it convicts no one. A false accusation convicts
+nobody and its accuser's later accusations are ignored.
 
 A convicted server started with ``--blocks`` keeps serving what it pinned (the broker never moved it): clients,
 which read the same accusations, route around it."""
@@ -11,6 +12,7 @@ which read the same accusations, route around it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -28,13 +30,26 @@ from swarm.rpc.evidence import Facts
 from swarm.rpc.judging import Conviction, Docket, differs, judge
 from swarm.rpc.remote import Remote
 from swarm.rpc.stream import open_session
+from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
 
 
 class BrokerJudge:
-    def __init__(self, store: RecordStore, remote: Remote, model_id: str, num_blocks: int, timing: Timing) -> None:
-        self.store, self.remote, self.timing = store, remote, timing
+    def __init__(
+        self,
+        store: RecordStore,
+        remote: Remote,
+        model_id: str,
+        num_blocks: int,
+        timing: Timing,
+        local: Local | None = None,
+        counts: collections.Counter[str] | None = None,
+    ) -> None:
+        """``local``: the broker's own run of a span (``StagePort.local_judge``; None: it judges nothing);
+        ``counts``: what it judged, by outcome (upheld, false, dropped: ``PeerMetrics.accusations``)."""
+        self.store, self.remote, self.timing, self.local = store, remote, timing, local
+        self.counts = collections.Counter() if counts is None else counts
         self.model_id, self.num_blocks = model_id, num_blocks
         self.docket = Docket(store.peer_id, model_id)
         self._asked = -float("inf")
@@ -68,15 +83,21 @@ class BrokerJudge:
         def rerun(facts: Facts, hop: Hop) -> tuple[bool, str] | None:
             return asyncio.run_coroutine_threadsafe(self._rerun(facts, hop), loop).result(deadline)
 
-        def judge_one(accuser: str, item: Accusation) -> Conviction | None:
+        def judge_one(accuser: str, item: Accusation, failed: set[str]) -> Conviction | None:
             if not announced:  # read once a look, and only when something is due
                 announced.update(servers(self.store.view(self.model_id, self.num_blocks)))
             shunned = self.docket.convicted | self.docket.false_accusers
             live = [r for r in announced.values() if r.state == PeerState.ONLINE and r.peer_id not in shunned]
-            return judge(accuser, item, announced.get(item.accused), live, rerun, self.docket.rng)
+            d = self.docket
+            accused = announced.get(item.accused)
+            return judge(accuser, item, accused, live, rerun, d.rng, local=self.local, trusted=d.trusted, failed=failed)
 
         latest = dht_time() + self.timing.clock_skew
-        for c in self.docket.take_up(records, time.monotonic(), latest, judge_one):
+        dropped = len(self.docket.dropped)
+        convictions = self.docket.take_up(records, time.monotonic(), latest, judge_one)
+        self.counts["dropped"] += len(self.docket.dropped) - dropped
+        for c in convictions:
+            self.counts["upheld" if c.upheld else "false"] += 1
             who = c.accused if c.upheld else c.accuser
             what = "convicted: left out of placement" if c.upheld else "a false accusation"
             log.warning("broker: %s (%s)", what, c.reason, extra={"peer": who})

@@ -5,7 +5,7 @@ takes on its RPC loop, so serving pays nothing for it and the collector never to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -45,6 +45,7 @@ class PeerSnapshot:
     relay_circuits: int = 0  # ...connections relayed, in all
     relay_bytes: int = 0  # ...bytes relayed, both ways
     punched: int = 0  # behind a NAT: direct connections opened by hole punching
+    punched_out: int = 0  # ...and those it opened itself to NAT'd peers (its chained pushes, its own calls)
     averaging_bytes: int = 0  # a trainable stage: bytes sent to its replicas in averaging rounds
     rounds_undone: int = 0  # ...averaging rounds whose result it undid
     replica_heals: int = 0  # ...fresh state copies it took after it was found apart from its replicas
@@ -133,6 +134,11 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
         _counter("swarm_peer_relay_circuits", "connections relayed for peers behind NAT", s.relay_circuits),
         _counter("swarm_peer_relay_bytes", "bytes relayed for peers behind NAT, both ways", s.relay_bytes),
         _counter("swarm_peer_punched", "direct connections to this peer opened by hole punching", s.punched),
+        _counter(
+            "swarm_peer_punched_out",
+            "direct connections this peer opened to peers behind NAT by hole punching (chained pushes)",
+            s.punched_out,
+        ),
         _counter("swarm_peer_span_loads", "spans loaded from disk", s.span_loads),
         _counter("swarm_peer_rounds_undone", "averaging rounds whose result this replica undid", s.rounds_undone),
         _counter(
@@ -147,6 +153,12 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
         ),
         _counter("swarm_peer_push_refused", "pushed steps refused (not from the previous hop)", m.push_refused),
         _pass_pushes(m),
+        _labelled(
+            "swarm_peer_accusations_judged",
+            "accusations this peer judged as the broker: upheld (the accused left out of placement), false "
+            "(the accuser ignored from then on), dropped undecided",
+            m.accusations,
+        ),
         _gauge(
             "swarm_peer_pass_push_early_peak",
             "the most chained-pass pushes one pusher kept here at once before their requests came",
@@ -169,6 +181,13 @@ def _pass_pushes(m: PeerMetrics) -> CounterMetricFamily:
         labels=["outcome"],
     )
     for outcome, n in sorted(m.pass_pushes.items()):  # labels from the fixed set of ``peers.rpc.passes.OUTCOMES``
+        family.add_metric([outcome], n)
+    return family
+
+
+def _labelled(name: str, text: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, text, labels=["outcome"])
+    for outcome, n in sorted(counts.items()):  # labels from a fixed set of the code's own
         family.add_metric([outcome], n)
     return family
 

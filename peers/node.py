@@ -272,6 +272,7 @@ class Peer:
             relay_circuits=self.relay_stats.circuits_total if self.relay_stats else 0,
             relay_bytes=self.relay_stats.bytes_relayed if self.relay_stats else 0,
             punched=self.reach.punched(),
+            punched_out=sum(n for key, n in traffic.items() if key.startswith("punched:")),
             averaging_bytes=learner.averaging_bytes if learner is not None else 0,
             rounds_undone=learner.rounds_undone if learner is not None else 0,
             replica_heals=learner.replica_heals if learner is not None else 0,

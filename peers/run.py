@@ -272,7 +272,15 @@ async def start_work(
     if placement.broker:
         policy = Policy(replication=placement.replication, standby_fraction=placement.standby_fraction)
         planner = lambda peers: stage.plan(peers, policy)  # noqa: E731
-        judge = BrokerJudge(store, built.remote, model.name, model.num_blocks, timing)
+        judge = BrokerJudge(
+            store,
+            built.remote,
+            model.name,
+            model.num_blocks,
+            timing,
+            stage.local_judge(),
+            peer.engine.metrics.accusations,
+        )
         broker = run_broker(store, model.name, planner, timing, judge.convicted)
         tasks += [asyncio.create_task(broker), asyncio.create_task(judge.run())]
     tasks += [asyncio.create_task(work) for work in stage.background()]

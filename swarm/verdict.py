@@ -17,9 +17,14 @@ direction at once, where top-k magnitudes or a few projections would miss noise 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# A reader's own run of blocks ``start:end`` over ``inputs`` for the weights of ``fingerprint``, to judge accusations
+# by (None: it holds no such weights); ``swarm.families.recompute.local_judge`` makes one.
+Local = Callable[[torch.Tensor, int, int, str], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)

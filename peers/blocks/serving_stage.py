@@ -21,10 +21,12 @@ from peers.serving.runtime import SpanRuntime
 from peers.serving.stage_port import ModelInfo, StageEnv
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
+from swarm.families.recompute import local_judge
 from swarm.families.weights import load_layers
 from swarm.ids import Span
 from swarm.model_files import load_config, model_folder, weights_fingerprint
 from swarm.quantization import FORMATS, weights_format
+from swarm.verdict import Local
 
 
 def _perturb(layers: torch.nn.Module, scale: float) -> None:
@@ -95,6 +97,13 @@ class ServingStage:
 
     def attach(self, env: StageEnv) -> None:
         pass
+
+    def local_judge(self) -> Local | None:
+        # the folder's unquantized weights, whatever dtype or format this peer serves in (perturbed test weights
+        # are not the folder's: such a peer judges nothing)
+        if self.perturb:
+            return None
+        return local_judge(self.model.family, self.folder, self.cache_dir)
 
     def check_pinned(self, span: Span) -> None:
         if span.end > self.model.num_blocks:

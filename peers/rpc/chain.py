@@ -114,7 +114,8 @@ class StepPusher:
             if len(self._links) >= 1024:  # next hops are servers of this model, but their number is still bounded
                 self._prune()
             # the addresses its own signed record announces, never those a client wrote into its route
-            target = Hop(record.peer_id, 0, 1, record.maddrs, direct=record.direct_address)
+            # and its observers, so a NAT'd next hop is hole-punched to as a client would punch it (docs/links.md)
+            target = Hop.of(record)
             link = PushLink(self.remote, target, self.metrics, self.budget, self.timing, self._lost)
             self._links[record.peer_id] = link
         return link

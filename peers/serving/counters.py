@@ -95,6 +95,8 @@ class PeerMetrics:
         # the most pushes one pusher kept here at once waiting for their requests (its share bounds it)
         self.pass_pushes: collections.Counter[str] = collections.Counter()
         self.pass_early_peak = 0
+        # accusations this peer judged as the broker (``peers.judge``): upheld, false (against the accuser), dropped
+        self.accusations: collections.Counter[str] = collections.Counter()
         self.sessions_expired = 0  # inference sessions this server ended: their client went quiet (or stalled)
         self.internal_errors = 0  # failures of the server's own: answered ``swarm_error``, or a connection dropped
         self.watched = False  # its registry reads the peer's state too (set once by ``peers.metrics.watch``)

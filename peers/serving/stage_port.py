@@ -28,6 +28,7 @@ from swarm.dht import RecordStore
 from swarm.families.spec import Family
 from swarm.ids import Span
 from swarm.rpc.remote import Remote
+from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class Stage(Protocol):
 
     def background(self) -> list[Coroutine[object, None, None]]:
         """Work that runs as long as the peer does."""
+
+    def local_judge(self) -> Local | None:
+        """This peer's own run of a span of the model's weights, to judge accusations by (None: it has none)."""
 
     @property
     def training(self) -> TrainingRpc | None:

@@ -33,6 +33,7 @@ from swarm.training.checkpoints import state_digest
 from swarm.training.init import block_prefix, init_module, layers_path, stage_state_bytes
 from swarm.training.run import RunConfig, load_run
 from swarm.training.state import signed_rounds, stage_sources, stage_state
+from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class TrainableStage:
     def attach(self, env: StageEnv) -> None:
         self._env = env
         self.gate = StateGate(env.timing.state_interval)
+
+    def local_judge(self) -> Local | None:
+        return None  # trained weights change every step: accusations are about frozen ones
 
     def check_pinned(self, span: Span) -> None:
         self.run.stage_of(span)

@@ -22,6 +22,7 @@ from swarm.client.speculative.speculator import Speculator
 from swarm.client.tuning.adapters import AdapterDelivery, ClientAdapters
 from swarm.client.verify.trust import Trust
 from swarm.config import ClientConfig
+from swarm.families.recompute import local_judge
 from swarm.families.spec import Family
 from swarm.plan.compile import ModelShape, float_dtype
 from swarm.protocol import ReleaseRequest
@@ -81,7 +82,7 @@ def connect(
         value_bytes=own.dtype.itemsize,
     )
     try:
-        conn.trust = Trust.of(conn)
+        conn.trust = Trust.of(conn, local_judge(own.family, own.folder, cfg.cache_dir))
         adapters = own.adapters
         blocks = RemoteChain(conn, AdapterDelivery(adapters) if adapters and adapters.applies_remotely else None)
         runner = PlanRunner(own.modules, conn, blocks, shape, own.local)

@@ -37,6 +37,9 @@ class Judge(Protocol):
 
     def accuse(self, accused: str, hop: Hop, evidence: Evidence, reason: str) -> bool: ...
 
+    def vouch(self, *peers: str) -> None:
+        """``peers``' work on one window agreed with each other's (a hop and its verifier)."""
+
 
 class SwarmConnection:
     def __init__(

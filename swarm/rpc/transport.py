@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import closing
 from enum import StrEnum
 from typing import Protocol
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
 
 from swarm import wire
 from swarm.config import DirectPolicy
@@ -117,8 +118,37 @@ class P2PChannel:
 
 
 async def _iterate(p2p: P2P, peer: PeerID, rpc: str, requests: AsyncIterator[wire.Frame]) -> AsyncIterator[wire.Frame]:
-    responses: AsyncIterator[wire.Frame] = await p2p.iterate_protobuf_handler(peer, rpc, requests, wire.Frame)
-    return responses
+    """hivemind's ``iterate_protobuf_handler``, except at the end of the stream: hivemind's then waits for its
+    writer, which waits for our next frame, so a stream that died while this side had nothing to send (an idle push
+    link whose relay died) never ended, and the next session's first push went into it and was lost. Here the
+    stream's end ends the replies at once and stops the writer."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer, rpc)
+
+    async def write() -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    writing = asyncio.create_task(write())
+
+    async def read() -> AsyncIterator[wire.Frame]:
+        with closing(writer):
+            try:
+                while True:
+                    try:
+                        response, err = await P2P.receive_protobuf(wire.Frame, reader)
+                    except asyncio.IncompleteReadError:  # the stream ended
+                        return
+                    if err is not None:
+                        raise P2PHandlerError(f"handler {rpc} at {peer} failed: {err.message}")
+                    assert isinstance(response, wire.Frame)
+                    yield response
+            finally:
+                writing.cancel()
+                if writing.done() and not writing.cancelled():
+                    writing.exception()  # retrieved: a write that failed on a dead stream is not news
+
+    return read()
 
 
 async def unary(p2p: P2P, peer: PeerID, rpc: str, frame: wire.Frame) -> wire.Frame:

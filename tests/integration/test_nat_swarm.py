@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -31,6 +32,7 @@ PUBLIC = ("--relay", "--reachability", "public")
 PRIVATE: tuple[str, ...] = ()  # nothing: each finds out it is behind a NAT (--reachability auto, the default)
 # blocks 0:1 on both public relays (so one can die), then one NAT kind per block, and a double NAT on block 0
 BEHIND = {"full": ("full-cone", "1:2"), "port": ("port-restricted", "2:3"), "sym": ("symmetric", "3:4")}
+METRICS_PORT = 9464  # the full-cone server's metrics, on its own namespace's loopback
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,8 @@ def nat_swarm(folder, tmp_path_factory):
             joined: dict[str, float] = {}
             started = {}
             for node, (_, span) in BEHIND.items():
-                started[node] = (time.monotonic(), swarm.add_peer(span, *PRIVATE, node=node, wait=False))
+                metrics = ("--metrics-port", str(METRICS_PORT)) if node == "full" else ()
+                started[node] = (time.monotonic(), swarm.add_peer(span, *PRIVATE, *metrics, node=node, wait=False))
             # the double NAT serves block 0 beside the relays: blocks 1-3 have one server each, so every route
             # goes through the three single NATs
             started["dbl"] = (time.monotonic(), swarm.add_peer("0:1", *PRIVATE, node="dbl", wait=False))
@@ -90,6 +93,15 @@ def spec(folder: str, swarm: WanSwarm, **extra) -> dict:
     )
 
 
+def _counter(wan: Wan, node: str, name: str) -> float:
+    """A Prometheus counter of the server in ``node``, read on that namespace's loopback."""
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    text = wan.run(node, [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
 def test_servers_behind_every_nat_kind_join_through_relays_within_a_minute(nat_swarm):
     wan, swarm = nat_swarm
     assert set(swarm.joined) == {*BEHIND, "dbl"}
@@ -115,6 +127,8 @@ def test_generation_through_nat_d_servers_equals_hugging_face(nat_swarm, folder)
     assert result["punched"].get(f"punched:{full}", 0) >= 1, result["punched"]
     assert result["punched"].get(f"punched:{port}", 0) >= 1, result["punched"]
     assert not [k for k in result["punched"] if k.endswith(sym) or k.startswith("punch_failed")], result["punched"]
+    # and server to server: the full-cone server punched its chained pushes through to the port-restricted one
+    assert _counter(wan, "full", "swarm_peer_punched_out_total") >= 1
 
 
 def test_a_peer_claiming_a_public_address_it_lacks_is_tried_once(nat_swarm, folder):

@@ -142,6 +142,30 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
     assert (torch.cat(got, dim=1) - want)[mask.bool()].abs().max().item() < TOLERANCE
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_reader_s_own_run_of_a_span_matches_hugging_face(name, tmp_path):
+    """``swarm.families.recompute``: what a reader holding the weights judges an accusation by, one block at a time
+    from the folder, gives Hugging Face's logits between the client's own modules, and in two spans what it gives
+    in one."""
+    from peers.blocks.families import family_for
+    from swarm.families.recompute import recompute
+    from swarm.model_files import load_config
+
+    ref = saved_reference(name, tmp_path)
+    family = family_for(load_config(tmp_path))
+    client = loaded_client(tmp_path)
+    ids = torch.randint(1, 320, (2, 11))
+    with torch.no_grad():
+        hidden = client.embed(ids, torch.arange(11).unsqueeze(0).expand(2, -1))
+        whole = recompute(family, tmp_path, hidden, 0, 4)
+        halves = recompute(family, tmp_path, recompute(family, tmp_path, hidden, 0, 2), 2, 4)
+        want = ref(ids).logits
+        assert (client.head(whole) - want).abs().max().item() < TOLERANCE
+    assert torch.allclose(whole, halves, atol=1e-5)
+    with pytest.raises(ValueError, match="blocks 3:9"):
+        recompute(family, tmp_path, hidden, 3, 9)
+
+
 def test_original_gpt2_files_without_the_base_prefix_load(tmp_path):
     """The original GPT-2 and BLOOM checkpoints name tensors ``h.0.…``, ``wte.weight`` (no ``transformer.``) and
     carry legacy ``attn.bias`` buffers: layers and local parts still load, the buffers are dropped."""

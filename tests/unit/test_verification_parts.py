@@ -17,7 +17,7 @@ from swarm.protocol import StepReply
 from swarm.records import ServerRecord
 from swarm.rpc.commit import CommitSigner, binding
 from swarm.rpc.evidence import build, check
-from swarm.rpc.judging import RETRY_AFTER, Conviction, Docket, judge
+from swarm.rpc.judging import MAX_ATTEMPTS, RETRY_AFTER, VOUCH_WINDOWS, Conviction, Docket, judge
 from swarm.verdict import FLOAT32, HALF, Gaps, compare, tolerance
 from tests.helpers.records import record
 
@@ -224,16 +224,20 @@ def test_readers_judge_by_the_majority_of_drawn_judges_and_wait_when_they_cannot
         return honest[hop.peer_id]
 
     judges = [_record(p) for p in ("a", "b", "c")] + [accused, _record("accuser")]
+    vouched = frozenset({"a", "b", "c", server.peer_id, "accuser"})
     for seed in range(8):  # whichever two are drawn first, the third breaks a tie: the majority convicts
-        c = judge("accuser", item, accused, judges, rerun, random.Random(seed))
+        c = judge("accuser", item, accused, judges, rerun, random.Random(seed), trusted=vouched)
         assert c is not None and c.upheld and c.accused == server.peer_id
     # one judge each way and no third: not decided (waits); no judge or the accused unannounced: waits too
-    assert judge("accuser", item, accused, [_record("a"), _record("c")], rerun, random.Random(0)) is None
-    assert judge("accuser", item, accused, [], rerun, random.Random(0)) is None
-    assert judge("accuser", item, None, judges, rerun, random.Random(0)) is None
-    assert judge("accuser", item, _record(server.peer_id, "g"), judges, rerun, random.Random(0)) is None
+    two = [_record("a"), _record("c")]
+    assert judge("accuser", item, accused, two, rerun, random.Random(0), trusted=vouched) is None
+    assert judge("accuser", item, accused, [], rerun, random.Random(0), trusted=vouched) is None
+    assert judge("accuser", item, None, judges, rerun, random.Random(0), trusted=vouched) is None
+    assert (
+        judge("accuser", item, _record(server.peer_id, "g"), judges, rerun, random.Random(0), trusted=vouched) is None
+    )
     # the judges re-run it to the committed output: the accuser lied
-    c = judge("accuser", item, accused, [_record("c")], rerun, random.Random(0))
+    c = judge("accuser", item, accused, [_record("c")], rerun, random.Random(0), trusted=vouched)
     assert c is not None and not c.upheld
     # evidence that does not check convicts its accuser without a re-run
     forged = item.model_copy(
@@ -241,6 +245,63 @@ def test_readers_judge_by_the_majority_of_drawn_judges_and_wait_when_they_cannot
     )
     c = judge("accuser", forged, accused, judges, rerun, random.Random(0))
     assert c is not None and not c.upheld and "does not check" in c.reason
+
+
+def test_servers_that_merely_announce_the_weights_never_judge(server):
+    """Sybils: any number of records announcing the accused's span and fingerprint, every one re-running the
+    evidence wrong, convict nobody for a reader that vouches for none of them; a reader that holds the weights
+    decides alone, whatever judges say; a judge that fails is not drawn again for that accusation."""
+    evidence = _evidence(server, outs=[x * 2 for x in _steps()[:2]] + [_steps()[2] * 3] + [_steps()[3] * 2])
+    assert evidence is not None
+    item = Accusation(
+        accused=server.peer_id, model_id="m", fingerprint="f", start=0, end=4, reason="r", made=1.0, evidence=evidence
+    )
+    accused = _record(server.peer_id)
+    sybils = [_record(f"sybil{i}") for i in range(20)]
+    asked: list[str] = []
+
+    def lying(facts, hop):
+        asked.append(hop.peer_id)
+        return (True, "a lie")
+
+    assert judge("accuser", item, accused, sybils, lying, random.Random(0)) is None
+    assert judge("accuser", item, accused, sybils, lying, random.Random(0), trusted=frozenset({"other"})) is None
+    assert asked == []
+    # the reader's own run: the committed output (what an honest server gives) decides, judges are not asked
+    facts = check(item.evidence, server.peer_id, 0, 4)
+    honest = lambda inputs, start, end, fp: facts.output if fp == "f" else None  # noqa: E731
+    padded = lambda inputs, start, end, fp: torch.cat([inputs[:, : facts.offset], honest(inputs, start, end, fp)], 1)  # noqa: E731
+    c = judge("accuser", item, accused, sybils, lying, random.Random(0), local=padded, trusted=frozenset({"sybil0"}))
+    assert c is not None and not c.upheld and asked == []
+    wrong = lambda inputs, start, end, fp: padded(inputs, start, end, fp) * 1.5  # noqa: E731
+    c = judge("accuser", item, accused, [], lying, random.Random(0), local=wrong)
+    assert c is not None and c.upheld
+    # a reader without these weights (local answers None) falls back to its vouched judges; a failed one is noted
+    none = lambda inputs, start, end, fp: None  # noqa: E731
+    failed: set[str] = set()
+    stalled = lambda facts, hop: asked.append(hop.peer_id)  # noqa: E731 - answers None: the judge failed
+    one = frozenset({"sybil3"})
+    assert (
+        judge("accuser", item, accused, sybils, stalled, random.Random(0), local=none, trusted=one, failed=failed)
+        is None
+    )
+    assert asked == ["sybil3"] and failed == {"sybil3"}
+    assert (
+        judge("accuser", item, accused, sybils, stalled, random.Random(0), local=none, trusted=one, failed=failed)
+        is None
+    )
+    assert asked == ["sybil3"]  # not drawn again
+
+
+def test_a_reader_vouches_only_after_windows_of_agreement_and_never_for_the_convicted():
+    docket = Docket("me", "m")
+    for _ in range(VOUCH_WINDOWS - 1):
+        docket.vouch("a", "b")
+    assert docket.trusted == frozenset()
+    docket.vouch("a", "b")
+    assert docket.trusted == {"a", "b"}
+    docket.judged[("p", 1.0, "a")] = Conviction("a", "p", "r", True)
+    assert docket.trusted == {"b"}
 
 
 def test_a_docket_takes_up_one_accusation_per_accuser_and_look(server):
@@ -261,10 +322,33 @@ def test_a_docket_takes_up_one_accusation_per_accuser_and_look(server):
     docket = Docket("me", "m", rng=random.Random(0))
     assert [(a, i.accused) for a, i in docket.due(records, 0.0, 10.0)] == [("p", "y")]
     verdicts = {"y": None, "x": Conviction("x", "p", "r", True)}
-    assert docket.take_up(records, 0.0, 10.0, lambda accuser, i: verdicts[i.accused]) == []
+    assert docket.take_up(records, 0.0, 10.0, lambda accuser, i, failed: verdicts[i.accused]) == []
     # "y" waits RETRY_AFTER: the next look takes p's next newest
-    assert [c.accused for c in docket.take_up(records, 1.0, 10.0, lambda a, i: verdicts[i.accused])] == ["x"]
+    assert [c.accused for c in docket.take_up(records, 1.0, 10.0, lambda a, i, failed: verdicts[i.accused])] == ["x"]
     assert docket.convicted == {"x"} and docket.due(records, 2.0, 10.0) == []
     verdicts["y"] = Conviction("y", "p", "lie", False)
-    assert [c.accused for c in docket.take_up(records, RETRY_AFTER, 10.0, lambda a, i: verdicts[i.accused])] == ["y"]
+    assert [
+        c.accused for c in docket.take_up(records, RETRY_AFTER, 10.0, lambda a, i, failed: verdicts[i.accused])
+    ] == ["y"]
     assert "p" in docket.false_accusers and docket.due(records, 2 * RETRY_AFTER, 10.0) == []  # p is ignored now
+
+
+def test_an_accusation_no_one_can_judge_is_dropped_after_its_attempts(server):
+    """A judge that never answers (or none at all) keeps an accusation pending only ``MAX_ATTEMPTS`` looks: then it
+    is dropped undecided, convicting no one and costing its accuser nothing."""
+    evidence = _evidence(server)
+    assert evidence is not None
+    item = Accusation(
+        accused="x", model_id="m", fingerprint="f", start=0, end=4, reason="r", made=1.0, evidence=evidence
+    )
+    records = [Accusations(accuser="p", items=(item,))]
+    docket = Docket("me", "m", rng=random.Random(0))
+    looks = 0
+    for look in range(MAX_ATTEMPTS + 2):
+        now = look * RETRY_AFTER
+        if docket.due(records, now, 10.0):
+            looks += 1
+        assert docket.take_up(records, now, 10.0, lambda a, i, failed: None) == []
+    assert looks == MAX_ATTEMPTS
+    assert docket.due(records, 100 * RETRY_AFTER, 10.0) == [] and docket.convicted == set()
+    assert "p" not in docket.false_accusers

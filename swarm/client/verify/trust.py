@@ -1,7 +1,9 @@
 """What a client makes of accusations: its own, published in its subkey of the model's accusations key, and others',
-judged as every reader judges them (``swarm.rpc.judging``: the evidence checks and re-runs wrong on servers drawn at
-random). A convicted server is banned for as long as accusations live; a false accuser is banned from this
-client's routes too, in case it serves, and its accusations are ignored from then on."""
+judged as every reader judges them (``swarm.rpc.judging``: the evidence checks, and the committed output re-runs
+wrong on this client's own copy of the weights where it holds them, otherwise on servers it vouches for: ones whose
+work its own verification saw agree with another server's). A convicted server is banned for as long as accusations
+live; a false accuser is banned from this client's routes too, in case it serves, and its accusations are ignored
+from then on."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from swarm.hop import Hop
 from swarm.records import servers
 from swarm.rpc.evidence import Facts
 from swarm.rpc.judging import Conviction, Docket, Key, differs, judge
+from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +32,16 @@ class Trust:
     conn: SwarmConnection
     docket: Docket
     own: list[Accusation] = field(default_factory=list)
+    local: Local | None = None  # this client's own run of a span (``swarm.families.recompute.local_judge``)
     _read_at: float = -float("inf")
 
     @classmethod
-    def of(cls, conn: SwarmConnection) -> Trust:
-        return cls(conn, Docket(conn.peer_id, conn.model_id))
+    def of(cls, conn: SwarmConnection, local: Local | None = None) -> Trust:
+        return cls(conn, Docket(conn.peer_id, conn.model_id), local=local)
+
+    def vouch(self, *peers: str) -> None:
+        """``peers``' work on one window agreed (a hop and its verifier): their re-runs count a little more."""
+        self.docket.vouch(*peers)
 
     @property
     def convicted(self) -> set[str]:
@@ -93,11 +101,14 @@ class Trust:
             view.ban(c.accuser, ACCUSATION_TTL, for_cause=True)
             log.warning("a false accusation: %s", c.reason, extra={"peer": c.accuser})
 
-    def _judge(self, accuser: str, item: Accusation) -> Conviction | None:
+    def _judge(self, accuser: str, item: Accusation, failed: set[str]) -> Conviction | None:
         view = self.conn.view
         accused = servers(view.snapshot()).get(item.accused)
         candidates = view.servers(exclude=frozenset({item.accused, accuser}))
-        return judge(accuser, item, accused, candidates, self._rerun, self.docket.rng)
+        d = self.docket
+        return judge(
+            accuser, item, accused, candidates, self._rerun, d.rng, local=self.local, trusted=d.trusted, failed=failed
+        )
 
     def _rerun(self, facts: Facts, hop: Hop) -> tuple[bool, str] | None:
         """Whether ``hop`` computes otherwise than the committed output (and how far), None if it failed."""

@@ -151,6 +151,10 @@ class Verifier:
                 log.warning("a verification broke: %s", e, extra={"peer": watch.state.hop.peer_id})
                 verdict = Verdict(watch.state, "unresolved", reason=str(e))
             self.stats.outcomes[verdict.who] += 1
+            agreed = verdict.who == "ok" and verdict.comparison is not None and not watch.state.replay.lossy
+            if agreed and watch.shadow is not None and self.conn.trust is not None:
+                # two servers' work agreed, exactly: each becomes a little more a judge this client may believe
+                self.conn.trust.vouch(watch.state.hop.peer_id, watch.shadow.hop.peer_id)
             if verdict.who != "ok":
                 done.append(verdict)
                 if verdict.who in ("verifier", "unresolved") and watch.shadow is not None:
