@@ -13,7 +13,8 @@
     python scripts/bench_verification.py --model tiny-llama --quick
 
 Every server holds the whole model (one hop per route, two others to verify and decide); the cheater announces
-itself ten times faster, so routes take it first. One torch thread per process."""
+itself far faster (``--claim``), so a fresh client's routes take it first (each trial waits until no server announces
+an open session: new sessions are routed by announced load). One torch thread per process."""
 
 from __future__ import annotations
 
@@ -31,16 +32,27 @@ if str(ROOT) not in sys.path:
 CHEATS = ("noise", "quant4", "swap", "last")
 
 
-def _connect(model: str, swarm, **kwargs):
+def _connect(model: str, swarm, idle: bool = False, **kwargs):
+    """A fresh client once it sees every server; ``idle``: once every server announces no open session too (new
+    sessions are routed by announced load: a cheater still announcing the last trial's sessions, for up to a
+    heartbeat, would not be on the next trial's route, and that trial would measure nothing)."""
     from swarm import DistributedModelForCausalLM
     from swarm.config import Timing
+    from swarm.records import servers
 
     client = DistributedModelForCausalLM.from_pretrained(
         model, initial_peers=swarm.initial_peers, timing=Timing(), codec="none", **kwargs
     )
     deadline = time.monotonic() + 120
     want = len(swarm.peers)
-    while len(client.connection.view.servers()) < want and time.monotonic() < deadline:
+
+    def ready() -> bool:
+        view = client.connection.view
+        if len(view.servers()) < want:
+            return False
+        return not idle or all(r.open_sessions == 0 for r in servers(view.snapshot()).values())
+
+    while not ready() and time.monotonic() < deadline:
         client.connection.view.invalidate()
         time.sleep(0.5)
     return client
@@ -81,7 +93,8 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
     rows = []
     for mode in args.cheats:
         for fraction in args.fractions:
-            cheater = script.start_cheater(swarm, mode, span, fraction=fraction, seed=7)
+            # far more than an honest server of this model announces (tokens/s of one block): routes take it first
+            cheater = script.start_cheater(swarm, mode, span, fraction=fraction, seed=7, throughput=args.claim)
             caught_during = caught_by_end = routed = 0
             first: list[int] = []
             weakest: list[float] = []
@@ -93,7 +106,7 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                         if s.caught and not seen:
                             seen.append(i + 1)
 
-                    client = _connect(model, swarm, accuse=False)
+                    client = _connect(model, swarm, idle=True, accuse=False, verify_every=args.every)
                     try:
                         session, _ = decode(client, _prompts(client, 1, 8, trial), args.steps, note)
                     finally:
@@ -104,7 +117,7 @@ def detection(model: str, span: str, args, swarm) -> list[dict]:
                     first += seen
                     if session.verifier is not None and session.verifier.stats.weakest_catch is not None:
                         weakest.append(session.verifier.stats.weakest_catch)
-                client = _connect(model, swarm, accuse=False)
+                client = _connect(model, swarm, idle=True, accuse=False, verify_every=args.every)
                 try:
                     trained = train_run(client, args.train_steps, cheater.peer_id)
                     audits = dict(client.blocks.audit.outcomes)
@@ -193,28 +206,45 @@ def honest(model: str, span: str, label: str, extra: tuple[str, ...], hop_extra:
     return row
 
 
+def servers_cpu(swarm) -> float:
+    """CPU seconds the swarm's servers have used so far: every process of each (peer, DHT child, p2pd)."""
+    from harness.procstats import cpu_seconds, tree
+
+    return sum(cpu_seconds(tree(p.pid)) for p in swarm.peers if p.proc.poll() is None)
+
+
 def cost(model: str, swarm, args) -> dict:
-    """Decode speed with verification at the default rate against none, alternating sessions; verifier bytes."""
-    on, off = _connect(model, swarm), _connect(model, swarm, verify_every=0)
+    """Decode speed with verification at the default rate against none, alternating sessions; verifier bytes; and
+    what it costs the swarm: the servers' CPU seconds per generated token (every server's whole process tree, the
+    verifiers' and deciders' work included), on against off."""
+    on, off = _connect(model, swarm, verify_every=args.every), _connect(model, swarm, verify_every=0)
     speeds: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, float] = {"on": 0.0, "off": 0.0}
     sent = tokens = 0
     try:
         for r in range(args.repeats + 1):
             for name, client in (("off", off), ("on", on)):
+                before = servers_cpu(swarm)
                 session, per_step = decode(client, _prompts(client, 1, 8, 500 + r), args.cost_steps)
+                used = servers_cpu(swarm) - before
                 if r:  # the first round warms both up
                     speeds[name].append(1.0 / per_step)
+                    cpu[name] += used
                 if name == "on" and session.verifier is not None:
                     sent += session.verifier.stats.bytes_sent
                     tokens += args.cost_steps + 8
     finally:
         on.close()
         off.close()
+    generated = args.repeats * args.cost_steps
     row = dict(
         decode_tps_off=statistics.median(speeds["off"]),
         decode_tps_on=statistics.median(speeds["on"]),
         ratio=statistics.median(speeds["on"]) / statistics.median(speeds["off"]),
         verifier_bytes_per_token=sent / max(tokens, 1),
+        servers_cpu_ms_per_token_off=1000 * cpu["off"] / generated,
+        servers_cpu_ms_per_token_on=1000 * cpu["on"] / generated,
+        extra_compute=cpu["on"] / max(cpu["off"], 1e-9) - 1.0,
     )
     print(json.dumps(row), flush=True)
     return row
@@ -231,6 +261,8 @@ def _script(name: str):
 
 
 def main() -> None:
+    from swarm.config import ClientConfig
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--trials", type=int, default=3)
@@ -239,12 +271,13 @@ def main() -> None:
     p.add_argument("--honest", type=int, default=10000, help="honest sequence-steps per configuration")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--session-steps", type=int, default=128)
-    p.add_argument("--every", type=int, default=16, help="verify_every (the default rate)")
+    p.add_argument("--every", type=int, default=ClientConfig().verify_every, help="verify_every (the default rate)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cost-steps", type=int, default=64)
     p.add_argument("--cheats", nargs="*", default=list(CHEATS), choices=CHEATS)
     p.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.1])
     p.add_argument("--skip", nargs="*", default=[], choices=["detection", "honest", "cost", "onnx", "bfloat16"])
+    p.add_argument("--claim", type=float, default=1e5, help="the cheater's announced tokens/s of one block")
     p.add_argument("--quick", action="store_true", help="a smoke run: few steps, one trial")
     args = p.parse_args()
     if args.quick:

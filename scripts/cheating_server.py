@@ -8,7 +8,8 @@ and measuring verification. The cheats themselves are ``harness/cheats.py`` (its
 MODE: ``honest`` (no change), ``noise``, ``quant4``, ``swap``, ``last``, ``int8``, ``nf4``. Tests and benchmarks
 start one inside a ``LocalSwarm`` with ``start_cheater``
 (``tests.helpers.scripts.load_script("cheating_server").start_cheater``): it announces itself ten times faster than the
-test servers (``--throughput 1000``), so clients route to it first. Importing this file costs only the standard
+tiny test models' servers (``--throughput 1000``, forward tokens/s of one block; a benchmark of a bigger model names
+more), so clients route to it first. Importing this file costs only the standard
 library and ``swarm.launch``."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def start_cheater(
     seed: int = 0,
     wait: bool = True,
     scale: float = 1e-2,
+    throughput: float = 1000.0,
 ) -> PeerProcess:
     """A cheater serving ``span`` in ``swarm`` (None: what the broker places it on), started as ``LocalSwarm``
     starts its peers (forked from the swarm's fork server when it has one, else a process of its own) and stopped
@@ -54,7 +56,8 @@ def start_cheater(
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is none of {MODES}")
     argv = [mode, "--fraction", repr(fraction), "--seed", str(seed), "--scale", repr(scale), "--"]
-    argv += ["--model", swarm.model, *swarm.extra_args, "--throughput", "1000", "--initial-peers", *swarm.initial_peers]
+    argv += ["--model", swarm.model, *swarm.extra_args, "--throughput", repr(throughput)]
+    argv += ["--initial-peers", *swarm.initial_peers]
     argv += [*(["--blocks", span] if span is not None else []), *(["--test-timings"] if swarm.test_timings else [])]
     swarm.log_dir.mkdir(parents=True, exist_ok=True)
     where = span.replace(":", "_") if span is not None else "placed"

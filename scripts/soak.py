@@ -27,13 +27,24 @@ from swarm.launch import LocalSwarm
 from swarm.model_files import model_folder
 
 ROOT = Path(__file__).parents[1]
+if str(ROOT) not in sys.path:  # this checkout's ``harness``
+    sys.path.insert(0, str(ROOT))
 MIB = 1 << 20
 ALLOWANCE_MB = 64 + 2 * 128 * 128 // 1024  # docs/trust.md#the-memory-ceiling, for --max-connections 128
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    """The resident memory of the server's whole process tree (peer, DHT process, both p2pd daemons)."""
+    from harness.procstats import tree
+
+    total = 0
+    for p in tree(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:  # a child that just ended
+            pass
+    return total
 
 
 def sample(pid: int, running: subprocess.Popen[str], peaks: list[int]) -> None:
@@ -92,9 +103,11 @@ def main() -> int:
             new = out.shape[1] - prompt.shape[1]
             expected = local.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
             over_mb = (max(peaks, default=0) - baseline) / MIB
-            ok = over_mb <= args.max_memory_mb + ALLOWANCE_MB and torch.equal(out, expected)
-            broken += not ok
             lines = said.strip().splitlines()
+            outcomes = json.loads(lines[-1]) if lines else {"failed:no answer": 1}
+            attacker_ok = not [k for k in outcomes if k.startswith("failed:")]  # a broken attack is no refusal
+            ok = over_mb <= args.max_memory_mb + ALLOWANCE_MB and torch.equal(out, expected) and attacker_ok
+            broken += not ok
             print(
                 json.dumps(
                     {
@@ -103,7 +116,7 @@ def main() -> int:
                         "ceiling_mb": args.max_memory_mb,
                         "allowance_mb": ALLOWANCE_MB,
                         "honest_tokens_equal_local": torch.equal(out, expected),
-                        "attacker": json.loads(lines[-1]) if lines else None,
+                        "attacker": outcomes,
                     }
                 ),
                 flush=True,

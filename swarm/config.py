@@ -203,8 +203,10 @@ class ClientConfig:
     codec: str = "auto"
     # verification (``swarm.client.verify.verifier``): each hop's work is run again on another server of the same
     # weights, in windows of a random length averaging this many steps (0: off), and calls of forwards and backwards
-    # with probability 1 / verify_every; a cheater caught is banned and, with the evidence, accused in the DHT
-    verify_every: int = 16
+    # with probability 1 / verify_every; a cheater caught is banned and, with the evidence, accused in the DHT.
+    # 64: the verifiers' re-runs cost the swarm's servers 7.8% more CPU per generated token (16 cost 17%: a window's
+    # re-run has a fixed cost besides its tokens' prefill; scripts/bench_verification.py, docs/benchmarks.md)
+    verify_every: int = 64
     verify_seed: int | None = None  # seeds which steps are checked and by whom (None: unpredictable, as it should be)
     accuse: bool = True  # publish accusations, and act on others' once their evidence re-runs wrong
     # privacy (docs/serving.md): the first ``local_blocks`` blocks run on this client and are never routed, so no

@@ -258,11 +258,32 @@ class InfoRequest(Request):
 ENDPOINT = r"^(\d{1,3}\.){3}\d{1,3}:\d{1,5}$"  # an IPv4 address and port, as NATs map them (swarm.rpc.punch)
 
 
+OBSERVATION_TTL = 300.0  # seconds an observation is believed (generous: the observer's clock is not the reader's)
+
+
+class Observation(Record):
+    """What an observer (a public peer's direct plane, ``RPC_OBSERVE``) saw: ``caller``'s TLS-authenticated
+    connection came from ``address``, at ``made`` (the observer's clock). Signed by the observer: a peer behind NAT
+    punches only toward an endpoint one of its own observers saw for that very caller, so no caller can aim its SYNs
+    anywhere else (another host, loopback, the peer's LAN)."""
+
+    observer: str = Field(max_length=128)
+    caller: str = Field(max_length=128)
+    address: str = Field(pattern=ENDPOINT, max_length=21)
+    made: float
+
+    @property
+    def author(self) -> str:
+        return self.observer
+
+
 class PunchRequest(Request):
     """A caller's TCP endpoint as the internet sees it (``RPC_OBSERVE``): the peer connects to it from its own
-    while the caller connects back, and the two SYNs cross (TCP simultaneous open)."""
+    while the caller connects back, and the two SYNs cross (TCP simultaneous open). ``observed``: the observer's
+    signed ``Observation`` of that endpoint, for this caller."""
 
     address: str = Field(pattern=ENDPOINT, max_length=21)
+    observed: Signed | None = None
 
 
 class DialbackRequest(Request):
@@ -277,9 +298,10 @@ class DialbackReply(Message):
 
 
 class ObserveReply(Message):
-    """Where a direct connection came from, as the observing server sees it."""
+    """Where a direct connection came from, as the observing server sees it, and that, signed (``Observation``)."""
 
     address: str = Field(pattern=ENDPOINT, max_length=21)
+    signed: Signed | None = None
 
 
 class DirectHello(Message):

@@ -17,14 +17,20 @@ direction at once, where top-k magnitudes or a few projections would miss noise 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-# A reader's own run of blocks ``start:end`` over ``inputs`` for the weights of ``fingerprint``, to judge accusations
-# by (None: it holds no such weights); ``swarm.families.recompute.local_judge`` makes one.
-Local = Callable[[torch.Tensor, int, int, str], "torch.Tensor | None"]
+
+class Local(Protocol):
+    """A reader's own run of blocks ``start:end`` over ``inputs`` (at ``positions``; None: 0 on) for the weights of
+    ``fingerprint``, to judge accusations and disputes by (None: it holds no such weights);
+    ``swarm.families.recompute.local_judge`` makes one."""
+
+    def __call__(
+        self, inputs: torch.Tensor, start: int, end: int, fingerprint: str, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ decoding restores the sender's dtype whatever the codec, after ``swarm.codecs`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterable, MutableSequence
 from typing import TYPE_CHECKING
 
@@ -223,6 +224,12 @@ class Decoder:
                 raise BadInputError(f"malformed tensor: a part of {len(part.buffer)} bytes before its last part")
         if len(self._done) < len(self._names):
             return None
+        decoded = _decoded_bytes(self._done)
+        if self.budget is not None and self._bytes < decoded <= self.max_bytes:  # (over the limit: refused below)
+            # what decoding will allocate beyond the wire bytes, counted before it is: compressed activations decode
+            # to about 4x their wire size
+            self.budget.take(decoded - self._bytes, self.caller)
+            self.held += decoded - self._bytes
         message = self._meta, _to_tensors(self._names, self._done, self.max_bytes)
         self._reset()
         return message
@@ -290,6 +297,19 @@ def raw_bytes(tensor: torch.Tensor) -> bytes:
     if data.dtype == torch.bfloat16:  # numpy has no bfloat16: its bytes through a byte view
         return data.reshape(-1).view(torch.uint8).numpy().tobytes()
     return data.numpy().tobytes()
+
+
+def _decoded_bytes(parts: list[TensorPart]) -> int:
+    """The bytes ``parts`` will take decoded, read off their headers (a malformed header counts 0: decoding refuses
+    it before allocating)."""
+    total = 0
+    for part in parts:
+        shape = tuple(part.size)
+        dtype = DTYPES.get(part.dtype)
+        if dtype is None or len(shape) > 8 or any(d < 0 for d in shape):
+            continue
+        total += math.prod(shape) * dtype.itemsize
+    return total
 
 
 def _to_tensors(names: list[str], parts: list[TensorPart], max_bytes: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from peers.rpc.servicer import Servicer
 from peers.serving.limits import CallerContext
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError
-from swarm.identity import Credentials
+from swarm.identity import Credentials, sign_record
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
@@ -36,6 +37,7 @@ from swarm.protocol import (
     DialbackRequest,
     DirectCall,
     DirectHello,
+    Observation,
     ObserveReply,
     check_version,
 )
@@ -156,7 +158,7 @@ class DirectServer:
                 return
             caller, handler = admitted
             if handler in (_observed, _dialback):  # about the connection itself; answered, then we close first
-                await self._probe(handler is _dialback, connection, reader, writer, deadline)
+                await self._probe(handler is _dialback, caller, connection, reader, writer, deadline)
                 return
             self.by_caller[caller] += 1
             replies = handler(self._frames(reader, caller), Caller(PeerID.from_base58(caller)))
@@ -188,16 +190,21 @@ class DirectServer:
     async def _probe(
         self,
         dialback: bool,
+        caller: str,
         connection: socket.socket,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         deadline: float,
     ) -> None:
-        """``swarm.observe`` (where this connection came from, as we see it) or ``swarm.dialback`` (whether a TCP
-        connection back to that address, at the port the caller names, opens: the caller's reachability). A dial
-        back goes only to the caller's own address, one at a time per connection and ``MAX_DIALBACKS`` in all."""
+        """``swarm.observe`` (where this connection came from, as we see it, signed for the caller to show the peer
+        it punches to) or ``swarm.dialback`` (whether a TCP connection back to that address, at the port the caller
+        names, opens: the caller's reachability). A dial back goes only to the caller's own address, one at a time
+        per connection and ``MAX_DIALBACKS`` in all."""
         host, port = connection.getpeername()[:2]
-        frames = wire.encode(ObserveReply(address=f"{host}:{port}").model_dump(mode="json"))
+        address = f"{host}:{port}"
+        seen = Observation(observer=self.creds.peer_id, caller=caller, address=address, made=time.time())
+        observed = ObserveReply(address=address, signed=sign_record(self.creds.key, seen))
+        frames = wire.encode(observed.model_dump(mode="json"))
         if dialback:
             async with asyncio.timeout_at(deadline):
                 message = await wire.read_message(frames_of(reader, HANDSHAKE_FRAME), wire.Decoder(8192))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -44,8 +45,13 @@ def error_reply(e: BaseException, **fields: object) -> list[wire.Frame]:
         return reply(ErrorReply(code=e.code, error=str(e)[:4096], server_step=step))
     if isinstance(e, ValidationError):  # pydantic: malformed metadata
         return reply(ErrorReply(code=BadInputError.code, error=f"malformed metadata: {e}"[:4096]))
-    log.exception("request failed", extra=fields)
-    return reply(ErrorReply(code="swarm_error", error=f"server error: {type(e).__name__}: {e}"[:4096]))
+    # the server's own failure: the caller learns its kind and where to look, never its text (paths, values,
+    # addresses: whatever the exception carried stays in this server's log, under the incident's id)
+    incident = uuid.uuid4().hex[:12]
+    log.exception("request failed (incident %s)", incident, extra=fields)
+    return reply(
+        ErrorReply(code="swarm_error", error=f"server error: {type(e).__name__} (incident {incident} in its log)")
+    )
 
 
 @dataclass(frozen=True)

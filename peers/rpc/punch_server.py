@@ -9,7 +9,8 @@ own and connects to the caller's from its port until the SYNs cross (or, where t
 the caller's listening punch port accepts: ``swarm.rpc.punch``), then serves the connection as its direct plane
 serves an accepted one (TLS, the caller's identity, its per-caller caps). Punching is bounded: at most
 ``MAX_CALLER`` at a time per caller and ``MAX_TOTAL`` in all, each given up after ``PUNCH_S``; a caller can make this
-peer send SYNs only to the endpoint it names, for a few seconds."""
+peer send SYNs only to its own endpoint, as one of this peer's observers signed it (``Observation``), for a few
+seconds."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -24,11 +26,11 @@ from peers.rpc.direct_server import DirectServer
 from peers.rpc.edge import Admit, error_reply, reply
 from peers.serving.limits import CallerContext, caller_of
 from swarm import wire
-from swarm.errors import BusyError, NotMemberError, PeerUnavailableError
-from swarm.identity import Credentials
-from swarm.protocol import PunchReply, PunchRequest, check_version
+from swarm.errors import BadInputError, BusyError, NotMemberError, PeerUnavailableError
+from swarm.identity import Credentials, open_signed
+from swarm.protocol import OBSERVATION_TTL, Observation, PunchReply, PunchRequest, check_version
 from swarm.rpc.direct import DirectDialError
-from swarm.rpc.punch import bound_socket, observe, simultaneous_open
+from swarm.rpc.punch import address_range, bound_socket, observe, parse_observer, simultaneous_open
 from swarm.rpc.secure import client_context
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,9 @@ class Puncher:
         errors: list[str] = []
         for observer in self.observers():
             try:
-                seen.append(await observe(port.getsockname()[1], observer, self.creds, self.tls, self.timeout))
+                seen.append(
+                    (await observe(port.getsockname()[1], observer, self.creds, self.tls, self.timeout)).address
+                )
             except DirectDialError as e:
                 errors.append(str(e))
             if len(seen) == 2:
@@ -102,11 +106,32 @@ class Puncher:
                 raise BusyError("too many hole punches in progress")
             if self.port is None or self.endpoint is None:
                 raise PeerUnavailableError("this peer does not know its own address yet")
+            self._check_target(caller, request, self.endpoint)
             answer = reply(PunchReply(address=self.endpoint))
             self._start(caller, self.port.getsockname()[1], request.address)
         except Exception as e:
             answer = error_reply(e, peer=caller)
         return answer[0]
+
+    def _check_target(self, caller: str, request: PunchRequest, mine: str) -> None:
+        """Refuse (``BadInputError``, saying why) an endpoint that none of this peer's observers signed as where
+        this very caller's connection came from, lately; and one in a loopback, link-local or private range unless
+        this peer's own endpoint is in that range too (a swarm that lives there). So a caller can aim this peer's
+        SYNs only at itself."""
+        if request.observed is None:
+            raise BadInputError("no observation of your endpoint: ask one of this peer's observers (swarm.observe)")
+        seen = open_signed(request.observed, Observation)
+        if seen.observer not in {parse_observer(o)[0] for o in self.observers()}:
+            raise BadInputError("your endpoint was observed by a peer that is not one of this peer's observers")
+        if seen.caller != caller:
+            raise BadInputError("that observation is of another caller's connection")
+        if seen.address != request.address:
+            raise BadInputError(f"the observer saw you at {seen.address}, not {request.address}")
+        if abs(time.time() - seen.made) > OBSERVATION_TTL:
+            raise BadInputError("that observation is too old (or from the future): observe your endpoint again")
+        theirs, own = address_range(request.address), address_range(mine)
+        if theirs != "global" and theirs != own:
+            raise BadInputError(f"a {theirs} endpoint, and this peer is not in that range")
 
     def _start(self, caller: str, port: int, remote: str) -> None:
         self.busy[caller] += 1

@@ -24,6 +24,7 @@ from swarm.perf.calibration import cached_software
 from swarm.protocol import ReleaseRequest, StepNotice
 from swarm.rpc.loop import LoopThread
 from swarm.rpc.remote import Remote
+from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
 RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its compute allowance
@@ -32,6 +33,8 @@ RTT_SLACK = 3.0  # round trips a call may take per peer it waits on, beyond its 
 class Judge(Protocol):
     """What sessions ask of the client's trust in servers (``swarm.client.verify.trust.Trust``, set by the model): look
     at the accusations before routing, and accuse a server caught computing wrong answers."""
+
+    local: Local | None  # the client's own run of a span from its model folder (None: it has none)
 
     def refresh(self, force: bool = False) -> None: ...
 

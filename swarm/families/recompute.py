@@ -20,14 +20,17 @@ from swarm.verdict import Local
 log = logging.getLogger(__name__)
 
 
-def recompute(family: Family, folder: Path, inputs: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Blocks ``start:end`` over ``inputs`` [batch, n, hidden] (positions 0 .. n-1, no padding): what an honest
-    server of that span returns for the same prefill, in float32."""
+def recompute(
+    family: Family, folder: Path, inputs: torch.Tensor, start: int, end: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Blocks ``start:end`` over ``inputs`` [batch, n, hidden] (at ``positions`` [batch, n]; None: 0 .. n-1; no
+    padding): what an honest server of that span returns for the same prefill, in float32."""
     if not 0 <= start < end <= family.num_layers:
         raise ValueError(f"blocks {start}:{end} of a {family.num_layers}-block model")
     hidden = inputs.detach().float().cpu()
     batch, n = hidden.shape[0], hidden.shape[1]
-    positions = torch.arange(n).expand(batch, -1)
+    if positions is None:
+        positions = torch.arange(n).expand(batch, -1)
     rotary = family.new_rotary("cpu")
     with torch.no_grad():
         for index in range(start, end):
@@ -48,11 +51,13 @@ def local_judge(family: Family, folder: Path | None, cache_dir: Path) -> Local |
 
     mine = served_fingerprints(folder, cache_dir)
 
-    def run(inputs: torch.Tensor, start: int, end: int, fingerprint: str) -> torch.Tensor | None:
+    def run(
+        inputs: torch.Tensor, start: int, end: int, fingerprint: str, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         if fingerprint not in mine:
             return None
         try:
-            return recompute(family, folder, inputs, start, end)
+            return recompute(family, folder, inputs, start, end, positions)
         except Exception as e:  # noqa: BLE001 - then the reader's trusted judges decide, or nobody
             log.info("cannot run blocks %d:%d here to judge an accusation: %s", start, end, e)
             return None

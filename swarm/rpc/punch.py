@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -60,9 +61,21 @@ def parse_observer(text: str) -> tuple[str, str]:
     return peer, address
 
 
-async def observe(port: int, observer: str, creds: Credentials, tls: ssl.SSLContext, timeout: float) -> str:
+def address_range(endpoint: str) -> str:
+    """``loopback``, ``link-local``, ``private`` (RFC 1918, carrier-grade NAT's shared space, other non-global
+    ranges) or ``global``: the range of ``endpoint``'s IPv4 address."""
+    ip = ipaddress.ip_address(split_address(endpoint)[0])
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    return "global" if ip.is_global else "private"
+
+
+async def observe(port: int, observer: str, creds: Credentials, tls: ssl.SSLContext, timeout: float) -> ObserveReply:
     """This host's endpoint for local ``port`` as the internet sees it, told by ``observer`` (``PEER_ID@host:port``
-    of a public peer's direct plane). The observer closes first, so no TIME_WAIT holds the port here."""
+    of a public peer's direct plane), with the observer's signed ``Observation`` of it (what a peer asked to punch
+    toward it checks). The observer closes first, so no TIME_WAIT holds the port here."""
     peer, address = parse_observer(observer)
     sock = bound_socket(port)
     try:
@@ -84,7 +97,7 @@ async def observe(port: int, observer: str, creds: Credentials, tls: ssl.SSLCont
     if message is None:
         raise DirectDialError(f"observer {address} said nothing")
     try:
-        return ObserveReply.model_validate(message[0]).address
+        return ObserveReply.model_validate(message[0])
     except ValueError as e:
         raise DirectDialError(f"observer {address}: not an address: {e}") from None
 
@@ -137,7 +150,7 @@ async def punched(
     observers: tuple[str, ...],
     rpc: str,
     limit: int,
-    signal: Callable[[str], Awaitable[str]],
+    signal: Callable[[ObserveReply], Awaitable[str]],
     creds: Credentials,
     tls: ssl.SSLContext,
     timeout: float,
@@ -167,22 +180,25 @@ async def punched(
         holder.close()
 
 
-async def _observed(port: int, observers: tuple[str, ...], creds: Credentials, tls: ssl.SSLContext, t: float) -> str:
+async def _observed(
+    port: int, observers: tuple[str, ...], creds: Credentials, tls: ssl.SSLContext, t: float
+) -> ObserveReply:
     """This host's endpoint for ``port``, asked of two observers at once where there are two (``DirectDialError``
     where none answers, or where two see two ports: a symmetric NAT, which no punch gets through)."""
     errors: list[str] = []
     for start in range(0, len(observers), 2):
         asked = [observe(port, o, creds, tls, t) for o in observers[start : start + 2]]
         results = await asyncio.gather(*asked, return_exceptions=True)
-        seen = {r for r in results if isinstance(r, str)}
+        replies = [r for r in results if isinstance(r, ObserveReply)]
+        seen = {r.address for r in replies}
         errors += [str(r) for r in results if isinstance(r, DirectDialError)]
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, DirectDialError):
                 raise r
         if len(seen) > 1:
             raise DirectDialError(f"this host's NAT maps per destination ({sorted(seen)}): no punching")
-        if seen:
-            return seen.pop()
+        if replies:
+            return replies[0]
     raise DirectDialError(f"no observer told this peer its address: {'; '.join(errors) or 'none named'}")
 
 

@@ -36,6 +36,7 @@ from swarm.protocol import (
     ForwardRequest,
     InfoReply,
     InfoRequest,
+    ObserveReply,
     PunchReply,
     PunchRequest,
     R,
@@ -172,9 +173,10 @@ class Remote:
             self._unreachable[_direct_key(hop)] = now + self.fallback_s
             return None
 
-    async def _signal(self, hop: Hop, mine: str) -> str:
-        """Hole punching's signal: this host's endpoint to ``hop`` (over libp2p, through its relay), its own back."""
-        request = PunchRequest(address=mine)
+    async def _signal(self, hop: Hop, mine: ObserveReply) -> str:
+        """Hole punching's signal: this host's endpoint (and its observer's signed word for it) to ``hop`` (over
+        libp2p, through its relay), its own back."""
+        request = PunchRequest(address=mine.address, observed=mine.signed)
         reply, _ = await self.call(hop, RPC_PUNCH, request, {}, self.dial_timeout, PunchReply)
         return reply.address
 

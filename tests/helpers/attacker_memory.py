@@ -42,18 +42,31 @@ from swarm.protocol import (
     InferenceStep,
     OpenSession,
 )
-from swarm.rpc.direct import TcpChannel, write_frame
+from swarm.rpc.direct import DirectDialError, TcpChannel, write_frame
 from swarm.rpc.secure import client_context
 
 FRAME_CAP = 2 * wire.FRAME_BYTES + 65536  # the server's cap on one frame (``swarm.rpc.direct.MAX_FRAME``)
-outcomes: Counter[str] = Counter()
+outcomes: Counter[str] = Counter()  # "ATTACK:OUTCOME" -> count
+# what a server that cuts, refuses or stops reading an attacker does to its connection: an outcome of the attack.
+# Anything else an attack raises is the attacker's own failure, reported as ``failed:ATTACK:TYPE`` (a broken attack
+# must never read as a refused one).
+CUT = (ConnectionError, asyncio.IncompleteReadError, TimeoutError, EOFError, OSError, DirectDialError)
 
 
-def _seen(message: wire.Message | None) -> None:
+def _seen(attack: str, message: wire.Message | None) -> None:
     if message is None:
-        outcomes["closed"] += 1
+        outcomes[f"{attack}:closed"] += 1
     else:
-        outcomes[str(message[0].get("code", "ok"))] += 1
+        outcomes[f"{attack}:{message[0].get('code', 'ok')}"] += 1
+
+
+async def _ask(attack: str, channel: TcpChannel, frames: list[wire.Frame]) -> bool:
+    """One request and its answer, counted; whether the connection is still open (a closed one is not asked again:
+    an attack spinning on it would count its own loop as the server's answers)."""
+    await channel.send(frames)
+    answer = await asyncio.wait_for(channel.receive(), 60.0)
+    _seen(attack, answer)
+    return answer is not None
 
 
 async def _hold(deadline: float) -> None:
@@ -72,20 +85,24 @@ async def unfinished_direct(hop: Hop, creds: Credentials, deadline: float) -> No
         while asyncio.get_running_loop().time() < deadline:
             try:
                 channel = await _direct(hop, creds, RPC_FORWARD_STREAM)
-            except Exception:
-                outcomes["refused_connection"] += 1
+            except CUT:
+                outcomes["unfinished:refused_connection"] += 1
                 break
             channels.append(channel)
             channel.writer.write((FRAME_CAP - 1).to_bytes(4, "big") + b"\x0a" * (FRAME_CAP - 4096))
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*CUT):
                 await asyncio.wait_for(channel.writer.drain(), 5.0)
             if len(channels) >= 24:
                 break
         await _hold(deadline)
     finally:
         for channel in channels:
-            with contextlib.suppress(Exception):
-                _seen(await asyncio.wait_for(channel.receive(), 0.5))
+            try:
+                _seen("unfinished", await asyncio.wait_for(channel.receive(), 0.5))
+            except TimeoutError:
+                outcomes["unfinished:held"] += 1  # still open at the end: counted against its caller's caps
+            except CUT:
+                outcomes["unfinished:closed"] += 1
             channel.close()
 
 
@@ -102,8 +119,9 @@ async def stalled_message(hop: Hop, creds: Credentials, deadline: float, hidden:
             for frame in frames[:-1]:
                 write_frame(channel.writer, frame)
         await _hold(deadline)
-    except Exception:
-        outcomes["refused_stalled"] += 1
+        outcomes["stalled:held"] += 1  # each stalled message is cut at the message timeout; their bytes counted
+    except CUT:
+        outcomes["stalled:refused"] += 1
     finally:
         for channel in channels:
             channel.close()
@@ -116,8 +134,8 @@ async def no_read_forwards(hop: Hop, creds: Credentials, deadline: float, hidden
     while asyncio.get_running_loop().time() < deadline:
         try:
             channel = await _direct(hop, creds, RPC_COMPUTE_LOOP)
-        except Exception:
-            outcomes["refused_connection"] += 1
+        except CUT:
+            outcomes["no_read:refused_connection"] += 1
             await asyncio.sleep(0.5)
             continue
         try:
@@ -125,8 +143,9 @@ async def no_read_forwards(hop: Hop, creds: Credentials, deadline: float, hidden
                 for frame in frames:
                     write_frame(channel.writer, frame)
                 await asyncio.wait_for(channel.writer.drain(), 2.0)
-        except Exception:
-            outcomes["no_read_cut"] += 1  # the server stopped reading us, or cut the connection
+            outcomes["no_read:all_taken"] += 1  # 64 forwards written and never cut: the server read them all
+        except CUT:
+            outcomes["no_read:cut"] += 1  # the server stopped reading us, or cut the connection
         await _hold(min(deadline, asyncio.get_running_loop().time() + 10.0))
         channel.close()
 
@@ -150,8 +169,9 @@ async def no_read_session(hop: Hop, creds: Credentials, deadline: float, hidden:
             position += 64
             await asyncio.wait_for(channel.writer.drain(), 2.0)
         await _hold(deadline)
-    except Exception:
-        outcomes["session_cut"] += 1
+        outcomes["no_read_session:held"] += 1
+    except CUT:
+        outcomes["no_read_session:cut"] += 1
     finally:
         channel.close()
 
@@ -162,10 +182,12 @@ async def kept_forwards(hop: Hop, creds: Credentials, deadline: float, hidden: i
     try:
         while asyncio.get_running_loop().time() < deadline:
             request = ForwardRequest(start=hop.start, end=hop.end, keep_for_backward=True, forward_id=uuid.uuid4().hex)
-            await channel.send(wire.encode(request.model_dump(mode="json"), {"hidden": torch.randn(2, 256, hidden)}))
-            _seen(await asyncio.wait_for(channel.receive(), 60.0))
-    except Exception:
-        outcomes["kept_cut"] += 1
+            if not await _ask(
+                "kept", channel, wire.encode(request.model_dump(mode="json"), {"hidden": torch.randn(2, 256, hidden)})
+            ):
+                break
+    except CUT:
+        outcomes["kept:cut"] += 1
     finally:
         channel.close()
 
@@ -182,10 +204,10 @@ async def lying_codecs(hop: Hop, creds: Credentials, deadline: float, hidden: in
                 part = frames[-1].tensors[0]
                 del part.size[:]
                 part.size.extend([1 << 20, 1 << 21])
-                await channel.send(frames)
-                _seen(await asyncio.wait_for(channel.receive(), 60.0))
-    except Exception:
-        outcomes["codec_cut"] += 1
+                if not await _ask("codecs", channel, frames):
+                    return
+    except CUT:
+        outcomes["codecs:cut"] += 1
     finally:
         channel.close()
 
@@ -202,18 +224,20 @@ async def p2p_frames(hop: Hop, deadline: float) -> None:
         await writer.drain()
         try:
             marker = await asyncio.wait_for(reader.readexactly(9), 10.0)
-            outcomes["huge_frame_answered" if marker[:1] in (b"\x00", b"\x01") else "huge_frame_odd"] += 1
-        except Exception:
-            outcomes["huge_frame_closed"] += 1
+            outcomes["p2p_huge:answered" if marker[:1] in (b"\x00", b"\x01") else "p2p_huge:odd"] += 1
+        except CUT:
+            outcomes["p2p_huge:closed"] += 1
         writer.close()
         for _ in range(24):
             try:
                 _, _, writer = await p2p.call_binary_stream_handler(server, RPC_FORWARD_STREAM)
                 writer.write(b"\x00" + (FRAME_CAP - 1).to_bytes(8, "big") + b"\x0a" * (FRAME_CAP - 4096))
                 writers.append(writer)
-            except Exception:
-                outcomes["p2p_refused"] += 1
+            except CUT:
+                outcomes["p2p_unfinished:refused"] += 1
                 break
+        else:
+            outcomes["p2p_unfinished:all_opened"] += 1
         await _hold(deadline)
     finally:
         for writer in writers:
@@ -238,9 +262,9 @@ async def identity(hop: Hop, deadline: float, hidden: int, which: set[str]) -> N
         if name not in which:
             work.close()  # never started
     attacks = {k: v for k, v in attacks.items() if k in which}
-    for result in await asyncio.gather(*attacks.values(), return_exceptions=True):
+    for name, result in zip(attacks, await asyncio.gather(*attacks.values(), return_exceptions=True), strict=True):
         if isinstance(result, BaseException):
-            outcomes[f"failed:{type(result).__name__}"] += 1
+            outcomes[f"failed:{name}:{type(result).__name__}: {result}"[:300]] += 1
 
 
 async def run(
@@ -251,7 +275,7 @@ async def run(
     work += [p2p_frames(hop, deadline) for _ in range(p2p_identities)]
     for result in await asyncio.gather(*work, return_exceptions=True):
         if isinstance(result, BaseException):
-            outcomes[f"failed:{type(result).__name__}"] += 1
+            outcomes[f"failed:p2p:{type(result).__name__}: {result}"[:300]] += 1
     return dict(outcomes)
 
 

@@ -50,7 +50,9 @@ def test_replicas_take_the_same_outer_step_equal_to_one_process(compression):
                 target_group_size=3,
                 min_group_size=3,
                 min_matchmaking_time=2.0,
-                request_timeout=1.0,
+                # a part's call: at 1 s, a loaded 2-core machine failed a reducer ("received 11.8% results"), that
+                # replica retried alone and found no group: the test measured the machine's speed, not the round
+                request_timeout=10.0,
                 client_mode=False,
                 allow_state_sharing=False,
                 rule=ClipRule.for_weights(2, 2, slack=SLACK),

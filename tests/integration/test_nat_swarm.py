@@ -7,6 +7,7 @@ token. Needs root, /dev/net/tun and ``ip``; skipped otherwise."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -129,6 +130,25 @@ def test_generation_through_nat_d_servers_equals_hugging_face(nat_swarm, folder)
     assert not [k for k in result["punched"] if k.endswith(sym) or k.startswith("punch_failed")], result["punched"]
     # and server to server: the full-cone server punched its chained pushes through to the port-restricted one
     assert _counter(wan, "full", "swarm_peer_punched_out_total") >= 1
+
+
+def test_a_caller_cannot_aim_a_nat_d_peer_s_punches_at_anyone_else(nat_swarm, folder):
+    """Issue 57: a real attacker process behind its own NAT asks the full-cone server to punch toward a public
+    relay's SSH port (with no observation, a self-signed one, and its genuine observation of itself) and toward the
+    server's own loopback: each refused with the reason; its own observed endpoint is granted (the control)."""
+    wan, swarm = nat_swarm
+    full = swarm.peers[2].peer_id
+    victim = f"{wan.address('pub2')}:22"
+    argv = [sys.executable, "-m", "tests.helpers.attacker_punch", folder, full, victim]
+    argv += [m for m in swarm.initial_peers if "/p2p-circuit" not in m]
+    done = wan.run("c", argv, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert "no observation" in out["none"], out
+    assert "not one of this peer's observers" in out["self-signed"], out
+    assert f"not {victim}" in out["elsewhere"], out
+    assert "not one of this peer's observers" in out["loopback"], out
+    assert out["own"].startswith("granted "), out
 
 
 def test_a_peer_claiming_a_public_address_it_lacks_is_tried_once(nat_swarm, folder):

@@ -1,7 +1,8 @@
 """The memory ceiling under every attack at once: a real attacker process (``attacker_memory.py``) with several
 identities on both planes runs every attack on a server's memory (unfinished and oversized frames, stalled messages,
 replies never read, sessions never read, kept forwards never taken back, compressed tensors declaring 16 TiB) while
-an honest client generates through an inference session it opened before. The server's resident memory stays under
+an honest client generates through an inference session it opened before. The resident memory of the server's whole
+process tree (the peer, its DHT process, their p2pd daemons) stays under
 its ``--max-memory-mb`` plus the fixed allowance ``docs/trust.md`` states, the honest tokens equal a local Hugging
 Face run's, and the server's memory comes back down once the attackers leave. ``python scripts/soak.py --minutes N``
 is the long run of the same."""
@@ -40,12 +41,26 @@ def _ended(process: subprocess.Popen[str], seconds: float) -> bool:
         return False
 
 
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # a child that just ended
+        return 0
+    return 0
+
+
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+    """The resident memory of the server's whole process tree: the peer, its DHT process and both p2pd daemons
+    (where attacks on libp2p land first), not the Python process alone."""
+    from harness.procstats import tree
+
+    pids = tree(pid)
+    if not Path(f"/proc/{pid}").exists():
+        raise AssertionError(f"no process {pid}")
+    return sum(_rss(p) for p in pids)
 
 
 class Sampler:
@@ -69,7 +84,13 @@ class Sampler:
         return self.peak
 
 
-def attack(hop: object, seconds: float, identities: int = 4, p2p_identities: int = 2) -> subprocess.Popen[str]:
+IDENTITIES, P2P = 4, 2  # the attacker's identities on the direct plane and on libp2p
+ATTACKS = ("unfinished", "stalled", "no_read", "no_read_session", "kept", "codecs", "p2p_huge", "p2p_unfinished")
+
+
+def attack(
+    hop: object, seconds: float, identities: int = IDENTITIES, p2p_identities: int = P2P
+) -> subprocess.Popen[str]:
     import os
 
     h = {k: getattr(hop, k) for k in ("peer_id", "start", "end", "direct")} | {"maddrs": list(hop.maddrs)}  # type: ignore[attr-defined]
@@ -121,8 +142,21 @@ def test_memory_stays_under_the_ceiling_while_every_attack_runs_at_once(tiny_mod
         assert torch.equal(out, expected)
         outcomes = json.loads(said.strip().splitlines()[-1])
         # the attacks reached the server and were refused or cut (not silently ignored by a broken attacker)
+        print("soak outcomes:", json.dumps(outcomes, sort_keys=True))  # -s shows them
+        # an attack that broke on its own side fails the test (it must never read as one the server refused)
         assert not [k for k in outcomes if k.startswith("failed:")], outcomes
-        assert outcomes.get("busy", 0) + outcomes.get("bad_input", 0) > 0, outcomes
+        # and each attack got the answer it must get, not merely some refusal somewhere
+        got = {a: {k.split(":", 1)[1]: v for k, v in outcomes.items() if k.startswith(a + ":")} for a in ATTACKS}
+        assert got["codecs"].get("bad_input", 0) >= IDENTITIES and "ok" not in got["codecs"], got  # 16 TiB: refused
+        unfinished = got["unfinished"]
+        assert unfinished.get("busy", 0) + unfinished.get("refused_connection", 0) >= IDENTITIES, got  # caps reached
+        assert "ok" not in unfinished, got
+        assert got["no_read"].get("cut", 0) >= IDENTITIES and "all_taken" not in got["no_read"], got  # reading stopped
+        assert got["kept"].get("ok", 0) > 0 and set(got["kept"]) <= {"ok", "busy", "cut"}, got  # answered, evicted
+        for name, ways in (("stalled", {"held", "refused"}), ("no_read_session", {"held", "cut"})):
+            assert set(got[name]) <= ways and sum(got[name].values()) == IDENTITIES, got
+        assert set(got["p2p_huge"]) <= {"answered", "closed"} and sum(got["p2p_huge"].values()) == P2P, got
+        assert sum(got["p2p_unfinished"].values()) == P2P, got
         assert peak <= baseline + (CEILING_MB + ALLOWANCE_MB) * MIB, (
             f"peak {peak / MIB:.0f} MiB over a baseline of {baseline / MIB:.0f} MiB; outcomes {outcomes}"
         )

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from swarm.accusations import Accusations, accusations_key
-from swarm.config import Timing
+from swarm.config import ClientConfig, Timing
 from swarm.dashboard.observer import SwarmObserver
 from swarm.dht import start_dht
 from swarm.ids import assignment_key
@@ -189,3 +189,36 @@ def test_broker_stops_placing_a_convicted_cheater(tiny_models):
             )
         finally:
             store.shutdown()
+
+
+def test_a_cheater_beside_a_single_honest_server_loses_its_traffic(tiny_models):
+    """Issue 57, item 4: blocks 0:2 on one honest server and on a cheater that adds 1% relative noise to every
+    output and claims ten times the honest speed, 2:4 on a third. Its two servers disagree and no third server
+    holds the span: the client decides with its own run of the span (it holds the weights), bans and accuses the
+    cheater, and its route avoids it within 200 greedy steps (a default client); a fresh client, reading the
+    accusation and judging it the same way, never routes through it."""
+    folder = str(tiny_models["llama"])
+    ref = local_reference(tiny_models["llama"])
+    with running_swarm(folder, ["0:2", "2:4"]) as swarm:
+        cheater = load_script("cheating_server").start_cheater(swarm, "noise", "0:2", scale=1e-2).peer_id
+        with connect(folder, swarm, timing=patient_timing(), verify_every=ClientConfig().verify_every) as client:
+            wait_for(lambda: len(client.connection.view.servers()) == 3, 60, "every server in the client's view")
+            ids = _ids(6)
+            with client.inference_session(max_length=256) as session:
+                out = client.generate(ids, max_new_tokens=200, do_sample=False)
+                route = [h.peer_id for h in session.route]
+            assert cheater in session.caught and cheater not in route
+            assert session.verifier is not None and session.verifier.stats.own_runs >= 1  # no third server exists
+            # the tokens after the catch ran on honest servers: a fresh generation equals Hugging Face
+            again = _ids(7)
+            assert torch.equal(
+                client.generate(again, max_new_tokens=16, do_sample=False),
+                ref.generate(again, max_new_tokens=16, do_sample=False),
+            )
+            assert out.shape[1] == ids.shape[1] + 200
+        with _client(folder, swarm, verify_every=0) as fresh:
+            ids = _ids(8)
+            out = fresh.generate(ids, max_new_tokens=8, do_sample=False)
+            assert cheater in fresh.connection.trust.convicted
+            assert cheater not in [h.peer_id for h in fresh.route]
+            assert torch.equal(out, ref.generate(ids, max_new_tokens=8, do_sample=False))

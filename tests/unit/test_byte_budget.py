@@ -114,3 +114,33 @@ def test_chaining_trusts_only_servers_of_the_block_with_our_weights() -> None:
         assert reads[-1] == shards["late"] and len(reads) == seen + 1
 
     asyncio.run(scenario())
+
+
+def test_a_compressed_message_is_charged_its_decoded_size_before_it_is_decoded() -> None:
+    """A block8 activation decodes to about 4x its wire size: the decoder charges the caller for the decoded bytes
+    before allocating them, so a message under the caller's share on the wire but over it decoded is refused
+    (``busy``) with nothing allocated, and one within is held at its decoded size until released."""
+    import torch
+
+    from swarm.codecs import Codec
+
+    hidden = torch.randn(1, 256, 256, generator=torch.Generator().manual_seed(0))  # 256 KiB decoded
+    frames = wire.encode({"x": 1}, {"hidden": hidden}, Codec.block8)
+    on_wire = wire.encoded_size(frames)
+    assert on_wire < 100_000  # about a quarter
+    budget = wire.ByteBudget(1 << 30, per_caller=150_000)
+    decoder = wire.Decoder(1 << 20, budget, "c")
+    with pytest.raises(BusyError, match="this caller holds"):
+        for frame in frames:
+            decoder.feed(frame)
+    decoder.release()
+    assert budget.used == 0
+    budget = wire.ByteBudget(1 << 30, per_caller=1 << 20)
+    decoder = wire.Decoder(1 << 20, budget, "c")
+    message = None
+    for frame in frames:
+        message = decoder.feed(frame) or message
+    assert message is not None and message[1]["hidden"].shape == hidden.shape
+    assert budget.by_caller["c"] == hidden.numel() * 4  # the decoded size, not the wire's
+    decoder.release()
+    assert budget.used == 0

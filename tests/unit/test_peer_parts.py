@@ -59,3 +59,20 @@ def test_load_span_reads_only_its_blocks(tmp_path, monkeypatch, model_type, extr
         theirs_state = theirs.state_dict()
         for name, tensor in ours.state_dict().items():
             assert torch.equal(tensor, theirs_state[name]), name
+
+
+def test_a_server_s_own_failure_reaches_the_caller_without_its_text():
+    """``peers.rpc.edge.error_reply``: an internal exception's message (a path, a value, an address) stays in the
+    server's log; the caller gets its kind and an incident id to report. A refusal of the caller's request keeps its
+    reason, which is about what the caller sent."""
+    from peers.rpc.edge import error_reply
+    from swarm import wire
+    from swarm.errors import BadInputError
+
+    (frame,) = error_reply(RuntimeError("secret /home/volunteer/.cache/weights at 0x7f00deadbeef"))
+    meta, _ = wire.decode([frame], 1 << 16)
+    assert meta["code"] == "swarm_error" and "RuntimeError" in meta["error"] and "incident" in meta["error"]
+    assert "secret" not in meta["error"] and "/home" not in meta["error"] and "0x7f" not in meta["error"]
+    (frame,) = error_reply(BadInputError("hidden states of 3 positions, the request said 4"))
+    meta, _ = wire.decode([frame], 1 << 16)
+    assert meta["error"] == "hidden states of 3 positions, the request said 4"

@@ -8,11 +8,14 @@ compared with what the hop returned. So every step of every hop is checked, a wi
 which step ends a window. The check runs on the client's event loop beside the session, off the decode path; its
 result is acted on before the next step.
 
-On a mismatch a third server runs the hop's whole context once and decides: the one of the two that disagrees with
-it is the cheater (when the third agrees with neither, or there is no third, nobody is blamed: the session moves off
-the hop). The cheater is banned and, where its signed commitments bind it to the wrong output, accused in the DHT
-with that evidence (``swarm.client.verify.trust``). The steps between the cheat and its check have already run on the
-cheater's output: the hop is replaced (its history replayed onto honest servers) and the session goes on."""
+On a mismatch a third runs the hop's whole context once and decides: the one of the two that disagrees with it is
+the cheater. The third is the client itself where it holds the hop's weights (its model folder's, unquantized: its
+own run, block by block, ``swarm.families.recompute``), so a span served by only two servers is decided too, and
+no server drawn for it (perhaps a Sybil) decides; otherwise a third server (when it agrees with neither, or there
+is none, nobody is blamed: the session moves off the hop). The cheater is banned and, where its signed commitments
+bind it to the wrong output, accused in the DHT with that evidence (``swarm.client.verify.trust``). The steps between
+the cheat and its check have already run on the cheater's output: the hop is replaced (its history replayed onto
+honest servers) and the session goes on."""
 
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class Stats:
     checks: int = 0  # windows compared
     tokens: int = 0  # positions compared
     bytes_sent: int = 0  # hidden states sent to verifiers and third servers
+    own_runs: int = 0  # mismatches decided by this client's own run of the span (no third server asked)
     outcomes: Counter[str] = field(default_factory=Counter)
     closest: float = 0.0  # the largest window distance (rms) and single-position distance seen between outputs
     closest_position: float = 0.0  # that passed: the margin honest servers leave under the tolerance
@@ -278,12 +282,18 @@ class Verifier:
     async def _third(
         self, state: HopState, shadow: Shadow, mine: torch.Tensor, theirs: torch.Tensor, n: int
     ) -> tuple[Who, torch.Tensor | None]:
-        """A third server runs the hop's whole context once: who of the hop and the verifier agrees with it."""
+        """A third runs the hop's whole context once: who of the hop and the verifier agrees with it. The third is
+        this client itself where it holds the hop's weights (its own run decides, whatever servers exist: with two
+        servers of a span nothing else could, and drawn servers may be Sybils), else a third server."""
+        x = torch.cat(state.replay.inputs[:n], dim=1)
+        own = await self._own_run(state, shadow, x, torch.cat(state.replay.positions[:n], dim=1))
+        if own is not None:
+            ref = own[:, -mine.shape[1] :]
+            return self._decide(compare(mine, ref), compare(theirs, ref), self._tolerance(state, shadow.hop)), ref
         candidates = await asyncio.to_thread(self._candidates, state.hop, {shadow.hop.peer_id})
         if not candidates:
             return "unresolved", None
         self.rng.shuffle(candidates)
-        x = torch.cat(state.replay.inputs[:n], dim=1)
         # with an adapter, the third server needs it too (the session's own opening sends it)
         opening = self.opening if Capability.ADAPTERS in self.needs else plain_opening(x.shape[1], x.shape[0])
         for hop in candidates[:2]:  # a third that fails is banned and replaced once: its failure decides nothing
@@ -296,12 +306,28 @@ class Verifier:
             finally:
                 third.close()
             self.stats.bytes_sent += x.numel() * x.element_size()
-            tol = self._tolerance(state, shadow.hop, hop)
-            hop_ok = compare(mine, ref).within(tol)
-            shadow_ok = compare(theirs, ref).within(tol)
-            if shadow_ok and not hop_ok:
-                return "hop", ref
-            if hop_ok and not shadow_ok:
-                return "verifier", ref
-            return "unresolved", ref
+            return self._decide(compare(mine, ref), compare(theirs, ref), self._tolerance(state, shadow.hop, hop)), ref
         return "unresolved", None
+
+    @staticmethod
+    def _decide(hop: Comparison, verifier: Comparison, tol: Tolerance) -> Who:
+        """Who computed wrong, by how each compares with the deciding run."""
+        hop_ok, verifier_ok = hop.within(tol), verifier.within(tol)
+        if verifier_ok and not hop_ok:
+            return "hop"
+        if hop_ok and not verifier_ok:
+            return "verifier"
+        return "unresolved"
+
+    async def _own_run(
+        self, state: HopState, shadow: Shadow, x: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The hop's blocks over ``x`` run here (None: no copy of both servers' weights here, or an adapter runs)."""
+        local = self.conn.trust.local if self.conn.trust is not None else None
+        hop = state.hop
+        if local is None or Capability.ADAPTERS in self.needs or shadow.hop.fingerprint != hop.fingerprint:
+            return None
+        out = await asyncio.to_thread(local, x, hop.start, hop.end, hop.fingerprint, positions)
+        if out is not None:
+            self.stats.own_runs += 1
+        return out
