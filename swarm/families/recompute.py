@@ -1,9 +1,10 @@
 """A span run here from the model folder, one block at a time: how a reader that holds the weights judges an
 accusation itself (``swarm.rpc.judging``) instead of believing servers anyone can announce.
 
-Only one block's tensors are held at a time (a 70B block is about 1.7 GB in 16 bits), in float32 on the CPU: the
-most exact reference there is for an output committed in any dtype. Accusations are rare and each reader judges
-at most a few per look, so the cost is bounded by the judging's own pacing."""
+Only one block's tensors are held at a time, in float32 on the CPU (a 70B block: about 3.4 GB, twice its 16-bit
+size): the most exact reference there is for an output committed in any dtype. Accusations and verification
+disputes are rare and each reader judges at most a few per look, so the cost is bounded by the judging's own
+pacing; a client also decides its own verification disputes this way (``swarm.client.verify.verifier``)."""
 
 from __future__ import annotations
 
