@@ -4,7 +4,9 @@ round's result applied only once the whole of it has arrived."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing as mp
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,7 +48,13 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
         # before hivemind's __init__, which may fork the averager's process
         self._rule = rule or ClipRule()
         self.codec = codec or Codec("none")  # its byte counter is shared with the averager's process
+        self._attempts = mp.Value(ctypes.c_longlong, 0, lock=True)
         super().__init__(*args, **kwargs)
+
+    @property
+    def attempts(self) -> int:
+        """All-reduce rounds this averager began (a round that failed part-way and was retried counts twice)."""
+        return int(self._attempts.value)
 
     def run(self) -> None:
         die_with_parent(self._parent_pid)
@@ -87,6 +95,8 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
+        with self._attempts.get_lock():
+            self._attempts.value += 1
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")

@@ -62,6 +62,14 @@ def stage_state(trainer: Trainer, peer_id: str, stage) -> tuple[int, dict[str, t
     return reply.step, {k: v for k, v in tensors.items() if k.startswith("param.")}
 
 
+# Timings for a test's averagers (hivemind's ``DecentralizedAverager`` arguments). A follower whose wait for its
+# leader's go ran out on a loaded machine is put in the group by the leader but never joins the round: without part
+# timeouts its groupmates waited for its parts until the test gave up (a round hung 45 s in CI). With them the round
+# fails after a few seconds without changing anything and every replica retries (``allow_retries``), the three
+# together again. Matchmaking's request timeout stays below its period, as hivemind requires against deadlocks.
+AVERAGER_TIMINGS = dict(min_matchmaking_time=3.0, request_timeout=2.0, sender_timeout=5.0, reducer_timeout=10.0)
+
+
 @contextmanager
 def dhts(n: int) -> Iterator[list[OwnedDHT]]:
     started: list[OwnedDHT] = []

@@ -8,7 +8,7 @@ import torch
 
 from swarm.training.averaging import OwnedAverager
 from swarm.training.robust import ClipRule
-from tests.helpers.runs import dhts
+from tests.helpers.runs import AVERAGER_TIMINGS, dhts
 
 SIZE = 20_000  # two tensors of this many values: several parts, reduced by each of the three peers
 SLACK = 1e-3  # how far, per element, the rule lets replicas' weights lie apart
@@ -31,8 +31,7 @@ def test_a_replica_far_from_the_others_cannot_drag_the_round():
                 prefix="robust_test",
                 target_group_size=3,
                 min_group_size=3,  # the three of them, never a pair
-                min_matchmaking_time=2.0,
-                request_timeout=10.0,  # a part's call (1 s failed a reducer on a loaded machine: test_diloco_rounds)
+                **AVERAGER_TIMINGS,
                 client_mode=False,
                 allow_state_sharing=False,
                 rule=ClipRule.for_weights(2, 2, slack=SLACK),
