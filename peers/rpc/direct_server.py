@@ -24,6 +24,7 @@ from peers.serving.limits import CallerContext
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError
 from swarm.identity import Credentials, sign_record
+from swarm.nat_protocol import DialbackReply, DialbackRequest, Observation, ObserveReply
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
@@ -33,12 +34,8 @@ from swarm.protocol import (
     RPC_INFERENCE,
     RPC_OBSERVE,
     RPC_PUSH,
-    DialbackReply,
-    DialbackRequest,
     DirectCall,
     DirectHello,
-    Observation,
-    ObserveReply,
     check_version,
 )
 from swarm.rpc.direct import framed, frames_of, read_header, write_frame

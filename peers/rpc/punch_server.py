@@ -28,7 +28,8 @@ from peers.serving.limits import CallerContext, caller_of
 from swarm import wire
 from swarm.errors import BadInputError, BusyError, NotMemberError, PeerUnavailableError
 from swarm.identity import Credentials, open_signed
-from swarm.protocol import OBSERVATION_TTL, Observation, PunchReply, PunchRequest, check_version
+from swarm.nat_protocol import OBSERVATION_TTL, Observation, PunchReply, PunchRequest
+from swarm.protocol import check_version
 from swarm.rpc.direct import DirectDialError
 from swarm.rpc.punch import address_range, bound_socket, observe, parse_observer, simultaneous_open
 from swarm.rpc.secure import client_context

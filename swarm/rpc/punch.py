@@ -33,7 +33,8 @@ from collections.abc import Awaitable, Callable
 from swarm import wire
 from swarm.errors import SwarmError
 from swarm.identity import Credentials
-from swarm.protocol import RPC_DIALBACK, RPC_OBSERVE, DialbackReply, DialbackRequest, ObserveReply
+from swarm.nat_protocol import DialbackReply, DialbackRequest, ObserveReply
+from swarm.protocol import RPC_DIALBACK, RPC_OBSERVE
 from swarm.rpc.direct import DirectDialError, TcpChannel, split_address
 
 RETRY_S = 0.05  # a refused connect (the other side's SYN not yet out, or an early RST) is tried again this soon

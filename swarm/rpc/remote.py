@@ -23,6 +23,7 @@ from swarm.config import DirectPolicy
 from swarm.errors import PeerUnavailableError, SwarmError
 from swarm.hop import Hop
 from swarm.identity import Credentials
+from swarm.nat_protocol import ObserveReply, PunchReply, PunchRequest
 from swarm.protocol import (
     RPC_BANDWIDTH,
     RPC_COMPUTE_LOOP,
@@ -36,9 +37,6 @@ from swarm.protocol import (
     ForwardRequest,
     InfoReply,
     InfoRequest,
-    ObserveReply,
-    PunchReply,
-    PunchRequest,
     R,
     ReleaseRequest,
     Reply,

@@ -23,7 +23,8 @@ from swarm.config import Timing
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.identity import sign_record
-from swarm.protocol import RPC_PUNCH, Observation, PunchReply, PunchRequest
+from swarm.nat_protocol import Observation, PunchReply, PunchRequest
+from swarm.protocol import RPC_PUNCH
 from swarm.records import servers
 from swarm.rpc.punch import _observed, bound_socket
 

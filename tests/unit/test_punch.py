@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from swarm.hop import Hop
-from swarm.protocol import RPC_FORWARD, RPC_INFERENCE, RPC_PUNCH, PunchRequest
+from swarm.nat_protocol import PunchRequest
+from swarm.protocol import RPC_FORWARD, RPC_INFERENCE, RPC_PUNCH
 from swarm.rpc.direct import DirectDialError
 from swarm.rpc.punch import bound_socket, parse_observer, simultaneous_open
 from swarm.rpc.transport import Transport, choose_transport
@@ -68,7 +69,7 @@ def test_a_peer_punches_only_toward_its_caller_s_own_observed_endpoint():
     from peers.rpc.punch_server import Puncher
     from swarm import wire
     from swarm.identity import sign_record
-    from swarm.protocol import Observation, PunchReply
+    from swarm.nat_protocol import Observation, PunchReply
 
     observer, stranger, caller, other = (_peer_key() for _ in range(4))
 
