@@ -67,6 +67,7 @@ class SwarmView:
         self._banned: dict[str, float] = {}  # peer -> banned until (monotonic)
         self._for_cause: set[str] = set()  # peers banned for wrong answers or convicted: never paroled
         self._slow: dict[str, tuple[float, int]] = {}  # peer -> (avoided until, times): missed deadlines, alive
+        self._disputed: dict[str, float] = {}  # peer -> avoided until: in a verification dispute nothing decided
         self.sessions_here: Counter[str] = Counter()  # peer -> this client's inference sessions open on it
         # (peer, mode) -> measured seconds per block and step (inference) or token (forward), network included
         self.speeds: dict[tuple[str, Mode], float] = {}
@@ -184,6 +185,17 @@ class SwarmView:
         now = time.monotonic()
         return frozenset(p for p, (until, _) in list(self._slow.items()) if until > now)
 
+    def dispute(self, peer_id: str, seconds: float) -> None:
+        """``peer_id`` and another server disagreed on the same work and nothing this client could ask decided who
+        computed wrong: one of them did, so neither is banned (it may be the honest one) but both are priced
+        ``SLOW_LOAD`` times dearer for ``seconds``, so new sessions go to any other server of their blocks (and a
+        cheater's inflated speed claim does not win them back)."""
+        self._disputed[peer_id] = time.monotonic() + seconds
+
+    def disputed(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(p for p, until in list(self._disputed.items()) if until > now)
+
     def unban(self, peer_id: str) -> None:
         """Lift a ban (one set while a second server judged this peer's claim, which that server confirmed)."""
         self._banned.pop(peer_id, None)
@@ -205,8 +217,8 @@ class SwarmView:
         """Each server's load factor for a new session: 1 + ``session_load_weight`` x the sessions open on it, as it
         announces them or as many as this client holds there, whichever is more (a record is up to a heartbeat old,
         and this client's own sessions of the last seconds are not in it yet); ``SLOW_LOAD`` times that for a server
-        found slow but alive lately (``slow``)."""
-        weight, slowed = self.cfg.session_load_weight, self.slowed()
+        found slow but alive lately (``slow``) or in a dispute nothing decided (``dispute``)."""
+        weight, slowed = self.cfg.session_load_weight, self.slowed() | self.disputed()
         return {
             r.peer_id: (1.0 + weight * max(r.open_sessions, self.sessions_here[r.peer_id]))
             * (SLOW_LOAD if r.peer_id in slowed else 1.0)

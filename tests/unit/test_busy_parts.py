@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import torch
+
 from swarm.client.retry import Retrier
 from swarm.client.routing import choose_route
 from swarm.client.swarm_view import MAX_PATIENCE, SLOW_LOAD, SwarmView
@@ -155,3 +157,32 @@ def test_a_push_connection_that_fails_reports_the_sessions_that_pushed_through_i
     assert asyncio.run(lost_by(_Remote(fail=True), idle=False)) == [["a", "b"]]
     assert asyncio.run(lost_by(_Remote(fail=False), idle=False)) == [["a", "b"]]
     assert asyncio.run(lost_by(_Remote(fail=False), idle=True)) == []
+
+
+def test_both_sides_of_a_dispute_nothing_decided_lose_new_sessions_while_others_serve_their_blocks():
+    """A hop and its verifier disagreed and this client could decide nothing (no weights here, no third server
+    that agreed with either): neither is banned, but new sessions go to the third replica, whatever speed the two
+    claim; a span only the two serve is still routed through them."""
+    from types import SimpleNamespace
+
+    from swarm.client.verify.verdicts import act
+    from swarm.client.verify.verifier import Verdict
+    from swarm.hop import Hop
+    from swarm.verdict import compare
+
+    claims = {"cheater": 100.0, "honest": 10.0, "other": 10.0}  # the cheater claims ten times the others' speed
+    replicas = [record(peer_id=p, start=0, end=8, inference_sps=sps) for p, sps in claims.items()]
+    sv = SwarmView(_Store(view_of(*replicas)), "m", 8, ClientConfig())
+    assert [h.peer_id for h in sv.route(0, 8)] == ["cheater"]
+    hop, verifier = (Hop.of(r) for r in replicas[:2])
+    state = SimpleNamespace(hop=hop, link=SimpleNamespace(broken=False))
+    shadow = SimpleNamespace(hop=verifier, close=lambda: None)
+    disputed = Verdict(state, "unresolved", compare(torch.zeros(1, 2, 4), torch.ones(1, 2, 4)), shadow=shadow)
+    assert act([disputed], SimpleNamespace(view=sv), chunk=0) == []  # nobody caught...
+    assert state.link.broken and sv.banned() == frozenset()  # ...the session moves off the hop, nobody banned
+    assert sv.disputed() == {"cheater", "honest"}
+    assert [h.peer_id for h in sv.route(0, 8)] == ["other"]
+    sv2 = SwarmView(_Store(view_of(*replicas[:2])), "m", 8, ClientConfig())
+    sv2.dispute("cheater", 600.0)
+    sv2.dispute("honest", 600.0)
+    assert len(sv2.route(0, 8)) == 1  # only the two serve the blocks: still routed

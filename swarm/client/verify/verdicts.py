@@ -25,6 +25,7 @@ from swarm.rpc.evidence import build
 from swarm.verdict import compare, tolerance
 
 log = logging.getLogger(__name__)
+DISPUTE_S = 600.0  # how long both sides of an undecided dispute are avoided (a cheater's accusation lives 3600 s)
 
 
 def act(verdicts: list[Verdict], conn: SwarmConnection, chunk: int) -> list[str]:
@@ -45,6 +46,9 @@ def act(verdicts: list[Verdict], conn: SwarmConnection, chunk: int) -> list[str]
 def _act(v: Verdict, conn: SwarmConnection, chunk: int, caught: list[str]) -> None:
     if v.who == "unresolved" and v.comparison is not None:
         v.state.link.broken = True  # two servers disagree and nothing decides: move off the hop, blaming nobody
+        for party in (v.state.hop, v.shadow.hop if v.shadow is not None else None):
+            if party is not None:  # ...and off both of them wherever another server serves their blocks
+                conn.view.dispute(party.peer_id, DISPUTE_S)
     cheater = v.cheater
     if cheater is None:
         return

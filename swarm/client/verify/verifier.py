@@ -12,7 +12,8 @@ On a mismatch a third runs the hop's whole context once and decides: the one of 
 the cheater. The third is the client itself where it holds the hop's weights (its model folder's, unquantized: its
 own run, block by block, ``swarm.families.recompute``), so a span served by only two servers is decided too, and
 no server drawn for it (perhaps a Sybil) decides; otherwise a third server (when it agrees with neither, or there
-is none, nobody is blamed: the session moves off the hop). The cheater is banned and, where its signed commitments
+is none, nobody is blamed: the session moves off the hop, and new sessions avoid both while others serve
+those blocks). The cheater is banned and, where its signed commitments
 bind it to the wrong output, accused in the DHT with that evidence (``swarm.client.verify.trust``). The steps between
 the cheat and its check have already run on the cheater's output: the hop is replaced (its history replayed onto
 honest servers) and the session goes on."""
