@@ -1,5 +1,6 @@
-"""``scripts/bench_serving.py``'s arithmetic: the percentiles, Jain's index and the row it makes of timed streams, and
-its guard against a server flag argparse would silently take for a longer one."""
+"""``scripts/bench_serving.py``'s arithmetic (``harness.serving_load``): the percentiles, Jain's index and the row it
+makes of timed streams, and the benchmark's guard against a server flag argparse would silently take for a longer
+one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from harness import serving_load as load
 from tests.helpers.scripts import load_script
 
 
@@ -17,40 +19,40 @@ def bench():
     return load_script("bench_serving")  # only the standard library at import: workers import the rest
 
 
-def test_percentile_matches_numpy(bench):
+def test_percentile_matches_numpy():
     rng = random.Random(3)
     for n in (1, 2, 5, 31, 500):
         values = [rng.expovariate(10) for _ in range(n)]
         for q in (0, 10, 50, 95, 100):
-            assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
-    assert math.isnan(bench.percentile([], 50))
+            assert load.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    assert math.isnan(load.percentile([], 50))
 
 
-def test_jain(bench):
-    assert bench.jain([3.0, 3.0, 3.0, 3.0]) == pytest.approx(1.0)
-    assert bench.jain([5.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)  # one of four gets everything: 1/n
-    assert bench.jain([1.0, 2.0]) == pytest.approx(9 / 10)  # (1+2)^2 / (2 * (1+4))
-    assert math.isnan(bench.jain([]))
+def test_jain():
+    assert load.jain([3.0, 3.0, 3.0, 3.0]) == pytest.approx(1.0)
+    assert load.jain([5.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)  # one of four gets everything: 1/n
+    assert load.jain([1.0, 2.0]) == pytest.approx(9 / 10)  # (1+2)^2 / (2 * (1+4))
+    assert math.isnan(load.jain([]))
 
 
-def test_summarize_two_streams(bench):
+def test_summarize_two_streams():
     # stream a: sent at 0, tokens at 1, 2, 3 (3 tokens in 3 s); b: sent at 0.5, tokens at 1.5, 3.5 (2 in 3 s)
     a = {"start": 10.0, "times": [11.0, 12.0, 13.0], "tokens": 3}
     b = {"start": 10.5, "times": [11.5, 13.5], "tokens": 2}
-    row = bench.summarize([a, b])
+    row = load.summarize([a, b])
     assert row["streams"] == 2 and row["tokens"] == 5 and row["fewest_tokens"] == 2
     assert row["wall_s"] == pytest.approx(3.5)  # first request to last token
     assert row["tokens_per_s"] == pytest.approx(5 / 3.5)
     assert row["tbt_p50_s"] == pytest.approx(1.0)  # gaps 1, 1, 2
     assert row["tbt_p95_s"] == pytest.approx(1.9)
-    assert row["jain"] == pytest.approx(bench.jain([1.0, 2 / 3]))
+    assert row["jain"] == pytest.approx(load.jain([1.0, 2 / 3]))
     assert row["ttft_p50_s"] == pytest.approx(1.0)
     with pytest.raises(RuntimeError, match="1 of 2 streams got no token"):
-        bench.summarize([a, {"start": 10.0, "times": [], "tokens": 0}])
+        load.summarize([a, {"start": 10.0, "times": [], "tokens": 0}])
 
 
-def test_prompts_differ(bench):
-    prompts = [bench.prompt(i) for i in range(64)]
+def test_prompts_differ():
+    prompts = [load.prompt(i) for i in range(64)]
     assert len(set(prompts)) == 64
 
 
