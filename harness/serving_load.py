@@ -5,13 +5,18 @@ import: the workers import the rest when they run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 SUBJECTS = [
@@ -183,3 +188,60 @@ def client_worker(spec: dict[str, Any]) -> None:
             times = stamps.times[1:]  # the first put is the prompt
             emit(start=start, times=times, tokens=len(times), failovers=model.failovers)
     emit(done=True)
+
+
+# -- the report ---------------------------------------------------------------------------------------------------
+
+
+def machine(root: Path) -> dict[str, Any]:
+    """The machine and checkout (at ``root``) a run was made on, and the load when it started."""
+    import torch
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    mem = ""
+    with contextlib.suppress(OSError):
+        mem = next((ln.split(":", 1)[1].strip() for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), "")
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True, text=True)
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(int(mem.split()[0]) / 2**20, 1) if mem else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else ""),
+        "load_start": os.getloadavg(),
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def measured(r: dict[str, Any] | None) -> bool:
+    return r is not None and "failed" not in r
+
+
+def cell(r: dict[str, Any] | None, one: dict[str, Any] | None, width: int) -> str:
+    if r is None:
+        return f"{'-':>{width}}"
+    if "failed" in r:
+        text = f"{r['failed']} of {r['streams']} streams failed"
+        return f"{text:>{width}}"
+    x = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}" if one is not None and measured(one) else "-"
+    text = (
+        f"{r['tokens_per_s']:.1f} {x:>5} {r['tbt_p50_s'] * 1000:>7.0f} {r['tbt_p95_s'] * 1000:>7.0f} "
+        f"{r['jain']:>6.3f} {r['ttft_p50_s']:>7.2f}"
+    )
+    return f"{text:>{width}}"
+
+
+def rule(head: str) -> str:
+    return "|" + "|".join("-" * len(p) for p in head.split("|")[1:-1]) + "|"
+
+
+def fmt_load(load: Sequence[float]) -> str:
+    return "/".join(f"{v:.1f}" for v in load)

@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -55,7 +54,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # this checkout's ``swarm`` and ``harness`` (the workers import them from here too)
     sys.path.insert(0, str(ROOT))
 
-from harness.serving_load import api_worker, client_worker, summarize  # noqa: E402
+from harness.serving_load import (  # noqa: E402
+    api_worker,
+    cell,
+    client_worker,
+    fmt_load,
+    machine,
+    measured,
+    rule,
+    summarize,
+    verdict,
+)
 
 MODEL = "smollm2-135m"
 SPANS = {"s1": "0:10", "s2": "10:20", "s3": "20:30"}  # WAN node -> span; on loopback the same spans
@@ -88,35 +97,12 @@ def check_flags(label: str, args: Sequence[str], known: set[str]) -> None:
         )
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    with contextlib.suppress(OSError):
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    mem = ""
-    with contextlib.suppress(OSError):
-        mem = next((ln.split(":", 1)[1].strip() for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), "")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "-uno"], capture_output=True, text=True)
-    return {
-        "host": platform.node(),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(int(mem.split()[0]) / 2**20, 1) if mem else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else ""),
-        "load_start": os.getloadavg(),
-    }
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
         self.rows: list[dict[str, Any]] = []
-        self.machine = machine()
+        self.machine = machine(ROOT)
         self.modes = {"batched": shlex.split(args.batched_args), "unbatched": shlex.split(args.unbatched_args)}
         self.skipped: dict[str, str] = {}
 
@@ -404,40 +390,10 @@ class Bench:
         return out
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
-def measured(r: dict[str, Any] | None) -> bool:
-    return r is not None and "failed" not in r
-
-
-def cell(r: dict[str, Any] | None, one: dict[str, Any] | None, width: int) -> str:
-    if r is None:
-        return f"{'-':>{width}}"
-    if "failed" in r:
-        text = f"{r['failed']} of {r['streams']} streams failed"
-        return f"{text:>{width}}"
-    x = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}" if one is not None and measured(one) else "-"
-    text = (
-        f"{r['tokens_per_s']:.1f} {x:>5} {r['tbt_p50_s'] * 1000:>7.0f} {r['tbt_p95_s'] * 1000:>7.0f} "
-        f"{r['jain']:>6.3f} {r['ttft_p50_s']:>7.2f}"
-    )
-    return f"{text:>{width}}"
-
-
-def rule(head: str) -> str:
-    return "|" + "|".join("-" * len(p) for p in head.split("|")[1:-1]) + "|"
-
-
 def net_name(net: str) -> str:
     if net == "loopback":
         return "loopback (127.0.0.1, no WAN)"
     return f"WAN: 3 hops, {WAN_DELAY_MS:.0f} ms one way between any two nodes, {WAN_MBIT:.0f} Mbit/s per node"
-
-
-def fmt_load(load: Sequence[float]) -> str:
-    return "/".join(f"{v:.1f}" for v in load)
 
 
 def main(argv: list[str]) -> int:
