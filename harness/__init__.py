@@ -6,6 +6,7 @@ product (``swarm``, ``peers``: tests/unit/test_layering.py holds it) and not shi
 - ``harness.fork_server``: forks peers from one process that imported everything once (the integration tests');
 - ``harness.wan``: a WAN emulator (network namespaces, a user-space router with delays and bandwidths);
 - ``harness.perf``: the cost model's calibration probes and its validation against the benchmarks.
+- ``harness.fake_hub``: a local server speaking the Hub's file API (what ``HF_ENDPOINT`` takes in tests);
 - ``harness.serving_load``, ``harness.sim_servers``: what two benchmarks run besides swarms (streams and their
   statistics; a simulated population of signed volunteers).
 

@@ -1,0 +1,242 @@
+"""Models by their Hugging Face Hub names (``ORG/NAME[@REVISION]``), downloading only the files a party needs.
+
+A name resolves to a commit (``resolve``): the revision a peer serves is that commit, whatever branch or tag was
+typed, and what the swarm agrees on. ``fetch`` brings files of that commit into ``huggingface_hub``'s shared cache
+(where transformers finds what it downloaded before, and ``HF_HUB_CACHE`` moves it), so the snapshot folder it
+returns holds those files and no others: a server fetches its blocks' shards (``shards_for`` over the checkpoint's
+index), a client the shards of its embeddings, norm and head. Each file is checked against what the Hub lists for it
+before use (an LFS file's sha256, every file's size); a file that fails is removed and fetched once more, then
+refused with the reason. Downloads resume where an interrupted one stopped (``huggingface_hub``'s own ``.incomplete``
+files), the disk's free space is checked before anything is fetched (the refusal names the bytes), ``HF_TOKEN`` or
+``token`` opens gated models (a refusal names the model), and ``HF_HUB_OFFLINE`` reads only the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm.errors import BadInputError
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<revision>[\w./-]{1,128}))?$")
+ALWAYS = (  # what every party reads besides weights: config, tokenizer, and the index that maps tensors to shards
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+)
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class HubName:
+    repo: str
+    revision: str = "main"
+
+    @classmethod
+    def parse(cls, text: str) -> HubName | None:
+        """``ORG/NAME`` or ``ORG/NAME@REVISION``; None for anything else (a folder on disk, a model card's name)."""
+        m = _NAME.match(text.strip())
+        if m is None or Path(text).expanduser().exists():
+            return None
+        return cls(m["repo"], m["revision"] or "main")
+
+    def __str__(self) -> str:
+        return self.repo if self.revision == "main" else f"{self.repo}@{self.revision}"
+
+
+@dataclass(frozen=True)
+class HubFile:
+    size: int
+    sha256: str | None  # an LFS file's (weights); None for small files kept in git
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A name at one commit, and the files the Hub lists there."""
+
+    name: HubName
+    commit: str
+    files: Mapping[str, HubFile]
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """Where and how to reach the Hub: ``endpoint`` (``HF_ENDPOINT``), the shared cache (``HF_HUB_CACHE``, else
+    ``HF_HOME``/hub, else ~/.cache/huggingface/hub), a token (``HF_TOKEN``) and offline mode (``HF_HUB_OFFLINE``),
+    read when asked (``from_env``), not when a library was imported."""
+
+    endpoint: str = "https://huggingface.co"
+    cache_dir: Path = Path("~/.cache/huggingface/hub").expanduser()
+    token: str | None = None
+    offline: bool = False
+
+    @classmethod
+    def from_env(cls, token: str | None = None) -> HubSettings:
+        env = os.environ
+        home = Path(env.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+        cache = Path(env["HF_HUB_CACHE"]).expanduser() if env.get("HF_HUB_CACHE") else home / "hub"
+        offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        endpoint = env.get("HF_ENDPOINT", cls.endpoint).rstrip("/")
+        return cls(endpoint, cache, token or env.get("HF_TOKEN") or None, offline)
+
+    def repo_dir(self, name: HubName) -> Path:
+        return self.cache_dir / f"models--{name.repo.replace('/', '--')}"
+
+
+def _refusal(name: HubName, e: Exception) -> BadInputError:
+    """A clear error for the caller, naming the model, out of ``huggingface_hub``'s."""
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.GatedRepoError):
+        return BadInputError(
+            f"model {name} is gated: accept its terms on the Hub, then give a token that may read it "
+            f"(--token or HF_TOKEN); the Hub said: {str(e).splitlines()[-1][:200]}"
+        )
+    if isinstance(e, errors.RevisionNotFoundError):
+        return BadInputError(f"model {name}: no revision {name.revision!r} on the Hub")
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return BadInputError(f"model {name}: not found on the Hub (or private: give a token with --token or HF_TOKEN)")
+    if isinstance(e, errors.LocalEntryNotFoundError) or isinstance(e, errors.OfflineModeIsEnabled):
+        return BadInputError(f"model {name}: not in the local cache, and the Hub is not reachable (or HF_HUB_OFFLINE)")
+    return BadInputError(f"model {name}: the Hub answered {type(e).__name__}: {str(e)[:300]}")
+
+
+def resolve(name: HubName, hub: HubSettings) -> Resolved:
+    """The commit ``name`` points at now and its files (offline: the commit the cache last saw for it)."""
+    from huggingface_hub import HfApi, errors
+
+    if hub.offline:
+        return _resolve_cached(name, hub)
+    try:
+        api = HfApi(endpoint=hub.endpoint, token=hub.token or False)
+        info = api.model_info(name.repo, revision=name.revision, files_metadata=True)
+    except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, OSError) as e:
+        raise _refusal(name, e) from None
+    if info.sha is None:
+        raise BadInputError(f"model {name}: the Hub named no commit for it")
+    files = {
+        s.rfilename: HubFile(int(s.lfs.size if s.lfs else (s.size or 0)), s.lfs.sha256 if s.lfs else None)
+        for s in info.siblings or ()
+    }
+    if name.revision != info.sha:  # as huggingface_hub records it: offline, the name finds this commit again
+        ref = hub.repo_dir(name) / "refs" / name.revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        staging = ref.with_name(f".{ref.name}.{os.getpid()}")
+        staging.write_text(info.sha)
+        os.replace(staging, ref)
+    return Resolved(name, info.sha, files)
+
+
+def _resolve_cached(name: HubName, hub: HubSettings) -> Resolved:
+    repo_dir = hub.repo_dir(name)
+    ref = repo_dir / "refs" / name.revision
+    commit = ref.read_text().strip() if ref.is_file() else name.revision
+    snapshot = repo_dir / "snapshots" / commit
+    if not re.fullmatch(r"[0-9a-f]{40}", commit) or not snapshot.is_dir():
+        raise BadInputError(f"model {name}: not in the local cache, and HF_HUB_OFFLINE is set")
+    files = {p.relative_to(snapshot).as_posix(): HubFile(p.stat().st_size, None) for p in snapshot.rglob("*")}
+    return Resolved(name, commit, {k: v for k, v in files.items() if (snapshot / k).is_file()})
+
+
+def shards_for(index: Mapping[str, str], prefixes: Iterable[str], exact: Iterable[str] = ()) -> set[str]:
+    """The shard files (``index``: tensor name -> file, a checkpoint's ``weight_map``) holding any tensor whose name
+    starts with one of ``prefixes`` or is one of ``exact``."""
+    starts, names = tuple(prefixes), set(exact)
+    return {file for tensor, file in index.items() if tensor in names or (starts and tensor.startswith(starts))}
+
+
+def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: Iterable[str] = ()) -> Path:
+    """Files ``paths`` of the resolved commit, and those of ``optional`` it has, in the shared cache, each checked;
+    the snapshot folder that holds them."""
+    from huggingface_hub import errors, hf_hub_download
+
+    required = set(paths)
+    absent = sorted(required - set(resolved.files))
+    if absent:
+        place = "in the local cache (HF_HUB_OFFLINE)" if hub.offline else f"at commit {resolved.commit}"
+        raise BadInputError(f"model {resolved.name} has no {', '.join(absent[:5])} {place}")
+    wanted = sorted(required | {p for p in optional if p in resolved.files})
+    snapshot = hub.repo_dir(resolved.name) / "snapshots" / resolved.commit
+    missing = [p for p in wanted if not _intact(snapshot / p, resolved.files[p], check_hash=False)]
+    need = sum(resolved.files[p].size for p in missing)
+    if need:
+        where = hub.cache_dir
+        where.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise BadInputError(
+                f"model {resolved.name}: {len(missing)} files need {need / 1e9:.2f} GB in {where}, "
+                f"which has {free / 1e9:.2f} GB free"
+            )
+        log.info("downloading %d files of %s (%.1f MB)", len(missing), resolved.name, need / 1e6)
+    for path in wanted:
+        for attempt in (1, 2):
+            try:
+                local = Path(
+                    hf_hub_download(
+                        resolved.name.repo,
+                        path,
+                        revision=resolved.commit,
+                        endpoint=hub.endpoint,
+                        cache_dir=hub.cache_dir,
+                        token=hub.token or False,
+                        local_files_only=hub.offline,
+                    )
+                )
+            except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError, OSError) as e:
+                raise _refusal(resolved.name, e) from None
+            problem = _problem(local, resolved.files[path])
+            if problem is None:
+                break
+            _forget(local)  # the blob and its link: the next download starts from nothing
+            if attempt == 2:
+                raise BadInputError(f"model {resolved.name}: {path} {problem}, twice: refused")
+            log.warning("model %s: %s %s; fetching it again", resolved.name, path, problem)
+    return snapshot
+
+
+def _problem(local: Path, expected: HubFile) -> str | None:
+    """Why a downloaded file is not the one the Hub lists (None: it is)."""
+    size = local.stat().st_size
+    if size != expected.size and expected.size:
+        return f"has {size} bytes where the Hub lists {expected.size}"
+    if expected.sha256 is not None and _sha256(local) != expected.sha256:
+        return "does not match the sha256 the Hub lists"
+    return None
+
+
+def _intact(local: Path, expected: HubFile, check_hash: bool = True) -> bool:
+    if not local.is_file():
+        return False
+    if not check_hash:
+        return local.stat().st_size == expected.size or not expected.size
+    return _problem(local, expected) is None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _forget(local: Path) -> None:
+    blob = local.resolve()
+    local.unlink(missing_ok=True)
+    if blob != local:
+        blob.unlink(missing_ok=True)

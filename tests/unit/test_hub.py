@@ -1,0 +1,168 @@
+"""Models by Hub names (``swarm/hub.py``) against a local server speaking the Hub's file API (``harness/fake_hub.py``)
+that serves a real checkpoint split into shards and counts the bytes it sends: a span downloads only the shards
+holding its blocks, a corrupted file is refused and fetched again, an interrupted download resumes, a gated model
+without its token fails naming the model, two revisions resolve to two commits, the disk's space is checked first,
+and offline mode reads the cache alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.fake_hub import FakeHub
+from swarm.errors import BadInputError
+from swarm.hub import ALWAYS, INDEX, HubName, HubSettings, fetch, resolve, shards_for
+
+REPO = "acme/tiny-llama"
+
+
+def _save(folder: Path, seed: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # no all-ones norms
+    model.save_pretrained(folder, max_shard_size="20KB")  # a layer or so per shard
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub-models")
+    return _save(root / "v1", 0), _save(root / "v2", 1)
+
+
+@pytest.fixture
+def hub(checkpoints, tmp_path):
+    with FakeHub() as server:
+        server.add(REPO, checkpoints[0])
+        server.add(REPO, checkpoints[1], revision="v2")
+        server.add("acme/gated", checkpoints[0], token="s3cret")
+        server.settings = HubSettings(endpoint=server.url, cache_dir=tmp_path / "hf-cache")  # type: ignore[attr-defined]
+        yield server
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    return json.loads((folder / INDEX).read_text())["weight_map"]
+
+
+def test_names_parse_and_folders_are_not_names(tmp_path):
+    assert HubName.parse("Qwen/Qwen3-8B") == HubName("Qwen/Qwen3-8B", "main")
+    assert HubName.parse("meta-llama/Llama-3.1-70B-Instruct@v1.0") == HubName(
+        "meta-llama/Llama-3.1-70B-Instruct", "v1.0"
+    )
+    assert HubName.parse("smollm2-135m") is None  # a model card's name
+    (tmp_path / "org" / "folder").mkdir(parents=True)
+    assert HubName.parse(str(tmp_path / "org" / "folder")) is None
+    assert HubName.parse("a/b/c") is None and HubName.parse("../x") is None
+
+
+def test_a_span_downloads_only_the_shards_holding_its_blocks(hub, checkpoints):
+    resolved = resolve(HubName(REPO), hub.settings)
+    folder = fetch(resolved, [], hub.settings, optional=ALWAYS)  # config, tokenizer if any, the index: no weights
+    index = _weight_map(folder)
+    assert len(set(index.values())) >= 4  # a real split
+    wanted = shards_for(index, ["model.layers.2."])
+    assert wanted and wanted != set(index.values())
+    folder = fetch(resolved, wanted, hub.settings)
+    sent = hub.sent_for(REPO)
+    weights_sent = {p for p in sent if p.endswith(".safetensors")}
+    assert weights_sent == wanted  # only the shards holding block 2
+    original = checkpoints[0]
+    assert sum(sent.values()) == sum((original / p).stat().st_size for p in sent)  # each once, whole
+    for shard in wanted:  # the same tensors as the model folder's
+        mine, theirs = load_file(folder / shard), load_file(original / shard)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    before = dict(hub.sent)
+    fetch(resolved, wanted, hub.settings)  # already here, checked: nothing sent again
+    assert dict(hub.sent) == before
+
+
+def test_a_corrupted_file_is_refused_and_fetched_again(hub, checkpoints):
+    resolved = resolve(HubName(REPO), hub.settings)
+    shard = sorted(f for f in resolved.files if f.endswith(".safetensors"))[0]
+    hub.corrupt(REPO, shard, times=1)
+    folder = fetch(resolved, [shard], hub.settings)
+    assert (folder / shard).read_bytes() == (checkpoints[0] / shard).read_bytes()
+    assert hub.sent_for(REPO)[shard] == 2 * resolved.files[shard].size  # the corrupted copy, then a good one
+    other = sorted(f for f in resolved.files if f.endswith(".safetensors"))[1]
+    hub.corrupt(REPO, other, times=2)
+    with pytest.raises(BadInputError, match=f"{other} does not match the sha256 the Hub lists, twice"):
+        fetch(resolved, [other], hub.settings)
+    assert not (folder / other).exists()  # nothing half-right is left to read
+
+
+def test_an_interrupted_download_resumes(hub, checkpoints):
+    resolved = resolve(HubName(REPO), hub.settings)
+    shard = max((f for f in resolved.files if f.endswith(".safetensors")), key=lambda f: resolved.files[f].size)
+    size = resolved.files[shard].size
+    hub.cut(REPO, shard, after=size // 2)
+    folder = fetch(resolved, [shard], hub.settings)
+    assert (folder / shard).read_bytes() == (checkpoints[0] / shard).read_bytes()
+    assert hub.sent_for(REPO)[shard] < 2 * size  # the second request took up where the first stopped
+
+
+def test_a_gated_model_needs_its_token_and_the_error_names_it(hub):
+    with pytest.raises(BadInputError, match="acme/gated is gated.*HF_TOKEN"):
+        resolve(HubName("acme/gated"), hub.settings)
+    settings = HubSettings(hub.settings.endpoint, hub.settings.cache_dir, token="s3cret")
+    resolved = resolve(HubName("acme/gated"), settings)
+    assert (fetch(resolved, ["config.json"], settings) / "config.json").is_file()
+    with pytest.raises(BadInputError, match="acme/nothing: not found on the Hub"):
+        resolve(HubName("acme/nothing"), hub.settings)
+    with pytest.raises(BadInputError, match="no revision 'v9'"):
+        resolve(HubName(REPO, "v9"), hub.settings)
+
+
+def test_two_revisions_are_two_commits_with_their_own_weights(hub, checkpoints):
+    one, two = resolve(HubName(REPO), hub.settings), resolve(HubName(REPO, "v2"), hub.settings)
+    assert one.commit != two.commit
+    shard = sorted(f for f in one.files if f.endswith(".safetensors"))[0]
+    a, b = fetch(one, [shard], hub.settings), fetch(two, [shard], hub.settings)
+    assert a != b
+    assert (b / shard).read_bytes() == (checkpoints[1] / shard).read_bytes() != (a / shard).read_bytes()
+
+
+def test_disk_space_is_checked_before_anything_is_fetched(hub, monkeypatch):
+    resolved = resolve(HubName(REPO), hub.settings)
+    shards = [f for f in resolved.files if f.endswith(".safetensors")]
+    need = sum(resolved.files[f].size for f in shards)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12, need - 1))
+    with pytest.raises(BadInputError, match=f"{len(shards)} files need .* GB .* free"):
+        fetch(resolved, shards, hub.settings)
+    assert not any(p.endswith(".safetensors") for p in hub.sent_for(REPO))
+
+
+def test_offline_reads_the_cache_alone(checkpoints, tmp_path):
+    with FakeHub() as server:
+        server.add(REPO, checkpoints[0])
+        online = HubSettings(endpoint=server.url, cache_dir=tmp_path / "hf-cache")
+        resolved = resolve(HubName(REPO), online)
+        fetch(resolved, ["config.json", INDEX], online)
+    offline = HubSettings(endpoint="http://127.0.0.1:9", cache_dir=online.cache_dir, offline=True)
+    again = resolve(HubName(REPO), offline)  # the server is gone: the cache's record of main
+    assert again.commit == resolved.commit
+    assert (fetch(again, ["config.json"], offline) / "config.json").is_file()
+    shard = next(f for f in resolved.files if f.endswith(".safetensors"))
+    with pytest.raises(BadInputError, match=f"no {shard} in the local cache"):
+        fetch(again, [shard], offline)
+    with pytest.raises(BadInputError, match="has no nothing.bin at commit"):
+        fetch(resolved, ["nothing.bin"], online)
