@@ -34,24 +34,43 @@ log = logging.getLogger(__name__)
 TRY_S = 5.0  # one dial and stream through a relay (a few round trips over the internet)
 
 
-async def measure(store: RecordStore, model_id: str, num_blocks: int, port: int, timeout: float) -> str | None:
+async def measure(
+    store: RecordStore, model_id: str, num_blocks: int, port: int, timeout: float, patience: float | None = None
+) -> str | None:
     """Whether others can dial this peer at its libp2p ``port``: asked of up to two public peers' direct planes
     (``swarm.dialback``: each tries a TCP connection back to this peer's address as it sees it). "public" if one got
-    through, "private" if they answered and none did, None if none answered (the peer cannot tell)."""
-    # read on the loop, not a thread: this runs before the peer's DHT may be started again (a fork)
-    records = servers(store.view(model_id, num_blocks)).values()
-    observers = [f"{r.peer_id}@{r.direct_address}" for r in records if r.reached != "relayed" and r.direct_address]
-    observers = [o for o in observers if re.match(OBSERVER, o)][:2]
+    through, "private" if they answered and none did, None if none answered within ``patience`` (default:
+    ``timeout``, a dial-back's own): the peer cannot tell.
+
+    The swarm's records are read again while no observer has answered: a peer that has just joined may see none
+    yet, or only part of the swarm (a read of a loaded DHT can miss blocks), and deciding "unknown" then made a peer
+    behind a symmetric NAT announce its private address. Peers that measured themselves public are asked before
+    those that could not tell (``unmeasured``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (timeout if patience is None else patience)
     creds, tls = store.credentials(), client_context()
-    asked = [dialback(o, port, creds, tls, timeout) for o in observers]
-    results = await asyncio.gather(*asked, return_exceptions=True)
-    answers = [r for r in results if isinstance(r, bool)]
-    for observer, r in zip(observers, results, strict=True):
-        if isinstance(r, BaseException):
-            log.info("no dial-back from %s: %s", observer, r)
-    if not answers:
-        return None
-    return "public" if any(answers) else "private"
+    asked: set[str] = set()
+    while True:
+        # read on the loop, not a thread: this runs before the peer's DHT may be started again (a fork)
+        records = [r for r in servers(store.view(model_id, num_blocks)).values() if r.peer_id != store.peer_id]
+        ranked = sorted((r for r in records if r.reached != "relayed"), key=lambda r: r.reached != "public")
+        candidates = [f"{r.peer_id}@{r.direct_address}" for r in ranked if r.direct_address]
+        observers = [o for o in candidates if re.match(OBSERVER, o) and o not in asked][:2]
+        asked.update(observers)
+        remaining = deadline - loop.time()
+        if observers and remaining > 0:
+            results = await asyncio.gather(
+                *(dialback(o, port, creds, tls, min(timeout, remaining)) for o in observers), return_exceptions=True
+            )
+            answers = [r for r in results if isinstance(r, bool)]
+            for observer, r in zip(observers, results, strict=True):
+                if isinstance(r, BaseException):
+                    log.info("no dial-back from %s: %s", observer, r)
+            if answers:
+                return "public" if any(answers) else "private"
+        if loop.time() + 1.0 >= deadline:
+            return None
+        await asyncio.sleep(1.0)
 
 
 async def reachable(peer_id: str, maddrs: tuple[str, ...], timeout: float, period: float = 1.0) -> list[str]:
