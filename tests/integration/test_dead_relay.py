@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import pytest
 import torch
 
 from tests.helpers.swarms import connect, patient_timing, running_swarm, wait_for
+
+pytestmark = pytest.mark.slow  # four peers, one a relay
 
 KILL_AT = 4  # the token after which the relay dies
 NEW_TOKENS = 10
