@@ -6,9 +6,9 @@
 A random Llama of 48 blocks (hidden 64: about 8 MB, perturbed weights) is served by N peers forked from one fork
 server (``harness.fork_server``), started without ``--blocks``: the broker places them, each holding at most
 ``ceil(2 x 48 / N)`` blocks, so every block has about two replicas. 8 clients (each its own DHT peer and transport)
-generate without pause, greedy, prompts drawn in turn from a fixed set whose local Hugging Face answers are known,
-and one fine-tunes a LoRA adapter. Each minute a tenth of the peers leave (half SIGKILL, a quarter SIGSTOP, a
-quarter SIGINT, as a volunteer's Ctrl-C) and as many new ones join.
+generate without pause, greedy, with exact activations (``codec="none"``, as the tests), prompts drawn in turn from
+a fixed set whose local Hugging Face answers are known, and one fine-tunes a LoRA adapter. Each minute a tenth of the
+peers leave (half SIGKILL, a quarter SIGSTOP, a quarter SIGINT, as a volunteer's Ctrl-C) and as many new ones join.
 
 Reported per N: answers, answers equal to Hugging Face (all must be), failed answers (none may be), time per token
 p50/p99 and the longest stall, time from a peer's quit to its blocks served again by live peers (p50/p99, from a watcher
@@ -86,6 +86,7 @@ class Stats:
     answers: int = 0
     exact: int = 0
     failed: list[str] = field(default_factory=list)
+    inexact: list[str] = field(default_factory=list)  # answers that differ from Hugging Face's: where and how
     gaps: list[float] = field(default_factory=list)  # seconds between tokens (the first: the prompt's)
     tune_steps: int = 0
     tune_failed: list[str] = field(default_factory=list)
@@ -110,7 +111,11 @@ def client_loop(index: int, folder: Path, peers: list[str], timing: Timing, work
 
     prompts, refs = work
     try:
-        model = DistributedModelForCausalLM.from_pretrained(str(folder), initial_peers=peers, timing=timing)
+        # exact activations (as the tests': "auto" may compress where a loaded machine's link probe came out slow, and
+        # a lossy codec's rounding can flip a greedy token of a random model) and the default verification
+        model = DistributedModelForCausalLM.from_pretrained(
+            str(folder), initial_peers=peers, timing=timing, codec="none"
+        )
     except Exception as e:  # noqa: BLE001 - a client that cannot connect is a failure to report, not a crash
         with stats.lock:
             stats.failed.append(f"client {index} could not connect: {e!r}")
@@ -131,7 +136,17 @@ def client_loop(index: int, folder: Path, peers: list[str], timing: Timing, work
                 continue
             with stats.lock:
                 stats.answers += 1
-                stats.exact += bool(torch.equal(out, refs[p]))
+                same = out.shape == refs[p].shape and bool(torch.equal(out, refs[p]))
+                stats.exact += same
+                if not same:
+                    n = prompts[p].shape[1]
+                    got, want = out[0, n:].tolist(), refs[p][0, n:].tolist()
+                    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got))
+                    detail = (
+                        f"client {index}, prompt {p}: token {at} of {len(want)} differs (failovers {model.failovers})"
+                    )
+                    stats.inexact.append(detail)
+                    print(f"inexact answer: {detail}", file=sys.stderr, flush=True)
                 stats.gaps += [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
 
 
@@ -337,6 +352,7 @@ def run(n: int, minutes: float, timings: str, root: Path) -> dict[str, object]:
         exact=stats.exact,
         failed=len(stats.failed),
         failures=stats.failed[:5],
+        inexact=stats.inexact[:5],
         tune_failures=stats.tune_failed[:3],
         token_p50_ms=1000 * statistics.median(gaps),
         token_p99_ms=1000 * pct(0.99, gaps),
