@@ -26,17 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from swarm.dashboard.server import ThreadedServer
+from swarm.hub import sha256_file
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".onnx")
 CHUNK = 1 << 16
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -57,7 +50,7 @@ class Revision:
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             rel = path.relative_to(folder).as_posix()
             lfs = rel.endswith(LFS_SUFFIXES)
-            etag = sha256_of(path) if lfs else git_blob_sha1(path.read_bytes())
+            etag = sha256_file(path) if lfs else git_blob_sha1(path.read_bytes())
             files[rel] = (path.stat().st_size, etag, lfs)
         commit = hashlib.sha1(repr((name, sorted(files.items()))).encode()).hexdigest()
         return cls(folder, commit, files)

@@ -214,7 +214,7 @@ def _problem(local: Path, expected: HubFile) -> str | None:
     size = local.stat().st_size
     if size != expected.size and expected.size:
         return f"has {size} bytes where the Hub lists {expected.size}"
-    if expected.sha256 is not None and _sha256(local) != expected.sha256:
+    if expected.sha256 is not None and sha256_file(local) != expected.sha256:
         return "does not match the sha256 the Hub lists"
     return None
 
@@ -227,7 +227,8 @@ def _intact(local: Path, expected: HubFile, check_hash: bool = True) -> bool:
     return _problem(local, expected) is None
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256, as the Hub lists an LFS file's (hex)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

@@ -18,29 +18,13 @@ from safetensors.torch import load_file
 from harness.fake_hub import FakeHub
 from swarm.errors import BadInputError
 from swarm.hub import ALWAYS, INDEX, HubName, HubSettings, fetch, resolve, shards_for
+from tests.helpers.models import make_tiny_model
 
 REPO = "acme/tiny-llama"
 
 
 def _save(folder: Path, seed: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.01)  # no all-ones norms
-    model.save_pretrained(folder, max_shard_size="20KB")  # a layer or so per shard
-    return folder
+    return make_tiny_model(folder, "llama", seed=seed, perturb=0.02)  # saved in several shards
 
 
 @pytest.fixture(scope="module")
