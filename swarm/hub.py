@@ -13,6 +13,7 @@ files), the disk's free space is checked before anything is fetched (the refusal
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -241,3 +242,27 @@ def _forget(local: Path) -> None:
     local.unlink(missing_ok=True)
     if blob != local:
         blob.unlink(missing_ok=True)
+
+
+def whole_model(text: str, hub: HubSettings) -> Path:
+    """A Hub model's config, tokenizer and every weight file (``model.safetensors``, or the shards its index names),
+    fetched and checked; its snapshot folder, read as any model folder is. (A server fetching only its span's
+    shards, and a client only its own modules', is the next step: ``shards_for``.)"""
+    name = HubName.parse(text)
+    if name is None:
+        raise BadInputError(f"{text!r} is not a Hub name (ORG/NAME[@REVISION])")
+    resolved = resolve(name, hub)
+    folder = fetch(resolved, [], hub, optional=ALWAYS)
+    if (folder / INDEX).is_file():
+        try:  # the Hub's file, checked like any: a map of tensor names to file names
+            mapping = json.loads((folder / INDEX).read_text())["weight_map"]
+            shards = {str(f) for f in mapping.values()} if isinstance(mapping, dict) else set()
+        except (ValueError, KeyError, TypeError):
+            shards = set()
+        if not shards:
+            raise BadInputError(f"model {name}: its {INDEX} names no weight files")
+    elif "model.safetensors" in resolved.files:
+        shards = {"model.safetensors"}
+    else:
+        raise BadInputError(f"model {name} has no safetensors weights (model.safetensors or {INDEX}) on the Hub")
+    return fetch(resolved, shards, hub, optional=ALWAYS)

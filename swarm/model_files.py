@@ -40,6 +40,11 @@ def model_folder(card: ModelCard, cache_dir: Path) -> Path:
     if card.kind == "folder":
         assert card.folder is not None
         return card.folder
+    if card.kind == "hub":
+        from swarm.hub import HubSettings, whole_model
+
+        assert card.hub is not None
+        return whole_model(card.hub, HubSettings.from_env())
     target = cache_dir / "models" / card.name
     if (target / "config.json").exists():
         return target

@@ -32,7 +32,7 @@ BLOCKS = 24
 NEW_TOKENS = 6
 PLACED_WITHIN_S = 240.0  # every block served after the peers start, on 2 busy cores
 SERVED_AGAIN_WITHIN_S = 180.0  # the leavers' blocks served by live peers again (default timings: 15 s heartbeats)
-ANSWERS_AFTER_CHURN = 3  # per client, once the churn is done
+ANSWERS_AFTER_CHURN = 2  # per client, once the churn is done
 TIMING = Timing.for_tests()
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.fake_hub import FakeHub
+from swarm.config import load_model_card
 from swarm.errors import BadInputError
 from swarm.hub import ALWAYS, INDEX, HubName, HubSettings, fetch, resolve, shards_for
 from tests.helpers.models import make_tiny_model
@@ -150,3 +151,25 @@ def test_offline_reads_the_cache_alone(checkpoints, tmp_path):
         fetch(again, [shard], offline)
     with pytest.raises(BadInputError, match="has no nothing.bin at commit"):
         fetch(resolved, ["nothing.bin"], online)
+
+
+def test_a_hub_name_is_a_model_card_whose_folder_has_the_local_folder_s_fingerprint(hub, checkpoints, monkeypatch):
+    """``--model ORG/NAME[@REVISION]``: the whole model fetched and checked (every shard its index names), read as
+    any model folder; the same files as a local folder give the same fingerprint, another revision another one."""
+    from swarm.model_files import load_config, model_folder, weights_fingerprint
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub.settings.cache_dir))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    card = load_model_card(REPO)
+    assert (card.kind, card.name, card.hub) == ("hub", REPO, REPO)
+    folder = model_folder(card, hub.settings.cache_dir)
+    assert load_config(folder).num_hidden_layers == 4
+    cache = hub.settings.cache_dir / "fingerprints"
+    local = weights_fingerprint(checkpoints[0], "float32", cache)
+    assert weights_fingerprint(folder, "float32", cache) == local
+    other = model_folder(load_model_card(f"{REPO}@v2"), hub.settings.cache_dir)
+    assert weights_fingerprint(other, "float32", cache) != local
+    with pytest.raises(BadInputError, match="acme/absent: not found on the Hub"):
+        model_folder(load_model_card("acme/absent"), hub.settings.cache_dir)
