@@ -39,15 +39,16 @@ async def measure(
 ) -> str | None:
     """Whether others can dial this peer at its libp2p ``port``: asked of up to two public peers' direct planes
     (``swarm.dialback``: each tries a TCP connection back to this peer's address as it sees it). "public" if one got
-    through, "private" if they answered and none did, None if none answered within ``patience`` (default:
-    ``timeout``, a dial-back's own): the peer cannot tell.
+    through, "private" if they answered and none did, None if none answered within ``patience`` (default: three
+    times ``timeout``, a dial-back's own): the peer cannot tell.
 
     The swarm's records are read again while no observer has answered: a peer that has just joined may see none
     yet, or only part of the swarm (a read of a loaded DHT can miss blocks), and deciding "unknown" then made a peer
-    behind a symmetric NAT announce its private address. Peers that measured themselves public are asked before
+    behind a symmetric NAT announce its private address (and 10 s of reading was not enough for a peer behind a
+    double NAT on a loaded machine: its DHT saw no record yet). Peers that measured themselves public are asked before
     those that could not tell (``unmeasured``)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + (timeout if patience is None else patience)
+    deadline = loop.time() + (3 * timeout if patience is None else patience)
     creds, tls = store.credentials(), client_context()
     asked: set[str] = set()
     while True:
