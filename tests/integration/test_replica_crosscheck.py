@@ -13,7 +13,7 @@ from swarm.training.data import Samples, corpus_files, tokenize
 from swarm.training.run import load_run
 from tests.helpers.runs import write_run
 from tests.helpers.scripts import load_script
-from tests.helpers.swarms import patient_timing, running_swarm
+from tests.helpers.swarms import patient_timing, running_swarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,15 @@ def test_a_cheating_replica_is_caught_by_the_cross_check(tmp_path, corpus_ids):
         with Trainer(run, data, tuple(swarm.initial_peers), timing=patient_timing(), crosscheck=check) as trainer:
             checker = trainer.crosscheck
             assert checker is not None
+            view = trainer.model.connection.view
+
+            def cheater_announced() -> bool:
+                view.invalidate()
+                return cheater in {r.peer_id for r in view.servers()}
+
+            # the replicas allow a groupmate once its stage record is in the DHT (read every second): a cheater they
+            # did not know yet at the first round was left out of it (CI), and the cross-check then never saw it
+            wait_for(cheater_announced, timeout=60.0, what="the cheater's stage record")
             losses = []
             for _ in range(8):
                 losses.append(trainer.train_step())
