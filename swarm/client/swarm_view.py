@@ -190,7 +190,10 @@ class SwarmView:
         computed wrong: one of them did, so neither is banned (it may be the honest one) but both are priced
         ``SLOW_LOAD`` times dearer for ``seconds``, so new sessions go to any other server of their blocks (and a
         cheater's inflated speed claim does not win them back)."""
-        self._disputed[peer_id] = time.monotonic() + seconds
+        now = time.monotonic()
+        for gone in [p for p, until in self._disputed.items() if until <= now]:  # held only while it counts
+            del self._disputed[gone]
+        self._disputed[peer_id] = now + seconds
 
     def disputed(self) -> frozenset[str]:
         now = time.monotonic()
