@@ -200,6 +200,7 @@ def _child(request: dict[str, Any], server: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
     _term_with_parent(server)
+    _own_process_locks()
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
         (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
@@ -213,6 +214,21 @@ def _child(request: dict[str, Any], server: int) -> int:
     sys.argv = [f"python -m {request['main']}", *request["argv"]]
     code: int = importlib.import_module(request["main"]).main(list(request["argv"]))
     return code
+
+
+def _own_process_locks() -> None:
+    """Give this child hivemind's process-wide locks of its own. hivemind makes them at import (``mp.Lock()``: a
+    semaphore in shared memory), so every child forked after the server's imports would share the same ones with
+    every other peer of the swarm; a peer killed (SIGKILL) while it held one, for the microseconds an MPFuture's update
+    or allocation takes, would leave it taken for all of them, and every peer's next DHT call, a newcomer's DHT start
+    included, would hang on it. A process started with ``python -m swarm.serve`` makes its own at import, as these."""
+    import multiprocessing as mp
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # MPFuture's initialization and update locks, and SharedBytes' allocation lock
+    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
 def _term_with_parent(server: int) -> None:

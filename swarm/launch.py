@@ -91,8 +91,10 @@ class PeerProcess:
 
     def wait_ready(self, timeout: float) -> str:
         if not self._ready.wait(timeout) or self.maddr is None:
-            tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
-            raise RuntimeError(f"peer {self.span} did not start (exit code {self.proc.poll()}):\n{tail}")
+            text = self.log_path.read_text() if self.log_path.exists() else ""
+            # the head says how far it got, the tail how it ended (a traceback alone fills a tail)
+            shown = text if len(text) <= 6000 else f"{text[:3000]}\n[...]\n{text[-3000:]}"
+            raise RuntimeError(f"peer {self.span} did not start (exit code {self.proc.poll()}):\n{shown}")
         return self.maddr
 
 

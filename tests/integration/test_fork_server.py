@@ -83,3 +83,20 @@ def test_children_stop_when_the_fork_server_is_killed(tmp_path: Path) -> None:
         if _alive(child.pid):
             os.kill(child.pid, signal.SIGKILL)
         server.close()
+
+
+def test_a_child_killed_holding_hivemind_locks_blocks_no_other(tmp_path: Path) -> None:
+    """hivemind makes its process-wide locks at import, in the fork server: a peer SIGKILLed while it held one (an
+    MPFuture update takes it) must not leave it taken for every other peer (their DHT calls and starts hang on it)."""
+    server = ForkServer()
+    try:
+        holder = server.spawn(["hold"], tmp_path / "holder.log", main="tests.helpers.lock_probe")
+        _wait_line(tmp_path / "holder.out", "holding")
+        os.kill(holder.pid, signal.SIGKILL)
+        assert _wait_gone(holder.pid)
+        taker = server.spawn(["take"], tmp_path / "taker.log", main="tests.helpers.lock_probe")
+        _wait_line(tmp_path / "taker.out", "\n")
+        assert (tmp_path / "taker.out").read_text().strip() == "took every lock"
+        assert taker.wait(GONE_WITHIN_S) == 0
+    finally:
+        server.close()

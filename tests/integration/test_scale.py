@@ -105,7 +105,10 @@ def test_two_dozen_peers_with_churn_answer_exactly(tmp_path: Path, fork_server: 
     folder = make_tiny_model(tmp_path / "llama24", "llama", seed=3, perturb=0.02, num_hidden_layers=BLOCKS)
     work = _prompts_and_answers(folder)
     args = ("--throughput", "100", "--max-blocks", "2")
-    with LocalSwarm(str(folder), [None] * PEERS, extra_args=args, spawner=fork_server, test_timings=True) as swarm:
+    logs = tmp_path / "logs"  # kept for a post-mortem (pytest keeps the last three runs)
+    with LocalSwarm(
+        str(folder), [None] * PEERS, extra_args=args, spawner=fork_server, test_timings=True, log_dir=logs
+    ) as swarm:
         store = start_dht(initial_peers=tuple(swarm.initial_peers), client_mode=True, call_timeout=TIMING.dht_timeout)
         clients = Clients(folder, swarm.initial_peers, work)
         try:

@@ -288,7 +288,7 @@ def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:
     which parole lifts before its blocks count as missing); the reporter's session ended, so it is reopened."""
     suspect.link.fail()
     e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} could not reach the next hop {suspect.hop.peer_id}")
-    e.peer_id = suspect.hop.peer_id
+    e.peer_id, e.reporter = suspect.hop.peer_id, reporter.hop.peer_id
     return e
 
 
@@ -296,7 +296,7 @@ def _unreached_peer(reporter: HopState, suspect: str) -> SwarmError:
     """As ``_unreached``, for a next hop of the route that is not among the hops stepped now: failed (banned for
     failing, paroled before its blocks count as missing), so the repaired route goes around it."""
     e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect}")
-    e.peer_id = suspect
+    e.peer_id, e.reporter = suspect, reporter.hop.peer_id
     return e
 
 
