@@ -7,8 +7,10 @@ children still running, by their PIDs, before it exits; a child whose fork serve
 
 The integration tests start about 160 peers, so they spawn through one (``LocalSwarm(spawner=...)``); everything else
 starts peers with ``subprocess``. Before a fork nothing but imports has run: no torch op (its thread pools would not
-survive a fork), no event loop, no thread. Peers get the fork server's environment (libraries may have read it at
-import); ``LocalSwarm`` starts a peer that needs other variables with ``subprocess``.
+survive a fork), no event loop, no thread; what an import made to share between processes (hivemind's process-wide
+locks) each child makes anew, so a peer killed while holding one blocks no other peer. Peers get the fork server's
+environment (libraries may have read it at import); ``LocalSwarm`` starts a peer that needs other variables with
+``subprocess``.
 
 A child may run another module's ``main(argv)`` instead (``spawn(..., main=MODULE)``: the attack tests fork their
 malicious process, which needs the same imports).

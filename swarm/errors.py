@@ -73,9 +73,6 @@ class NextHopUnreachableError(PeerUnavailableError):
     for the suspect (``swarm.client.session.chain``)."""
 
     code = "next_hop_unreachable"
-    # the hop that said so, set by the client that read it (never by a server): a second report of the same next hop
-    # by the same hop puts the reporter in doubt too (``swarm.client.retry.Retrier.note_failure``)
-    reporter: str | None = None
 
 
 class SlowPeerError(PeerUnavailableError):

@@ -24,7 +24,6 @@ from swarm.config import Timing
 from swarm.errors import (
     BadInputError,
     MissingBlocksError,
-    NextHopUnreachableError,
     SessionExpiredError,
     SessionLengthError,
     SlowPeerError,
@@ -75,8 +74,6 @@ class Retrier:
         # ``PeerUnavailableError``'s ``cause``) for callers and tests, where the log says it in words
         self.last_failure: dict[str, SwarmError] = {}
         self.failovers = 0  # how many times a call moved on after a failure (exposed to users and tests)
-        # (reporter, next hop) -> when the reporter last said it could not pass a step on to that next hop
-        self.unreached: dict[tuple[str, str], float] = {}
 
     def run(self, attempt: Callable[[], T], what: str = "call", confirm: bool = False) -> T:
         """``attempt()`` until it succeeds or fails for good; ``confirm``: a ``bad_input`` is checked on a second
@@ -141,27 +138,8 @@ class Retrier:
         fault: no ban."""
         peer = e.peer_id
         if peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):
-            self._count(peer, e)
-            if isinstance(e, NextHopUnreachableError) and e.reporter is not None and self._again(e.reporter, peer):
-                # the next hop was set aside and taken again since, and the same hop still cannot pass it a step:
-                # one of the two is at fault, and the reporter's view of the swarm (a directory that lost the next
-                # hop's record) or its links are as likely as the next hop; with only the next hop banned, every
-                # repaired route would put the same pair in a row again until the call's budget ran out
-                self._count(e.reporter, e)
+            n = self.failures[peer] = self.failures.get(peer, 0) + 1
+            self.last_failure[peer] = e
+            self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
         self.failovers += 1
         log.warning("%s failed, failing over: %s", what, e, extra={"peer": peer})
-
-    def _count(self, peer: str, e: SwarmError) -> None:
-        n = self.failures[peer] = self.failures.get(peer, 0) + 1
-        self.last_failure[peer] = e
-        self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
-
-    def _again(self, reporter: str, suspect: str) -> bool:
-        """Whether ``reporter`` said it could not reach ``suspect`` before, within one call's budget (noted now)."""
-        now = self.clock()
-        if len(self.unreached) >= 1024:  # bounded: the oldest reports go first
-            for pair in sorted(self.unreached, key=self.unreached.__getitem__)[:512]:
-                del self.unreached[pair]
-        last = self.unreached.get((reporter, suspect))
-        self.unreached[reporter, suspect] = now
-        return last is not None and now - last <= self.timing.retry_budget

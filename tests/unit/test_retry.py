@@ -10,7 +10,6 @@ from swarm.config import Timing
 from swarm.errors import (
     BadInputError,
     MissingBlocksError,
-    NextHopUnreachableError,
     PeerUnavailableError,
     SessionLengthError,
     StaleStepError,
@@ -242,26 +241,3 @@ def test_budget_outlasts_one_hung_attempt(timing):
         return "ok"
 
     assert retrier.run(attempt) == "ok" and len(calls) == 2
-
-
-def _unreached(reporter: str, suspect: str) -> NextHopUnreachableError:
-    e = NextHopUnreachableError(f"{reporter} could not reach {suspect}")
-    e.peer_id, e.reporter = suspect, reporter
-    return e
-
-
-def test_a_hop_that_twice_cannot_reach_the_same_next_hop_is_in_doubt_too():
-    """A next hop taken again after its ban (parole, or a ban that ran out) that the same hop still cannot reach: the
-    reporter is banned as well, so the repaired route stops putting the pair in a row; another hop's first report, or
-    the same report a budget later, blames only the next hop."""
-    retrier, view, now = make(budget=10.0)
-    retrier.note_failure(_unreached("r", "s"))
-    assert view.bans == [("s", 2.0)]
-    now[0] = 3.0
-    retrier.note_failure(_unreached("r", "s"))
-    assert view.bans[1:] == [("s", 4.0), ("r", 2.0)]
-    retrier.note_failure(_unreached("q", "s"))  # another reporter's first word: the next hop alone
-    assert view.bans[3:] == [("s", 8.0)]
-    now[0] = 20.0  # past a call's budget since r's last report: a first report again
-    retrier.note_failure(_unreached("r", "s"))
-    assert view.bans[4:] == [("s", 16.0)]

@@ -66,6 +66,7 @@ class Chain:
         self.conn, self.opening, self.chunk, self.base_timeout = conn, opening, chunk, base_timeout
         self.observe = observe  # each hop's share of a step's time (routing's estimates, moving slow hops)
         self._signed: tuple[int, tuple[str, ...], Signed] | None = None
+        self._route: list[HopState] = []  # the hops of the route last signed, in order
         self._tag = 0
 
     def signed_route(self, states: list[HopState], generation: int) -> Signed:
@@ -76,16 +77,13 @@ class Chain:
             hops = tuple(s.chain_hop() for s in states)
             payload = ChainRoute(client=creds.peer_id, generation=generation, hops=hops).model_dump_json()
             signed = Signed(public_key=creds.public_key, payload=payload, signature=creds.sign(payload.encode()))
-            self._signed = (generation, key, signed)
+            self._signed, self._route = (generation, key, signed), list(states)
         return self._signed[2]
 
-    def _next_in_route(self, state: HopState) -> str | None:
-        """The peer after ``state`` in the route this client last signed, if any."""
-        if self._signed is None or state.session_id not in self._signed[1]:
-            return None
-        i = self._signed[1].index(state.session_id)
-        hops = ChainRoute.model_validate_json(self._signed[2].payload).hops
-        return hops[i + 1].peer_id if i + 1 < len(hops) else None
+    def _next_in_route(self, state: HopState) -> HopState | None:
+        """The hop after ``state`` in the route this client last signed, if any."""
+        i = next((i for i, s in enumerate(self._route) if s is state), None)
+        return self._route[i + 1] if i is not None and i + 1 < len(self._route) else None
 
     async def prepare(self, states: list[HopState], route: list[HopState], generation: int) -> None:
         """Open (all at once) every hop of ``states`` that has no stream, and give every one of them the route over
@@ -288,15 +286,17 @@ def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:
     which parole lifts before its blocks count as missing); the reporter's session ended, so it is reopened."""
     suspect.link.fail()
     e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} could not reach the next hop {suspect.hop.peer_id}")
-    e.peer_id, e.reporter = suspect.hop.peer_id, reporter.hop.peer_id
+    e.peer_id = suspect.hop.peer_id
     return e
 
 
-def _unreached_peer(reporter: HopState, suspect: str) -> SwarmError:
-    """As ``_unreached``, for a next hop of the route that is not among the hops stepped now: failed (banned for
-    failing, paroled before its blocks count as missing), so the repaired route goes around it."""
-    e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect}")
-    e.peer_id, e.reporter = suspect, reporter.hop.peer_id
+def _unreached_peer(reporter: HopState, suspect: HopState) -> SwarmError:
+    """As ``_unreached``, for a next hop of the route that is not among the hops stepped now (a replay to fresh hops
+    whose route goes on past them): failed too, so the next attempt replaces it with the rest of the route's broken
+    hops (banned alone, it would stay in the route and every replay would be refused for it again)."""
+    suspect.link.fail()
+    e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect.hop.peer_id}")
+    e.peer_id = suspect.hop.peer_id
     return e
 
 
