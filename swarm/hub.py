@@ -6,9 +6,10 @@ typed, and what the swarm agrees on. ``fetch`` brings files of that commit into 
 returns holds those files and no others: a server fetches its blocks' shards (``shards_for`` over the checkpoint's
 index), a client the shards of its embeddings, norm and head. Each file is checked against what the Hub lists for it
 before use (an LFS file's sha256, every file's size); a file that fails is removed and fetched once more, then
-refused with the reason. Downloads resume where an interrupted one stopped (``huggingface_hub``'s own ``.incomplete``
-files), the disk's free space is checked before anything is fetched (the refusal names the bytes), ``HF_TOKEN`` or
-``token`` opens gated models (a refusal names the model), and ``HF_HUB_OFFLINE`` reads only the cache."""
+refused with the reason (a blob checked once is not hashed again while unchanged: ``Verified``). Downloads resume
+where an interrupted one stopped (``huggingface_hub``'s own ``.incomplete`` files), the disk's free space is checked
+before anything is fetched (the refusal names the bytes), ``HF_TOKEN`` or ``token`` opens gated models (a refusal
+names the model), and ``HF_HUB_OFFLINE`` reads only the cache."""
 
 from __future__ import annotations
 
@@ -105,12 +106,12 @@ def _refusal(name: HubName, e: Exception) -> BadInputError:
     if isinstance(e, errors.GatedRepoError):
         return BadInputError(
             f"model {name} is gated: accept its terms on the Hub, then give a token that may read it "
-            f"(--token or HF_TOKEN); the Hub said: {str(e).splitlines()[-1][:200]}"
+            f"(in HF_TOKEN); the Hub said: {str(e).splitlines()[-1][:200]}"
         )
     if isinstance(e, errors.RevisionNotFoundError):
         return BadInputError(f"model {name}: no revision {name.revision!r} on the Hub")
     if isinstance(e, errors.RepositoryNotFoundError):
-        return BadInputError(f"model {name}: not found on the Hub (or private: give a token with --token or HF_TOKEN)")
+        return BadInputError(f"model {name}: not found on the Hub (or private: its token goes in HF_TOKEN)")
     if isinstance(e, errors.LocalEntryNotFoundError) or isinstance(e, errors.OfflineModeIsEnabled):
         return BadInputError(f"model {name}: not in the local cache, and the Hub is not reachable (or HF_HUB_OFFLINE)")
     return BadInputError(f"model {name}: the Hub answered {type(e).__name__}: {str(e)[:300]}")
@@ -200,14 +201,60 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
                 )
             except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError, OSError) as e:
                 raise _refusal(resolved.name, e) from None
-            problem = _problem(local, resolved.files[path])
+            memo = Verified(hub.repo_dir(resolved.name))
+            problem = None if memo.holds(local, resolved.files[path]) else _problem(local, resolved.files[path])
             if problem is None:
+                memo.add(local, resolved.files[path])
                 break
             _forget(local)  # the blob and its link: the next download starts from nothing
             if attempt == 2:
                 raise BadInputError(f"model {resolved.name}: {path} {problem}, twice: refused")
             log.warning("model %s: %s %s; fetching it again", resolved.name, path, problem)
     return snapshot
+
+
+class Verified:
+    """The weight files of one cached repository whose sha256 was checked, by blob, with the size and modification
+    time the blob had then: a start that loads the same shards again skips hashing them (minutes for a large model),
+    and a blob changed since is hashed again. Kept in the repository's cache folder beside the folders
+    ``huggingface_hub`` reads (``swarm-verified.json``); a memo lost or garbled only costs a hash."""
+
+    FILE = "swarm-verified.json"
+
+    def __init__(self, repo_dir: Path) -> None:
+        self.path = repo_dir / self.FILE
+
+    def _read(self) -> dict[str, list[int]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @staticmethod
+    def _stamp(blob: Path) -> list[int]:
+        st = blob.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def holds(self, local: Path, expected: HubFile) -> bool:
+        """Whether ``local`` (a link to its blob) was checked against ``expected`` and has not changed since."""
+        if expected.sha256 is None:
+            return False  # a small file: checked by size, at no cost
+        blob = local.resolve()
+        return blob.name == expected.sha256 and self._read().get(blob.name) == self._stamp(blob)
+
+    def add(self, local: Path, expected: HubFile) -> None:
+        if expected.sha256 is None:
+            return
+        blob = local.resolve()
+        memo = self._read()
+        memo[blob.name] = self._stamp(blob)
+        tmp = self.path.with_name(f".{self.FILE}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(memo))
+            tmp.replace(self.path)  # whole or not at all: a reader never sees half of it
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a read-only cache: the next start hashes again
 
 
 def _problem(local: Path, expected: HubFile) -> str | None:

@@ -173,3 +173,24 @@ def test_a_hub_name_is_a_model_card_whose_folder_has_the_local_folder_s_fingerpr
     assert weights_fingerprint(other, "float32", cache) != local
     with pytest.raises(BadInputError, match="acme/absent: not found on the Hub"):
         model_folder(load_model_card("acme/absent"), hub.settings.cache_dir)
+
+
+def test_a_checked_shard_is_not_hashed_again_until_its_blob_changes(hub, checkpoints, monkeypatch):
+    import swarm.hub as hub_module
+
+    hashed: list[Path] = []
+    real = hub_module.sha256_file
+    monkeypatch.setattr(hub_module, "sha256_file", lambda p: hashed.append(p) or real(p))
+    resolved = resolve(HubName(REPO), hub.settings)
+    shards = sorted(f for f in resolved.files if f.endswith(".safetensors"))[:2]
+    folder = fetch(resolved, shards, hub.settings)
+    assert len(hashed) == 2  # each checked once, as it arrived
+    fetch(resolved, shards, hub.settings)
+    assert len(hashed) == 2  # a second start: the memo says they are the blobs checked, unchanged
+    blob = (folder / shards[0]).resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF  # the same size, other bytes: a disk's or someone's change since
+    blob.write_bytes(bytes(data))
+    fetch(resolved, shards, hub.settings)
+    assert len(hashed) == 4  # hashed again, found wrong, fetched and checked again; the other untouched
+    assert (folder / shards[0]).read_bytes() == (checkpoints[0] / shards[0]).read_bytes()

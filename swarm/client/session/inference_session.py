@@ -178,12 +178,10 @@ class InferenceSession:
         if moved is not None:
             self.checks.audit(self.bound.states)
             self.bound = moved
-        index = len(done)
-        while index < len(self.bound.ids):
-            if self.bound.states[index].link.broken:
-                await self._replace(index)  # may put several hops in its place: look at the same index again
-                continue
-            index += 1
+        while broken := [i for i in range(len(done), len(self.bound.ids)) if self.bound.states[i].link.broken]:
+            # the last first: a fresh hop is given the route, and refuses one whose next hop is broken (a server gone
+            # from the swarm), so hops are replaced from the end; each may put several hops in its place
+            await self._replace(broken[-1])
         await self.path.run(self.bound, step, done)
         self.handover.notice(self.bound)
         return done[-1] if done else step.hidden
