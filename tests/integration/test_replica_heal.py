@@ -47,7 +47,10 @@ def test_a_replica_whose_weights_went_wrong_takes_the_others_state_and_they_agre
     run = load_run(run_file)
     stage = run.stages[0]
     data = Samples(tokenize(corpus_files(None), "bytes", 256), run.seq_len, run.seed)
-    with running_swarm("tiny-llama", ["0:3", "3:6"], "--train", str(run_file), "--metrics-port", "0") as swarm:
+    logs = tmp_path / "logs"  # kept for a post-mortem (pytest keeps the last three runs)
+    with running_swarm(
+        "tiny-llama", ["0:3", "3:6"], "--train", str(run_file), "--metrics-port", "0", log_dir=logs
+    ) as swarm:
         honest = swarm.peers[0]
         drifter = swarm.add_peer("0:3", "--drift-at", "3", main="harness.drift")
         with Trainer(run, data, tuple(swarm.initial_peers), timing=Timing.for_tests()) as trainer:
