@@ -20,7 +20,7 @@ from peers.training.proofs import StepClaims, StepProofs
 from peers.training.replica_health import ReplicaHealth
 from peers.training.state_parts import STATE_PARTS, parse_state
 from swarm.dht import dht_time
-from swarm.errors import BadInputError, StaleStepError
+from swarm.errors import BadInputError, BusyError, StaleStepError
 from swarm.identity import Signed
 from swarm.ids import Span
 from swarm.owned_dht import OwnedDHT
@@ -79,6 +79,8 @@ class SpanTrainer:
         the run does not list, or of a step no trainer of the run signed, changes nothing."""
         if not self.run.is_trainer(tag.trainer):
             raise BadInputError(f"{tag.trainer or 'an unnamed peer'} is not a trainer of run {self.run.name}")
+        if self.health.off and self.health.wanted is not None:  # its weights are wrong by its own check: no pass
+            raise BusyError(f"this replica is taking its replicas' state ({self.health.wanted.reason})")
         if tag.step < self.step:
             raise StaleStepError(f"trainer at step {tag.step}, this stage at step {self.step}", server_step=self.step)
         if tag.step == self.step and self.samples >= self.run.target_batch_size:
