@@ -185,6 +185,7 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
                 f"which has {free / 1e9:.2f} GB free"
             )
         log.info("downloading %d files of %s (%.1f MB)", len(missing), resolved.name, need / 1e6)
+    memo = Verified(hub.repo_dir(resolved.name))
     for path in wanted:
         for attempt in (1, 2):
             try:
@@ -201,7 +202,6 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
                 )
             except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError, OSError) as e:
                 raise _refusal(resolved.name, e) from None
-            memo = Verified(hub.repo_dir(resolved.name))
             problem = None if memo.holds(local, resolved.files[path]) else _problem(local, resolved.files[path])
             if problem is None:
                 memo.add(local, resolved.files[path])
