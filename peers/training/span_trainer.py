@@ -56,6 +56,7 @@ class SpanTrainer:
                 "exp_avg_sq": torch.zeros_like(p),
             }
         self.step = 0
+        self.behind = 0  # a signed step this replica was asked for that one trainer's word cannot move it to
         self.samples = 0  # seen for the current step
         self.by_trainer: Counter[str] = Counter()  # the current step's samples, by the trainer that sent them
         self.micro_seen: set[tuple[str, str]] = set()  # the current step's micro-batches, by trainer
@@ -88,6 +89,12 @@ class SpanTrainer:
             raise StaleStepError(f"step {self.step}'s batch is complete", server_step=self.step + 1)
         if tag.step > self.step:
             self.vouch(tag.proof)
+            if self.reach(work=True) < tag.step <= self.claims.highest:  # the run went on without this replica
+                self.behind = max(self.behind, tag.step)
+                raise BusyError(
+                    f"this replica is at step {self.step}, more than {self.claims.bound} behind the trainer's "
+                    f"{tag.step}: it is taking its replicas' state"
+                )
         self.catch_up(tag.step, work=True)
 
     def vouch(self, proof: Signed | None) -> int:
@@ -368,6 +375,18 @@ class SpanTrainer:
         target = min(was, max(self.step, self.reach()))
         if target > self.step:
             self.catch_up(target)
+
+    def rejoin(self, step: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """A replica the run went on without (further behind the trainers' signed step than one trainer's word moves
+        it) takes its replicas' state of ``step``, fetched and believed as a joiner's is, if that is still ahead of
+        it (its own steps may have moved it since the fetch began). Whether it took it."""
+        if step <= self.step:
+            return False
+        was = self.step
+        self.import_state(step, tensors)
+        self.behind = 0
+        log.warning("took its replicas' state of step %d: it was at %d", step, was, extra={"span": str(self.span)})
+        return True
 
     # ---- checkpoints --------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

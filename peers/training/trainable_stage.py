@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from swarm.training.state import signed_rounds, stage_sources, stage_state
 from swarm.verdict import Local
 
 log = logging.getLogger(__name__)
+REJOIN_MAX_WAITS = 32  # follow periods between fruitless attempts to take the replicas' state, at most
 
 
 class TrainableStage:
@@ -45,6 +47,7 @@ class TrainableStage:
         self.trainer: SpanTrainer | None = None
         self._env: StageEnv | None = None
         self.gate = StateGate(Timing().state_interval)  # replaced with the peer's timing on ``attach``
+        self._rejoin_after, self._rejoin_wait = 0.0, Timing().step_follow_period  # see ``_rejoin``
 
     @classmethod
     def from_config(
@@ -193,12 +196,15 @@ class TrainableStage:
                 for p in progress:
                     trainer.note(p.trainer, p.step)
                 # as far as the trainers' word goes: one trainer's moves it a bounded number of steps
-                target = min(max((p.step for p in progress), default=0), trainer.reach())
+                signed = max((p.step for p in progress), default=0)
+                target = min(signed, trainer.reach())
                 if target > trainer.step:
                     log.info("the swarm is at step %d", target, extra={"span": str(trainer.span)})
                     await env.compute.run(trainer.catch_up, target)
                 if trainer.health.wanted is not None:
                     await self._heal(trainer)
+                elif max(signed, trainer.behind) > trainer.reach():
+                    await self._rejoin(trainer)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -219,6 +225,25 @@ class TrainableStage:
             log.warning("apart from its replicas, and no state of theirs to believe yet", extra={"span": str(span)})
             return
         await env.compute.run(trainer.heal, *state)
+
+    async def _rejoin(self, trainer: SpanTrainer) -> None:
+        """The run went on without this replica, further than one trainer's word moves it (it sat in a round that
+        could not form while the trainer went on through its replicas): it takes their state, as a joiner does, if
+        one is ahead of it. The trainers' word alone is not enough (``peers.training.proofs``: one self-signed step of
+        10^12 must not end the schedule), so this costs a state download, and one that brings nothing ahead (no
+        replica further on: the word was a lie, or the others are as far behind) doubles the wait before the next."""
+        env, span = self.env, trainer.span
+        if time.monotonic() < self._rejoin_after:
+            return
+        sources = await asyncio.to_thread(stage_sources, env.store, self.run, span, env.timing, env.peer_id)
+        limit = stage_state_bytes(self.run, span)
+        state = await stage_state(env.remote, sources, span, env.timing.state_timeout, limit)
+        if state is not None and await env.compute.run(trainer.rejoin, *state):
+            self._rejoin_wait = env.timing.step_follow_period
+            return
+        log.info("behind the trainers' word, and no replica's state ahead of it", extra={"span": str(span)})
+        self._rejoin_wait = min(2 * self._rejoin_wait, REJOIN_MAX_WAITS * env.timing.step_follow_period)
+        self._rejoin_after = time.monotonic() + self._rejoin_wait
 
     def _progress(self) -> list[TrainerProgress]:
         """The run's trainers' fresh progress records (blocking: a DHT read)."""

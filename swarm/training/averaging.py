@@ -23,6 +23,7 @@ from swarm.training.robust import ClipRule, RobustAllReduceRunner
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
+PART_TIMEOUTS = 5  # request timeouts a groupmate may take between two parts of a round before it is dropped
 
 
 class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind ships no type information
@@ -141,6 +142,11 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             min_group_size=2,  # an average of one is no average
             min_matchmaking_time=run.matchmaking_seconds,
             request_timeout=run.averaging_request_timeout,
+            # A groupmate that stops sending its parts (a follower whose wait for the leader's go ran out on a loaded
+            # machine joins no round) fails the round after this long, not the whole round timeout: nothing changes
+            # and every replica retries (hivemind's default: no limit but the round's)
+            sender_timeout=PART_TIMEOUTS * run.averaging_request_timeout,
+            reducer_timeout=2 * PART_TIMEOUTS * run.averaging_request_timeout,
             allreduce_timeout=run.averaging_timeout,
             client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
             allow_state_sharing=False,  # joiners take a stage's state over the swarm's own checked path

@@ -176,7 +176,7 @@ class _Batch(_Section):
 class _Averaging(_Section):
     every_steps: int = Field(10, ge=0)
     matchmaking_seconds: float = Field(2.0, gt=0)
-    request_timeout: float = Field(1.0, gt=0)
+    request_timeout: float | None = Field(None, gt=0)  # default: half the matchmaking period
     round_timeout: float | None = Field(None, gt=0)  # default: five matchmaking periods
     group_size: int = Field(8, ge=2)
     method: Literal["parameters", "diloco"] = "parameters"
@@ -260,7 +260,7 @@ def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
         pipeline_depth=f.batch.pipeline_depth,
         average_every=avg.every_steps,
         matchmaking_seconds=avg.matchmaking_seconds,
-        averaging_request_timeout=avg.request_timeout,
+        averaging_request_timeout=avg.request_timeout or avg.matchmaking_seconds / 2,
         averaging_timeout=avg.round_timeout or avg.matchmaking_seconds * 5,
         averaging_group=avg.group_size,
         checkpoint_every=f.checkpoint.every_steps,
@@ -271,6 +271,11 @@ def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
         max_grad_norm=f.trust.max_grad_norm,
         sync=Sync(avg.method, avg.outer_lr, avg.outer_momentum, avg.compression, avg.density),
     )
+    if run.averaging_request_timeout >= run.matchmaking_seconds:  # hivemind: "to avoid potential deadlocks"
+        raise BadInputError(
+            f"run config: averaging.request_timeout ({run.averaging_request_timeout:g} s) must be shorter than "
+            f"averaging.matchmaking_seconds ({run.matchmaking_seconds:g} s), or matchmaking can deadlock"
+        )
     if run.sync.compression != "none" and run.sync.method != "diloco":
         raise BadInputError('run config: averaging.compression needs method = "diloco" (weights are sent whole)')
     if run.target_batch_size % run.micro_batch_size:

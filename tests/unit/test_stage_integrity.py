@@ -9,7 +9,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from peers.training.span_trainer import SpanTrainer
-from swarm.errors import BadInputError, StaleStepError
+from swarm.errors import BadInputError, BusyError, StaleStepError
 from swarm.identity import Signed, peer_id_of_key
 from swarm.protocol import StateReply, TrainTag
 from swarm.records import RoundRecord, ServerRecord
@@ -55,13 +55,36 @@ def test_a_stage_steps_only_as_far_as_a_trainer_signed_and_never_spins(tmp_path)
     limit = t.run.catch_up_limit
     t.admit(tag(1 + limit, proof(1 + limit)))  # a training request moves it at most that far past its step
     assert t.step == 1 + limit
-    with pytest.raises(BadInputError, match="more than one trainer's word"):
+    with pytest.raises(BusyError, match="taking its replicas' state"):
         t.admit(tag(10**12, proof(10**12)))  # far ahead, signed by one trainer: refused, nothing moves
     assert t.step == 1 + limit and all(t.opt.state[p]["step"].item() == 1 + limit for p in t.params)
+    assert t.behind == 10**12  # what the follow loop then does: ask its replicas for a state ahead (``rejoin``)
     t.catch_up(t.reach())  # what a step notice of 10^12 does: nothing more, none of these steps had samples
     assert t.step == 1 + limit
     with pytest.raises(StaleStepError):
         t.admit(tag(0))
+
+
+def test_a_replica_the_run_left_behind_refuses_busy_and_takes_only_a_state_ahead_of_it(tmp_path):
+    """Stop 67's trap: a replica further behind the trainer's signed step than one trainer's word moves it refused
+    every request as bad input, for good. Now it says busy (the trainer goes to another replica, and comes back) and
+    takes its replicas' state when one ahead of it is found; a state not ahead of it (its own steps moved it since
+    the fetch began, or the word was a lie) changes nothing."""
+    ahead, behind = stage(tmp_path / "a"), stage(tmp_path / "b")
+    far = 2 * behind.run.catch_up_limit
+    for step in range(1, far + 1):  # the replica the trainer went on with, stepping on samples
+        ahead.admit(tag(step, proof(step)))
+        ahead.accumulate(grads(ahead), 8, TRAINER)
+    ahead.admit(tag(far + 1, proof(far + 1)))
+    assert ahead.step == far + 1
+    with pytest.raises(BusyError, match="behind the trainer"):
+        behind.admit(tag(far + 1, proof(far + 1)))
+    assert behind.step == 0 and behind.behind == far + 1
+    assert not behind.rejoin(0, behind.export_state())  # not ahead of it: nothing changes
+    assert behind.rejoin(ahead.step, ahead.export_state())
+    assert behind.step == far + 1 and behind.behind == 0 and weights(behind)[0].equal(weights(ahead)[0])
+    behind.admit(tag(far + 1, proof(far + 1)))  # and it takes the trainer's requests again
+    assert not behind.rejoin(3, ahead.export_state())  # a state behind it is never taken
 
 
 def test_a_closed_run_admits_only_its_trainers(tmp_path):
