@@ -8,7 +8,8 @@ What it answers (as the Hub does):
 - ``GET /api/models/ORG/NAME[/revision/REV]``: the repository at a revision: its commit (``sha``) and files
   (``siblings``: name, size, and for weights, their LFS sha256 and size);
 - ``HEAD``/``GET /ORG/NAME/resolve/REV/PATH``: the file, with ``X-Repo-Commit``, an ``ETag`` (the sha256 of a weights
-  file, as for LFS files; a git-blob sha1 of others), ``Content-Length`` and byte ranges (``Range: bytes=N-``: 206);
+  file, as for LFS files; a git-blob sha1 of others), ``Content-Length`` and byte ranges (``Range: bytes=N-`` or
+  ``bytes=N-M``: 206; a closed range, a header's read, is counted as peeked, not sent);
 - errors with the Hub's ``X-Error-Code``: ``RepoNotFound`` (401), ``RevisionNotFound``, ``EntryNotFound`` (404),
   ``GatedRepo`` (401 without the token of a gated repository, 403 with another)."""
 
@@ -70,6 +71,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, Revision]] = {}  # repo -> revision name or commit -> revision
         self.gated: dict[str, str] = {}  # repo -> the token that may read it
         self.sent: Counter[tuple[str, str]] = Counter()  # (repo, path) -> bytes of file content sent
+        self.peeked: Counter[tuple[str, str]] = Counter()  # ...of it in reads of a closed range (a header's)
         self.faults: dict[tuple[str, str], Fault] = {}
         self._server: ThreadedServer | None = None
 
@@ -171,30 +173,35 @@ class FakeHub:
         if lfs:  # what the Hub sends for LFS files (before its redirect to the CDN)
             headers["X-Linked-Etag"] = f'"{etag}"'
             headers["X-Linked-Size"] = str(size)
-        start = _range_start(request.headers.get("range"))
+        start, last = _range(request.headers.get("range"), size)
         if start is not None and start >= size:
             return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
         first = start or 0
         status = 206 if start is not None else 200
         if status == 206:
-            headers["Content-Range"] = f"bytes {first}-{size - 1}/{size}"
-        headers["Content-Length"] = str(size - first)
+            headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+        headers["Content-Length"] = str(last + 1 - first)
         if request.method == "HEAD":
             return Response(status_code=200, headers={**headers, "Content-Length": str(size)})
+        if status == 206 and _closed(request.headers.get("range")):  # a header's read (``bytes=0-100000``)
+            self.peeked[(repo, path)] += last + 1 - first
+            return Response(content=_read(rev.folder / path, first, last + 1), status_code=206, headers=headers)
         fault = self.faults.get((repo, path))
         if fault is not None and fault.times > 0:
             fault.times -= 1
         else:
             fault = None
         return StreamingResponse(
-            self._body(repo, path, rev.folder / path, first, fault), status_code=status, headers=headers
+            self._body(repo, path, rev.folder / path, first, last + 1, fault), status_code=status, headers=headers
         )
 
-    async def _body(self, repo: str, path: str, file: Path, start: int, fault: Fault | None) -> AsyncIterator[bytes]:
+    async def _body(
+        self, repo: str, path: str, file: Path, start: int, stop: int, fault: Fault | None
+    ) -> AsyncIterator[bytes]:
         sent = 0
         with file.open("rb") as f:
             f.seek(start)
-            while block := f.read(CHUNK):
+            while block := f.read(min(CHUNK, stop - start - sent)):
                 if fault is not None and fault.kind == "cut" and start + sent + len(block) > fault.after:
                     block = block[: max(fault.after - start - sent, 0)]
                     if block:
@@ -208,11 +215,26 @@ class FakeHub:
                 yield block
 
 
-def _range_start(header: str | None) -> int | None:
+def _range(header: str | None, size: int) -> tuple[int | None, int]:
+    """(first byte, last byte) of ``Range: bytes=N-`` or ``bytes=N-M`` (first None: the whole file)."""
     if not header or not header.startswith("bytes="):
-        return None
-    first = header[len("bytes=") :].split("-", 1)[0].strip()
-    return int(first) if first.isdigit() else None
+        return None, size - 1
+    first, _, last = header[len("bytes=") :].partition("-")
+    if not first.strip().isdigit():
+        return None, size - 1
+    end = int(last) if last.strip().isdigit() else size - 1
+    return int(first), min(end, size - 1)
+
+
+def _closed(header: str | None) -> bool:
+    """A range with an end: a part of the file read (a download resumes with an open one, ``bytes=N-``)."""
+    return header is not None and header.rstrip()[-1:].isdigit()
+
+
+def _read(file: Path, start: int, stop: int) -> bytes:
+    with file.open("rb") as f:
+        f.seek(start)
+        return f.read(stop - start)
 
 
 def _error(status: int, code: str, message: str) -> Response:

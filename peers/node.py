@@ -162,6 +162,7 @@ class Peer:
             model_id=self.model.name,
             num_blocks=self.model.num_blocks,
             fingerprint=self.model.fingerprint,
+            revision=self.model.revision,
             dtype=self.model.dtype_name,
             quantization=self.model.quantization,
             device=self.hardware.device_name,

@@ -8,11 +8,12 @@ index), a client the shards of its embeddings, norm and head. Each file is check
 before use (an LFS file's sha256, every file's size); a file that fails is removed and fetched once more, then
 refused with the reason (a blob checked once is not hashed again while unchanged: ``Verified``). Downloads resume
 where an interrupted one stopped (``huggingface_hub``'s own ``.incomplete`` files), the disk's free space is checked
-before anything is fetched (the refusal names the bytes), ``HF_TOKEN`` or ``token`` opens gated models (a refusal
+before anything is fetched (the refusal names the bytes), ``HF_TOKEN`` or ``--token`` opens gated models (a refusal
 names the model), and ``HF_HUB_OFFLINE`` reads only the cache."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -99,19 +100,19 @@ class HubSettings:
         return self.cache_dir / f"models--{name.repo.replace('/', '--')}"
 
 
-def _refusal(name: HubName, e: Exception) -> BadInputError:
+def refusal(name: HubName, e: Exception) -> BadInputError:
     """A clear error for the caller, naming the model, out of ``huggingface_hub``'s."""
     from huggingface_hub import errors
 
     if isinstance(e, errors.GatedRepoError):
         return BadInputError(
             f"model {name} is gated: accept its terms on the Hub, then give a token that may read it "
-            f"(in HF_TOKEN); the Hub said: {str(e).splitlines()[-1][:200]}"
+            f"(HF_TOKEN, or --token); the Hub said: {str(e).splitlines()[-1][:200]}"
         )
     if isinstance(e, errors.RevisionNotFoundError):
         return BadInputError(f"model {name}: no revision {name.revision!r} on the Hub")
     if isinstance(e, errors.RepositoryNotFoundError):
-        return BadInputError(f"model {name}: not found on the Hub (or private: its token goes in HF_TOKEN)")
+        return BadInputError(f"model {name}: not found on the Hub (or private: its token goes in HF_TOKEN or --token)")
     if isinstance(e, errors.LocalEntryNotFoundError) or isinstance(e, errors.OfflineModeIsEnabled):
         return BadInputError(f"model {name}: not in the local cache, and the Hub is not reachable (or HF_HUB_OFFLINE)")
     return BadInputError(f"model {name}: the Hub answered {type(e).__name__}: {str(e)[:300]}")
@@ -127,7 +128,7 @@ def resolve(name: HubName, hub: HubSettings) -> Resolved:
         api = HfApi(endpoint=hub.endpoint, token=hub.token or False)
         info = api.model_info(name.repo, revision=name.revision, files_metadata=True)
     except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, OSError) as e:
-        raise _refusal(name, e) from None
+        raise refusal(name, e) from None
     if info.sha is None:
         raise BadInputError(f"model {name}: the Hub named no commit for it")
     files = {
@@ -135,12 +136,35 @@ def resolve(name: HubName, hub: HubSettings) -> Resolved:
         for s in info.siblings or ()
     }
     if name.revision != info.sha:  # as huggingface_hub records it: offline, the name finds this commit again
-        ref = hub.repo_dir(name) / "refs" / name.revision
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        staging = ref.with_name(f".{ref.name}.{os.getpid()}")
-        staging.write_text(info.sha)
-        os.replace(staging, ref)
-    return Resolved(name, info.sha, files)
+        write_atomic(hub.repo_dir(name) / "refs" / name.revision, info.sha)
+    resolved = Resolved(name, info.sha, files)
+    listing = {path: [f.size, f.sha256] for path, f in files.items()}
+    write_atomic(listing_path(hub.repo_dir(name), info.sha), json.dumps({"repo": name.repo, "files": listing}))
+    return resolved
+
+
+def listing_path(repo_dir: Path, commit: str) -> Path:
+    """Where the files the Hub listed at ``commit`` are kept (``resolve``): a snapshot folder holding only some shards
+    is still known whole by it (``swarm.hub_snapshot``: shards fetched when read, the fingerprint of every weight
+    file's sha256), offline too. Beside the folders ``huggingface_hub`` reads, which its cache scan ignores."""
+    return repo_dir / "swarm-files" / f"{commit}.json"
+
+
+def read_listing(repo_dir: Path, commit: str) -> tuple[str, dict[str, HubFile]] | None:
+    """(repository, files) as ``resolve`` kept them for ``commit``; None if it kept none (or it is garbled)."""
+    try:
+        data = json.loads(listing_path(repo_dir, commit).read_text())
+        files = {str(k): HubFile(int(v[0]), None if v[1] is None else str(v[1])) for k, v in data["files"].items()}
+        return str(data["repo"]), files
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(text)
+    os.replace(staging, path)  # whole or not at all: a reader never sees half of it
 
 
 def _resolve_cached(name: HubName, hub: HubSettings) -> Resolved:
@@ -150,6 +174,9 @@ def _resolve_cached(name: HubName, hub: HubSettings) -> Resolved:
     snapshot = repo_dir / "snapshots" / commit
     if not re.fullmatch(r"[0-9a-f]{40}", commit) or not snapshot.is_dir():
         raise BadInputError(f"model {name}: not in the local cache, and HF_HUB_OFFLINE is set")
+    listed = read_listing(repo_dir, commit)
+    if listed is not None:  # what the Hub listed when it was online: every file, with its sha256
+        return Resolved(name, commit, listed[1])
     files = {p.relative_to(snapshot).as_posix(): HubFile(p.stat().st_size, None) for p in snapshot.rglob("*")}
     return Resolved(name, commit, {k: v for k, v in files.items() if (snapshot / k).is_file()})
 
@@ -174,6 +201,11 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
     wanted = sorted(required | {p for p in optional if p in resolved.files})
     snapshot = hub.repo_dir(resolved.name) / "snapshots" / resolved.commit
     missing = [p for p in wanted if not _intact(snapshot / p, resolved.files[p], check_hash=False)]
+    if hub.offline and set(missing) & required:
+        lacking = sorted(set(missing) & required)
+        raise BadInputError(
+            f"model {resolved.name} has no {', '.join(lacking[:5])} in the local cache (HF_HUB_OFFLINE)"
+        )
     need = sum(resolved.files[p].size for p in missing)
     if need:
         where = hub.cache_dir
@@ -186,6 +218,7 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
             )
         log.info("downloading %d files of %s (%.1f MB)", len(missing), resolved.name, need / 1e6)
     memo = Verified(hub.repo_dir(resolved.name))
+    done: list[str] = []
     for path in wanted:
         for attempt in (1, 2):
             try:
@@ -201,7 +234,7 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
                     )
                 )
             except (errors.HfHubHTTPError, errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError, OSError) as e:
-                raise _refusal(resolved.name, e) from None
+                raise refusal(resolved.name, e) from None
             problem = None if memo.holds(local, resolved.files[path]) else _problem(local, resolved.files[path])
             if problem is None:
                 memo.add(local, resolved.files[path])
@@ -210,7 +243,29 @@ def fetch(resolved: Resolved, paths: Iterable[str], hub: HubSettings, optional: 
             if attempt == 2:
                 raise BadInputError(f"model {resolved.name}: {path} {problem}, twice: refused")
             log.warning("model %s: %s %s; fetching it again", resolved.name, path, problem)
+        if path in missing:
+            done.append(path)
+            _progress(resolved, done, missing, need)
     return snapshot
+
+
+def _progress(resolved: Resolved, done: list[str], missing: list[str], need: int) -> None:
+    """One line per file fetched: in a JSON log its ``progress`` field (files and bytes done of the fetch's) is what
+    a collector follows, where a terminal shows ``huggingface_hub``'s bars."""
+    got = sum(resolved.files[p].size for p in done)
+    log.info(
+        "fetched %s of %s: %d of %d files, %.1f of %.1f MB",
+        done[-1],
+        resolved.name,
+        len(done),
+        len(missing),
+        got / 1e6,
+        need / 1e6,
+        extra={
+            "kind": "download",
+            "progress": {"file": done[-1], "files": [len(done), len(missing)], "bytes": [got, need]},
+        },
+    )
 
 
 class Verified:
@@ -291,25 +346,31 @@ def _forget(local: Path) -> None:
         blob.unlink(missing_ok=True)
 
 
-def whole_model(text: str, hub: HubSettings) -> Path:
-    """A Hub model's config, tokenizer and every weight file (``model.safetensors``, or the shards its index names),
-    fetched and checked; its snapshot folder, read as any model folder is. (A server fetching only its span's
-    shards, and a client only its own modules', is the next step: ``shards_for``.)"""
+def hub_model(text: str, hub: HubSettings) -> Path:
+    """A Hub model's snapshot folder with its config, tokenizer and index fetched and checked, and no weights yet: each
+    party reads it as any model folder, and the shards holding the tensors it reads are fetched then
+    (``swarm.hub_snapshot``): a server its span's, a client its embeddings', norm's and head's."""
     name = HubName.parse(text)
     if name is None:
         raise BadInputError(f"{text!r} is not a Hub name (ORG/NAME[@REVISION])")
     resolved = resolve(name, hub)
-    folder = fetch(resolved, [], hub, optional=ALWAYS)
-    if (folder / INDEX).is_file():
-        try:  # the Hub's file, checked like any: a map of tensor names to file names
-            mapping = json.loads((folder / INDEX).read_text())["weight_map"]
-            shards = {str(f) for f in mapping.values()} if isinstance(mapping, dict) else set()
-        except (ValueError, KeyError, TypeError):
-            shards = set()
-        if not shards:
-            raise BadInputError(f"model {name}: its {INDEX} names no weight files")
-    elif "model.safetensors" in resolved.files:
-        shards = {"model.safetensors"}
-    else:
+    if INDEX not in resolved.files and "model.safetensors" not in resolved.files:
         raise BadInputError(f"model {name} has no safetensors weights (model.safetensors or {INDEX}) on the Hub")
-    return fetch(resolved, shards, hub, optional=ALWAYS)
+    return fetch(resolved, [], hub, optional=ALWAYS)
+
+
+def add_token_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="a Hugging Face token, for gated or private models named by Hub name (default: HF_TOKEN, which other "
+        "users of the machine cannot read, as they can a command line)",
+    )
+
+
+def use_token(token: str | None) -> None:
+    """``--token``: this process's Hub token, as ``HF_TOKEN`` (read wherever a Hub name is resolved, by this process
+    and the ones it starts)."""
+    if token:
+        os.environ["HF_TOKEN"] = token

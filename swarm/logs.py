@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from swarm.hf_calls import disable_progress_bar
 
-FIELDS = ("peer", "span", "session", "kind")
+FIELDS = ("peer", "span", "session", "kind", "progress")  # progress: {"files": [done, of], "bytes": [...]}
 FORMATS = ("text", "json")
 _format = "text"  # what configure_logging set: a library caller that never called it logs text
 # The standard names, whatever a library renamed them to (hivemind shortens WARNING): JSON consumers match on them.

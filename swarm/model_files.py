@@ -41,10 +41,10 @@ def model_folder(card: ModelCard, cache_dir: Path) -> Path:
         assert card.folder is not None
         return card.folder
     if card.kind == "hub":
-        from swarm.hub import HubSettings, whole_model
+        from swarm.hub import HubSettings, hub_model
 
         assert card.hub is not None
-        return whole_model(card.hub, HubSettings.from_env())
+        return hub_model(card.hub, HubSettings.from_env())  # weights fetched when read (``swarm.hub_snapshot``)
     target = cache_dir / "models" / card.name
     if (target / "config.json").exists():
         return target
@@ -173,27 +173,32 @@ def weights_fingerprint(folder: Path, dtype: str, cache_dir: Path) -> str:
     """A short hash of the exact weight bytes and the serving dtype (with the quantization format, if any:
     ``swarm.quantization.weights_format``); peers with different fingerprints never chain.
 
-    Hashing reads every weight file once (cheap next to loading); the result is cached by path, size and mtime.
-    """
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise BadInputError(f"{folder} holds no *.safetensors files")
-    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    memo = cache_dir / "fingerprints" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".txt")
+    It hashes each weight file's sha256 with its name: a Hub snapshot takes them from what the Hub listed at its
+    commit (``swarm.hub_snapshot.file_digests``), whichever shards it holds, and a local folder of the same files
+    computes the same by hashing them (once: each file's is cached by path, size and modification time)."""
+    from swarm.hub_snapshot import file_digests
+
+    digests = file_digests(folder)
+    if digests is None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise BadInputError(f"{folder} holds no *.safetensors files")
+        digests = {f.name: _file_sha256(f, cache_dir) for f in files}
+    content = hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in sorted(digests.items())).encode())
+    return hashlib.sha256(f"{content.hexdigest()}/{dtype}".encode()).hexdigest()[:16]
+
+
+def _file_sha256(file: Path, cache_dir: Path) -> str:
+    from swarm.hub import sha256_file, write_atomic
+
+    st = file.stat()
+    stamp = json.dumps([str(file.resolve()), st.st_size, st.st_mtime_ns])
+    memo = cache_dir / "fingerprints" / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".sha256")
     if memo.exists():
-        content = memo.read_text().strip()
-    else:
-        digest = hashlib.sha256()
-        for f in files:
-            with open(f, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    digest.update(chunk)
-        content = digest.hexdigest()
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(content)
-        os.replace(tmp, memo)
-    return hashlib.sha256(f"{content}/{dtype}".encode()).hexdigest()[:16]
+        return memo.read_text().strip()
+    digest = sha256_file(file)
+    write_atomic(memo, digest)
+    return digest
 
 
 def served_fingerprints(folder: Path, cache_dir: Path, formats: tuple[str, ...] = ("none",)) -> frozenset[str]:
@@ -214,11 +219,14 @@ def fingerprint_groups(folder: Path, cache_dir: Path, formats: tuple[str, ...] =
 
 def weight_map(folder: Path) -> dict[str, str]:
     """tensor name -> shard file name."""
+    from swarm.hub_snapshot import ensure
+
     index = folder / "model.safetensors.index.json"
     if index.exists():
         mapping: dict[str, str] = json.loads(index.read_text())["weight_map"]
         return mapping
     single = folder / "model.safetensors"
+    ensure(folder, [single.name])  # a Hub snapshot of a one-file model: that file, whoever reads it
     if not single.exists():
         raise BadInputError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
     with safe_open(str(single), "pt") as f:
@@ -227,10 +235,13 @@ def weight_map(folder: Path) -> dict[str, str]:
 
 def read_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     """Read exactly ``names``, opening each needed shard once."""
+    from swarm.hub_snapshot import ensure
+
     mapping = weight_map(folder)
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(mapping[name], []).append(name)
+    ensure(folder, by_file)  # a Hub snapshot fetches the shards it lacks of those read, and only those
     out: dict[str, torch.Tensor] = {}
     for file, keys in by_file.items():
         with safe_open(str(folder / file), "pt") as f:

@@ -79,6 +79,9 @@ class ServerRecord(Record):
     model_id: str
     num_blocks: int = Field(gt=0)  # of the whole model, so tools can read the swarm without the model files
     fingerprint: str  # hash of the exact weights, dtype and quantization; only equal fingerprints chain
+    # the Hub commit of a model named by its Hub name (``swarm.hub``), printed by swarm.status: a claim, as the
+    # fingerprint is, and the fingerprint decides (two revisions' weights never share a chain)
+    revision: str | None = Field(default=None, pattern=r"^[0-9a-f]{40}$")
     dtype: str
     # the format of its blocks' linear weights (swarm.quantization); the fingerprint names it too, so clients that
     # did not allow quantized blocks never route here. Defaults to what a record from before formats means.

@@ -14,6 +14,7 @@ from peers.config import PeerConfig
 from swarm.cli import add_flags, from_args
 from swarm.config import Timing
 from swarm.errors import run_command
+from swarm.hub import add_token_flag, use_token
 from swarm.logs import add_log_flags, configure_logging
 from swarm.rpc.loop import run as run_loop
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, PeerConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
     p.add_argument("--state-interval", type=float, default=None, help=argparse.SUPPRESS)  # Timing.state_interval
+    add_token_flag(p)
     add_log_flags(p)
     return p
 
@@ -71,6 +73,7 @@ async def _main(cfg: PeerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    use_token(args.token)
     return run_command(lambda: run_loop(_main(config_from_args(args))))
 
 

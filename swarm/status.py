@@ -120,6 +120,15 @@ def summary(recs: Sequence[ServerRecord], live: Live) -> str:
     return f"peers: {counts}" + (f"; {silent} did not answer (*)" if silent else "")
 
 
+def revisions(recs: Sequence[ServerRecord]) -> list[str]:
+    """The Hub commits the peers serve, where they name one: peers of two revisions never share a chain."""
+    named = Counter(r.revision[:12] for r in recs if r.revision)
+    if not named:
+        return []
+    label = "revision" if len(named) == 1 else f"{len(named)} revisions (never in one chain)"
+    return pack(f"{label}: ", [f"{rev} ({n} peers)" for rev, n in named.most_common()])
+
+
 def moving(recs: Sequence[ServerRecord]) -> list[str]:
     """The peers joining or leaving right now (a killed peer's quit is seen only by ``--watch``)."""
     lines = []
@@ -169,6 +178,7 @@ def render(model_id: str, view: View, live: Live, broker: Lease | None = None, d
             + ("fully covered" if not missing else f"NOT covered: blocks {', '.join(missing)}")
         ),
         summary(recs, live),
+        *revisions(recs),
         *replica_lines([n for a, b, n in runs for _ in range(a, b)], standbys(recs, num_blocks)),
         *moving(recs),
     ]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from swarm.config import Timing
 from swarm.errors import BadInputError, run_command
+from swarm.hub import add_token_flag, use_token
 from swarm.logs import add_log_flags, configure_logging, progress_bars
 
 
@@ -40,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pass each micro-batch through this trainer between stages (default: from stage to stage)",
     )
     p.add_argument("--test-timings", action="store_true", help=argparse.SUPPRESS)
+    add_token_flag(p)
     add_log_flags(p, "WARNING")
     args = p.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    use_token(args.token)
 
     return run_command(lambda: _train(args))
 

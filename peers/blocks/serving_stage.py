@@ -23,6 +23,7 @@ from swarm.config import load_model_card
 from swarm.errors import BadInputError
 from swarm.families.recompute import local_judge
 from swarm.families.weights import load_layers
+from swarm.hub_snapshot import snapshot_of
 from swarm.ids import Span
 from swarm.model_files import load_config, model_folder, weights_fingerprint
 from swarm.quantization import FORMATS, weights_format
@@ -84,7 +85,11 @@ class ServingStage:
         held = block_bytes(folder, family, dtype)
         if quant != "none":  # what the largest block takes in this format, measured on one quantized copy of it
             held = quantized_block_bytes(folder, family, dtype, quant)
-        model = ModelInfo(card.name, config, family, dtype, fingerprint, held, quant, frozenset(formats.values()))
+        hub = snapshot_of(folder)
+        revision = hub.resolved.commit if hub is not None else None
+        model = ModelInfo(
+            card.name, config, family, dtype, fingerprint, held, quant, frozenset(formats.values()), revision
+        )
         return cls(
             model,
             folder,

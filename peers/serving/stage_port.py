@@ -47,6 +47,7 @@ class ModelInfo:
     # fingerprints of servers it chains with (pushes to, takes pushes from): its own weights and dtype in every
     # format, since a client that allowed them may route through them (empty: its own fingerprint only)
     chains_with: frozenset[str] = frozenset()
+    revision: str | None = None  # the Hub commit, for a model named by its Hub name (``swarm.hub_snapshot``)
 
     @property
     def chain_fingerprints(self) -> frozenset[str]:

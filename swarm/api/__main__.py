@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from swarm.api.config import ApiConfig
 from swarm.cli import add_flags, from_args
 from swarm.errors import BadInputError, run_command
+from swarm.hub import add_token_flag, use_token
 from swarm.logs import add_log_flags, configure_logging
 from swarm.rpc.loop import run as run_loop
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m swarm.api", description=__doc__)
     add_flags(p, ApiConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
+    add_token_flag(p)
     add_log_flags(p)
     return p
 
@@ -103,6 +105,7 @@ async def serve(cfg: ApiConfig, test_timings: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    use_token(args.token)
     cfg = from_args(ApiConfig, args)
     return run_command(lambda: run_loop(serve(cfg, args.test_timings)))
 

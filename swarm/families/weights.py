@@ -9,6 +9,7 @@ stores them fused already."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -171,6 +172,7 @@ def block_bytes(family: Family, folder: Path, dtype: torch.dtype, indices: Itera
     and expert blocks: DeepSeek-V3's first are dense)."""
     from safetensors import safe_open
 
+    from swarm.hub_snapshot import shapes
     from swarm.model_files import weight_map
 
     mapping = weight_map(folder)
@@ -193,10 +195,12 @@ def block_bytes(family: Family, folder: Path, dtype: torch.dtype, indices: Itera
         ]
         if not hits:
             continue
+        header = shapes(folder, file)  # a shard a Hub snapshot has not fetched: its header alone, over the network
+        if header is not None:
+            for i, n in hits:
+                sizes[i] += math.prod(header[n]) * dtype.itemsize
+            continue
         with safe_open(str(folder / file), "pt") as f:
             for i, n in hits:
-                numel = 1
-                for dim in f.get_slice(n).get_shape():
-                    numel *= dim
-                sizes[i] += numel * dtype.itemsize
+                sizes[i] += math.prod(f.get_slice(n).get_shape()) * dtype.itemsize
     return [sizes[i] for i in wanted]

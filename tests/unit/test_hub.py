@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from harness.fake_hub import FakeHub
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
-from swarm.hub import ALWAYS, INDEX, HubName, HubSettings, fetch, resolve, shards_for
+from swarm.hub import ALWAYS, INDEX, HubName, HubSettings, fetch, resolve, shards_for, use_token
+from swarm.serve import build_parser
 from tests.helpers.models import make_tiny_model
 
 REPO = "acme/tiny-llama"
@@ -80,6 +81,20 @@ def test_a_span_downloads_only_the_shards_holding_its_blocks(hub, checkpoints):
     assert dict(hub.sent) == before
 
 
+def test_a_fetch_logs_one_progress_line_per_file_which_json_logs_carry(hub, caplog):
+    from swarm.logs import JsonFormatter
+
+    resolved = resolve(HubName(REPO), hub.settings)
+    shards = sorted(f for f in resolved.files if f.endswith(".safetensors"))[:3]
+    with caplog.at_level("INFO", logger="swarm.hub"):
+        fetch(resolved, shards, hub.settings)
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if hasattr(r, "progress")]
+    total = sum(resolved.files[f].size for f in shards)
+    assert [line["progress"]["files"] for line in lines] == [[1, 3], [2, 3], [3, 3]]
+    assert lines[-1]["progress"]["bytes"] == [total, total] and lines[-1]["kind"] == "download"
+    assert [line["progress"]["file"] for line in lines] == shards
+
+
 def test_a_corrupted_file_is_refused_and_fetched_again(hub, checkpoints):
     resolved = resolve(HubName(REPO), hub.settings)
     shard = sorted(f for f in resolved.files if f.endswith(".safetensors"))[0]
@@ -110,6 +125,11 @@ def test_a_gated_model_needs_its_token_and_the_error_names_it(hub):
     settings = HubSettings(hub.settings.endpoint, hub.settings.cache_dir, token="s3cret")
     resolved = resolve(HubName("acme/gated"), settings)
     assert (fetch(resolved, ["config.json"], settings) / "config.json").is_file()
+    with pytest.MonkeyPatch.context() as env:  # ``--token`` on swarm.serve, swarm.api and swarm.train
+        env.setenv("HF_TOKEN", "")  # put back as it was (absent) when the context ends
+        args = build_parser().parse_args(["--token", "s3cret"])
+        use_token(args.token)
+        assert HubSettings.from_env().token == "s3cret"
     with pytest.raises(BadInputError, match="acme/nothing: not found on the Hub"):
         resolve(HubName("acme/nothing"), hub.settings)
     with pytest.raises(BadInputError, match="no revision 'v9'"):
@@ -194,3 +214,76 @@ def test_a_checked_shard_is_not_hashed_again_until_its_blob_changes(hub, checkpo
     fetch(resolved, shards, hub.settings)
     assert len(hashed) == 4  # hashed again, found wrong, fetched and checked again; the other untouched
     assert (folder / shards[0]).read_bytes() == (checkpoints[0] / shards[0]).read_bytes()
+
+
+def _hub_env(monkeypatch, hub, offline: bool = False) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub.settings.cache_dir))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def test_each_party_fetches_only_the_shards_it_reads(hub, checkpoints, monkeypatch):
+    """A Hub model's folder starts with no weights; a server's span, a broker's move and a client's three modules
+    fetch the shards holding what each reads, the memory plan of every block reads headers alone, and the
+    fingerprint is the whole local folder's whichever shards are held; offline, a later start reads what it has."""
+    from swarm.families.spec import family_of
+    from swarm.families.weights import block_bytes, load_layers
+    from swarm.model_files import load_config, model_folder, read_tensors, weights_fingerprint
+
+    _hub_env(monkeypatch, hub)
+    original = checkpoints[0]
+    folder = model_folder(load_model_card(REPO), hub.settings.cache_dir)
+    weights = lambda: {p for p in hub.sent_for(REPO) if p.endswith(".safetensors")}  # noqa: E731
+    assert weights() == set()  # config, tokenizer and index only
+    family = family_of(load_config(folder))
+    assert block_bytes(family, folder, torch.float32) == block_bytes(family, original, torch.float32)
+    assert weights() == set() and hub.peeked  # every block planned from the shards' headers alone
+    index = _weight_map(folder)
+    layers = load_layers(family, folder, range(2, 4), torch.float32, "cpu")  # a server of blocks 2:4
+    span = shards_for(index, ["model.layers.2.", "model.layers.3."])
+    assert weights() == span != set(index.values())
+    reference = load_layers(family, original, range(2, 4), torch.float32, "cpu")
+    for mine, theirs in zip(layers, reference, strict=True):
+        assert all(
+            torch.equal(a, b) for a, b in zip(mine.state_dict().values(), theirs.state_dict().values(), strict=True)
+        )
+    load_layers(family, folder, range(0, 1), torch.float32, "cpu")  # the broker moved it: what it lacks, only
+    moved = span | shards_for(index, ["model.layers.0."])
+    assert weights() == moved
+    client = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    read_tensors(folder, [n for n in client if n in index])  # a client's three modules
+    assert weights() == moved | shards_for(index, [], client) != set(index.values())
+    for shard in weights():  # each crossed the network once
+        assert hub.sent_for(REPO)[shard] == (original / shard).stat().st_size
+    cache = hub.settings.cache_dir / "fingerprints"
+    assert weights_fingerprint(folder, "float32", cache) == weights_fingerprint(original, "float32", cache)
+    _hub_env(monkeypatch, hub, offline=True)
+    again = model_folder(load_model_card(REPO), hub.settings.cache_dir)
+    assert again == folder and block_bytes(family, again, torch.float32)  # the headers were kept
+    load_layers(family, again, range(2, 4), torch.float32, "cpu")
+    lacking = sorted(set(index.values()) - weights())[0]
+    block = next(int(n.split(".")[2]) for n, f in index.items() if f == lacking and n.startswith("model.layers."))
+    with pytest.raises(BadInputError, match=f"no {lacking} in the local cache"):
+        load_layers(family, again, range(block, block + 1), torch.float32, "cpu")
+
+
+def test_the_span_bytes_script_counts_shards_from_the_index_alone(hub, checkpoints, monkeypatch, capsys):
+    """``scripts/hub_span_bytes.py``: what a span and a client download, from the index and the Hub's file list
+    (no weights fetched); the README's table of well-known models comes from it where the Hub is reachable."""
+    from tests.helpers.scripts import load_script
+
+    _hub_env(monkeypatch, hub)
+    script = load_script("hub_span_bytes")
+    assert script.main([REPO, "--blocks", "0:2", "3:4"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    index = _weight_map(checkpoints[0])
+    size = lambda files: sum((checkpoints[0] / f).stat().st_size for f in files)  # noqa: E731
+    span = shards_for(index, ["model.layers.0.", "model.layers.1."])
+    assert rows[0][0].strip() == "blocks 0:2" and int(rows[0][1]) == len(span)
+    assert float(rows[0][2]) == pytest.approx(size(span) / 1e9, abs=0.006)
+    assert rows[-1][0].strip() == "the whole checkpoint" and int(rows[-1][1]) == len(set(index.values()))
+    assert not {p for p in hub.sent_for(REPO) if p.endswith(".safetensors")}  # nothing but the index was read

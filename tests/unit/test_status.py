@@ -144,3 +144,15 @@ def test_watch_reports_joins_and_quits_as_the_dashboard_diffs() -> None:
 def test_watch_needs_a_positive_period() -> None:
     with pytest.raises(SystemExit):
         status.main(["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--watch", "0"])
+
+
+def test_the_hub_revisions_served_are_named() -> None:
+    one, two = "a" * 40, "b" * 40
+    records = [r.model_copy(update={"revision": one if i % 3 else two}) for i, r in enumerate(swarm())]
+    text = status.render("random48", view_of(records), {})
+    assert "2 revisions (never in one chain): aaaaaaaaaaaa (33 peers), bbbbbbbbbbbb (17 peers)" in text
+    single = status.render("random48", view_of([r.model_copy(update={"revision": one}) for r in swarm()]), {})
+    assert "revision: aaaaaaaaaaaa (50 peers)" in single
+    assert "revision" not in status.render("random48", view_of(swarm()), {})  # folders and cards name none
+    with pytest.raises(ValueError):
+        ServerRecord.model_validate(records[0].model_dump() | {"revision": "main; rm -rf"})
