@@ -24,6 +24,7 @@ from swarm.dashboard.observer import BrokerView, Event, Snapshot, build_snapshot
 from swarm.dht import RecordStore, current_broker, start_dht
 from swarm.errors import SwarmError, run_command
 from swarm.hop import Hop
+from swarm.hub import HubName
 from swarm.logs import add_log_flags, configure_logging
 from swarm.membership import swarm_key_for
 from swarm.protocol import InfoReply
@@ -330,7 +331,12 @@ def interrupt_sets() -> Iterator[threading.Event]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m swarm.status", description=__doc__)
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
-    p.add_argument("--model", default="smollm2-135m", help="model id as announced (default smollm2-135m)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="model id as announced: a card's name, a folder's name, or a Hub name (ORG/NAME[@REVISION]: its "
+        "peers of every revision are shown, each revision named) (default smollm2-135m)",
+    )
     p.add_argument("--max-blocks", type=int, default=128, help="how many block keys to look up")
     p.add_argument("--swarm-key", type=Path, default=None, metavar="FILE", help="a private swarm's key file")
     p.add_argument(
@@ -343,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch is not None and args.watch <= 0:
         p.error("--watch takes a positive number of seconds")
 
+    hub = HubName.parse(args.model)
+    model = hub.repo if hub is not None else args.model  # the swarm's id of a Hub model is its repository's name
+
     def command() -> None:
         text = show(
-            tuple(args.initial_peers), args.model, args.max_blocks, Timing(), args.swarm_key, args.watch, args.rounds
+            tuple(args.initial_peers), model, args.max_blocks, Timing(), args.swarm_key, args.watch, args.rounds
         )
         if text:
             print(text)

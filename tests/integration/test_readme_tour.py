@@ -1,8 +1,9 @@
 """The README's five-minute tour, run as a user types it: every command of its code blocks, from the checkout, with
 the project's venv first on ``PATH`` (as after ``source .venv/bin/activate``), in the README's order, against the
 swarm its first command starts. Only what the user fills in is replaced: ``MADDR`` and the Python example's
-``/ip4/.../p2p/...`` by the address the first peer printed, port 8000 by a free port, ``$KEY`` by a key. SmolLM2
-comes from the session's fresh conversion (``SWARM_CACHE_DIR``). Servers are stopped as a user stops them (SIGTERM,
+``/ip4/.../p2p/...`` by the address the first peer printed, port 8000 by a free port, ``$KEY`` by a key. The tour
+names SmolLM2 by its Hub name, fetched from a local server of the Hub's file API (``HF_ENDPOINT``) that serves the
+session's fresh conversion of it (``SWARM_CACHE_DIR``). Servers are stopped as a user stops them (SIGTERM,
 Ctrl-C for ``local_swarm.py``) and must exit cleanly, leaving no process behind."""
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.fake_hub import FakeHub
+
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 KEY = "tour-key-0123456789"
+HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the tour's model
 
 
 def tour() -> list[tuple[str, str]]:
@@ -141,15 +145,27 @@ class Tour:
 
 
 @pytest.fixture
-def walk(tmp_path: Path, smollm_folder: Path) -> Iterator[Tour]:  # smollm_folder: converted into the session's cache
+def hub(smollm_folder: Path) -> Iterator[FakeHub]:
+    """The Hub the tour's name is fetched from: a local server of the Hub's file API serving the session's SmolLM2
+    conversion (no Hub is reachable here) under the tour's Hub name."""
+    with FakeHub() as server:
+        server.add(HUB_NAME, smollm_folder)
+        yield server
+
+
+@pytest.fixture
+def walk(tmp_path: Path, hub: FakeHub) -> Iterator[Tour]:
     t = Tour(tmp_path)
+    t.env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "hf-cache"))
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE"):
+        t.env.pop(var, None)
     try:
         yield t
     finally:
         t.close()
 
 
-def test_every_command_of_the_readme_tour_runs_as_typed(walk: Tour) -> None:
+def test_every_command_of_the_readme_tour_runs_as_typed(walk: Tour, hub: FakeHub, smollm_folder: Path) -> None:
     steps = tour()
     assert len(steps) == 7, f"the tour changed; walk its new commands here too: {steps}"
     new_swarm, join, status, example, api, local_swarm, curl = (command for _, command in steps)
@@ -186,3 +202,7 @@ def test_every_command_of_the_readme_tour_runs_as_typed(walk: Tour) -> None:
     while walk.left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not walk.left(), f"processes left behind: {walk.left()}"
+    sent = {path: n for path, n in hub.sent_for(HUB_NAME).items() if path.endswith(".safetensors")}
+    assert sent, "the tour fetched no weights by the Hub name"
+    for path, n in sent.items():  # one shared cache: each shard crossed the network once, whoever read it first
+        assert n == (smollm_folder / path).stat().st_size, (path, n)
