@@ -176,7 +176,7 @@ class _Batch(_Section):
 class _Averaging(_Section):
     every_steps: int = Field(10, ge=0)
     matchmaking_seconds: float = Field(2.0, gt=0)
-    request_timeout: float | None = Field(None, gt=0)  # default: half the matchmaking period
+    request_timeout: float | None = Field(None, gt=0)  # default: 1 s, or 0.9 of a shorter matchmaking period
     round_timeout: float | None = Field(None, gt=0)  # default: five matchmaking periods
     group_size: int = Field(8, ge=2)
     method: Literal["parameters", "diloco"] = "parameters"
@@ -260,7 +260,7 @@ def load_run(path: str | Path, cache_dir: Path | None = None) -> RunConfig:
         pipeline_depth=f.batch.pipeline_depth,
         average_every=avg.every_steps,
         matchmaking_seconds=avg.matchmaking_seconds,
-        averaging_request_timeout=avg.request_timeout or avg.matchmaking_seconds / 2,
+        averaging_request_timeout=avg.request_timeout or min(1.0, 0.9 * avg.matchmaking_seconds),
         averaging_timeout=avg.round_timeout or avg.matchmaking_seconds * 5,
         averaging_group=avg.group_size,
         checkpoint_every=f.checkpoint.every_steps,

@@ -28,7 +28,7 @@ SHIPPED = Path(__file__).parents[2] / "configs" / "runs" / "tiny-llama.toml"
 def test_run_config_and_schedule(tmp_path):
     run = load_run(SHIPPED)
     assert run.stages == (Span(0, 2), Span(2, 4), Span(4, 6)) and run.target_batch_size == 16
-    assert run.averaging_request_timeout == run.matchmaking_seconds / 2 and run.averaging_timeout == 10.0
+    assert run.averaging_request_timeout == 1.0 < run.matchmaking_seconds and run.averaging_timeout == 10.0
     assert load_run("tiny-llama").name == run.name  # by name, from the package's configs
     assert run.lr_factor(0) == pytest.approx(0.1) and run.lr_factor(9) == pytest.approx(1.0)
     assert run.lr_factor(10) == pytest.approx(1.0) and run.lr_factor(run.total_steps) == pytest.approx(0.0)
