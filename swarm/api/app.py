@@ -35,6 +35,7 @@ from swarm.api.replies import (
     EmbeddingList,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     RouteHop,
     TextCompletion,
     Usage,
@@ -110,7 +111,7 @@ class Run:
             loop.call_soon_threadsafe(self.queue.put_nowait, piece)
 
         self.future = loop.run_in_executor(
-            state.pool, lambda: generate(served, prompt, sampling, emit, self.cancel, deadline, self.progress)
+            state.pool, lambda: generate(served, prompt, sampling, emit, self.cancel, deadline, self.progress, caller)
         )
         state.runs.add(self)
 
@@ -166,6 +167,7 @@ def _usage(o: Outcome) -> Usage:
         prompt_tokens=o.prompt_tokens,
         completion_tokens=o.completion_tokens,
         total_tokens=o.prompt_tokens + o.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=o.cached_tokens),
     )
 
 

@@ -107,6 +107,13 @@ class ApiConfig:
     swarm_key: Path | None = option(None, metavar="FILE", help="a private swarm's key file")
     threads: int = option(1, help="torch threads for the local embeddings and heads")
     max_context: int | None = option(None, help="cap on prompt + completion tokens (default: the model's context)")
+    keep_sessions: int = option(
+        2,
+        metavar="N",
+        help="sessions of each caller's last answers kept open on the servers, so a conversation's next turn sends "
+        "and computes only what is new (0: none; docs/api.md)",
+    )
+    keep_idle: float = option(30.0, metavar="S", help="...each closed after this long unused")
     codec: str = option("auto", help="activations' codec: 'auto' (per link) or one to force, e.g. 'none'")
     local_blocks: int = option(
         0, metavar="N", help="run the first N blocks here: no server sees the embeddings (docs/serving.md)"

@@ -23,6 +23,7 @@ import torch
 
 from swarm.api import errors
 from swarm.api.controls import ChoiceState, Controls, Logprob, logprob_of, prompt_logprobs
+from swarm.api.conversations import Conversations
 from swarm.api.grammar import Grammar, Vocabulary
 from swarm.api.schema import JsonObject
 from swarm.api.text import TextStream
@@ -77,6 +78,7 @@ class Piece:
 class Outcome:
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, held by a kept session's servers: neither sent nor computed again
     route: list[Hop] = field(default_factory=list)
     first_token_s: float | None = None
     speculation: Trace | None = None  # drafts proposed and kept, when decoded speculatively
@@ -92,9 +94,11 @@ class ServedModel:
         tokenizer: PreTrainedTokenizerBase,
         max_context: int | None = None,
         speculation: Speculation | None = None,
+        conversations: Conversations | None = None,
     ) -> None:
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.speculation = speculation
+        self.conversations = conversations if conversations is not None else Conversations(per_caller=0)
         # loaded now, so a bad drafter is refused at start, not at the first request
         self.drafters = model.speculator.drafters(speculation.drafter) if speculation is not None else None
         if speculation is not None:
@@ -222,31 +226,46 @@ def generate(
     cancel: threading.Event,
     deadline: float,
     outcome: Outcome | None = None,
+    caller: str | None = None,
 ) -> Outcome:
     """Decode ``s.n`` continuations of ``prompt`` in one inference session; ``emit`` gets text as it is final, and
     ``outcome`` (returned) the route and counts as they change. Runs on a worker thread; raises Cancelled once
-    ``cancel`` is set or ``deadline`` (monotonic) passes."""
+    ``cancel`` is set or ``deadline`` (monotonic) passes. ``caller``: whose request it is: a session it kept open
+    (``swarm.api.conversations``) may carry this one, and this one's may be kept for it."""
     model = served.model
     outcome = outcome if outcome is not None else Outcome(prompt_tokens=len(prompt))
     seed = s.controls.seed
     rng = torch.Generator().manual_seed(seed % 2**63) if seed is not None else None
-    session = InferenceSession(
-        model.connection,
-        model.blocks.delivery,
-        len(prompt) + max(s.max_tokens, 1),
-        s.n,
-        model.runner.shape,
-        model.runner.plans,
-    )
-    if served.speculation is not None and s.n == 1 and s.plain and s.echo is None:
+    speculative = served.speculation is not None and s.n == 1 and s.plain and s.echo is None
+    # one choice, no echo of the prompt's log-probabilities: its session may go on from a kept one, and be kept
+    keep = caller is not None and s.n == 1 and s.echo is None and not speculative and served.conversations.enabled
+    need = max(s.max_tokens, 1)
+    kept = served.conversations.take(caller, prompt, need) if keep and caller is not None else None
+    if kept is not None:
+        session, held = kept
+    else:
+        held = 0
+        room = need + (served.conversations.headroom if keep else 0)  # the next turn fits in the same session
+        session = InferenceSession(
+            model.connection,
+            model.blocks.delivery,
+            min(len(prompt) + room, max(served.context, len(prompt) + need)),
+            s.n,
+            model.runner.shape,
+            model.runner.plans,
+        )
+    outcome.cached_tokens = held
+    if speculative:
         try:
             return _speculative(served, session, prompt, s, emit, cancel, deadline, outcome, rng)
         finally:
             session.close()
     start = time.monotonic()
+    sent: list[int] = []  # the answer's tokens the servers were sent (its last one never is)
+    finished = False
     try:
         choices = [_Choice(served, s, i) for i in range(s.n)]
-        new = torch.tensor([prompt] * s.n, dtype=torch.int64)
+        new = torch.tensor([prompt[held:]] * s.n, dtype=torch.int64)
         for produced in range(max(s.max_tokens, 1)):
             if cancel.is_set() or time.monotonic() > deadline:
                 raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
@@ -274,8 +293,13 @@ def generate(
             if all(c.finish is not None for c in choices):
                 break
             new = torch.tensor(tokens, dtype=torch.int64)[:, None]
+            sent.append(tokens[0])
+        finished = True
     finally:
-        session.close()  # frees the servers' caches now, whatever happened
+        if keep and finished and caller is not None:  # kept for the caller's next turn (or closed, over the limits)
+            served.conversations.give(caller, session, prompt + sent)
+        else:
+            session.close()  # frees the servers' caches now, whatever happened
     return outcome
 
 

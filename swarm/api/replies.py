@@ -14,10 +14,17 @@ class _Out(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = (
+        0  # of the prompt, held by a session kept from the caller's last turn (swarm.api.conversations)
+    )
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class EmbeddingUsage(_Out):

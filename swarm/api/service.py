@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 from swarm.api.app import ApiState, create_app
+from swarm.api.conversations import Conversations
 from swarm.api.engine import ServedModel
 from swarm.api.limits import Limits
 from swarm.client.speculative.loop import Speculation
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from swarm.api.config import ApiConfig
+    from swarm.client.model import DistributedModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,13 @@ def _traffic(models: dict[str, ServedModel]) -> dict[str, int]:
     for served in models.values():
         total.update(served.model.connection.remote.traffic)
     return dict(total)
+
+
+def kept_room(model: DistributedModelForCausalLM) -> int:
+    """Tokens of KV room the sessions kept for callers' next turns may hold: a quarter of the smallest budget a
+    server of the swarm announces (half the share one caller, this API, has there by default)."""
+    totals = [r.cache_tokens_total for r in model.connection.view.servers() if r.cache_tokens_total > 0]
+    return min(totals, default=0) // 4
 
 
 class Service:
@@ -71,7 +81,13 @@ class Service:
                 )
                 spec = Speculation(cfg.draft, max_k=cfg.draft_max) if cfg.draft else None
                 try:
-                    served = ServedModel(name, model, tokenizer, cfg.max_context, spec)
+                    # a kept session is closed before the servers' own idle limit would end it
+                    kept = Conversations(
+                        cfg.keep_sessions,
+                        idle=min(cfg.keep_idle, timing.session_idle / 2),
+                        room=functools.partial(kept_room, model),
+                    )
+                    served = ServedModel(name, model, tokenizer, cfg.max_context, spec, kept)
                 except BaseException:
                     model.close()
                     raise
@@ -115,10 +131,15 @@ class Service:
             self._failures[name] = now
 
     async def watch_failovers(self, period: float = 0.5) -> None:
+        """Every ``period``: the clients' failovers reported, and kept sessions past their idle time closed (off the
+        event loop: closing one is a call to its servers)."""
         while True:
             await asyncio.sleep(period)
             with contextlib.suppress(Exception):  # a watcher must never take the API down
                 self.poll_failovers()
+            for served in self.models.values():
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(served.conversations.expire)
 
     def close(self) -> None:
         for close in reversed(self._closers):
@@ -128,5 +149,7 @@ class Service:
             run.cancel.set()  # each worker stops before its next token and closes its session
         self.state.pool.shutdown(wait=True, cancel_futures=True)
         for served in self.models.values():
+            with contextlib.suppress(Exception):
+                served.conversations.close()  # the kept sessions' server caches, freed now
             with contextlib.suppress(Exception):
                 served.model.close()

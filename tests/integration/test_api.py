@@ -124,6 +124,33 @@ def test_chat_equals_local_greedy_generation(stack, reference):
     assert {(h["dtype"], h["quantization"]) for h in route} == {("float32", "none")}  # what each hop computes in
 
 
+def test_a_conversation_s_next_turn_goes_on_from_the_kept_session(stack, reference):
+    """OpenAI clients send the whole history at every turn: the API kept the first turn's session open on the
+    servers, so the second turn sends and computes only what is new (``usage.prompt_tokens_details.cached_tokens``:
+    the first turn's prompt and answer, as the servers held them), and its answer equals local Hugging Face's greedy
+    one over the whole history. Another caller (another key) reuses nothing and gets the same answer."""
+    _, api, _ = stack
+    model, tokenizer = reference
+    client = _client(api)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history = [
+        *QUESTION,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    ids = list(
+        tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
+    expected, _ = _greedy(reference, ids, 8)
+    second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content == expected
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < len(ids) == second.usage.prompt_tokens
+    other = _client(api, OTHER_KEY).chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert other.choices[0].message.content == expected and other.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_streamed_chat_is_the_same_answer_with_usage_and_route(stack, reference):
     _, api, _ = stack
     client = _client(api)
