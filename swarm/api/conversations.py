@@ -14,8 +14,8 @@ learns by timing what another asked. Bounded: ``per_caller`` kept sessions each,
 ``room()`` tokens of KV room held by them together (least recently used first out), each closed after ``idle``
 seconds unused, before the servers' own idle limit ends it (``Timing.session_idle``). A kept session holds its
 servers' KV room, counted against this API's share there (so ``room`` is a quarter of the smallest server's
-budget: half the share a caller has by default, the other half left to live requests), and is opened with
-``headroom`` tokens beyond its first request's need so the next turn fits."""
+budget: half the share a caller has by default, the other half left to live requests), and is opened with room for
+the conversation to double (at least ``headroom`` tokens beyond its first request's need), so the next turns fit."""
 
 from __future__ import annotations
 

@@ -245,7 +245,9 @@ def generate(
         session, held = kept
     else:
         held = 0
-        room = need + (served.conversations.headroom if keep else 0)  # the next turn fits in the same session
+        # kept, it has room for the conversation to double (at least ``headroom`` more tokens): the next turns fit,
+        # and a conversation that outgrows it opens a larger one, a few times in its life
+        room = need + (max(served.conversations.headroom, len(prompt) + need) if keep else 0)
         session = InferenceSession(
             model.connection,
             model.blocks.delivery,
