@@ -23,7 +23,6 @@ from swarm.training.robust import ClipRule, RobustAllReduceRunner
 from swarm.training.run import RunConfig
 
 log = logging.getLogger(__name__)
-PART_TIMEOUTS = 5  # request timeouts a groupmate may take between two parts of a round before it is dropped
 
 
 class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind ships no type information
@@ -110,6 +109,14 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             raise AllreduceException(f"the round gave {len(updates)} of {len(tensors)} tensors")
         if runner.tensor_part_container.failed_size:  # hivemind kept this peer's own values where a reducer failed
             raise AllreduceException("a groupmate failed to reduce its parts")
+        reducer = runner.tensor_part_reducer
+        if any(after < reducer.num_parts for after in reducer.sender_failed_after):
+            # hivemind averaged the parts this peer reduced without a groupmate that stopped sending (a stalled or
+            # starved one): its own tensors would take a mean the stalled one never takes (it misses its results and
+            # retries), and replicas meant to end a round equal would not. So no part of it is applied here either:
+            # the round fails and is retried, as it is on the stalled groupmate (stop 68: a DiLoCo round where two of
+            # three applied such a round and the third, retrying alone, never found a group again)
+            raise AllreduceException("a groupmate stopped sending its parts")
         for tensor, update in zip(tensors, updates, strict=True):
             tensor.add_(update, alpha=self._averaging_alpha)
         self.last_updated = get_dht_time()
@@ -142,11 +149,6 @@ class OwnedAverager(DecentralizedAverager):  # type: ignore[misc]  # hivemind sh
             min_group_size=2,  # an average of one is no average
             min_matchmaking_time=run.matchmaking_seconds,
             request_timeout=run.averaging_request_timeout,
-            # A groupmate that stops sending its parts (a follower whose wait for the leader's go ran out on a loaded
-            # machine joins no round) fails the round after this long, not the whole round timeout: nothing changes
-            # and every replica retries (hivemind's default: no limit but the round's)
-            sender_timeout=PART_TIMEOUTS * run.averaging_request_timeout,
-            reducer_timeout=2 * PART_TIMEOUTS * run.averaging_request_timeout,
             allreduce_timeout=run.averaging_timeout,
             client_mode=False,  # a trainer's DHT is a client, but its averager must accept groupmates' connections
             allow_state_sharing=False,  # joiners take a stage's state over the swarm's own checked path
