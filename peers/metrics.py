@@ -49,6 +49,7 @@ class PeerSnapshot:
     averaging_bytes: int = 0  # a trainable stage: bytes sent to its replicas in averaging rounds
     rounds_undone: int = 0  # ...averaging rounds whose result it undid
     replica_heals: int = 0  # ...fresh state copies it took after it was found apart from its replicas
+    prefix_bytes: int = 0  # KV-cache bytes kept prefixes hold (given back to any new session that needs them)
 
 
 Snapshot = Callable[[], PeerSnapshot]
@@ -117,6 +118,12 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
             "swarm_peer_cache_tokens_free",
             "tokens of context the free cache holds through the span",
             s.cache_tokens_free,
+        ),
+        _gauge("swarm_peer_prefix_kept_bytes", "KV-cache bytes held by kept prefixes (evictable)", s.prefix_bytes),
+        _counter(
+            "swarm_peer_prefix_reused_tokens",
+            "positions answered from kept prefixes instead of computed",
+            m.prefix_reused,
         ),
         _gauge("swarm_peer_open_sessions", "inference sessions open now", s.open_sessions),
         _gauge("swarm_peer_active_requests", "compute requests and steps being processed now", s.active_requests),

@@ -49,6 +49,7 @@ from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.pass_service import PassService
+from peers.serving.prefixes import PrefixStore
 from peers.serving.sessions import SessionTable
 from peers.serving.stage_port import ModelInfo, Stage, StageEnv
 from swarm import wire
@@ -171,7 +172,10 @@ def _session_table(cfg: PeerConfig, model: ModelInfo, engine: Engine, limit: int
     total = c.cache_bytes if c.cache_bytes is not None else cost.budget_for(c.cache_tokens, limit)
     budget = CacheBudget(total, per_caller=int(total * c.caller_cache_share))
     quota = Quota("open sessions", c.max_caller_sessions, c.max_sessions, ("--max-caller-sessions", "--max-sessions"))
-    return SessionTable(engine, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
+    table = SessionTable(engine, budget, cfg.timing.cache_wait, quota, cost, c.prefill_chunk)
+    if c.prefix_cache:
+        table.prefixes = PrefixStore(budget, table.prefix_cost, share=c.share_prefixes)
+    return table
 
 
 async def start_roles(

@@ -1,15 +1,22 @@
-"""A conversation's turns through ``python -m swarm.api``: time to first token per turn with the caller's last session
-kept on the servers (``--keep-sessions 2``, the default: only the new tokens are sent and computed) and without it
-(``--keep-sessions 0``: every turn sends and computes its whole history), measured in the same run on one local swarm.
+"""Long conversations and shared prompts through ``python -m swarm.api``, measured in the same run on one local swarm.
 
-    python scripts/bench_prefix.py [--model smollm2-135m] [--turns 10] [--tokens 48] [--json out.json]
+    python scripts/bench_prefix.py [--model smollm2-135m] [--turns 10] [--tokens 48] [--requests 16] [--json out.json]
 
-Each turn is sent as OpenAI clients send it (the whole history again, with the official ``openai`` client,
-streamed, greedy); a turn's user message is a paragraph of about 150 tokens, so the history grows by about 200 tokens
-a turn (to about 2,000 at turn 10). Both APIs run in front of the same swarm, alternating turn by turn so drift on
-this machine hits both alike; the answers of the two must be equal (greedy), and the kept one's usage must report
-the reused tokens. Per turn: the prompt's tokens, those reused, time to first token with and without, and their
-ratio. Nothing is asserted beyond the equal answers; numbers are this machine's."""
+(a) A conversation's turns, each sent as OpenAI clients send it (the whole history again, with the official
+``openai`` client, streamed, greedy); a turn's user message is a paragraph of about 150 tokens, so the history grows
+by about 200 tokens a turn (to about 2,000 at turn 10). Three APIs in front of the same swarm, alternating turn by
+turn so drift on this machine hits all alike: **kept** (the default: the caller's last session stays open on the
+servers, only new tokens are sent and computed, and servers keep finished sessions' prefixes), **prefixes**
+(``--keep-sessions 0``: every turn sends its whole history, servers compute only what their kept prefixes lack) and
+**plain** (``--keep-sessions 0 --no-prefix-cache``: every turn sends and computes everything). Their answers must be
+equal (greedy). Per turn: the prompt's tokens, those reported cached, and time to first token of each.
+
+(b) ``--requests`` requests that share a system prompt of about 1,000 tokens, each with its own API key and its own
+short question, one after another: through an API that shares prefixes (``--share-prefixes``, and servers started
+with it) and one that does not (each key's prefixes are private), alternating. Per request: cached tokens and time to
+first token of each; the answers must be equal.
+
+Nothing is asserted beyond the equal answers; numbers are this machine's."""
 
 from __future__ import annotations
 
@@ -76,49 +83,108 @@ def turn(client: openai.OpenAI, model: str, history: list[dict[str, str]], token
     return first, "".join(parts), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0
 
 
+def system_prompt() -> str:
+    """About 1,000 tokens of instructions every request of part (b) begins with."""
+    rules = " ".join(
+        f"Rule {i}: when a question concerns {TOPICS[i % len(TOPICS)]}, answer plainly, cite no source, and keep the "
+        f"answer under forty words unless the user asks for more detail about {TOPICS[(i + 5) % len(TOPICS)]}."
+        for i in range(24)
+    )
+    return f"You are a careful assistant for a museum of everyday things. {rules}"
+
+
+def conversation(apis: dict[str, openai.OpenAI], model: str, turns: int, tokens: int) -> list[dict[str, float]]:
+    rows: list[dict[str, float]] = []
+    history: list[dict[str, str]] = []
+    for t in range(1, turns + 1):
+        history.append({"role": "user", "content": paragraph(t)})
+        row: dict[str, float] = {"turn": t}
+        answers = set()
+        for name, client in apis.items():
+            ttft, answer, prompt, cached = turn(client, model, history, tokens)
+            answers.add(answer)
+            row |= {"prompt": prompt, f"{name}_cached": cached, f"{name}_s": ttft}
+        assert len(answers) == 1, (t, answers)
+        history.append({"role": "assistant", "content": answers.pop()})
+        rows.append(row)
+        print(
+            f"turn {t:>2}: prompt {row['prompt']:>5.0f} tokens; first token "
+            + ", ".join(f"{n} {row[f'{n}_s']:.2f} s ({row[f'{n}_cached']:.0f} cached)" for n in apis),
+            flush=True,
+        )
+    return rows
+
+
+def shared(apis: dict[str, str], model: str, requests: int, tokens: int) -> list[dict[str, float]]:
+    rows: list[dict[str, float]] = []
+    system = system_prompt()
+    for r in range(requests):
+        row: dict[str, float] = {"request": r + 1}
+        answers = set()
+        for name, url in apis.items():
+            client = openai.OpenAI(base_url=url + "/v1", api_key=f"key-{r:04d}", max_retries=0, timeout=600)
+            history = [{"role": "system", "content": system}, {"role": "user", "content": paragraph(100 + r)}]
+            ttft, answer, prompt, cached = turn(client, model, history, tokens)
+            answers.add(answer)
+            row |= {"prompt": prompt, f"{name}_cached": cached, f"{name}_s": ttft}
+        assert len(answers) == 1, (r, answers)
+        rows.append(row)
+        print(
+            f"request {r + 1:>2}: prompt {row['prompt']:>5.0f} tokens; first token "
+            + ", ".join(f"{n} {row[f'{n}_s']:.2f} s ({row[f'{n}_cached']:.0f} cached)" for n in apis),
+            flush=True,
+        )
+    return rows
+
+
+def table(rows: list[dict[str, float]], key: str, names: list[str]) -> None:
+    print(f"| {key} | prompt tokens | " + " | ".join(f"{n}: cached, first token" for n in names) + " |")
+    print("| ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
+    for r in rows:
+        cells = " | ".join(f"{r[f'{n}_cached']:.0f}, {r[f'{n}_s']:.2f} s" for n in names)
+        print(f"| {r[key]:.0f} | {r['prompt']:.0f} | {cells} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--spans", nargs="+", default=["0:15", "15:30"])
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     common = ("--model", args.model, "--codec", "none", "--max-context", "4096", "--keep-idle", "600")
-    rows = []
-    with LocalSwarm(args.model, args.spans, extra_args=("--cache-tokens", "16384")) as swarm:
+    keys = tuple(f"key-{r:04d}" for r in range(args.requests))
+    keyed = (*common, "--keep-sessions", "0", *(a for k in keys for a in ("--api-key", k)))
+    peers = ("--cache-tokens", "16384", "--share-prefixes")
+    with LocalSwarm(args.model, args.spans, extra_args=peers) as swarm:
         with (
-            ApiProcess(swarm.initial_peers, *common, test_timings=False) as kept_api,
-            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as plain_api,
+            ApiProcess(swarm.initial_peers, *common, test_timings=False) as kept,
+            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as prefixes,
+            ApiProcess(
+                swarm.initial_peers, *common, "--keep-sessions", "0", "--no-prefix-cache", test_timings=False
+            ) as plain,
         ):
-            kept = openai.OpenAI(base_url=kept_api.url + "/v1", api_key="none", max_retries=0, timeout=600)
-            plain = openai.OpenAI(base_url=plain_api.url + "/v1", api_key="none", max_retries=0, timeout=600)
-            warm = [{"role": "user", "content": "Hello"}]
-            turn(kept, args.model, warm, 2), turn(plain, args.model, warm, 2)  # noqa: B018 - both paths warm
-            history: list[dict[str, str]] = []
-            for t in range(1, args.turns + 1):
-                history.append({"role": "user", "content": paragraph(t)})
-                ttft_plain, answer_plain, prompt, _ = turn(plain, args.model, history, args.tokens)
-                ttft_kept, answer_kept, prompt_kept, cached = turn(kept, args.model, history, args.tokens)
-                assert answer_kept == answer_plain, (t, answer_kept, answer_plain)
-                assert prompt_kept == prompt
-                history.append({"role": "assistant", "content": answer_kept})
-                rows.append(dict(turn=t, prompt=prompt, cached=cached, kept_s=ttft_kept, plain_s=ttft_plain))
-                print(
-                    f"turn {t:>2}: prompt {prompt:>5} tokens, {cached:>5} reused; first token {ttft_kept:6.2f} s kept, "
-                    f"{ttft_plain:6.2f} s without ({ttft_plain / ttft_kept:.1f}x)",
-                    flush=True,
-                )
-    print(f"\n{args.model}, {len(args.spans)} peers on 127.0.0.1, greedy, {args.tokens} tokens a turn")
-    print("| turn | prompt tokens | reused | first token, kept | first token, without | ratio |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(
-            f"| {r['turn']} | {r['prompt']} | {r['cached']} | {r['kept_s']:.2f} s | {r['plain_s']:.2f} s "
-            f"| {r['plain_s'] / r['kept_s']:.1f}x |"
-        )
+            apis = {
+                name: openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=600)
+                for name, api in (("kept", kept), ("prefixes", prefixes), ("plain", plain))
+            }
+            for client in apis.values():  # every path warm
+                turn(client, args.model, [{"role": "user", "content": "Hello"}], 2)
+            talk = conversation(apis, args.model, args.turns, args.tokens)
+        with (
+            ApiProcess(swarm.initial_peers, *keyed, "--share-prefixes", test_timings=False) as sharing,
+            ApiProcess(swarm.initial_peers, *keyed, test_timings=False) as private,
+        ):
+            system = shared({"shared": sharing.url, "private": private.url}, args.model, args.requests, args.tokens)
+    print(f"\n{args.model}, {len(args.spans)} peers on 127.0.0.1, greedy, {args.tokens} tokens an answer")
+    print("\n(a) a conversation, time to first token per turn")
+    table(talk, "turn", ["kept", "prefixes", "plain"])
+    print(f"\n(b) {args.requests} requests sharing a system prompt, one key each")
+    table(system, "request", ["shared", "private"])
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"conversation": talk, "shared": system}, indent=1))
 
 
 if __name__ == "__main__":

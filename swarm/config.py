@@ -222,6 +222,10 @@ class ClientConfig:
     # server sees the embeddings; with ``trusted_peers`` set, routes use only those peer ids (missing blocks else)
     local_blocks: int = 0
     trusted_peers: tuple[str, ...] = ()
+    # prefix caching (``peers.serving.prefixes``): sessions ask servers to keep their KV for this client's later
+    # sessions that start alike, and reuse what they kept; ``share_prefixes`` also with every other caller that shares
+    prefix_cache: bool = True
+    share_prefixes: bool = False
 
 
 class ClientOptions(TypedDict, total=False):
@@ -243,6 +247,8 @@ class ClientOptions(TypedDict, total=False):
     accuse: bool
     local_blocks: int
     trusted_peers: tuple[str, ...]
+    prefix_cache: bool
+    share_prefixes: bool
 
 
 def client_config(

@@ -148,8 +148,18 @@ ComputeRequest = Annotated[
 COMPUTE_REQUEST: TypeAdapter[ComputeRequest] = TypeAdapter(ComputeRequest)
 
 
+class PrefixUse(Message):
+    """A session that may reuse the KV of an earlier session's identical inputs and be kept for later ones
+    (``peers.serving.prefixes``): ``scope``, a namespace within the caller's own identity (an API server gives each
+    key its own); ``share``, also with every other caller that shares, where the server allows it."""
+
+    scope: str = Field(default="", max_length=MAX_ID)
+    share: bool = False
+
+
 class OpenSession(Message):
-    """Opens an inference stream's session on blocks ``start:end``."""
+    """Opens an inference stream's session on blocks ``start:end`` (``prefix``: with prefix caching; sent only when
+    set, so an opening without it reads as before)."""
 
     session_id: str = Field(min_length=1, max_length=MAX_ID)
     start: int = Field(ge=0)
@@ -157,6 +167,7 @@ class OpenSession(Message):
     max_length: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     adapter: AdapterRef | None = None
+    prefix: PrefixUse | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class InferenceStep(Message):
@@ -236,6 +247,8 @@ class StepReply(Message):
     # readies a replacement off the step path (``swarm.client.session.handover``); outside the commitment, and sent
     # only when true (a reply of a server that is not leaving reads as before)
     leaving: bool = False
+    # positions of this step the server answered from a kept prefix instead of computing them (sent only when some)
+    reused: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0)
 
 
 class InferenceRequest(Request):

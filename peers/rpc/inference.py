@@ -224,6 +224,8 @@ class InferenceLoop:
         reply = self.signer.reply(
             (session.caller, session.id), step.position, step.tag, received, sent, _bound(session), aux
         )
+        if session.reused:  # positions answered from a kept prefix (``peers.serving.prefixes``): outside the commitment
+            reply = reply.model_copy(update={"reused": session.reused})
         if self.sessions.leaving:  # the client readies this span elsewhere while its steps still run here
             return wire.encode(reply.model_copy(update={"leaving": True}).model_dump(mode="json"), result, codec)
         return wire.encode(reply.model_dump(mode="json", exclude={"leaving"}), result, codec)

@@ -137,6 +137,12 @@ class ComputeConfig:
     max_sessions: int = option(128, help="open inference sessions, all callers together")
     max_caller_sessions: int = option(16, help="open inference sessions of one caller")
     caller_cache_share: float = option(0.5, help="share of the KV-cache budget one caller's sessions may reserve")
+    prefix_cache: bool = option(
+        True, help="keep no finished session's KV for the same caller's next session that starts alike (prefix caching)"
+    )
+    share_prefixes: bool = option(
+        False, help="let sessions that ask share kept prefixes with every other caller that asks (public prompts)"
+    )
     max_queued: int = option(256, help="compute requests waiting for or running on the compute thread, all callers")
     max_caller_queued: int = option(32, help="...and of one caller (beyond either, a request is refused at once)")
     inline_tokens: int = option(8, help="inference steps of at most this many tokens run on the RPC loop")

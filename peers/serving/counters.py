@@ -98,6 +98,7 @@ class PeerMetrics:
         # accusations this peer judged as the broker (``peers.judge``): upheld, false (against the accuser), dropped
         self.accusations: collections.Counter[str] = collections.Counter()
         self.sessions_expired = 0  # inference sessions this server ended: their client went quiet (or stalled)
+        self.prefix_reused = 0  # positions (rows x positions) answered from kept prefixes (``peers.serving.prefixes``)
         self.internal_errors = 0  # failures of the server's own: answered ``swarm_error``, or a connection dropped
         self.watched = False  # its registry reads the peer's state too (set once by ``peers.metrics.watch``)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 from swarm.errors import BusyError, CacheFullError
 from swarm.families import kv
@@ -37,6 +38,14 @@ class KvCost:
         return sum(per_token) * tokens * self.dtype_bytes
 
 
+class Spare(Protocol):
+    """What holds budget it gives back on demand (``peers.serving.prefixes.PrefixStore``: kept prefixes)."""
+
+    nbytes: int
+
+    def evict(self, nbytes: int, owner: str | None = None) -> None: ...
+
+
 class CacheBudget:
     def __init__(self, total_bytes: int, per_caller: int | None = None) -> None:
         self.total = total_bytes
@@ -44,10 +53,27 @@ class CacheBudget:
         self.used = 0
         self.held: Counter[str] = Counter()  # bytes reserved per caller
         self._changed = asyncio.Condition()
+        self.spare: Spare | None = None  # kept prefixes: counted in ``used`` and ``held``, evicted for live sessions
 
     @property
     def free(self) -> int:
         return self.total - self.used
+
+    @property
+    def available(self) -> int:
+        """Room a new session can have without waiting: what is free and what kept prefixes would give back."""
+        return self.free + (self.spare.nbytes if self.spare is not None else 0)
+
+    def charge(self, nbytes: int, caller: str) -> None:
+        """Count ``nbytes`` the caller's kept prefixes take (the caller of ``charge`` made sure they fit)."""
+        self.used += nbytes
+        self.held[caller] += nbytes
+
+    def discharge(self, nbytes: int, caller: str) -> None:
+        self.used -= nbytes
+        self.held[caller] -= nbytes
+        if self.held[caller] <= 0:
+            del self.held[caller]
 
     async def reserve(self, nbytes: int, timeout: float, caller: str = "") -> int:
         if nbytes > self.total:
@@ -55,6 +81,8 @@ class CacheBudget:
                 f"a session whose KV cache takes {_mb(nbytes)} (batch x max_length through this span) exceeds this "
                 f"server's whole budget of {_mb(self.total)}"
             )
+        if self._over_share(caller, nbytes) and self.spare is not None:  # its own kept prefixes go first
+            self.spare.evict(self.held[caller] + nbytes - self.per_caller, caller)
         if self._over_share(caller, nbytes):  # refused at once: only the caller's own sessions can free its share
             raise BusyError(
                 f"a session of {_mb(nbytes)} of KV cache would take this caller past its share of this server's KV "
@@ -62,7 +90,7 @@ class CacheBudget:
             )
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.free >= nbytes), timeout)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.available >= nbytes), timeout)
             except TimeoutError:
                 raise CacheFullError(
                     f"no KV-cache room: {_mb(nbytes)} wanted, {_mb(self.free)} of {_mb(self.total)} free after "
@@ -70,6 +98,8 @@ class CacheBudget:
                 ) from None
             if self._over_share(caller, nbytes):  # the caller's other sessions took it while this waited
                 raise BusyError(f"this caller holds {_mb(self.held[caller])} of its {_mb(self.per_caller)} of KV cache")
+            if self.free < nbytes and self.spare is not None:  # the least recently used kept prefixes make room
+                self.spare.evict(nbytes - self.free)
             self.used += nbytes
             self.held[caller] += nbytes
         return nbytes

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from peers.serving.adapters import Adapter, Pin
@@ -19,12 +20,13 @@ from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
+from peers.serving.prefixes import SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
 from peers.serving.runtime import Row
 from peers.serving.scheduler import batching, pieces
 from swarm import wire
 from swarm.errors import BadInputError, PeerUnavailableError, SessionExpiredError, SessionLengthError
 from swarm.ids import Span
-from swarm.protocol import ChainRoute, OpenSession
+from swarm.protocol import ChainRoute, OpenSession, PrefixUse
 from swarm.records import Capability, ServerRecord
 
 
@@ -45,6 +47,9 @@ class Session:
     index: int = 0  # this session's place in it
     next_hop: ServerRecord | None = None  # the signed record of the hop after it, which pushes are sent to
     room: wire.SessionRoom | None = None  # its room in the byte budget: its steps and pushes count there first
+    prefix: PrefixUse | None = None  # prefix caching asked for (``peers.serving.prefixes``)...
+    trail: Trail | None = None  # ...and what it has seen, while it can be kept
+    reused: int = 0  # positions of its last step answered from a kept prefix
     # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
     inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
 
@@ -75,6 +80,7 @@ class SessionTable:
         self.prefill_chunk = max(1, prefill_chunk)  # a longer step runs in chunks, others' steps in between
         # open sessions per caller and in total (default: unbounded, for a server built without a config)
         self.quota = quota or Quota("open sessions", 1 << 30, 1 << 30, ("--max-caller-sessions", "--max-sessions"))
+        self.prefixes: PrefixStore | None = None  # kept prefixes (None: the server keeps none)
         self.open: dict[tuple[str, str], Session] = {}  # by (caller, session id)
         self.changed = asyncio.Condition()  # a session opened or took a new route (a push may be waiting for it)
         # set on shutdown: new sessions go elsewhere; open ones are told in every reply (``peers.rpc.inference``) and
@@ -89,9 +95,14 @@ class SessionTable:
             raise BadInputError(f"session {msg.session_id} is already open here")
         self.quota.acquire(caller)  # counted from here: a session waiting for cache room holds a place too
         pin: Pin | None = None
+        cache = runtime.new_cache(msg.max_length)
         try:
             adapter, pin = self.adapters.bind(caller, msg.adapter, tensors, sub)
-            reserved = await self.budget.reserve(self.session_cost(msg), self.cache_wait, caller)
+            # kept and reused only without an adapter, on weights that do not learn, in caches that can be copied
+            keeps = msg.prefix is not None and self.prefixes is not None and adapter is None and eligible(cache)
+            keeps = keeps and self.loaded.learner is None
+            cost = self.session_cost(msg) + (self.trail_cost(msg.batch_size, msg.max_length) if keeps else 0)
+            reserved = await self.budget.reserve(cost, self.cache_wait, caller)
         except BaseException:
             self.quota.release(caller)
             if pin is not None:
@@ -102,11 +113,13 @@ class SessionTable:
             sub,
             msg.max_length,
             msg.batch_size,
-            runtime.new_cache(msg.max_length),
+            cache,
             reserved,
             adapter=adapter,
             pin=pin,
             caller=caller,
+            prefix=msg.prefix if keeps else None,
+            trail=Trail() if keeps else None,
         )
         self.open[(caller, session.id)] = session
         self.metrics.served["sessions"] += 1
@@ -118,6 +131,15 @@ class SessionTable:
         if self.cost is None:
             return msg.batch_size * msg.max_length
         return self.cost.session_bytes(msg.start, msg.end, msg.batch_size, msg.max_length)
+
+    def trail_cost(self, batch: int, length: int) -> int:
+        """What a kept session's trail may hold beyond its cache: its outputs, and at most as many inputs."""
+        return 2 * batch * length * self.limits.hidden_size * self.limits.dtype.itemsize
+
+    def prefix_cost(self, sub: Span, batch: int, length: int) -> int:
+        """What a kept prefix of ``length`` positions takes: its cache and its outputs."""
+        kv = self.cost.session_bytes(sub.start, sub.end, batch, length) if self.cost is not None else batch * length
+        return kv + self.trail_cost(batch, length) // 2
 
     def tokens(self, nbytes: int, span: Span | None) -> int:
         """Tokens of one sequence's context that ``nbytes`` of cache hold through ``span``: what records announce
@@ -147,12 +169,29 @@ class SessionTable:
 
     async def end(self, session: Session) -> None:
         if self.open.pop((session.caller, session.id), None) is not None:
-            session.cache = None
+            cache, session.cache = session.cache, None
             self.scheduler.rhythm.forgot((session.caller, session.id))
             self.quota.release(session.caller)
             if session.pin is not None:
                 session.pin.release()
             await self.budget.release(session.reserved, session.caller)
+            self._keep(session, cache)
+
+    def _keep(self, session: Session, cache: object | None) -> None:
+        """An ended session's whole blocks of positions into the kept prefixes, if it asked and is whole."""
+        trail, store, held = session.trail, self.prefixes, self.loaded.held
+        if trail is None or store is None or session.prefix is None or held is None or session.sub not in held:
+            return
+        if trail.held != session.position or not isinstance(cache, DynamicCache):
+            return
+        store.purge(held)
+        store.keep(self._scopes(session)[-1], session.caller, session.sub, trail, cache, self.loaded.current())
+
+    def _scopes(self, session: Session) -> list[Scope]:
+        """Where the session's prefixes are looked up, and (the last) kept."""
+        assert session.prefix is not None and self.prefixes is not None
+        own = (session.caller, session.prefix.scope)
+        return [own, SHARED] if session.prefix.share and self.prefixes.share else [own]
 
     async def step(self, session: Session, position: int, tensors: Tensors) -> Tensors:
         check_names(tensors)
@@ -186,13 +225,54 @@ class SessionTable:
             _rewind(session.cache, 0)
         self.queued.acquire(session.caller)
         try:
-            out = await self._chunks(session, hidden, mask, pos)
+            out = await self._reusing(session, hidden, mask, pos)
         finally:
             self.queued.release(session.caller)
         session.last_start = position
-        session.position += n
+        session.position = position + n
         self.metrics.served["inference_steps"] += 1
         return {"hidden": out}
+
+    async def _reusing(
+        self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step's output, as much of it as a kept prefix of the same inputs holds taken from there (a long
+        prompt comes in pieces: each may go on from where the kept one left off); recorded in the session's trail
+        while the session may be kept."""
+        trail, position, session.reused = session.trail, session.position, 0
+        n = hidden.shape[1]
+        plain = (mask is None or bool((mask == 1).all())) and (
+            pos is None or torch.equal(pos, torch.arange(position, position + n).expand_as(pos))
+        )
+        seen = trail.ahead(position, hidden) if trail is not None and plain else None
+        if trail is None or seen is None or self.prefixes is None:  # padding, own positions, a redo too far back
+            session.trail = None
+            return await self._chunks(session, hidden, mask, pos)
+        assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening
+        digests, rows = seen
+        found = self.prefixes.find(
+            self._scopes(session), session.sub, session.batch, digests, position, self.loaded.current()
+        )
+        if found is None:
+            out = await self._chunks(session, hidden, mask, pos)
+        else:
+            end = min(found.length, position + n)
+            copy_prefix(found.entry.cache, session.cache, position, end)
+            outs = [found.entry.outputs[:, position:end]]
+            session.position = end
+            try:
+                if end < position + n:
+                    later = pos[:, end - position :] if pos is not None else None
+                    outs.append(await self._chunks(session, hidden[:, end - position :], mask, later))
+            except BaseException:  # the step failed: the session holds what it held before it, as any failed step
+                crop_to(session.cache, position)
+                session.position = position
+                raise
+            out = torch.cat([o.to(outs[-1].dtype) for o in outs], dim=1)
+            session.reused = end - position
+            self.metrics.prefix_reused += session.reused * session.batch
+        trail.record(position, out, digests, rows)
+        return out
 
     async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None

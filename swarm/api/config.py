@@ -114,6 +114,14 @@ class ApiConfig:
         "and computes only what is new (0: none; docs/api.md)",
     )
     keep_idle: float = option(30.0, metavar="S", help="...each closed after this long unused")
+    prefix_cache: bool = option(
+        True, help="do not ask servers to keep finished answers' KV for the same key's later prompts that start alike"
+    )
+    share_prefixes: bool = option(
+        False,
+        help="let every key share kept prefixes (a public system prompt) with every caller that shares, on "
+        "servers that allow it (--share-prefixes there too; docs/api.md)",
+    )
     codec: str = option("auto", help="activations' codec: 'auto' (per link) or one to force, e.g. 'none'")
     local_blocks: int = option(
         0, metavar="N", help="run the first N blocks here: no server sees the embeddings (docs/serving.md)"

@@ -13,6 +13,7 @@ distribution sampled, several tokens a trip where the drafts hold."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -255,8 +256,10 @@ def generate(
             s.n,
             model.runner.shape,
             model.runner.plans,
+            scope=prefix_scope(caller),
         )
     outcome.cached_tokens = held
+    reused = session.reused  # positions the servers answered from their kept prefixes, so far
     if speculative:
         try:
             return _speculative(served, session, prompt, s, emit, cancel, deadline, outcome, rng)
@@ -273,6 +276,8 @@ def generate(
                 raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
             with torch.inference_mode():
                 every = model.runner.session_step(session, new, Context(None, None), 0)
+            if produced == 0:  # the prompt: what a kept session held, and what servers' kept prefixes answered
+                outcome.cached_tokens = held + session.reused - reused
             outcome.route = session.route
             if produced == 0 and s.echo is not None:
                 entries = prompt_logprobs(every[0], prompt, s.logprobs or 0) if s.logprobs is not None else []
@@ -303,6 +308,12 @@ def generate(
         else:
             session.close()  # frees the servers' caches now, whatever happened
     return outcome
+
+
+def prefix_scope(caller: str | None) -> str:
+    """The namespace servers keep a caller's prefixes in (``peers.serving.prefixes``): one per API key (or address),
+    so one key's prompts are never found by another's; a digest, so servers never learn the key."""
+    return hashlib.sha256(f"swarm-api-prefixes|{caller}".encode()).hexdigest()[:32] if caller else ""
 
 
 def _speculative(

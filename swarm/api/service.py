@@ -78,6 +78,8 @@ class Service:
                     local_blocks=cfg.local_blocks,
                     trusted_peers=cfg.trusted_peers,
                     allow_quantized=cfg.allow_quantized,
+                    prefix_cache=cfg.prefix_cache,
+                    share_prefixes=cfg.share_prefixes,
                 )
                 spec = Speculation(cfg.draft, max_k=cfg.draft_max) if cfg.draft else None
                 try:

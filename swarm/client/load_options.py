@@ -42,6 +42,10 @@ class LoadOptions(TypedDict, total=False):
     verify_every: int
     verify_seed: int | None  # which steps and verifiers, reproducibly (tests only: servers must not predict it)
     accuse: bool  # publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong
+    # prefix caching (docs/serving.md): servers keep this client's finished sessions' KV for its later sessions that
+    # start alike (False: never asked); ``share_prefixes``: also with every other caller that shares, where allowed
+    prefix_cache: bool
+    share_prefixes: bool
     # ---- the weights (``Weights``) ----
     dtype: torch.dtype  # of the client's own tensors (embeddings, final norm, head) and its local blocks
     fingerprint: str | None  # pins the exact weights (None: the best-covered ones); overrides ``allow_quantized``
@@ -97,6 +101,8 @@ class Loading:
             verify_every=o.get("verify_every", c.verify_every),
             verify_seed=o.get("verify_seed"),
             accuse=o.get("accuse", c.accuse),
+            prefix_cache=o.get("prefix_cache", c.prefix_cache),
+            share_prefixes=o.get("share_prefixes", c.share_prefixes),
         )
         quantized = o.get("allow_quantized", False)
         weights = Weights(

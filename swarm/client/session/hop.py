@@ -158,6 +158,7 @@ class HopState:
         self.link = Link()
         self.replay = Replay()
         self.commitments = Commitments(self.session_id, hop.start, hop.end)
+        self.reused = 0  # positions its server answered from a kept prefix (``peers.serving.prefixes``)
 
     def close(self) -> None:
         self.link.close()

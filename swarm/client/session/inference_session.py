@@ -37,7 +37,7 @@ from swarm.errors import SessionLengthError
 from swarm.hop import Hop
 from swarm.plan.compile import ModelShape, generate_plan, repair
 from swarm.plan.ir import Plan
-from swarm.protocol import OpenSession
+from swarm.protocol import OpenSession, PrefixUse
 from swarm.records import Capability
 from swarm.rpc.remote import Tensors
 
@@ -54,8 +54,12 @@ class InferenceSession:
         model: ModelShape,
         plans: PlanCache,
         prefix: int = 0,
+        scope: str = "",
     ) -> None:
         self.conn, self.delivery, self.max_length, self.batch_size = conn, delivery, max_length, batch_size
+        # prefix caching on the servers (``peers.serving.prefixes``), within this client's identity and ``scope``
+        cfg = conn.cfg
+        self.prefix_use = PrefixUse(scope=scope, share=cfg.share_prefixes) if cfg.prefix_cache else None
         self.model, self.plans = model, plans
         self.session_id, self.position, self.history = uuid.uuid4().hex, 0, TokenHistory(prefix)
         self.bound: BoundRoute | None = None  # the route and its plan (a new value at each repair)
@@ -102,6 +106,11 @@ class InferenceSession:
     def hop_states(self) -> list[HopState]:
         """Each hop's state in chain order: its server, inputs, and (chained) signed commitments."""
         return [] if self.bound is None else self.bound.states
+
+    @property
+    def reused(self) -> int:
+        """Positions every hop of the route answered from prefixes its server kept, instead of computing them."""
+        return min((state.reused for state in self.hop_states), default=0)
 
     @property
     def failovers(self) -> int:
@@ -188,7 +197,7 @@ class InferenceSession:
 
     # ---- one hop's allowances -------------------------------------------------------------------------------------
     def _opening(self, state: HopState) -> tuple[OpenSession, Tensors]:
-        return opening(state, self.delivery, self.max_length, self.batch_size)
+        return opening(state, self.delivery, self.max_length, self.batch_size, self.prefix_use)
 
     def _base_timeout(self, tokens: int) -> float:
         """A step's compute allowance: short for a few tokens (a frozen server is found fast), long otherwise."""

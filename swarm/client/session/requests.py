@@ -10,15 +10,16 @@ import torch
 
 from swarm.client.session.hop import HopState
 from swarm.client.tuning.adapters import AdapterDelivery
-from swarm.protocol import InferenceRequest, InferenceStep, OpenSession
+from swarm.protocol import InferenceRequest, InferenceStep, OpenSession, PrefixUse
 from swarm.rpc.remote import Tensors
 
 
 def opening(
-    state: HopState, delivery: AdapterDelivery | None, max_length: int, batch_size: int
+    state: HopState, delivery: AdapterDelivery | None, max_length: int, batch_size: int, prefix: PrefixUse | None = None
 ) -> tuple[OpenSession, Tensors]:
     """Hop ``state``'s opening: the adapter is bound to the server's session at open, named by version, its
-    tensors sent only when that server lacks this version (or when a reference came back adapter_missing)."""
+    tensors sent only when that server lacks this version (or when a reference came back adapter_missing);
+    ``prefix``: the session asks for prefix caching."""
     hop = state.hop
     tensors: Tensors = {}
     ref = None
@@ -33,6 +34,7 @@ def opening(
         max_length=max_length,
         batch_size=batch_size,
         adapter=ref,
+        prefix=prefix,
     )
     return request, dict(tensors)
 

@@ -1,0 +1,237 @@
+"""Prefix caching on a server: the KV cache of finished sessions' positions (and what the span answered at each),
+kept within the KV budget and reused when a new session of the same caller starts with the same inputs, so a long
+conversation's next turn, or a request behind a long system prompt, computes only what is new.
+
+Servers never see token ids: a session's inputs are keyed by a chain of sha-256 digests of its span's input hidden
+states, one every ``BLOCK`` positions (``digest k`` = sha-256 of digest k-1 and block k's bytes), computed by this
+server from what it received. A new session's first step is looked up by the digests of its own input, so a reused
+prefix is exactly the input that computed it: a digest forged to collide would have to collide sha-256, and a caller
+who sends other inputs simply finds nothing. Only sessions that ask (``OpenSession.prefix``) are kept or reused,
+only plain steps (default positions, no padding mask) count, and only caches of full-attention layers written in
+place (``GrowingLayer``), without an adapter, on weights that do not learn.
+
+Private by default: an entry is found only under the scope it was kept in, the authenticated caller's identity and
+the namespace it gave (``swarm.api`` gives each API key its own), so nobody can probe by timing what another asked.
+Sharing (a public system prompt) needs both sides: the server's ``--share-prefixes`` and the session's
+``prefix.share``; shared entries are found by every sharing session. An entry counts in the KV budget under the
+caller that computed it, within that caller's share (its own oldest entries leave first), and any new session's
+room evicts the least recently used entries before it waits (``peers.serving.kv_cache.CacheBudget``)."""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from peers.serving.kv_cache import CacheBudget
+from swarm.families.span import GrowingLayer
+from swarm.ids import Span
+
+BLOCK = 64  # positions per digest: what a reuse is rounded down to
+SHARED = ("", "shared")  # the scope of entries every sharing session finds
+Scope = tuple[str, str]  # (caller's identity, its namespace), or SHARED
+
+
+def eligible(cache: object | None) -> bool:
+    """Whether a session's cache can be kept and copied: full-attention layers written in place, nothing else."""
+    return type(cache) is DynamicCache and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
+def block_digests(previous: bytes, hidden: torch.Tensor) -> list[bytes]:
+    """The chained digests of ``hidden``'s [batch, n, hidden] whole blocks of positions, after ``previous``."""
+    out: list[bytes] = []
+    data = hidden.detach()
+    for at in range(0, data.shape[1] - BLOCK + 1, BLOCK):
+        block = data[:, at : at + BLOCK].contiguous()
+        raw = block.reshape(-1).view(torch.uint8) if block.dtype == torch.bfloat16 else block
+        previous = hashlib.sha256(previous + raw.numpy().tobytes()).digest()
+        out.append(previous)
+    return out
+
+
+class Trail:
+    """What a session that may be kept has seen: the digests of its inputs' whole blocks, the inputs since the block
+    its last step began in (a step sent again from inside the last step is hashed again), and every position's
+    output. Any step that is not plain breaks it: the session is then neither kept nor a source of digests."""
+
+    def __init__(self) -> None:
+        self.digests: list[bytes] = []
+        self.rows: torch.Tensor | None = None  # inputs of positions [base, held)
+        self.base = 0
+        self.outputs: torch.Tensor | None = None  # [batch, room, hidden]: positions [0, held) are filled
+        self.held = 0
+        self.broken = False
+
+    def ahead(self, position: int, hidden: torch.Tensor) -> tuple[list[bytes], torch.Tensor] | None:
+        """The digests the session would hold after a step at ``position`` of inputs ``hidden``, and the rows from
+        ``base`` to its end (None: the step begins before what can be hashed again, and the trail breaks)."""
+        if self.broken or not self.base <= position <= self.held:
+            self.broken = True
+            return None
+        rows = hidden if self.rows is None else torch.cat([self.rows[:, : position - self.base], hidden], dim=1)
+        digests = self.digests[: position // BLOCK]  # blocks past the step's start are worked out again
+        start = len(digests) * BLOCK  # digests cover [0, start), and base <= start: the rows hold all after it
+        return digests + block_digests(digests[-1] if digests else b"", rows[:, start - self.base :]), rows
+
+    def record(self, position: int, out: torch.Tensor, digests: list[bytes], rows: torch.Tensor) -> None:
+        """A step at ``position`` answered ``out``; ``digests`` and ``rows``: what ``ahead`` said of it."""
+        self.digests = digests
+        self._write(position, out)
+        base = (position // BLOCK) * BLOCK  # a later step may begin back at ``position``: its block's rows stay
+        self.rows, self.base, self.held = rows[:, base - self.base :].clone(), base, position + out.shape[1]
+
+    def _write(self, position: int, out: torch.Tensor) -> None:
+        end = position + out.shape[1]
+        buf = self.outputs
+        if buf is None or end > buf.shape[1]:
+            grown = out.new_empty((out.shape[0], max(end, 2 * (buf.shape[1] if buf is not None else 0)), out.shape[2]))
+            if buf is not None:
+                grown[:, : self.held] = buf[:, : self.held]
+            buf = self.outputs = grown
+        buf[:, position:end] = out
+
+
+@dataclass(eq=False)
+class Entry:
+    scope: Scope
+    owner: str  # the caller charged for it
+    sub: Span
+    batch: int
+    digests: list[bytes]  # one per whole block it holds
+    cache: DynamicCache
+    outputs: torch.Tensor  # [batch, length, hidden]
+    nbytes: int
+    weights: weakref.ref[object]  # the runtime it was computed by: an entry of other weights is never found
+    keys: list[tuple[object, ...]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.digests) * BLOCK
+
+
+@dataclass(frozen=True)
+class Reuse:
+    entry: Entry
+    length: int  # positions reused
+
+
+def copy_prefix(src: DynamicCache, dst: DynamicCache, start: int, end: int) -> None:
+    """Append ``src``'s positions ``start:end`` to ``dst``, which holds ``start`` positions (of the same layers)."""
+    for have, into in zip(src.layers, dst.layers, strict=True):
+        if isinstance(have, GrowingLayer) and have.is_initialized and isinstance(into, GrowingLayer):
+            assert have.keys is not None and have.values is not None
+            into.update(have.keys[..., start:end, :].clone(), have.values[..., start:end, :].clone())
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Forget every position of ``cache`` from ``length`` on."""
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer) and layer.is_initialized:
+            layer.crop(min(0, length - layer.get_seq_length()))
+
+
+class PrefixStore:
+    """The kept prefixes of one server, least recently used first, charged to ``budget``. ``cost(sub, batch,
+    length)``: the bytes an entry of ``length`` positions takes (its KV cache and its outputs)."""
+
+    def __init__(self, budget: CacheBudget, cost: Callable[[Span, int, int], int], share: bool = False) -> None:
+        self.budget, self.cost, self.share = budget, cost, share
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
+        self.index: dict[tuple[object, ...], tuple[Entry, int]] = {}  # (scope, span, batch, digest) -> (entry, blocks)
+        self.nbytes = 0
+        budget.spare = self
+
+    # ---- lookup ---------------------------------------------------------------------------------------------------
+    def find(
+        self, scopes: Iterable[Scope], sub: Span, batch: int, digests: list[bytes], after: int, weights: object
+    ) -> Reuse | None:
+        """The kept prefix under any of ``scopes``, computed by ``weights``, that holds the most of the inputs whose
+        block digests are ``digests``, if it holds more than their first ``after`` positions."""
+        for k in range(len(digests), after // BLOCK, -1):
+            for scope in scopes:
+                hit = self.index.get((scope, sub.start, sub.end, batch, digests[k - 1]))
+                if hit is None:
+                    continue
+                entry, blocks = hit
+                if entry.weights() is not weights:  # other weights (a reload): never again
+                    self._drop(entry)
+                    continue
+                if blocks == k and k * BLOCK > after:
+                    self.entries.move_to_end(id(entry))
+                    return Reuse(entry, k * BLOCK)
+        return None
+
+    # ---- keeping --------------------------------------------------------------------------------------------------
+    def keep(
+        self, scope: Scope, owner: str, sub: Span, trail: Trail, cache: DynamicCache, weights: object
+    ) -> Entry | None:
+        """Keep a finished session's whole blocks (None: nothing to keep, or no room for it)."""
+        blocks = min(len(trail.digests), trail.held // BLOCK)
+        if trail.broken or not blocks or trail.outputs is None:
+            return None
+        length = blocks * BLOCK
+        batch = trail.outputs.shape[0]
+        digests = trail.digests[:blocks]
+        last = self.index.get((scope, sub.start, sub.end, batch, digests[-1]))
+        if last is not None and last[1] == blocks and last[0].weights() is weights:  # already kept (or within one)
+            self.entries.move_to_end(id(last[0]))
+            return None
+        for k in range(blocks - 1, 0, -1):  # an entry this one extends is now within it: it goes
+            hit = self.index.get((scope, sub.start, sub.end, batch, digests[k - 1]))
+            if hit is not None and hit[0].length == k * BLOCK:
+                self._drop(hit[0])
+        nbytes = self.cost(sub, batch, length)
+        if not self._room_for(owner, nbytes):
+            return None
+        crop_to(cache, length)
+        try:
+            ref: weakref.ref[object] = weakref.ref(weights)
+        except TypeError:
+            return None
+        entry = Entry(scope, owner, sub, batch, digests, cache, trail.outputs[:, :length].clone(), nbytes, ref)
+        self.budget.charge(nbytes, owner)
+        self.nbytes += nbytes
+        self.entries[id(entry)] = entry
+        for k, d in enumerate(digests, 1):
+            key = (scope, sub.start, sub.end, batch, d)
+            entry.keys.append(key)
+            self.index[key] = (entry, k)
+        return entry
+
+    def _room_for(self, owner: str, nbytes: int) -> bool:
+        budget = self.budget
+        if nbytes > budget.per_caller or nbytes > budget.total:
+            return False
+        self.evict(max(0, budget.held[owner] + nbytes - budget.per_caller), owner)
+        self.evict(max(0, nbytes - budget.free))
+        return budget.held[owner] + nbytes <= budget.per_caller and budget.free >= nbytes
+
+    # ---- giving room back -----------------------------------------------------------------------------------------
+    def evict(self, nbytes: int, owner: str | None = None) -> None:
+        """Drop least recently used entries (``owner``'s only, if given) until ``nbytes`` are given back."""
+        for entry in list(self.entries.values()):
+            if nbytes <= 0:
+                return
+            if owner is None or entry.owner == owner:
+                nbytes -= entry.nbytes
+                self._drop(entry)
+
+    def purge(self, held: Span | None) -> None:
+        """Drop entries of blocks this server no longer holds (the broker moved it)."""
+        for entry in list(self.entries.values()):
+            if held is None or entry.sub not in held:
+                self._drop(entry)
+
+    def _drop(self, entry: Entry) -> None:
+        if self.entries.pop(id(entry), None) is None:
+            return
+        for key in entry.keys:
+            if self.index.get(key, (None, 0))[0] is entry:
+                del self.index[key]
+        self.nbytes -= entry.nbytes
+        self.budget.discharge(entry.nbytes, entry.owner)

@@ -1,0 +1,52 @@
+"""Prefix caching through real servers (issue 59, ``peers.serving.prefixes``): a session that starts with what an
+earlier session of the same client sent reuses the whole blocks every server kept of it, chained prompt pieces
+included, and gives Hugging Face's logits and greedy tokens; another client (another identity) reuses nothing and
+gets the same answer; a client that does not ask is never served from a kept prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peers.serving.prefixes import BLOCK
+from tests.helpers.swarms import connect, patient_timing, running_swarm
+
+pytestmark = pytest.mark.slow
+SPANS = ["0:2", "2:4"]
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 320, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(client, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The session's logits for ``ids`` and the positions every hop answered from kept prefixes."""
+    with client.inference_session(max_length=ids.shape[1] + 16) as session, torch.inference_mode():
+        logits = client(ids).logits
+        return logits, session.reused
+
+
+def test_a_session_that_starts_alike_reuses_every_server_s_kept_prefix_and_answers_exactly(folder, ref):
+    first = _ids(200, seed=1)
+    later = torch.cat([first[:, :170], _ids(40, seed=2)], dim=1)  # the same first 170 tokens
+    with torch.inference_mode():
+        expected = ref(later).logits
+        greedy = ref.generate(later, max_new_tokens=8, do_sample=False)
+    with running_swarm(folder, SPANS) as swarm:
+        # prompts go in chained pieces of 128 positions: the second piece goes on from where the first left off
+        with connect(folder, swarm, timing=patient_timing()) as client:
+            _, reused = _logits(client, first)
+            assert reused == 0
+            logits, reused = _logits(client, later)
+            assert reused == 2 * BLOCK  # whole blocks of the 170 common positions, on both servers
+            assert torch.allclose(logits, expected, atol=1e-4)
+            assert torch.equal(client.generate(later, max_new_tokens=8, do_sample=False), greedy)
+            again, reused = _logits(client, later)  # kept too, by the generation's session: three blocks now
+            assert reused == 3 * BLOCK and torch.allclose(again, expected, atol=1e-4)
+        with connect(folder, swarm, timing=patient_timing()) as other:  # another identity: nothing of the first's
+            logits, reused = _logits(other, later)
+            assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)
+        with connect(folder, swarm, timing=patient_timing(), prefix_cache=False) as plain:
+            for _ in range(2):
+                logits, reused = _logits(plain, later)
+                assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)

@@ -1,0 +1,179 @@
+"""Prefix caching on a server (``peers.serving.prefixes``), through the real session table and a tiny Llama's span:
+a session that starts with a finished session's inputs reuses its whole blocks and answers what a fresh computation
+answers; only the same caller and scope find them (sharing needs both sides); other inputs, a step with padding, a
+redone step and other weights are never served from a stale entry; kept prefixes count in the KV budget, within the
+caller's share, and give way to new sessions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peers.blocks.backend import SpanBackend
+from peers.blocks.families import family_for
+from peers.blocks.loader import load_span
+from peers.serving.checks import Limits
+from peers.serving.config import ComputeConfig
+from peers.serving.engine import Engine
+from peers.serving.kv_cache import CacheBudget
+from peers.serving.prefixes import BLOCK, PrefixStore, Trail, block_digests
+from peers.serving.sessions import SessionTable
+from swarm.config import Timing
+from swarm.ids import Span
+from swarm.model_files import load_config
+from swarm.protocol import OpenSession, PrefixUse
+from tests.helpers.models import FAMILY_CONFIGS, make_tiny_model
+
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory) -> SpanBackend:
+    cfg = dict(FAMILY_CONFIGS["llama"])
+    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), str(cfg.pop("model_type")), **cfg)
+    family = family_for(load_config(folder))
+    span = Span(0, 4)
+    return SpanBackend(
+        family.config, family, load_span(folder, family, span, torch.float32, "cpu"), span, "cpu", torch.float32
+    )
+
+
+def _table(backend: SpanBackend, total: int = 1 << 40, share: int | None = None, sharing: bool = False) -> SessionTable:
+    engine = Engine(Limits(HIDDEN, torch.float32, 4, 4096), ComputeConfig(), Timing())
+    engine.loaded.set(backend)
+    engine.loaded.serving = True
+    table = SessionTable(engine, CacheBudget(total, per_caller=share), cache_wait=0.05)
+    table.prefixes = PrefixStore(table.budget, table.prefix_cost, share=sharing)
+    return table
+
+
+def _open(sid: str, max_length: int = 512, prefix: PrefixUse | None = None) -> OpenSession:
+    return OpenSession(session_id=sid * 32, start=0, end=4, max_length=max_length, batch_size=1, prefix=prefix)
+
+
+async def _run(table: SessionTable, caller: str, sid: str, hidden: torch.Tensor, prefix=PrefixUse(), steps=(None,)):
+    """A session of ``caller`` that steps through ``hidden`` (cut at ``steps``) and ends; its outputs and reuse."""
+    session = await table.start(_open(sid, prefix=prefix), {}, caller)
+    outs, reused, at = [], [], 0
+    for end in (*[s for s in steps if s is not None], hidden.shape[1]):
+        outs.append((await table.step(session, at, {"hidden": hidden[:, at:end]}))["hidden"])
+        reused.append(session.reused)
+        at = end
+    await table.end(session)
+    return torch.cat(outs, dim=1), reused
+
+
+def _fresh(backend: SpanBackend, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return backend.run(hidden, Span(0, 4), cache=backend.new_cache(512), past=0)
+
+
+def _inputs(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+async def test_a_session_that_starts_alike_reuses_whole_blocks_and_answers_as_a_fresh_one(backend):
+    table = _table(backend)
+    first = _inputs(3 * BLOCK + 10)
+    out, reused = await _run(table, "me", "a", first, steps=(70, 71))  # a prefill, one decode step, the rest
+    assert reused == [0, 0, 0]
+    assert torch.allclose(out, _fresh(backend, first), atol=1e-5)
+    second = torch.cat([first[:, : 2 * BLOCK + 5], _inputs(40, seed=1)], dim=1)  # the same first 133 positions
+    out, reused = await _run(table, "me", "b", second, steps=(150,))
+    assert reused == [2 * BLOCK, 0]  # whole blocks only, and only on the first step
+    assert torch.allclose(out, _fresh(backend, second), atol=1e-5)
+    assert table.metrics.prefix_reused == 2 * BLOCK
+    # the whole of the first session again: everything but the last position comes from the kept prefix
+    out, reused = await _run(table, "me", "c", first)
+    assert reused == [3 * BLOCK] and torch.allclose(out, _fresh(backend, first), atol=1e-5)
+    # a prompt in pieces (a chained prefill): each piece goes on from where the kept prefix's blocks match
+    out, reused = await _run(table, "me", "d", first, steps=(100, 200))
+    assert reused == [BLOCK, 3 * BLOCK - 100, 0]
+    assert torch.allclose(out, _fresh(backend, first), atol=1e-5)
+
+
+async def test_only_the_same_caller_and_scope_find_a_prefix_and_sharing_takes_both_sides(backend):
+    hidden = _inputs(2 * BLOCK + 3)
+    table = _table(backend)
+    await _run(table, "me", "a", hidden)
+    assert (await _run(table, "other", "b", hidden))[1] == [0]  # another identity
+    assert (await _run(table, "me", "c", hidden, PrefixUse(scope="key-2")))[1] == [0]  # another API key's scope
+    assert (await _run(table, "me", "d", hidden, None))[1] == [0]  # a session that did not ask
+    assert (await _run(table, "me", "e", hidden))[1] == [2 * BLOCK]
+    # sharing: a server that does not allow it keeps a sharing session's prefix private
+    await _run(table, "sharer", "f", hidden, PrefixUse(share=True))
+    assert (await _run(table, "taker", "g", hidden, PrefixUse(share=True)))[1] == [0]
+    shared = _table(backend, sharing=True)
+    await _run(shared, "sharer", "h", hidden, PrefixUse(share=True))
+    assert (await _run(shared, "taker", "i", hidden))[1] == [0]  # the taker did not ask to share
+    assert (await _run(shared, "taker", "j", hidden, PrefixUse(share=True)))[1] == [2 * BLOCK]
+
+
+async def test_other_inputs_padding_and_redone_steps_never_reuse_what_does_not_match(backend):
+    table = _table(backend)
+    hidden = _inputs(2 * BLOCK + 3)
+    await _run(table, "me", "a", hidden)
+    nudged = hidden.clone()
+    nudged[0, 3, 5] += 1e-6  # one value of the first block
+    out, reused = await _run(table, "me", "b", nudged)
+    assert reused == [0] and torch.allclose(out, _fresh(backend, nudged), atol=1e-5)
+    # a step with a padding mask is neither looked up nor kept
+    padded = _table(backend)
+    session = await padded.start(_open("p", prefix=PrefixUse()), {}, "me")
+    mask = torch.ones(1, hidden.shape[1], dtype=torch.int64)
+    mask[0, 0] = 0
+    await padded.step(session, 0, {"hidden": hidden, "attention_mask": mask})
+    await padded.end(session)
+    assert not padded.prefixes.entries
+    # a step sent again from inside the last one (a speculative take-back) is hashed again: the kept digests are
+    # those of what the session holds in the end
+    redo = _table(backend)
+    session = await redo.start(_open("r", prefix=PrefixUse()), {}, "me")
+    await redo.step(session, 0, {"hidden": hidden[:, :100]})
+    drafts = _inputs(60, seed=5)
+    await redo.step(session, 100, {"hidden": drafts})  # drafts, taken back from 110 by the next step
+    await redo.step(session, 110, {"hidden": hidden[:, 110:]})
+    await redo.end(session)
+    (entry,) = redo.prefixes.entries.values()
+    held = torch.cat([hidden[:, :100], drafts[:, :10], hidden[:, 110:]], dim=1)
+    assert entry.digests == block_digests(b"", held) != block_digests(b"", hidden)
+    assert (await _run(redo, "me", "s", hidden))[1] == [BLOCK]  # the first block only is the same
+    assert (await _run(redo, "me", "t", held))[1] == [2 * BLOCK]
+
+
+def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
+    hidden, out = _inputs(5 * BLOCK + 7), _inputs(5 * BLOCK + 7, seed=3)
+    trail = Trail()
+    at = 0
+    for end in (1, 64, 65, 200, 201, 202, 5 * BLOCK + 7):
+        seen = trail.ahead(at, hidden[:, at:end])
+        assert seen is not None
+        trail.record(at, out[:, at:end], *seen)
+        at = end
+    assert trail.digests == block_digests(b"", hidden) and len(trail.digests) == 5
+    assert trail.outputs is not None and torch.equal(trail.outputs[:, : trail.held], out)
+    assert trail.ahead(100, hidden[:, 10:20]) is None  # before the last step's block: it cannot be hashed again
+    assert trail.broken
+
+
+async def test_kept_prefixes_count_in_the_budget_within_the_caller_s_share_and_give_way(backend):
+    probe = _table(backend)
+    one = probe.prefix_cost(Span(0, 4), 1, 2 * BLOCK)  # what one kept prefix of two blocks takes
+    session_cost = probe.session_cost(_open("x", 512)) + probe.trail_cost(1, 512)
+    total = session_cost + one + one // 2
+    table = _table(backend, total=total, share=session_cost)  # a caller's session and its prefix exceed its share
+    await _run(table, "me", "a", _inputs(2 * BLOCK + 3, seed=1))
+    assert table.budget.held["me"] == one == table.budget.used
+    await _run(table, "me", "b", _inputs(2 * BLOCK + 3, seed=2))  # its session's room took its first prefix's
+    assert [e.owner for e in table.prefixes.entries.values()] == ["me"] and table.budget.used == one
+    await _run(table, "you", "c", _inputs(2 * BLOCK + 3, seed=3))  # room enough without evicting
+    assert len(table.prefixes.entries) == 2 and table.budget.used == 2 * one
+    assert table.budget.available == total
+    # a new session that needs the room takes it from the least recently used
+    session = await table.start(_open("d", 512, PrefixUse()), {}, "them")
+    assert [e.owner for e in table.prefixes.entries.values()] == ["you"]
+    await table.end(session)
+    assert table.budget.used == one
+    # a span this server no longer holds: its prefixes go at the next keep
+    table.prefixes.purge(Span(4, 8))
+    assert not table.prefixes.entries and table.budget.used == 0
