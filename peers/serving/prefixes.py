@@ -59,7 +59,8 @@ class Trail:
     its last step began in (a step sent again from inside the last step is hashed again), and every position's
     output. Any step that is not plain breaks it: the session is then neither kept nor a source of digests."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # positions the session may hold: the outputs' room never grows past it
         self.digests: list[bytes] = []
         self.rows: torch.Tensor | None = None  # inputs of positions [base, held)
         self.base = 0
@@ -89,7 +90,9 @@ class Trail:
         end = position + out.shape[1]
         buf = self.outputs
         if buf is None or end > buf.shape[1]:
-            grown = out.new_empty((out.shape[0], max(end, 2 * (buf.shape[1] if buf is not None else 0)), out.shape[2]))
+            room = max(end, 2 * (buf.shape[1] if buf is not None else 0))
+            room = min(room, max(end, self.limit)) if self.limit is not None else room
+            grown = out.new_empty((out.shape[0], room, out.shape[2]))
             if buf is not None:
                 grown[:, : self.held] = buf[:, : self.held]
             buf = self.outputs = grown

@@ -119,7 +119,7 @@ class SessionTable:
             pin=pin,
             caller=caller,
             prefix=msg.prefix if keeps else None,
-            trail=Trail() if keeps else None,
+            trail=Trail(msg.max_length) if keeps else None,
         )
         self.open[(caller, session.id)] = session
         self.metrics.served["sessions"] += 1

@@ -59,13 +59,18 @@ class Conversations:
         stale = self._expire()
         best: Kept | None = None
         with self._lock:
-            for k in self._kept.get(caller, []):
+            mine = self._kept.get(caller, [])
+            for k in list(mine):
                 n = len(k.tokens)
-                fits = n < len(prompt) and len(prompt) + need <= k.session.max_length and prompt[:n] == k.tokens
-                if fits and not k.session.closed and (best is None or n > len(best.tokens)):
+                if not (n < len(prompt) and prompt[:n] == k.tokens) or k.session.closed:
+                    continue
+                if len(prompt) + need > k.session.max_length:  # outgrown: closed now, so that the servers keep its
+                    mine.remove(k)  # prefix (``peers.serving.prefixes``) for the larger session this request opens
+                    stale.append(k.session)
+                elif best is None or n > len(best.tokens):
                     best = k
             if best is not None:
-                self._kept[caller].remove(best)
+                mine.remove(best)
         _close(stale)
         return (best.session, len(best.tokens)) if best is not None else None
 

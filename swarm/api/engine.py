@@ -275,7 +275,8 @@ def generate(
             if cancel.is_set() or time.monotonic() > deadline:
                 raise Cancelled("cancelled" if cancel.is_set() else "the request ran out of time")
             with torch.inference_mode():
-                every = model.runner.session_step(session, new, Context(None, None), 0)
+                # the head over the last position only, unless the prompt's log-probabilities are asked for
+                every = model.runner.session_step(session, new, Context(last_only=s.echo is None), 0)
             if produced == 0:  # the prompt: what a kept session held, and what servers' kept prefixes answered
                 outcome.cached_tokens = held + session.reused - reused
             outcome.route = session.route

@@ -38,6 +38,9 @@ class Context:
     positions: torch.Tensor | None = None
     train: TrainTag | None = None
     past: int = 0  # tokens of the session cached before this call (where positions continue from)
+    # the head on the last position only: a decode loop reads no other, and over a long prompt the head's matrix
+    # (SmolLM2's: 576 x 49152) costs more than the blocks' share of some steps
+    last_only: bool = False
 
 
 class LocalOps(Protocol):
@@ -135,14 +138,15 @@ class Executor:
             elif isinstance(node, Prompts):
                 values[node.id] = local.prompts(values[node.inputs[0]], ctx)
             elif isinstance(node, Head):
-                values[node.id] = local.head(values[node.inputs[0]])
+                hidden = values[node.inputs[0]]
+                values[node.id] = local.head(hidden[:, -1:] if ctx.last_only else hidden)
             elif isinstance(node, Loss):
                 values[node.id] = local.loss(values[node.inputs[0]], values[node.inputs[1]], node.prompts)
             elif isinstance(node, LogProbs):
                 values[node.id] = logprobs(values[node.inputs[0]], values[node.inputs[1]])
             elif isinstance(node, Output):
                 value = values[node.inputs[0]]
-                outputs[node.name] = value[:, node.skip :] if node.skip else value
+                outputs[node.name] = value[:, node.skip :] if node.skip and not ctx.last_only else value
             else:  # a client op the forward phase has no handler for: the plan is not one this side runs
                 raise BadInputError(f"node {node.id}: op {node.op} does not run in the forward phase")
         return outputs

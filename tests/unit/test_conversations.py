@@ -34,6 +34,8 @@ def test_the_longest_prefix_of_the_callers_own_sessions_with_room_is_taken():
     c.give("a", tight, [1, 2, 3, 4, 5, 6])  # the longest prefix, but no room for 4 more tokens after the prompt
     assert c.take("b", [1, 2, 3, 4, 5, 6, 7], 4) is None  # another caller's: never
     assert c.take("a", [1, 2, 3, 4, 5, 6, 7], 4) == (long_, 5)
+    # the outgrown one was closed meanwhile, so its servers keep its prefix for the larger session this opens
+    assert tight.closed and not short.closed
     assert c.take("a", [1, 2, 3, 4, 5, 6, 7], 4) == (short, 3)  # taken out: one request at a time uses one
     assert c.take("a", [1, 2, 3], 4) is None  # a prompt no longer than what is held: nothing new to compute from
     assert c.take("a", [9, 2, 3, 4], 4) is None  # not a prefix

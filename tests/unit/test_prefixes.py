@@ -25,6 +25,7 @@ from swarm.protocol import OpenSession, PrefixUse
 from tests.helpers.models import FAMILY_CONFIGS, make_tiny_model
 
 HIDDEN = 64
+ASKS = PrefixUse()  # a session that asks for prefix caching, in its own caller's default scope
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def _open(sid: str, max_length: int = 512, prefix: PrefixUse | None = None) -> O
     return OpenSession(session_id=sid * 32, start=0, end=4, max_length=max_length, batch_size=1, prefix=prefix)
 
 
-async def _run(table: SessionTable, caller: str, sid: str, hidden: torch.Tensor, prefix=PrefixUse(), steps=(None,)):
+async def _run(
+    table: SessionTable, caller: str, sid: str, hidden: torch.Tensor, prefix: PrefixUse | None = ASKS, steps=(None,)
+):
     """A session of ``caller`` that steps through ``hidden`` (cut at ``steps``) and ends; its outputs and reuse."""
     session = await table.start(_open(sid, prefix=prefix), {}, caller)
     outs, reused, at = [], [], 0
