@@ -128,22 +128,24 @@ def test_a_conversation_s_next_turn_goes_on_from_the_kept_session(stack, referen
     """OpenAI clients send the whole history at every turn: the API kept the first turn's session open on the
     servers, so the second turn sends and computes only what is new (``usage.prompt_tokens_details.cached_tokens``:
     the first turn's prompt and answer, as the servers held them), and its answer equals local Hugging Face's greedy
-    one over the whole history. Another caller (another key) reuses nothing and gets the same answer."""
+    one over the whole history. Another caller (another key) reuses nothing and gets the same answer. (Both turns'
+    local answers are worked out first: the kept session is closed after ``--keep-idle``, 2.5 s with the tests'
+    timings, and only the requests themselves come between the turns.)"""
     _, api, _ = stack
     model, tokenizer = reference
     client = _client(api)
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    history = [
-        *QUESTION,
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "And of Italy?"},
-    ]
-    ids = list(
-        tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    )
+
+    def tokens(messages: list[dict[str, str]]) -> list[int]:
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(chat["input_ids"])
+
+    answer, _ = _greedy(reference, tokens(QUESTION), 8)
+    history = [*QUESTION, {"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+    ids = tokens(history)
     expected, _ = _greedy(reference, ids, 8)
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0)
+    assert first.choices[0].message.content == answer and first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == expected
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens < cached < len(ids) == second.usage.prompt_tokens
