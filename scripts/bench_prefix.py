@@ -5,16 +5,16 @@
 (a) A conversation's turns, each sent as OpenAI clients send it (the whole history again, with the official
 ``openai`` client, streamed, greedy); a turn's user message is a paragraph of about 150 tokens, so the history grows
 by about 200 tokens a turn (to about 2,000 at turn 10). Three APIs in front of the same swarm, alternating turn by
-turn so drift on this machine hits all alike: **kept** (the default: the caller's last session stays open on the
-servers, only new tokens are sent and computed, and servers keep finished sessions' prefixes), **prefixes**
-(``--keep-sessions 0``: every turn sends its whole history, servers compute only what their kept prefixes lack) and
-**plain** (``--keep-sessions 0 --no-prefix-cache``: every turn sends and computes everything). Their answers must be
+turn so drift on this machine hits all alike: **kept** (``--prefix-cache``: the caller's last session stays open on
+the servers, only new tokens are sent and computed, and servers keep finished sessions' prefixes), **prefixes**
+(``--keep-sessions 0 --prefix-cache``: every turn sends its whole history, servers compute only what their kept
+prefixes lack) and **plain** (``--keep-sessions 0``: every turn sends and computes everything). Their answers must be
 equal (greedy). Per turn: the prompt's tokens, those reported cached, and time to first token of each.
 
 (b) ``--requests`` requests that share a system prompt of about 1,000 tokens, each with its own API key and its own
-short question, one after another: through an API that shares prefixes (``--share-prefixes``, and servers started
-with it) and one that does not (each key's prefixes are private), alternating. Per request: cached tokens and time to
-first token of each; the answers must be equal.
+short question, one after another, both with ``--prefix-cache``: through an API that shares prefixes
+(``--share-prefixes``, and servers started with it) and one that does not (each key's prefixes are private),
+alternating. Per request: cached tokens and time to first token of each; the answers must be equal.
 
 Nothing is asserted beyond the equal answers; numbers are this machine's."""
 
@@ -32,6 +32,8 @@ import openai  # noqa: E402
 
 from harness.local_swarm import ApiProcess  # noqa: E402
 from swarm.launch import LocalSwarm  # noqa: E402
+
+Row = dict[str, float]  # one turn or request: its number, prompt tokens, and each API's cached tokens and first token
 
 TOPICS = [
     "rivers",
@@ -93,51 +95,49 @@ def system_prompt() -> str:
     return f"You are a careful assistant for a museum of everyday things. {rules}"
 
 
-def conversation(apis: dict[str, openai.OpenAI], model: str, turns: int, tokens: int) -> list[dict[str, float]]:
-    rows: list[dict[str, float]] = []
+def ask_all(clients: dict[str, openai.OpenAI], model: str, history: list[dict[str, str]], tokens: int, row: Row) -> str:
+    """One request through every API: their answers must be equal (greedy); each one's cached tokens and time to
+    first token go into ``row``, which is printed; the answer."""
+    answers = set()
+    for name, client in clients.items():
+        ttft, answer, prompt, cached = turn(client, model, history, tokens)
+        answers.add(answer)
+        row |= {"prompt": prompt, f"{name}_cached": cached, f"{name}_s": ttft}
+    assert len(answers) == 1, (row, answers)
+    label = ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k in ("turn", "request"))
+    print(
+        f"{label}: prompt {row['prompt']:>5.0f} tokens; first token "
+        + ", ".join(f"{n} {row[f'{n}_s']:.2f} s ({row[f'{n}_cached']:.0f} cached)" for n in clients),
+        flush=True,
+    )
+    return answers.pop()
+
+
+def conversation(apis: dict[str, openai.OpenAI], model: str, turns: int, tokens: int) -> list[Row]:
+    rows: list[Row] = []
     history: list[dict[str, str]] = []
     for t in range(1, turns + 1):
         history.append({"role": "user", "content": paragraph(t)})
-        row: dict[str, float] = {"turn": t}
-        answers = set()
-        for name, client in apis.items():
-            ttft, answer, prompt, cached = turn(client, model, history, tokens)
-            answers.add(answer)
-            row |= {"prompt": prompt, f"{name}_cached": cached, f"{name}_s": ttft}
-        assert len(answers) == 1, (t, answers)
-        history.append({"role": "assistant", "content": answers.pop()})
-        rows.append(row)
-        print(
-            f"turn {t:>2}: prompt {row['prompt']:>5.0f} tokens; first token "
-            + ", ".join(f"{n} {row[f'{n}_s']:.2f} s ({row[f'{n}_cached']:.0f} cached)" for n in apis),
-            flush=True,
-        )
+        rows.append({"turn": t})
+        history.append({"role": "assistant", "content": ask_all(apis, model, history, tokens, rows[-1])})
     return rows
 
 
-def shared(apis: dict[str, str], model: str, requests: int, tokens: int) -> list[dict[str, float]]:
-    rows: list[dict[str, float]] = []
+def shared(apis: dict[str, str], model: str, requests: int, tokens: int) -> list[Row]:
+    rows: list[Row] = []
     system = system_prompt()
     for r in range(requests):
-        row: dict[str, float] = {"request": r + 1}
-        answers = set()
-        for name, url in apis.items():
-            client = openai.OpenAI(base_url=url + "/v1", api_key=f"key-{r:04d}", max_retries=0, timeout=600)
-            history = [{"role": "system", "content": system}, {"role": "user", "content": paragraph(100 + r)}]
-            ttft, answer, prompt, cached = turn(client, model, history, tokens)
-            answers.add(answer)
-            row |= {"prompt": prompt, f"{name}_cached": cached, f"{name}_s": ttft}
-        assert len(answers) == 1, (r, answers)
-        rows.append(row)
-        print(
-            f"request {r + 1:>2}: prompt {row['prompt']:>5.0f} tokens; first token "
-            + ", ".join(f"{n} {row[f'{n}_s']:.2f} s ({row[f'{n}_cached']:.0f} cached)" for n in apis),
-            flush=True,
-        )
+        clients = {  # each request with a key of its own
+            name: openai.OpenAI(base_url=url + "/v1", api_key=f"key-{r:04d}", max_retries=0, timeout=600)
+            for name, url in apis.items()
+        }
+        rows.append({"request": r + 1})
+        history = [{"role": "system", "content": system}, {"role": "user", "content": paragraph(100 + r)}]
+        ask_all(clients, model, history, tokens, rows[-1])
     return rows
 
 
-def table(rows: list[dict[str, float]], key: str, names: list[str]) -> None:
+def table(rows: list[Row], key: str, names: list[str]) -> None:
     print(f"| {key} | prompt tokens | " + " | ".join(f"{n}: cached, first token" for n in names) + " |")
     print("| ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
     for r in rows:
@@ -156,15 +156,15 @@ def main() -> None:
     args = p.parse_args()
     common = ("--model", args.model, "--codec", "none", "--max-context", "4096", "--keep-idle", "600")
     keys = tuple(f"key-{r:04d}" for r in range(args.requests))
-    keyed = (*common, "--keep-sessions", "0", *(a for k in keys for a in ("--api-key", k)))
+    keyed = (*common, "--keep-sessions", "0", "--prefix-cache", *(a for k in keys for a in ("--api-key", k)))
     peers = ("--cache-tokens", "16384", "--share-prefixes")
     with LocalSwarm(args.model, args.spans, extra_args=peers) as swarm:
         with (
-            ApiProcess(swarm.initial_peers, *common, test_timings=False) as kept,
-            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as prefixes,
+            ApiProcess(swarm.initial_peers, *common, "--prefix-cache", test_timings=False) as kept,
             ApiProcess(
-                swarm.initial_peers, *common, "--keep-sessions", "0", "--no-prefix-cache", test_timings=False
-            ) as plain,
+                swarm.initial_peers, *common, "--keep-sessions", "0", "--prefix-cache", test_timings=False
+            ) as prefixes,
+            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as plain,
         ):
             apis = {
                 name: openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=600)

@@ -223,8 +223,10 @@ class ClientConfig:
     local_blocks: int = 0
     trusted_peers: tuple[str, ...] = ()
     # prefix caching (``peers.serving.prefixes``): sessions ask servers to keep their KV for this client's later
-    # sessions that start alike, and reuse what they kept; ``share_prefixes`` also with every other caller that shares
-    prefix_cache: bool = True
+    # sessions that start alike, and reuse what they kept; ``share_prefixes`` also with every other caller that shares.
+    # Off by default for now: a session that asks reserves room for its outputs beside its KV (about a fifth more for
+    # SmolLM2's spans), which routing does not yet count when it checks a server's free cache (docs/serving.md)
+    prefix_cache: bool = False
     share_prefixes: bool = False
 
 

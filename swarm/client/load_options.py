@@ -43,7 +43,7 @@ class LoadOptions(TypedDict, total=False):
     verify_seed: int | None  # which steps and verifiers, reproducibly (tests only: servers must not predict it)
     accuse: bool  # publish accusations of cheaters caught, and act on others' once their evidence re-runs wrong
     # prefix caching (docs/serving.md): servers keep this client's finished sessions' KV for its later sessions that
-    # start alike (False: never asked); ``share_prefixes``: also with every other caller that shares, where allowed
+    # start alike (False, the default: not asked); ``share_prefixes``: also with every caller that shares, if allowed
     prefix_cache: bool
     share_prefixes: bool
     # ---- the weights (``Weights``) ----

@@ -34,7 +34,7 @@ def test_a_session_that_starts_alike_reuses_every_server_s_kept_prefix_and_answe
         greedy = ref.generate(later, max_new_tokens=8, do_sample=False)
     with running_swarm(folder, SPANS) as swarm:
         # prompts go in chained pieces of 128 positions: the second piece goes on from where the first left off
-        with connect(folder, swarm, timing=patient_timing()) as client:
+        with connect(folder, swarm, timing=patient_timing(), prefix_cache=True) as client:
             _, reused = _logits(client, first)
             assert reused == 0
             logits, reused = _logits(client, later)
@@ -43,10 +43,11 @@ def test_a_session_that_starts_alike_reuses_every_server_s_kept_prefix_and_answe
             assert torch.equal(client.generate(later, max_new_tokens=8, do_sample=False), greedy)
             again, reused = _logits(client, later)  # kept too, by the generation's session: three blocks now
             assert reused == 3 * BLOCK and torch.allclose(again, expected, atol=1e-4)
-        with connect(folder, swarm, timing=patient_timing()) as other:  # another identity: nothing of the first's
+        # another identity: nothing of the first's
+        with connect(folder, swarm, timing=patient_timing(), prefix_cache=True) as other:
             logits, reused = _logits(other, later)
             assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)
-        with connect(folder, swarm, timing=patient_timing(), prefix_cache=False) as plain:
+        with connect(folder, swarm, timing=patient_timing()) as plain:  # prefix caching not asked for (the default)
             for _ in range(2):
                 logits, reused = _logits(plain, later)
                 assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)

@@ -49,7 +49,7 @@ def test_every_keyword_lands_in_its_config_object(tmp_path):
         "verify_every": 0,
         "verify_seed": 3,
         "accuse": False,
-        "prefix_cache": False,
+        "prefix_cache": True,
         "share_prefixes": True,
         "dtype": torch.bfloat16,
         "fingerprint": "f" * 8,
@@ -67,7 +67,7 @@ def test_every_keyword_lands_in_its_config_object(tmp_path):
     assert (c.timing, c.cache_dir, c.direct, c.swarm_key) == (timing, tmp_path, "never", tmp_path / "key")
     assert (c.chain, c.prefill_chunk, c.codec, c.trusted_peers) == (False, 7, "float16", ("QmA",))
     assert (c.verify_every, c.verify_seed, c.accuse) == (0, 3, False)
-    assert (c.prefix_cache, c.share_prefixes) == (False, True)
+    assert (c.prefix_cache, c.share_prefixes) == (True, True)
     assert load.weights == Weights(torch.bfloat16, "f" * 8, ("int8",))
     assert load.tuning == TuningRequest("prompt", Path(tmp_path), 4, 2.0, ("c_attn",), 3)
     assert Loading.of({"initial_peers": PEERS, "local_blocks": 2}).client.local_blocks == 2
