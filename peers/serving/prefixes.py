@@ -101,10 +101,8 @@ class Trail:
 
 @dataclass(eq=False)
 class Entry:
-    scope: Scope
-    owner: str  # the caller charged for it
+    owner: str  # the caller charged for it (its scope and batch are in its ``keys``)
     sub: Span
-    batch: int
     digests: list[bytes]  # one per whole block it holds
     cache: DynamicCache
     outputs: torch.Tensor  # [batch, length, hidden]
@@ -196,7 +194,7 @@ class PrefixStore:
             ref: weakref.ref[object] = weakref.ref(weights)
         except TypeError:
             return None
-        entry = Entry(scope, owner, sub, batch, digests, cache, trail.outputs[:, :length].clone(), nbytes, ref)
+        entry = Entry(owner, sub, digests, cache, trail.outputs[:, :length].clone(), nbytes, ref)
         self.budget.charge(nbytes, owner)
         self.nbytes += nbytes
         self.entries[id(entry)] = entry
