@@ -68,7 +68,7 @@ async def read_outputs(
         if set(tensors) != {"hidden"} or out is None or tuple(out.shape) != want:
             raise unavailable(hop.peer_id, f"replied tensors {sorted(tensors)} unlike {list(want)} hidden")
         _check(state, reply, out, position + c.start, expected_in)
-        state.reused += reply.reused
+        state.reused += min(reply.reused, want[1])  # a server's word, bounded by the piece it answered
         outs.append(out)
         digests.append(reply.digest)
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], digests

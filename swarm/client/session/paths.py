@@ -167,5 +167,5 @@ class MediatedPath:
         reply, out, received = await stream.receive(StepReply, timeout, bound)
         self.conn.remote.links.observe(hop.peer_id, sent + received, time.perf_counter() - t0, hop.network_mbps)
         (self._leaving.add if reply.leaving else self._leaving.discard)(state.session_id)
-        state.reused += reply.reused
+        state.reused += min(reply.reused, tensors["hidden"].shape[1])  # a server's word, bounded by the step
         return out
