@@ -51,6 +51,21 @@ def pytest_configure(config: pytest.Config) -> None:
     FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``SWARM_TEST_PHASE=shared`` leaves out the tests marked ``alone``, ``=alone`` keeps only them: scripts/test.sh
+    runs the rest on two workers, then these by themselves (unset: every test, as pytest alone runs them)."""
+    phase = os.environ.get("SWARM_TEST_PHASE", "")
+    if phase not in ("shared", "alone"):
+        return
+    alone = phase == "alone"
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("alone") is not None) == alone else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """SmolLM2 is converted once per session (about 30 s): start it now, beside the tests that run before the first
     one needing it, if any selected test does (and none when the session only collects)."""

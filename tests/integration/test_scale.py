@@ -25,7 +25,7 @@ from swarm.launch import LocalSwarm, PeerProcess
 from swarm.records import PeerState, servers
 from tests.helpers.models import local_reference, make_tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # 24 peers: the machine's 2 cores are theirs
 
 PEERS = 24
 BLOCKS = 24
