@@ -49,7 +49,7 @@ class PeerSnapshot:
     averaging_bytes: int = 0  # a trainable stage: bytes sent to its replicas in averaging rounds
     rounds_undone: int = 0  # ...averaging rounds whose result it undid
     replica_heals: int = 0  # ...fresh state copies it took after it was found apart from its replicas
-    prefix_bytes: int = 0  # KV-cache bytes kept prefixes hold (given back to any new session that needs them)
+    prefix_bytes: int = 0  # KV-cache bytes kept prefixes and open sessions' trails hold (given back on demand)
 
 
 Snapshot = Callable[[], PeerSnapshot]
@@ -119,7 +119,11 @@ def families(s: PeerSnapshot, m: PeerMetrics) -> list[Metric]:
             "tokens of context the free cache holds through the span",
             s.cache_tokens_free,
         ),
-        _gauge("swarm_peer_prefix_kept_bytes", "KV-cache bytes held by kept prefixes (evictable)", s.prefix_bytes),
+        _gauge(
+            "swarm_peer_prefix_kept_bytes",
+            "KV-cache bytes held by kept prefixes and the trails of sessions to keep (evictable)",
+            s.prefix_bytes,
+        ),
         _counter(
             "swarm_peer_prefix_reused_tokens",
             "positions answered from kept prefixes instead of computed",

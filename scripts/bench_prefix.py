@@ -5,14 +5,14 @@
 (a) A conversation's turns, each sent as OpenAI clients send it (the whole history again, with the official
 ``openai`` client, streamed, greedy); a turn's user message is a paragraph of about 150 tokens, so the history grows
 by about 200 tokens a turn (to about 2,000 at turn 10). Three APIs in front of the same swarm, alternating turn by
-turn so drift on this machine hits all alike: **kept** (``--prefix-cache``: the caller's last session stays open on
+turn so drift on this machine hits all alike: **kept** (the defaults: the caller's last session stays open on
 the servers, only new tokens are sent and computed, and servers keep finished sessions' prefixes), **prefixes**
-(``--keep-sessions 0 --prefix-cache``: every turn sends its whole history, servers compute only what their kept
-prefixes lack) and **plain** (``--keep-sessions 0``: every turn sends and computes everything). Their answers must be
+(``--keep-sessions 0``: every turn sends its whole history, servers compute only what their kept prefixes lack) and
+**plain** (``--keep-sessions 0 --no-prefix-cache``: every turn sends and computes everything). Their answers must be
 equal (greedy). Per turn: the prompt's tokens, those reported cached, and time to first token of each.
 
 (b) ``--requests`` requests that share a system prompt of about 1,000 tokens, each with its own API key and its own
-short question, one after another, both with ``--prefix-cache``: through an API that shares prefixes
+short question, one after another, both with prefix caching (the default): through an API that shares prefixes
 (``--share-prefixes``, and servers started with it) and one that does not (each key's prefixes are private),
 alternating. Per request: cached tokens and time to first token of each; the answers must be equal.
 
@@ -156,15 +156,15 @@ def main() -> None:
     args = p.parse_args()
     common = ("--model", args.model, "--codec", "none", "--max-context", "4096", "--keep-idle", "600")
     keys = tuple(f"key-{r:04d}" for r in range(args.requests))
-    keyed = (*common, "--keep-sessions", "0", "--prefix-cache", *(a for k in keys for a in ("--api-key", k)))
+    keyed = (*common, "--keep-sessions", "0", *(a for k in keys for a in ("--api-key", k)))
     peers = ("--cache-tokens", "16384", "--share-prefixes")
     with LocalSwarm(args.model, args.spans, extra_args=peers) as swarm:
         with (
-            ApiProcess(swarm.initial_peers, *common, "--prefix-cache", test_timings=False) as kept,
+            ApiProcess(swarm.initial_peers, *common, test_timings=False) as kept,
+            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as prefixes,
             ApiProcess(
-                swarm.initial_peers, *common, "--keep-sessions", "0", "--prefix-cache", test_timings=False
-            ) as prefixes,
-            ApiProcess(swarm.initial_peers, *common, "--keep-sessions", "0", test_timings=False) as plain,
+                swarm.initial_peers, *common, "--keep-sessions", "0", "--no-prefix-cache", test_timings=False
+            ) as plain,
         ):
             apis = {
                 name: openai.OpenAI(base_url=api.url + "/v1", api_key="none", max_retries=0, timeout=600)

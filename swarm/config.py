@@ -224,9 +224,9 @@ class ClientConfig:
     trusted_peers: tuple[str, ...] = ()
     # prefix caching (``peers.serving.prefixes``): sessions ask servers to keep their KV for this client's later
     # sessions that start alike, and reuse what they kept; ``share_prefixes`` also with every other caller that shares.
-    # Off by default for now: a session that asks reserves room for its outputs beside its KV (about a fifth more for
-    # SmolLM2's spans), which routing does not yet count when it checks a server's free cache (docs/serving.md)
-    prefix_cache: bool = False
+    # A session that asks reserves what any other does (what it keeps beyond its KV is counted as it grows and given
+    # up when room is needed), so it costs nothing where no prefix is ever reused
+    prefix_cache: bool = True
     share_prefixes: bool = False
 
 

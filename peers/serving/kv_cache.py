@@ -41,7 +41,8 @@ class KvCost:
 class Spare(Protocol):
     """What holds budget it gives back on demand (``peers.serving.prefixes.PrefixStore``: kept prefixes)."""
 
-    nbytes: int
+    @property
+    def nbytes(self) -> int: ...
 
     def evict(self, nbytes: int, owner: str | None = None) -> None: ...
 

@@ -59,8 +59,12 @@ class Trail:
     its last step began in (a step sent again from inside the last step is hashed again), and every position's
     output. Any step that is not plain breaks it: the session is then neither kept nor a source of digests."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, hold: Callable[[Trail, int], bool] | None = None) -> None:
         self.limit = limit  # positions the session may hold: the outputs' room never grows past it
+        # asked before the trail holds more bytes (``PrefixStore.hold``: counted in the KV budget as its caller's);
+        # False (no room): the trail breaks instead, its session is simply not kept
+        self.hold = hold
+        self.nbytes = 0  # what it holds now, as counted
         self.digests: list[bytes] = []
         self.rows: torch.Tensor | None = None  # inputs of positions [base, held)
         self.base = 0
@@ -81,22 +85,34 @@ class Trail:
 
     def record(self, position: int, out: torch.Tensor, digests: list[bytes], rows: torch.Tensor) -> None:
         """A step at ``position`` answered ``out``; ``digests`` and ``rows``: what ``ahead`` said of it."""
-        self.digests = digests
-        self._write(position, out)
+        if self.broken:  # its room was taken while the step ran
+            return
         base = (position // BLOCK) * BLOCK  # a later step may begin back at ``position``: its block's rows stay
-        self.rows, self.base, self.held = rows[:, base - self.base :].clone(), base, position + out.shape[1]
-
-    def _write(self, position: int, out: torch.Tensor) -> None:
+        kept = rows[:, base - self.base :]
         end = position + out.shape[1]
         buf = self.outputs
-        if buf is None or end > buf.shape[1]:
-            room = max(end, 2 * (buf.shape[1] if buf is not None else 0))
+        room = buf.shape[1] if buf is not None else 0
+        if end > room:
+            room = max(end, 2 * room)
             room = min(room, max(end, self.limit)) if self.limit is not None else room
+        row = out.shape[0] * out.shape[2] * out.element_size()
+        if self.hold is not None and not self.hold(self, row * room + kept.numel() * kept.element_size()):
+            self.drop()
+            return
+        if buf is None or end > buf.shape[1]:
             grown = out.new_empty((out.shape[0], room, out.shape[2]))
             if buf is not None:
                 grown[:, : self.held] = buf[:, : self.held]
             buf = self.outputs = grown
         buf[:, position:end] = out
+        self.digests = digests
+        self.rows, self.base, self.held = kept.clone(), base, end
+
+    def drop(self) -> None:
+        """Break the trail and let go of what it holds (its room is needed, or its session cannot be kept)."""
+        self.broken, self.rows, self.outputs, self.digests = True, None, None, []
+        if self.hold is not None and self.nbytes:
+            self.hold(self, 0)
 
 
 @dataclass(eq=False)
@@ -144,8 +160,15 @@ class PrefixStore:
         self.budget, self.cost, self.share = budget, cost, share
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
         self.index: dict[tuple[object, ...], tuple[Entry, int]] = {}  # (scope, span, batch, digest) -> (entry, blocks)
-        self.nbytes = 0
+        self.kept = 0  # bytes of the kept entries
+        self.trails: dict[int, tuple[Trail, str]] = {}  # open sessions' trails that hold bytes, with their caller
+        self.trail_bytes = 0
         budget.spare = self
+
+    @property
+    def nbytes(self) -> int:
+        """All this store holds in the budget and gives back on demand: kept entries and open sessions' trails."""
+        return self.kept + self.trail_bytes
 
     # ---- lookup ---------------------------------------------------------------------------------------------------
     def find(
@@ -168,10 +191,39 @@ class PrefixStore:
         return None
 
     # ---- keeping --------------------------------------------------------------------------------------------------
+    def hold(self, owner: str) -> Callable[[Trail, int], bool]:
+        """What a trail of ``owner``'s session asks before it holds ``nbytes`` in all: room is made as for a kept
+        entry (the owner's oldest entries over its share, then the least recently used), never by breaking
+        another open session's trail; False when there is none."""
+
+        def ask(trail: Trail, nbytes: int) -> bool:
+            grow = nbytes - trail.nbytes
+            if grow > 0 and not self._room_for(owner, grow, trails=False):
+                return False
+            self.budget.charge(grow, owner) if grow >= 0 else self.budget.discharge(-grow, owner)
+            self.trail_bytes += grow
+            trail.nbytes = nbytes
+            if nbytes:
+                self.trails[id(trail)] = (trail, owner)
+            else:
+                self.trails.pop(id(trail), None)
+            return True
+
+        return ask
+
     def keep(
         self, scope: Scope, owner: str, sub: Span, trail: Trail, cache: DynamicCache, weights: object
     ) -> Entry | None:
-        """Keep a finished session's whole blocks (None: nothing to keep, or no room for it)."""
+        """Keep a finished session's whole blocks (None: nothing to keep, or no room for it). The trail lets go
+        of its own bytes either way (the entry is counted by itself)."""
+        try:
+            return self._keep(scope, owner, sub, trail, cache, weights)
+        finally:
+            trail.drop()
+
+    def _keep(
+        self, scope: Scope, owner: str, sub: Span, trail: Trail, cache: DynamicCache, weights: object
+    ) -> Entry | None:
         blocks = min(len(trail.digests), trail.held // BLOCK)
         if trail.broken or not blocks or trail.outputs is None:
             return None
@@ -187,6 +239,9 @@ class PrefixStore:
             if hit is not None and hit[0].length == k * BLOCK:
                 self._drop(hit[0])
         nbytes = self.cost(sub, batch, length)
+        outputs = trail.outputs[:, :length]
+        trail.outputs = None
+        trail.drop()  # its bytes are given back first: the entry takes (less than) their place
         if not self._room_for(owner, nbytes):
             return None
         crop_to(cache, length)
@@ -194,9 +249,9 @@ class PrefixStore:
             ref: weakref.ref[object] = weakref.ref(weights)
         except TypeError:
             return None
-        entry = Entry(owner, sub, digests, cache, trail.outputs[:, :length].clone(), nbytes, ref)
+        entry = Entry(owner, sub, digests, cache, outputs.clone(), nbytes, ref)
         self.budget.charge(nbytes, owner)
-        self.nbytes += nbytes
+        self.kept += nbytes
         self.entries[id(entry)] = entry
         for k, d in enumerate(digests, 1):
             key = (scope, sub.start, sub.end, batch, d)
@@ -204,23 +259,30 @@ class PrefixStore:
             self.index[key] = (entry, k)
         return entry
 
-    def _room_for(self, owner: str, nbytes: int) -> bool:
+    def _room_for(self, owner: str, nbytes: int, trails: bool = True) -> bool:
         budget = self.budget
         if nbytes > budget.per_caller or nbytes > budget.total:
             return False
-        self.evict(max(0, budget.held[owner] + nbytes - budget.per_caller), owner)
-        self.evict(max(0, nbytes - budget.free))
+        self.evict(max(0, budget.held[owner] + nbytes - budget.per_caller), owner, trails)
+        self.evict(max(0, nbytes - budget.free), None, trails)
         return budget.held[owner] + nbytes <= budget.per_caller and budget.free >= nbytes
 
     # ---- giving room back -----------------------------------------------------------------------------------------
-    def evict(self, nbytes: int, owner: str | None = None) -> None:
-        """Drop least recently used entries (``owner``'s only, if given) until ``nbytes`` are given back."""
+    def evict(self, nbytes: int, owner: str | None = None, trails: bool = True) -> None:
+        """Drop least recently used entries (``owner``'s only, if given) until ``nbytes`` are given back; then, if
+        that is not enough, break open sessions' trails (those sessions will not be kept; ``trails``=False: not)."""
         for entry in list(self.entries.values()):
             if nbytes <= 0:
                 return
             if owner is None or entry.owner == owner:
                 nbytes -= entry.nbytes
                 self._drop(entry)
+        for trail, who in list(self.trails.values()) if trails else ():
+            if nbytes <= 0:
+                return
+            if owner is None or who == owner:
+                nbytes -= trail.nbytes
+                trail.drop()
 
     def purge(self, held: Span | None) -> None:
         """Drop entries of blocks this server no longer holds (the broker moved it)."""
@@ -234,5 +296,5 @@ class PrefixStore:
         for key in entry.keys:
             if self.index.get(key, (None, 0))[0] is entry:
                 del self.index[key]
-        self.nbytes -= entry.nbytes
+        self.kept -= entry.nbytes
         self.budget.discharge(entry.nbytes, entry.owner)

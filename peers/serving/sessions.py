@@ -101,8 +101,9 @@ class SessionTable:
             # kept and reused only without an adapter, on weights that do not learn, in caches that can be copied
             keeps = msg.prefix is not None and self.prefixes is not None and adapter is None and eligible(cache)
             keeps = keeps and self.loaded.learner is None
-            cost = self.session_cost(msg) + (self.trail_cost(msg.batch_size, msg.max_length) if keeps else 0)
-            reserved = await self.budget.reserve(cost, self.cache_wait, caller)
+            # a trail's bytes are counted as it grows, and given up when room is needed (``PrefixStore.hold``): a
+            # session that asks reserves what any other does, so routing by announced free room holds for it too
+            reserved = await self.budget.reserve(self.session_cost(msg), self.cache_wait, caller)
         except BaseException:
             self.quota.release(caller)
             if pin is not None:
@@ -119,7 +120,7 @@ class SessionTable:
             pin=pin,
             caller=caller,
             prefix=msg.prefix if keeps else None,
-            trail=Trail(msg.max_length) if keeps else None,
+            trail=Trail(msg.max_length, self.prefixes.hold(caller)) if keeps and self.prefixes else None,
         )
         self.open[(caller, session.id)] = session
         self.metrics.served["sessions"] += 1
@@ -132,14 +133,10 @@ class SessionTable:
             return msg.batch_size * msg.max_length
         return self.cost.session_bytes(msg.start, msg.end, msg.batch_size, msg.max_length)
 
-    def trail_cost(self, batch: int, length: int) -> int:
-        """What a kept session's trail may hold beyond its cache: its outputs, and at most as many inputs."""
-        return 2 * batch * length * self.limits.hidden_size * self.limits.dtype.itemsize
-
     def prefix_cost(self, sub: Span, batch: int, length: int) -> int:
         """What a kept prefix of ``length`` positions takes: its cache and its outputs."""
         kv = self.cost.session_bytes(sub.start, sub.end, batch, length) if self.cost is not None else batch * length
-        return kv + self.trail_cost(batch, length) // 2
+        return kv + batch * length * self.limits.hidden_size * self.limits.dtype.itemsize
 
     def tokens(self, nbytes: int, span: Span | None) -> int:
         """Tokens of one sequence's context that ``nbytes`` of cache hold through ``span``: what records announce
@@ -176,6 +173,8 @@ class SessionTable:
                 session.pin.release()
             await self.budget.release(session.reserved, session.caller)
             self._keep(session, cache)
+            if session.trail is not None:  # kept or not, the trail's bytes go back
+                session.trail.drop()
 
     def _keep(self, session: Session, cache: object | None) -> None:
         """An ended session's whole blocks of positions into the kept prefixes, if it asked and is whole."""
@@ -246,6 +245,8 @@ class SessionTable:
         )
         seen = trail.ahead(position, hidden) if trail is not None and plain else None
         if trail is None or seen is None or self.prefixes is None:  # padding, own positions, a redo too far back
+            if trail is not None:
+                trail.drop()
             session.trail = None
             return await self._chunks(session, hidden, mask, pos)
         assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening

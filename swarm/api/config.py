@@ -115,7 +115,8 @@ class ApiConfig:
     )
     keep_idle: float = option(30.0, metavar="S", help="...each closed after this long unused")
     prefix_cache: bool = option(
-        False, help="ask servers to keep finished answers' KV for the same key's later prompts that start alike"
+        True,
+        help="do not ask servers to keep finished answers' KV for the same key's later prompts that start alike",
     )
     share_prefixes: bool = option(
         False,

@@ -15,7 +15,7 @@ from peers.blocks.loader import load_span
 from peers.serving.checks import Limits
 from peers.serving.config import ComputeConfig
 from peers.serving.engine import Engine
-from peers.serving.kv_cache import CacheBudget
+from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.prefixes import BLOCK, PrefixStore, Trail, block_digests
 from peers.serving.sessions import SessionTable
 from swarm.config import Timing
@@ -43,7 +43,8 @@ def _table(backend: SpanBackend, total: int = 1 << 40, share: int | None = None,
     engine = Engine(Limits(HIDDEN, torch.float32, 4, 4096), ComputeConfig(), Timing())
     engine.loaded.set(backend)
     engine.loaded.serving = True
-    table = SessionTable(engine, CacheBudget(total, per_caller=share), cache_wait=0.05)
+    cost = KvCost(backend.family, 4)  # bytes, as a server counts them
+    table = SessionTable(engine, CacheBudget(total, per_caller=share), cache_wait=0.05, cost=cost)
     table.prefixes = PrefixStore(table.budget, table.prefix_cost, share=sharing)
     return table
 
@@ -162,9 +163,12 @@ def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
 async def test_kept_prefixes_count_in_the_budget_within_the_caller_s_share_and_give_way(backend):
     probe = _table(backend)
     one = probe.prefix_cost(Span(0, 4), 1, 2 * BLOCK)  # what one kept prefix of two blocks takes
-    session_cost = probe.session_cost(_open("x", 512)) + probe.trail_cost(1, 512)
-    total = session_cost + one + one // 2
-    table = _table(backend, total=total, share=session_cost)  # a caller's session and its prefix exceed its share
+    trail = 2 * (2 * BLOCK + 3) * HIDDEN * 4  # a session's trail after one step of 131: its outputs and inputs
+    session_cost = probe.session_cost(_open("x", 512))
+    assert one > trail
+    total = session_cost + trail + one + one // 2
+    # a caller's session and its trail fit its share, not with its kept prefix too
+    table = _table(backend, total=total, share=session_cost + trail)
     await _run(table, "me", "a", _inputs(2 * BLOCK + 3, seed=1))
     assert table.budget.held["me"] == one == table.budget.used
     await _run(table, "me", "b", _inputs(2 * BLOCK + 3, seed=2))  # its session's room took its first prefix's
@@ -180,3 +184,29 @@ async def test_kept_prefixes_count_in_the_budget_within_the_caller_s_share_and_g
     # a span this server no longer holds: its prefixes go at the next keep
     table.prefixes.purge(Span(4, 8))
     assert not table.prefixes.entries and table.budget.used == 0
+
+
+async def test_a_session_s_trail_counts_as_it_grows_and_gives_way_to_a_new_session(backend):
+    """A session that asks for prefix caching reserves what any other does (routing by announced free room holds);
+    its trail (outputs and inputs to hash) is counted as its caller's as it grows, and a new session that needs the
+    room breaks it: that session answers as before and is simply not kept."""
+    probe = _table(backend)
+    session_cost = probe.session_cost(_open("x", 512))
+    trail = 2 * (2 * BLOCK + 3) * HIDDEN * 4
+    table = _table(backend, total=2 * session_cost + trail - 1)
+    hidden = _inputs(2 * BLOCK + 3, seed=4)
+    first = await table.start(_open("x", 512, ASKS), {}, "me")
+    assert table.budget.used == session_cost  # nothing reserved for the trail
+    out = (await table.step(first, 0, {"hidden": hidden}))["hidden"]
+    assert table.prefixes is not None and table.prefixes.trail_bytes == trail
+    assert table.budget.available == table.budget.total - session_cost  # announced as room a new session can have
+    assert table.budget.held["me"] == session_cost + trail
+    second = await table.start(_open("y", 512, ASKS), {}, "you")  # needs the trail's room: it breaks
+    assert first.trail is not None and first.trail.broken and table.prefixes.trail_bytes == 0
+    more = _inputs(5, seed=5)
+    out2 = (await table.step(first, hidden.shape[1], {"hidden": more}))["hidden"]
+    assert torch.allclose(torch.cat([out, out2], dim=1), _fresh(backend, torch.cat([hidden, more], dim=1)), atol=1e-5)
+    await table.step(second, 0, {"hidden": hidden})  # no room for its trail either: it runs, and is not kept
+    await table.end(first)
+    await table.end(second)
+    assert not table.prefixes.entries and table.budget.used == 0 and not table.budget.held
