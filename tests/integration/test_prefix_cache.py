@@ -1,13 +1,15 @@
 """Prefix caching through real servers (issue 59, ``peers.serving.prefixes``): a session that starts with what an
 earlier session of the same client sent reuses the whole blocks every server kept of it, chained prompt pieces
 included, and gives Hugging Face's logits and greedy tokens; another client (another identity) reuses nothing and
-gets the same answer; a client that does not ask is never served from a kept prefix."""
+gets the same answer; a client that does not ask is never served from a kept prefix; a server killed in the middle
+of a session that reused a kept prefix costs no token (its replacement computes what it lacks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness.local_swarm import Disturber
 from peers.serving.prefixes import BLOCK
 from tests.helpers.swarms import connect, patient_timing, running_swarm
 
@@ -47,7 +49,24 @@ def test_a_session_that_starts_alike_reuses_every_server_s_kept_prefix_and_answe
         with connect(folder, swarm, timing=patient_timing(), prefix_cache=True) as other:
             logits, reused = _logits(other, later)
             assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)
-        with connect(folder, swarm, timing=patient_timing()) as plain:  # prefix caching not asked for (the default)
+        with connect(folder, swarm, timing=patient_timing(), prefix_cache=False) as plain:  # not asked for
             for _ in range(2):
                 logits, reused = _logits(plain, later)
                 assert reused == 0 and torch.allclose(logits, expected, atol=1e-4)
+
+
+def test_a_server_killed_in_a_session_that_reused_its_prefix_costs_no_token(folder, ref):
+    first = _ids(200, seed=3)
+    later = torch.cat([first[:, :150], _ids(30, seed=4)], dim=1)
+    with torch.inference_mode():
+        greedy = ref.generate(later, max_new_tokens=24, do_sample=False)
+    with running_swarm(folder, ["0:2", "2:4", "2:4"]) as swarm:
+        with connect(folder, swarm, timing=patient_timing()) as client:  # prefix caching: the default
+            _logits(client, first)  # kept by both servers of the route
+            killer = Disturber(client, swarm, {4: 1})  # the second hop, after the fourth new token
+            with client.inference_session(max_length=later.shape[1] + 32) as session:
+                out = client.generate(later, max_new_tokens=24, do_sample=False, streamer=killer)
+                assert session.hop_states[0].reused == 2 * BLOCK  # the first hop went on from its kept prefix
+            assert killer.killed and client.failovers >= 1
+            assert killer.killed[0] not in {h.peer_id for h in client.route}
+            assert torch.equal(out, greedy)
