@@ -6,7 +6,8 @@ Servers never see token ids: a session's inputs are keyed by a chain of sha-256 
 states, one every ``BLOCK`` positions (``digest k`` = sha-256 of digest k-1 and block k's bytes), computed by this
 server from what it received. A new session's first step is looked up by the digests of its own input, so a reused
 prefix is exactly the input that computed it: a digest forged to collide would have to collide sha-256, and a caller
-who sends other inputs simply finds nothing. Only sessions that ask (``OpenSession.prefix``) are kept or reused,
+who sends other inputs simply finds nothing. Even then, a few input rows of each block, at offsets this server drew
+and never tells, are kept and compared before anything is reused. Only sessions that ask (``OpenSession.prefix``) are kept or reused,
 only plain steps (default positions, no padding mask) count, and only caches of full-attention layers written in
 place (``GrowingLayer``), without an adapter, on weights that do not learn.
 
@@ -15,11 +16,14 @@ the namespace it gave (``swarm.api`` gives each API key its own), so nobody can 
 Sharing (a public system prompt) needs both sides: the server's ``--share-prefixes`` and the session's
 ``prefix.share``; shared entries are found by every sharing session. An entry counts in the KV budget under the
 caller that computed it, within that caller's share (its own oldest entries leave first), and any new session's
-room evicts the least recently used entries before it waits (``peers.serving.kv_cache.CacheBudget``)."""
+room evicts the least recently used entries before it waits (``peers.serving.kv_cache.CacheBudget``). What an open
+session keeps to be kept later (its trail: outputs, inputs to hash) is counted as it grows, never reserved ahead,
+and given up (the session is then not kept) when a new session needs the room."""
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -33,6 +37,7 @@ from swarm.families.span import GrowingLayer
 from swarm.ids import Span
 
 BLOCK = 64  # positions per digest: what a reuse is rounded down to
+PICKS = 4  # input rows of each block kept beside its digest, at offsets only this server knows: checked on reuse
 SHARED = ("", "shared")  # the scope of entries every sharing session finds
 Scope = tuple[str, str]  # (caller's identity, its namespace), or SHARED
 
@@ -57,36 +62,45 @@ def block_digests(previous: bytes, hidden: torch.Tensor) -> list[bytes]:
 class Trail:
     """What a session that may be kept has seen: the digests of its inputs' whole blocks, the inputs since the block
     its last step began in (a step sent again from inside the last step is hashed again), and every position's
-    output. Any step that is not plain breaks it: the session is then neither kept nor a source of digests."""
+    output, and a few input rows of each block (``picks``: offsets in it). Any step that is not plain breaks it: the
+    session is then neither kept nor a source of digests."""
 
-    def __init__(self, limit: int | None = None, hold: Callable[[Trail, int], bool] | None = None) -> None:
+    def __init__(
+        self, limit: int | None = None, hold: Callable[[Trail, int], bool] | None = None, picks: Iterable[int] = (0,)
+    ) -> None:
         self.limit = limit  # positions the session may hold: the outputs' room never grows past it
         # asked before the trail holds more bytes (``PrefixStore.hold``: counted in the KV budget as its caller's);
         # False (no room): the trail breaks instead, its session is simply not kept
         self.hold = hold
         self.nbytes = 0  # what it holds now, as counted
         self.digests: list[bytes] = []
+        self.picks = torch.tensor(sorted(picks), dtype=torch.long)
+        self.samples: list[torch.Tensor] = []  # [batch, picks, hidden] per whole block: its inputs at ``picks``
         self.rows: torch.Tensor | None = None  # inputs of positions [base, held)
         self.base = 0
         self.outputs: torch.Tensor | None = None  # [batch, room, hidden]: positions [0, held) are filled
         self.held = 0
         self.broken = False
 
-    def ahead(self, position: int, hidden: torch.Tensor) -> tuple[list[bytes], torch.Tensor] | None:
-        """The digests the session would hold after a step at ``position`` of inputs ``hidden``, and the rows from
-        ``base`` to its end (None: the step begins before what can be hashed again, and the trail breaks)."""
+    def ahead(self, position: int, hidden: torch.Tensor) -> Seen | None:
+        """What the session would hold after a step at ``position`` of inputs ``hidden`` (None: the step begins
+        before what can be hashed again, and the trail breaks)."""
         if self.broken or not self.base <= position <= self.held:
             self.broken = True
             return None
         rows = hidden if self.rows is None else torch.cat([self.rows[:, : position - self.base], hidden], dim=1)
         digests = self.digests[: position // BLOCK]  # blocks past the step's start are worked out again
         start = len(digests) * BLOCK  # digests cover [0, start), and base <= start: the rows hold all after it
-        return digests + block_digests(digests[-1] if digests else b"", rows[:, start - self.base :]), rows
+        new = block_digests(digests[-1] if digests else b"", rows[:, start - self.base :])
+        at = start - self.base
+        picked = [rows[:, at + b * BLOCK + self.picks] for b in range(len(new))]
+        return Seen(digests + new, self.samples[: len(digests)] + picked, rows)
 
-    def record(self, position: int, out: torch.Tensor, digests: list[bytes], rows: torch.Tensor) -> None:
-        """A step at ``position`` answered ``out``; ``digests`` and ``rows``: what ``ahead`` said of it."""
+    def record(self, position: int, out: torch.Tensor, seen: Seen) -> None:
+        """A step at ``position`` answered ``out``; ``seen``: what ``ahead`` said of it."""
         if self.broken:  # its room was taken while the step ran
             return
+        rows = seen.rows
         base = (position // BLOCK) * BLOCK  # a later step may begin back at ``position``: its block's rows stay
         kept = rows[:, base - self.base :]
         end = position + out.shape[1]
@@ -96,7 +110,8 @@ class Trail:
             room = max(end, 2 * room)
             room = min(room, max(end, self.limit)) if self.limit is not None else room
         row = out.shape[0] * out.shape[2] * out.element_size()
-        if self.hold is not None and not self.hold(self, row * room + kept.numel() * kept.element_size()):
+        picked = len(seen.samples) * row * len(self.picks)
+        if self.hold is not None and not self.hold(self, row * room + kept.numel() * kept.element_size() + picked):
             self.drop()
             return
         if buf is None or end > buf.shape[1]:
@@ -105,14 +120,23 @@ class Trail:
                 grown[:, : self.held] = buf[:, : self.held]
             buf = self.outputs = grown
         buf[:, position:end] = out
-        self.digests = digests
+        self.digests, self.samples = seen.digests, seen.samples
         self.rows, self.base, self.held = kept.clone(), base, end
 
     def drop(self) -> None:
         """Break the trail and let go of what it holds (its room is needed, or its session cannot be kept)."""
-        self.broken, self.rows, self.outputs, self.digests = True, None, None, []
+        self.broken, self.rows, self.outputs, self.digests, self.samples = True, None, None, [], []
         if self.hold is not None and self.nbytes:
             self.hold(self, 0)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a trail would hold after a step: its blocks' digests and sampled inputs, and the rows from its base."""
+
+    digests: list[bytes]
+    samples: list[torch.Tensor]
+    rows: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -120,6 +144,7 @@ class Entry:
     owner: str  # the caller charged for it (its scope and batch are in its ``keys``)
     sub: Span
     digests: list[bytes]  # one per whole block it holds
+    samples: list[torch.Tensor]  # ...and its inputs at the store's ``picks`` in each
     cache: DynamicCache
     outputs: torch.Tensor  # [batch, length, hidden]
     nbytes: int
@@ -161,6 +186,8 @@ class PrefixStore:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
         self.index: dict[tuple[object, ...], tuple[Entry, int]] = {}  # (scope, span, batch, digest) -> (entry, blocks)
         self.kept = 0  # bytes of the kept entries
+        self.picks = tuple(sorted(secrets.SystemRandom().sample(range(BLOCK), PICKS)))  # offsets checked on reuse
+        self.collisions = 0  # digests that matched other inputs
         self.trails: dict[int, tuple[Trail, str]] = {}  # open sessions' trails that hold bytes, with their caller
         self.trail_bytes = 0
         budget.spare = self
@@ -172,10 +199,12 @@ class PrefixStore:
 
     # ---- lookup ---------------------------------------------------------------------------------------------------
     def find(
-        self, scopes: Iterable[Scope], sub: Span, batch: int, digests: list[bytes], after: int, weights: object
+        self, scopes: Iterable[Scope], sub: Span, batch: int, seen: Seen, after: int, weights: object
     ) -> Reuse | None:
-        """The kept prefix under any of ``scopes``, computed by ``weights``, that holds the most of the inputs whose
-        block digests are ``digests``, if it holds more than their first ``after`` positions."""
+        """The kept prefix under any of ``scopes``, computed by ``weights``, that holds the most of the inputs
+        ``seen`` has the block digests of, if it holds more than their first ``after`` positions. A digest that
+        matches with other inputs at the sampled offsets (a collision, found or forged) is never reused."""
+        digests = seen.digests
         for k in range(len(digests), after // BLOCK, -1):
             for scope in scopes:
                 hit = self.index.get((scope, sub.start, sub.end, batch, digests[k - 1]))
@@ -186,11 +215,18 @@ class PrefixStore:
                     self._drop(entry)
                     continue
                 if blocks == k and k * BLOCK > after:
+                    if not all(torch.equal(a, b) for a, b in zip(entry.samples[:k], seen.samples[:k], strict=True)):
+                        self.collisions += 1
+                        continue
                     self.entries.move_to_end(id(entry))
                     return Reuse(entry, k * BLOCK)
         return None
 
     # ---- keeping --------------------------------------------------------------------------------------------------
+    def trail(self, owner: str, limit: int) -> Trail:
+        """A new trail for a session of ``owner`` that may hold ``limit`` positions."""
+        return Trail(limit, self.hold(owner), self.picks)
+
     def hold(self, owner: str) -> Callable[[Trail, int], bool]:
         """What a trail of ``owner``'s session asks before it holds ``nbytes`` in all: room is made as for a kept
         entry (the owner's oldest entries over its share, then the least recently used), never by breaking
@@ -239,7 +275,7 @@ class PrefixStore:
             if hit is not None and hit[0].length == k * BLOCK:
                 self._drop(hit[0])
         nbytes = self.cost(sub, batch, length)
-        outputs = trail.outputs[:, :length]
+        outputs, samples = trail.outputs[:, :length], trail.samples[:blocks]
         trail.outputs = None
         trail.drop()  # its bytes are given back first: the entry takes (less than) their place
         if not self._room_for(owner, nbytes):
@@ -249,7 +285,7 @@ class PrefixStore:
             ref: weakref.ref[object] = weakref.ref(weights)
         except TypeError:
             return None
-        entry = Entry(owner, sub, digests, cache, outputs.clone(), nbytes, ref)
+        entry = Entry(owner, sub, digests, samples, cache, outputs.clone(), nbytes, ref)
         self.budget.charge(nbytes, owner)
         self.kept += nbytes
         self.entries[id(entry)] = entry

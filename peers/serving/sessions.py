@@ -20,7 +20,7 @@ from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
-from peers.serving.prefixes import SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
+from peers.serving.prefixes import BLOCK, PICKS, SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
 from peers.serving.runtime import Row
 from peers.serving.scheduler import batching, pieces
 from swarm import wire
@@ -120,7 +120,7 @@ class SessionTable:
             pin=pin,
             caller=caller,
             prefix=msg.prefix if keeps else None,
-            trail=Trail(msg.max_length, self.prefixes.hold(caller)) if keeps and self.prefixes else None,
+            trail=self.prefixes.trail(caller, msg.max_length) if keeps and self.prefixes else None,
         )
         self.open[(caller, session.id)] = session
         self.metrics.served["sessions"] += 1
@@ -134,9 +134,10 @@ class SessionTable:
         return self.cost.session_bytes(msg.start, msg.end, msg.batch_size, msg.max_length)
 
     def prefix_cost(self, sub: Span, batch: int, length: int) -> int:
-        """What a kept prefix of ``length`` positions takes: its cache and its outputs."""
+        """What a kept prefix of ``length`` positions takes: its cache, its outputs and its sampled inputs."""
         kv = self.cost.session_bytes(sub.start, sub.end, batch, length) if self.cost is not None else batch * length
-        return kv + batch * length * self.limits.hidden_size * self.limits.dtype.itemsize
+        rows = length + (length // BLOCK) * PICKS
+        return kv + batch * rows * self.limits.hidden_size * self.limits.dtype.itemsize
 
     def tokens(self, nbytes: int, span: Span | None) -> int:
         """Tokens of one sequence's context that ``nbytes`` of cache hold through ``span``: what records announce
@@ -250,9 +251,8 @@ class SessionTable:
             session.trail = None
             return await self._chunks(session, hidden, mask, pos)
         assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening
-        digests, rows = seen
         found = self.prefixes.find(
-            self._scopes(session), session.sub, session.batch, digests, position, self.loaded.current()
+            self._scopes(session), session.sub, session.batch, seen, position, self.loaded.current()
         )
         if found is None:
             out = await self._chunks(session, hidden, mask, pos)
@@ -272,7 +272,7 @@ class SessionTable:
             out = torch.cat([o.to(outs[-1].dtype) for o in outs], dim=1)
             session.reused = end - position
             self.metrics.prefix_reused += session.reused * session.batch
-        trail.record(position, out, digests, rows)
+        trail.record(position, out, seen)
         return out
 
     async def _chunks(

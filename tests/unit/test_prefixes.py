@@ -16,7 +16,8 @@ from peers.serving.checks import Limits
 from peers.serving.config import ComputeConfig
 from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
-from peers.serving.prefixes import BLOCK, PrefixStore, Trail, block_digests
+from peers.serving import prefixes
+from peers.serving.prefixes import BLOCK, PICKS, PrefixStore, Trail, block_digests
 from peers.serving.sessions import SessionTable
 from swarm.config import Timing
 from swarm.ids import Span
@@ -152,9 +153,10 @@ def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
     for end in (1, 64, 65, 200, 201, 202, 5 * BLOCK + 7):
         seen = trail.ahead(at, hidden[:, at:end])
         assert seen is not None
-        trail.record(at, out[:, at:end], *seen)
+        trail.record(at, out[:, at:end], seen)
         at = end
     assert trail.digests == block_digests(b"", hidden) and len(trail.digests) == 5
+    assert all(torch.equal(trail.samples[b], hidden[:, b * BLOCK + trail.picks]) for b in range(5))
     assert trail.outputs is not None and torch.equal(trail.outputs[:, : trail.held], out)
     assert trail.ahead(100, hidden[:, 10:20]) is None  # before the last step's block: it cannot be hashed again
     assert trail.broken
@@ -163,7 +165,8 @@ def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
 async def test_kept_prefixes_count_in_the_budget_within_the_caller_s_share_and_give_way(backend):
     probe = _table(backend)
     one = probe.prefix_cost(Span(0, 4), 1, 2 * BLOCK)  # what one kept prefix of two blocks takes
-    trail = 2 * (2 * BLOCK + 3) * HIDDEN * 4  # a session's trail after one step of 131: its outputs and inputs
+    # a session's trail after one step of 131: its outputs and inputs, and its blocks' sampled inputs
+    trail = (2 * (2 * BLOCK + 3) + 2 * PICKS) * HIDDEN * 4
     session_cost = probe.session_cost(_open("x", 512))
     assert one > trail
     total = session_cost + trail + one + one // 2
@@ -192,7 +195,7 @@ async def test_a_session_s_trail_counts_as_it_grows_and_gives_way_to_a_new_sessi
     room breaks it: that session answers as before and is simply not kept."""
     probe = _table(backend)
     session_cost = probe.session_cost(_open("x", 512))
-    trail = 2 * (2 * BLOCK + 3) * HIDDEN * 4
+    trail = (2 * (2 * BLOCK + 3) + 2 * PICKS) * HIDDEN * 4
     table = _table(backend, total=2 * session_cost + trail - 1)
     hidden = _inputs(2 * BLOCK + 3, seed=4)
     first = await table.start(_open("x", 512, ASKS), {}, "me")
@@ -210,3 +213,20 @@ async def test_a_session_s_trail_counts_as_it_grows_and_gives_way_to_a_new_sessi
     await table.end(first)
     await table.end(second)
     assert not table.prefixes.entries and table.budget.used == 0 and not table.budget.held
+
+
+async def test_a_digest_that_collides_with_other_inputs_is_never_reused(backend, monkeypatch):
+    """Digests made to collide (here every block hashes alike) find the kept entry, but its inputs at the offsets only
+    the server knows differ: nothing is reused and the answer is a fresh computation's. The same inputs still are."""
+    monkeypatch.setattr(prefixes, "block_digests", lambda previous, hidden: [b"same"] * (hidden.shape[1] // BLOCK))
+    table = _table(backend)
+    first = _inputs(3 * BLOCK, seed=6)
+    await _run(table, "me", "a", first)
+    assert table.prefixes is not None and len(table.prefixes.entries) == 1
+    other = _inputs(3 * BLOCK + 5, seed=7)
+    out, reused = await _run(table, "me", "b", other)
+    assert reused == [0] and table.prefixes.collisions == 1
+    assert torch.allclose(out, _fresh(backend, other), atol=1e-5)
+    again = torch.cat([first, other[:, :5]], dim=1)
+    out, reused = await _run(table, "me", "c", again)
+    assert reused == [3 * BLOCK] and torch.allclose(out, _fresh(backend, again), atol=1e-5)
