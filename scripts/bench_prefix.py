@@ -16,6 +16,10 @@ short question, one after another, both with prefix caching (the default): throu
 (``--share-prefixes``, and servers started with it) and one that does not (each key's prefixes are private),
 alternating. Per request: cached tokens and time to first token of each; the answers must be equal.
 
+Beside them, **local**: the same model in this process (Hugging Face, every core), computing each turn's prompt
+past what the kept session had cached, from a KV cache of the rest: what a perfect prefix cache costs, the model's own
+growth with the history (attention over a longer past), against which the swarm's turn 10 / turn 1 is read.
+
 Nothing is asserted beyond the equal answers; numbers are this machine's."""
 
 from __future__ import annotations
@@ -113,13 +117,51 @@ def ask_all(clients: dict[str, openai.OpenAI], model: str, history: list[dict[st
     return answers.pop()
 
 
-def conversation(apis: dict[str, openai.OpenAI], model: str, turns: int, tokens: int) -> list[Row]:
+class Local:
+    """The model in this process: the time to the first token of a prompt whose first ``past`` tokens are cached."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from swarm.config import default_cache_dir, load_model_card
+        from swarm.model_files import model_folder
+
+        folder = model_folder(load_model_card(model), default_cache_dir())
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def first_token(self, history: list[dict[str, str]], past: int) -> float:
+        from transformers import DynamicCache
+
+        ids = self.tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, self.torch.Tensor) else ids["input_ids"]
+        past = min(past, ids.shape[1] - 1)
+        times = []
+        with self.torch.inference_mode():
+            for _ in range(2):
+                cache = DynamicCache()
+                if past:
+                    self.model(ids[:, :past], past_key_values=cache, use_cache=True)
+                start = time.perf_counter()
+                out = self.model(ids[:, past:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                int(out.logits[0, -1].argmax())
+                times.append(time.perf_counter() - start)
+        return min(times)
+
+
+def conversation(apis: dict[str, openai.OpenAI], model: str, turns: int, tokens: int, local: Local) -> list[Row]:
     rows: list[Row] = []
     history: list[dict[str, str]] = []
     for t in range(1, turns + 1):
         history.append({"role": "user", "content": paragraph(t)})
         rows.append({"turn": t})
-        history.append({"role": "assistant", "content": ask_all(apis, model, history, tokens, rows[-1])})
+        answer = ask_all(apis, model, history, tokens, rows[-1])
+        cached = int(rows[-1]["kept_cached"])
+        rows[-1] |= {"local_cached": cached, "local_s": local.first_token(history, cached)}
+        print(f"  local, {cached} cached: {rows[-1]['local_s']:.2f} s", flush=True)
+        history.append({"role": "assistant", "content": answer})
     return rows
 
 
@@ -172,7 +214,7 @@ def main() -> None:
             }
             for client in apis.values():  # every path warm
                 turn(client, args.model, [{"role": "user", "content": "Hello"}], 2)
-            talk = conversation(apis, args.model, args.turns, args.tokens)
+            talk = conversation(apis, args.model, args.turns, args.tokens, Local(args.model))
         with (
             ApiProcess(swarm.initial_peers, *keyed, "--share-prefixes", test_timings=False) as sharing,
             ApiProcess(swarm.initial_peers, *keyed, test_timings=False) as private,
@@ -180,7 +222,12 @@ def main() -> None:
             system = shared({"shared": sharing.url, "private": private.url}, args.model, args.requests, args.tokens)
     print(f"\n{args.model}, {len(args.spans)} peers on 127.0.0.1, greedy, {args.tokens} tokens an answer")
     print("\n(a) a conversation, time to first token per turn")
-    table(talk, "turn", ["kept", "prefixes", "plain"])
+    table(talk, "turn", ["kept", "prefixes", "plain", "local"])
+    last, one = talk[-1], talk[0]
+    print(
+        f"turn {last['turn']:.0f} / turn 1, time to first token: "
+        + ", ".join(f"{n} {last[f'{n}_s'] / one[f'{n}_s']:.2f}x" for n in ("kept", "prefixes", "plain", "local"))
+    )
     print(f"\n(b) {args.requests} requests sharing a system prompt, one key each")
     table(system, "request", ["shared", "private"])
     if args.json is not None:
