@@ -1,6 +1,7 @@
 """Long conversations and shared prompts through ``python -m swarm.api``, measured in the same run on one local swarm.
 
     python scripts/bench_prefix.py [--model smollm2-135m] [--turns 10] [--tokens 48] [--requests 16] [--json out.json]
+    python scripts/bench_prefix.py --wan [--wan-prompt 2000] [--codecs auto none float16 block8]
 
 (a) A conversation's turns, each sent as OpenAI clients send it (the whole history again, with the official
 ``openai`` client, streamed, greedy); a turn's user message is a paragraph of about 150 tokens, so the history grows
@@ -15,6 +16,13 @@ equal (greedy). Per turn: the prompt's tokens, those reported cached, and time t
 short question, one after another, both with prefix caching (the default): through an API that shares prefixes
 (``--share-prefixes``, and servers started with it) and one that does not (each key's prefixes are private),
 alternating. Per request: cached tokens and time to first token of each; the answers must be equal.
+
+(c) ``--wan``: a prompt of ``--wan-prompt`` tokens (2,000) behind the WAN emulator (``scripts/bench_wan.py``: the
+client and each of 3 servers in its own node, 50 ms one way, 20 Mbit/s each way; servers on one thread each, chained
+steps), its time to first token for each of ``--codecs`` (``auto``: what the client picks per link) against its
+floor: the bytes the client sent the first hop (the prompt's hidden states after compression, the bytes every hop
+sends on) over the link's rate, plus the compute (one process running the whole model on one thread, same run).
+Needs root and /dev/net/tun; run alone, it skips (a) and (b).
 
 Beside them, **local**: the same model in this process (Hugging Face, every core), computing each turn's prompt
 past what the kept session had cached, from a KV cache of the rest: what a perfect prefix cache costs, the model's own
@@ -187,6 +195,33 @@ def table(rows: list[Row], key: str, names: list[str]) -> None:
         print(f"| {r[key]:.0f} | {r['prompt']:.0f} | {cells} |")
 
 
+def wan(codecs: list[str], prompt: int) -> None:
+    """Part (c): one ``bench_wan.py`` run per codec (link c, chained, the direct plane), each with its own floor."""
+    import subprocess
+    import tempfile
+
+    mbit = 20.0
+    print(f"(c) a {prompt}-token prompt's first token behind 50 ms / {mbit:.0f} Mbit/s links, 3 servers", flush=True)
+    rows = []
+    for codec in codecs:
+        out = Path(tempfile.mkdtemp()) / "wan.json"
+        argv = [sys.executable, str(Path(__file__).parent / "bench_wan.py"), "--models", "smollm2-135m"]
+        argv += ["--links", "c", "--planes", "direct", "--chain", "on", "--tasks", "ttft"]
+        argv += ["--prompt-len", str(prompt), "--codec", codec, "--json", str(out)]
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        got = json.loads(out.read_text())
+        compute = got["local"]["smollm2-135m"]["ttft_s"]
+        (row,) = [r for r in got["results"] if r["task"] == "ttft" and r["mode"].endswith(f"codec={codec}")]
+        floor = row["sent_bytes"] * 8 / (mbit * 1e6) + compute
+        rows.append((codec, row["sent_bytes"], compute, floor, row["ttft_s"]))
+        print(f"  {codec}: {row['ttft_s']:.2f} s, floor {floor:.2f} s: {row['ttft_s'] / floor:.2f}x", flush=True)
+    print("| codec | bytes per hop | compute | floor | first token | x floor |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for codec, sent, compute, floor, ttft in rows:
+        cells = f"{sent / 1e6:.2f} MB | {compute:.2f} s | {floor:.2f} s | {ttft:.2f} s | {ttft / floor:.2f}x"
+        print(f"| {codec} | {cells} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -195,7 +230,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--wan", action="store_true", help="part (c) only: behind the WAN emulator (root)")
+    p.add_argument("--wan-prompt", type=int, default=2000)
+    p.add_argument("--codecs", nargs="+", default=["auto", "none", "float16", "block8"])
     args = p.parse_args()
+    if args.wan:
+        wan(args.codecs, args.wan_prompt)
+        return
     common = ("--model", args.model, "--codec", "none", "--max-context", "4096", "--keep-idle", "600")
     keys = tuple(f"key-{r:04d}" for r in range(args.requests))
     keyed = (*common, "--keep-sessions", "0", *(a for k in keys for a in ("--api-key", k)))

@@ -208,8 +208,11 @@ def task_decode_ttft(spec: dict[str, Any], mode: dict[str, Any], do_decode: bool
                 **dec,
             )
         if do_ttft:
-            ttft = measure_ttft(client, long, int(spec.get("ttft_repeats", 1)))
-            emit(task="ttft", mode=mode["name"], applied=applied, ttft_s=ttft)
+            before = dict(traffic)
+            repeats = int(spec.get("ttft_repeats", 1))
+            ttft = measure_ttft(client, long, repeats)
+            sent = (traffic.get("sent_bytes", 0) - before.get("sent_bytes", 0)) / repeats  # the prompt, to hop 1
+            emit(task="ttft", mode=mode["name"], applied=applied, ttft_s=ttft, sent_bytes=sent)
 
 
 def task_finetune(spec: dict[str, Any], mode: dict[str, Any]) -> None:

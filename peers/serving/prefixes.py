@@ -7,9 +7,9 @@ states, one every ``BLOCK`` positions (``digest k`` = sha-256 of digest k-1 and 
 server from what it received. A new session's first step is looked up by the digests of its own input, so a reused
 prefix is exactly the input that computed it: a digest forged to collide would have to collide sha-256, and a caller
 who sends other inputs simply finds nothing. Even then, a few input rows of each block, at offsets this server drew
-and never tells, are kept and compared before anything is reused. Only sessions that ask (``OpenSession.prefix``) are kept or reused,
-only plain steps (default positions, no padding mask) count, and only caches of full-attention layers written in
-place (``GrowingLayer``), without an adapter, on weights that do not learn.
+and never tells, are kept and compared before anything is reused. Only sessions that ask (``OpenSession.prefix``)
+are kept or reused, only plain steps (default positions, no padding mask) count, and only caches of full-attention
+layers written in place (``GrowingLayer``), without an adapter, on weights that do not learn.
 
 Private by default: an entry is found only under the scope it was kept in, the authenticated caller's identity and
 the namespace it gave (``swarm.api`` gives each API key its own), so nobody can probe by timing what another asked.

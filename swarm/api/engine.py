@@ -342,8 +342,9 @@ def _speculative(
         return logits
 
     def on_tokens(tokens: list[int]) -> bool:
-        if outcome.first_token_s is None:
+        if outcome.first_token_s is None:  # the prompt went through: what servers' kept prefixes answered of it
             outcome.first_token_s = time.monotonic() - start
+            outcome.cached_tokens = min(session.reused, len(prompt))
         for token in tokens:
             outcome.completion_tokens += 1
             if token in served.eos:

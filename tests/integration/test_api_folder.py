@@ -101,7 +101,8 @@ def test_an_api_serving_a_folder_answers_and_shows_its_swarm(folder, monkeypatch
 def test_an_api_with_a_drafter_answers_as_plain_decoding(folder):
     """``--draft``: speculative decoding behind the API. Greedy answers equal local Hugging Face's (the prompt
     repeats itself, so prompt lookup drafts), a streamed one too, sampled ones repeat with their seed, several
-    choices decode plainly; a drafter that cannot be loaded stops the API at start with the reason."""
+    choices decode plainly, a prompt sent again reuses the servers' kept prefix (``cached_tokens``); a drafter that
+    cannot be loaded stops the API at start with the reason."""
     from transformers import AutoTokenizer
 
     from swarm.errors import BadInputError
@@ -135,6 +136,15 @@ def test_an_api_with_a_drafter_answers_as_plain_decoding(folder):
                     assert got["choices"] == want["choices"], (draft, seed)
                 two = http.post("/v1/completions", json={**seeded, "n": 2}).json()  # several choices: plainly
                 assert len(two["choices"]) == 2 and two["choices"][0]["text"] == plain[0]["choices"][0]["text"]
+            # the servers kept what a speculative answer's session computed: the same long prompt again reuses its
+            # whole blocks, and says so as OpenAI does
+            with api(*base, "--draft", draft, "--draft-max", "4", "--keep-sessions", "0") as http:
+                long = {**body, "prompt": " ".join(f"w{i % 50}" for i in range(90))}
+                first, again = (http.post("/v1/completions", json=long).json() for _ in range(2))
+                assert first["usage"]["prompt_tokens"] >= 64 and first["choices"] == again["choices"], draft
+                assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                whole = 64 * (first["usage"]["prompt_tokens"] // 64)  # the prompt's whole blocks
+                assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == whole, draft
         with pytest.raises(BadInputError, match="first:9"):
             with api(*base, "--draft", "first:9"):
                 pass

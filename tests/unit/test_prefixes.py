@@ -12,11 +12,11 @@ import torch
 from peers.blocks.backend import SpanBackend
 from peers.blocks.families import family_for
 from peers.blocks.loader import load_span
+from peers.serving import prefixes
 from peers.serving.checks import Limits
 from peers.serving.config import ComputeConfig
 from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
-from peers.serving import prefixes
 from peers.serving.prefixes import BLOCK, PICKS, PrefixStore, Trail, block_digests
 from peers.serving.sessions import SessionTable
 from swarm.config import Timing
