@@ -97,7 +97,11 @@ class CacheBudget:
                     f"no KV-cache room: {_mb(nbytes)} wanted, {_mb(self.free)} of {_mb(self.total)} free after "
                     f"{timeout:.1f} s"
                 ) from None
-            if self._over_share(caller, nbytes):  # the caller's other sessions took it while this waited
+            # while this waited, the caller's other sessions may have taken its share, or their trails grown into it
+            # (``peers.serving.prefixes``): what it keeps for later goes first, as above
+            if self._over_share(caller, nbytes) and self.spare is not None:
+                self.spare.evict(self.held[caller] + nbytes - self.per_caller, caller)
+            if self._over_share(caller, nbytes):
                 raise BusyError(f"this caller holds {_mb(self.held[caller])} of its {_mb(self.per_caller)} of KV cache")
             if self.free < nbytes and self.spare is not None:  # the least recently used kept prefixes make room
                 self.spare.evict(nbytes - self.free)

@@ -6,6 +6,8 @@ caller's share, and give way to new sessions."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -230,3 +232,22 @@ async def test_a_digest_that_collides_with_other_inputs_is_never_reused(backend,
     again = torch.cat([first, other[:, :5]], dim=1)
     out, reused = await _run(table, "me", "c", again)
     assert reused == [3 * BLOCK] and torch.allclose(out, _fresh(backend, again), atol=1e-5)
+
+
+async def test_a_caller_s_own_trails_never_make_its_next_session_busy():
+    """A trail counts in its caller's share, but a new session of that caller takes its room back: here the trail grew
+    while the new session waited for room, which then came (the share is checked again, the trail goes first)."""
+    unit, grown = 1000, 100
+    budget = CacheBudget(3 * unit + grown, per_caller=2 * unit)
+    store = PrefixStore(budget, lambda sub, batch, length: 0)
+    await budget.reserve(unit, 1.0, "me")
+    await budget.reserve(2 * unit, 1.0, "you")
+    waiting = asyncio.create_task(budget.reserve(unit, 30.0, "me"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # no room yet
+    trail = store.trail("me", 16)
+    assert trail.hold is not None and trail.hold(trail, grown)  # it grows meanwhile, within the caller's share
+    assert budget.held["me"] == unit + grown
+    await budget.release(2 * unit, "you")
+    assert await waiting == unit and trail.broken
+    assert budget.held["me"] == 2 * unit and store.trail_bytes == 0
