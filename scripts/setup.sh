@@ -11,6 +11,28 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# Debian packages, installed when missing (through sudo unless root; the package lists are refreshed only if the first
+# try fails): Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it); Chromium and its
+# ChromeDriver run the dashboard's browser test (Selenium drives /usr/bin/chromium through /usr/bin/chromedriver;
+# browsers downloaded from elsewhere cannot be fetched here). They install in the background while pip installs
+# the Python side (both mostly wait on downloads and the disk); the set-up waits for both.
+debian_packages() {
+  MISSING=()
+  command -v dot >/dev/null || MISSING+=(graphviz)
+  command -v chromium >/dev/null || MISSING+=(chromium)
+  command -v chromedriver >/dev/null || MISSING+=(chromium-driver)
+  if [ ${#MISSING[@]} -gt 0 ]; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    # env after sudo: sudo resets the environment it was given
+    if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"; then
+      $SUDO apt-get update -q
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"
+    fi
+  fi
+}
+debian_packages &
+APT_PID=$!
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
@@ -23,21 +45,5 @@ fi
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 printf '%s\n' "$PWD" > "$SITE/swarm-checkout.pth"
 
-# Debian packages, installed when missing (through sudo unless root; the package lists are refreshed only if the first
-# try fails): Graphviz's `dot` draws plans (`python -m swarm.plan --png`; its tests need it); Chromium and its
-# ChromeDriver run the dashboard's browser test (Selenium drives /usr/bin/chromium through /usr/bin/chromedriver;
-# browsers downloaded from elsewhere cannot be fetched here).
-MISSING=()
-command -v dot >/dev/null || MISSING+=(graphviz)
-command -v chromium >/dev/null || MISSING+=(chromium)
-command -v chromedriver >/dev/null || MISSING+=(chromium-driver)
-if [ ${#MISSING[@]} -gt 0 ]; then
-  SUDO=""
-  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-  # env after sudo: sudo resets the environment it was given
-  if ! $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"; then
-    $SUDO apt-get update -q
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${MISSING[@]}"
-  fi
-fi
+wait "$APT_PID"  # its failure fails the set-up
 .venv/bin/python -c "import torch; cuda = torch.version.cuda; print(f'torch {torch.__version__}:', f'CUDA {cuda} build' if cuda else 'CPU build')"

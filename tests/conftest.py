@@ -51,9 +51,43 @@ def pytest_configure(config: pytest.Config) -> None:
     FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
 
 
+# The files that take longest (seconds of a fresh-clone run on the 2-core VM, stop 71), longest first: the two workers
+# take files in the order collected (scripts/test.sh: ``--no-loadscope-reorder``), so these start first and the many
+# short files fill in around them, instead of one long file starting last while the other worker idles. Order only:
+# which tests run, and how, does not depend on it.
+LONGEST_FIRST = (
+    "tests/integration/test_families.py",  # 260
+    "tests/integration/test_pretrain.py",  # 254
+    "tests/integration/test_nat_swarm.py",  # 199
+    "tests/unit/test_family_infer.py",  # 178: the coverage walk
+    "tests/integration/test_reachability_matrix.py",  # 166
+    "tests/integration/test_gpu_check.py",  # 127
+    "tests/integration/test_busy.py",  # 118
+    "tests/integration/test_api_features.py",  # 109
+    "tests/integration/test_smollm.py",  # 93
+    "tests/integration/test_attacks.py",  # 92
+    "tests/integration/test_readme_tour.py",  # 91
+    "tests/integration/test_failover.py",  # 90
+)
+
+
+def _file_order(item: pytest.Item) -> tuple[int, int]:
+    path = item.nodeid.split("::", 1)[0]
+    if path in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(path)
+    return (1 if item.get_closest_marker("slow") is not None else 2), 0  # then files with a slow test, then the rest
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``SWARM_TEST_PHASE=shared`` leaves out the tests marked ``alone``, ``=alone`` keeps only them: scripts/test.sh
-    runs the rest on two workers, then these by themselves (unset: every test, as pytest alone runs them)."""
+    runs the rest on two workers, then these by themselves (unset: every test, as pytest alone runs them). Files are
+    ordered longest first (``LONGEST_FIRST``), each file's tests kept together in their own order."""
+    files: dict[str, tuple[int, int]] = {}
+    for item in items:  # a file goes where its heaviest test puts it
+        path = item.nodeid.split("::", 1)[0]
+        files[path] = min(files.get(path, (3, 0)), _file_order(item))
+    position = {path: i for i, path in enumerate(files)}
+    items.sort(key=lambda it: (*files[it.nodeid.split("::", 1)[0]], position[it.nodeid.split("::", 1)[0]]))
     phase = os.environ.get("SWARM_TEST_PHASE", "")
     if phase not in ("shared", "alone"):
         return

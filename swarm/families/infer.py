@@ -23,8 +23,12 @@ that only padding fills (left-padded batches) then come out as Hugging Face's do
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import inspect
 import re
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -135,13 +139,35 @@ def _stages(lm_class: type[PreTrainedModel], base: torch.nn.Module, layers: str)
     return (norms[0] if norms else ""), (positions[0] if positions else None), embed_norm
 
 
+@functools.cache
+def _peft_targets() -> dict[str, list[str]]:
+    """PEFT's default LoRA targets per model type, read from its source: importing ``peft`` loads bitsandbytes,
+    torchao and torch's compiler (seconds on every start of a server of an inferred family, which needs only this
+    table); the import is the fallback where the table is not a plain literal."""
+    spec = importlib.util.find_spec("peft")  # a top-level package: found, not run
+    if spec is not None and spec.origin is not None:
+        try:
+            tree = ast.parse((Path(spec.origin).parent / "utils" / "constants.py").read_text())
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
+                    for t in node.targets
+                ):
+                    table = ast.literal_eval(node.value)
+                    if isinstance(table, dict):
+                        return {str(k): list(v) for k, v in table.items()}
+        except (OSError, SyntaxError, ValueError):
+            pass
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    return {k: list(v) for k, v in PEFT_TARGETS.items()}
+
+
 def _lora_targets(layers: torch.nn.ModuleList, model_type: str) -> tuple[str, ...]:
     """PEFT's default targets for the model type where it has them, else the attention's query and value over all
     layers (a hybrid's first may be a state-space layer, whose projections PEFT refuses), else a likely fused one."""
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
-
     leaves = {path.rsplit(".", 1)[-1] for path, m in layers.named_modules() if isinstance(m, torch.nn.Linear)}
-    known = PEFT_TARGETS.get(model_type)
+    known = _peft_targets().get(model_type)
     if known and set(known) <= leaves:
         return tuple(known)
     for pair in (("q_proj", "v_proj"),):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,3 +157,18 @@ def test_lora_on_an_inferred_family_is_proven_against_peft_and_a_wrong_delta_is_
     lora_check._PROVEN.clear()
     problem = lora_check.check_lora(opt, targets)
     assert problem is not None and "off by" in problem
+
+
+def test_peft_default_targets_are_read_from_its_source_without_importing_it():
+    """A server of an inferred family needs only PEFT's table of default LoRA targets; importing ``peft`` for it
+    would load bitsandbytes, torchao and torch's compiler on every start (seconds). The table read equals PEFT's."""
+    code = (
+        "import sys\n"
+        "from swarm.families.infer import _peft_targets\n"
+        "table = _peft_targets()\n"
+        "assert 'peft' not in sys.modules and 'bitsandbytes' not in sys.modules, 'imported'\n"
+        "from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as theirs\n"
+        "assert table == {k: list(v) for k, v in theirs.items()} and table['llama'] == ['q_proj', 'v_proj'], table\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
