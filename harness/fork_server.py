@@ -13,9 +13,11 @@ environment (libraries may have read it at import); ``LocalSwarm`` starts a peer
 ``subprocess``.
 
 A child may run another module's ``main(argv)`` instead (``spawn(..., main=MODULE)``: the attack tests fork their
-malicious process, which needs the same imports).
+malicious process, which needs the same imports), and in a network namespace (``spawn(..., netns=NAME)``: a WAN
+emulator's node, ``harness.wan.nodes.WanSwarm``), which it enters before it runs anything (``setns``; what ``ip netns
+exec`` does for the network, without its private mounts, which a peer does not use).
 
-Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr", "main"}`` on stdin; replies
+Protocol, one JSON object per line: requests ``{"argv", "env", "stdout", "stderr", "main", "netns"}`` on stdin; replies
 ``{"ready": true}`` once imported, ``{"pid": N}`` per request, ``{"exit": N, "code": C}`` per reaped child."""
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from harness.env import child_env
 
 _POLL_S = 0.05  # how often the server reaps and a reader looks for new output
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_CLONE_NEWNET = 0x40000000  # linux/sched.h
 _STOP_GRACE_S = 20.0  # a peer's clean shutdown (DHT, p2pd) takes a few seconds on 2 busy cores
 
 
@@ -154,10 +157,16 @@ class ForkServer:
             self._lock.notify_all()
 
     def spawn(
-        self, argv: Sequence[str], log_path: Path, timeout: float = 30.0, main: str = "swarm.serve"
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        timeout: float = 30.0,
+        main: str = "swarm.serve",
+        netns: str | None = None,
     ) -> ForkedPeer:
-        """Fork a peer running ``python -m swarm.serve *argv`` (or ``python -m MAIN *argv``); its stderr goes to
-        ``log_path``, its stdout to ``log_path`` with the suffix ``.out``."""
+        """Fork a peer running ``python -m swarm.serve *argv`` (or ``python -m MAIN *argv``), inside the network
+        namespace ``netns`` if given (``ip netns``' name); its stderr goes to ``log_path``, its stdout to
+        ``log_path`` with the suffix ``.out``."""
         stdout_path = log_path.with_suffix(".out")
         stdout_path.write_text("")
         request = {
@@ -166,6 +175,7 @@ class ForkServer:
             "stdout": str(stdout_path),
             "stderr": str(log_path),
             "main": main,
+            "netns": netns,
         }
         assert self._proc.stdin is not None
         with self._spawning, self._lock:
@@ -202,6 +212,8 @@ def _child(request: dict[str, Any], server: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
     _term_with_parent(server)
+    if request.get("netns"):
+        _enter_netns(str(request["netns"]))
     _own_process_locks()
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
@@ -216,6 +228,17 @@ def _child(request: dict[str, Any], server: int) -> int:
     sys.argv = [f"python -m {request['main']}", *request["argv"]]
     code: int = importlib.import_module(request["main"]).main(list(request["argv"]))
     return code
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded, just forked) process into the network namespace ``ip netns add`` named ``name``."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({name})")
+    finally:
+        os.close(fd)
 
 
 def _own_process_locks() -> None:

@@ -1,5 +1,6 @@
-"""A real swarm behind emulated links: every server a ``python -m swarm.serve`` process in its own WAN node, listening
-on that node's address, and clients (``harness.wan.client_job``) in nodes of their own. Used by ``scripts/bench_wan.py``
+"""A real swarm behind emulated links: every server a ``python -m swarm.serve`` process in its own WAN node (or, given
+a fork server, ``fork=``, forked from it into the node's namespace: the imports paid once), listening on that
+node's address, and clients (``harness.wan.client_job``) in nodes of their own. Used by ``scripts/bench_wan.py``
 and ``tests/integration/test_wan_swarm.py``. Every process is stopped by the PID this object started, never by name.
 
     with Wan(WanConfig(nodes=("c", "s1", "s2"), delay_ms=20, mbit=100)) as wan:
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from harness.env import child_env
+from harness.fork_server import ForkServer
 from harness.wan.emulator import Wan
-from swarm.launch import LocalSwarm, PeerProcess
+from swarm.launch import LocalSwarm, PeerHandle, PeerProcess
 
 
 class WanSwarm(LocalSwarm):
@@ -33,9 +35,13 @@ class WanSwarm(LocalSwarm):
         model: str,
         spans: dict[str, str | None],
         node_args: dict[str, tuple[str, ...]] | None = None,
+        fork: ForkServer | None = None,
         **kwargs: Any,
     ) -> None:
+        """``fork``: fork the servers from this fork server into their nodes (the tests') instead of ``ip netns
+        exec``."""
         super().__init__(model, list(spans.values()), **kwargs)
+        self.fork = fork
         self.node_args = dict(node_args or {})
         self.wan = wan
         self.nodes = list(spans)
@@ -82,10 +88,17 @@ class WanSwarm(LocalSwarm):
             cmd.append("--test-timings")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"peer-{len(self.peers)}-{node}-{(span or 'auto').replace(':', '_')}.log"
-        env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-        with open(log_path, "w") as stderr:
-            # ``ip netns exec`` execs the command, so this PID is the server's own
-            proc = self.wan.popen(node, cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        proc: PeerHandle
+        # forked into the node (``--threads 1`` keeps it to one thread as OMP_NUM_THREADS would: the fork server
+        # read its environment at import)
+        if self.fork is not None and not self.env_overrides:
+            log_path.write_text("")
+            proc = self.fork.spawn(cmd[3:], log_path, netns=self.wan.namespace(node))
+        else:
+            env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+            with open(log_path, "w") as stderr:
+                # ``ip netns exec`` execs the command, so this PID is the server's own
+                proc = self.wan.popen(node, cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         peer = PeerProcess(proc, span, tuple(args), log_path)
         threading.Thread(target=peer._watch_stdout, daemon=True).start()
         self.peers.append(peer)

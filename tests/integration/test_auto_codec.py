@@ -87,7 +87,7 @@ def crossings(ref, codec: Codec, after: dict[int, int], min_tokens: int = 1) -> 
 
 @pytest.mark.slow
 @pytest.mark.skipif(WAN_REASON is not None, reason=WAN_REASON or "")
-def test_auto_compresses_behind_a_slow_link_and_only_where_it_pays(tiny_models, tmp_path):
+def test_auto_compresses_behind_a_slow_link_and_only_where_it_pays(tiny_models, tmp_path, fork_server):
     folder = str(tiny_models["llama"])
     ref = local_reference(tiny_models["llama"])
     assert ClientConfig.codec == "auto"  # the default, which the client job below keeps (it applies no codec)
@@ -102,7 +102,9 @@ def test_auto_compresses_behind_a_slow_link_and_only_where_it_pays(tiny_models, 
     )
     with Wan(WanConfig(nodes=("c", *SPANS), delay_ms=10.0, mbit=LINK_MBIT)) as wan:
         args = (*TEST_SERVER_ARGS, *SERVERS)
-        with WanSwarm(wan, folder, dict(SPANS), extra_args=args, test_timings=True, log_dir=tmp_path) as swarm:
+        with WanSwarm(
+            wan, folder, dict(SPANS), extra_args=args, test_timings=True, log_dir=tmp_path, fork=fork_server
+        ) as swarm:
             spec["initial_peers"] = swarm.initial_peers
             with ClientJob(wan, "c", spec, log_path=tmp_path / "client.log") as job:
                 results = {r["task"]: r for r in job.lines(JOB_TIMEOUT) if "task" in r}

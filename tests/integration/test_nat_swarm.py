@@ -37,7 +37,7 @@ METRICS_PORT = 9464  # the full-cone server's metrics, on its own namespace's lo
 
 
 @pytest.fixture(scope="module")
-def nat_swarm(folder, tmp_path_factory):
+def nat_swarm(folder, tmp_path_factory, fork_server):
     logs = tmp_path_factory.mktemp("nat-swarm")
     nats = [NatConfig(name=f"nat-{node}", kind=kind, inside=(node,)) for node, (kind, _) in BEHIND.items()]
     nats += [
@@ -52,7 +52,7 @@ def nat_swarm(folder, tmp_path_factory):
         spans = {"pub1": "0:1", "pub2": "0:1"}
         # the servers keep their default timings: a session idles out after a minute, not 5 s (a client waiting out
         # a dial to the liar below must not lose its open sessions meanwhile)
-        with WanSwarm(wan, folder, spans, node_args=node_args, log_dir=logs) as swarm:
+        with WanSwarm(wan, folder, spans, node_args=node_args, log_dir=logs, fork=fork_server) as swarm:
             joined: dict[str, float] = {}
             started = {}
             for node, (_, span) in BEHIND.items():

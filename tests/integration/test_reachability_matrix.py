@@ -48,7 +48,7 @@ def six_blocks(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def matrix(six_blocks, tmp_path_factory):
+def matrix(six_blocks, tmp_path_factory, fork_server):
     """Servers: ``v-public`` (a relay, block 0) and ``relay2`` (a second public relay, block 0 too: two observers, as
     a symmetric NAT needs to be seen), then one volunteer of each other kind on blocks 1..5. Clients: ``c-KIND``."""
     logs = tmp_path_factory.mktemp("reach-matrix")
@@ -59,7 +59,9 @@ def matrix(six_blocks, tmp_path_factory):
     cfg = WanConfig(nodes=nodes, delay_ms=DELAY_MS, nats=tuple(nats))
     with Wan(cfg) as wan:
         spans = {"v-public": "0:1", "relay2": "0:1"}
-        with WanSwarm(wan, six_blocks, spans, node_args={"v-public": PUBLIC, "relay2": PUBLIC}, log_dir=logs) as swarm:
+        with WanSwarm(
+            wan, six_blocks, spans, node_args={"v-public": PUBLIC, "relay2": PUBLIC}, log_dir=logs, fork=fork_server
+        ) as swarm:
             started = [
                 swarm.add_peer(f"{i}:{i + 1}", node=node, wait=False)
                 for i, node in enumerate([v for v in volunteers if v != "v-public"], start=1)

@@ -31,12 +31,14 @@ JOB_TIMEOUT = 90.0
 
 
 @pytest.fixture(scope="module")
-def wan_swarm(folder, tmp_path_factory):
+def wan_swarm(folder, tmp_path_factory, fork_server):
     logs = tmp_path_factory.mktemp("wan-swarm")
     cfg = WanConfig(nodes=("c", *SPANS), delay_ms=DELAY_MS, mbit=MBIT)
     started: list[int] = []
     with Wan(cfg) as wan:
-        with WanSwarm(wan, folder, SPANS, extra_args=("--throughput", "100"), test_timings=True, log_dir=logs) as swarm:
+        with WanSwarm(
+            wan, folder, SPANS, extra_args=("--throughput", "100"), test_timings=True, log_dir=logs, fork=fork_server
+        ) as swarm:
             swarm.logs = logs  # type: ignore[attr-defined]
             for peer in swarm.peers:  # the servers, their DHT children and p2pd daemons
                 started += [peer.pid, *descendants(peer.pid)]
