@@ -13,10 +13,11 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
-from swarm.api.app import ApiState, create_app
+from swarm.api.app import create_app
 from swarm.api.conversations import Conversations
 from swarm.api.engine import ServedModel
 from swarm.api.limits import Limits
+from swarm.api.runs import ApiState
 from swarm.client.speculative.loop import Speculation
 from swarm.config import Timing
 from swarm.errors import BadInputError

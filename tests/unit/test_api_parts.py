@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.api import errors
-from swarm.api.app import ApiState, create_app
+from swarm.api.app import create_app
 from swarm.api.controls import ChoiceState, Controls
 from swarm.api.limits import Limits, Slots
+from swarm.api.runs import ApiState
 from swarm.api.schema import ChatRequest, CompletionRequest
 from swarm.api.text import TextStream
 from tests.helpers.examples import fuzz_examples
