@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, PeerConfig)
     p.add_argument("--test-timings", action="store_true", help="short record TTLs and timeouts, for tests")
     p.add_argument("--state-interval", type=float, default=None, help=argparse.SUPPRESS)  # Timing.state_interval
+    p.add_argument("--session-idle", type=float, default=None, help=argparse.SUPPRESS)  # Timing.session_idle
     add_token_flag(p)
     add_log_flags(p)
     return p
@@ -34,6 +35,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     timing = Timing.for_tests() if args.test_timings else cfg.timing
     if args.state_interval is not None:  # tests that check the limit itself, where test timings turn it off
         timing = dataclasses.replace(timing, state_interval=args.state_interval)
+    if args.session_idle is not None:  # the test timings' 5 s, too short for 24 peers on 2 cores (test_scale.py)
+        timing = dataclasses.replace(timing, session_idle=args.session_idle)
     return dataclasses.replace(cfg, timing=timing)
 
 

@@ -104,7 +104,11 @@ def _wait(what: str, timeout: float, check) -> None:
 def test_two_dozen_peers_with_churn_answer_exactly(tmp_path: Path, fork_server: ForkServer) -> None:
     folder = make_tiny_model(tmp_path / "llama24", "llama", seed=3, perturb=0.02, num_hidden_layers=BLOCKS)
     work = _prompts_and_answers(folder)
-    args = ("--throughput", "100", "--max-blocks", "2")
+    # the tests' timings, but sessions idle for 30 s, not 5: on 2 cores for 24 peers a hop's repair (a new server found,
+    # the history replayed) can take longer than 5 s, and each hop of the 12-hop route left waiting meanwhile then
+    # ends its session, found one at a time by the next steps, each repair making the next: a client failed with
+    # `SessionExpiredError` after its retry budget (stop 71, a fresh-clone run). The default is 60 s.
+    args = ("--throughput", "100", "--max-blocks", "2", "--session-idle", "30")
     logs = tmp_path / "logs"  # kept for a post-mortem (pytest keeps the last three runs)
     with LocalSwarm(
         str(folder), [None] * PEERS, extra_args=args, spawner=fork_server, test_timings=True, log_dir=logs
