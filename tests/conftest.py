@@ -51,23 +51,33 @@ def pytest_configure(config: pytest.Config) -> None:
     FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
 
 
-# The files that take longest (seconds of a fresh-clone run on the 2-core VM, stop 71), longest first: the two workers
-# take files in the order collected (scripts/test.sh: ``--no-loadscope-reorder``), so these start first and the many
-# short files fill in around them, instead of one long file starting last while the other worker idles. Order only:
-# which tests run, and how, does not depend on it.
+# The files that take longest (seconds in a fresh-clone run on the 2-core VM, two workers, stop 71), longest first:
+# the two workers take files in the order collected (scripts/test.sh: ``--no-loadscope-reorder``), so these start
+# first and the many short files fill in around them, instead of one long file starting last while the other worker
+# idles. Order only: which tests run, and how, does not depend on it.
 LONGEST_FIRST = (
-    "tests/integration/test_families.py",  # 260
-    "tests/integration/test_pretrain.py",  # 254
-    "tests/integration/test_nat_swarm.py",  # 199
-    "tests/unit/test_family_infer.py",  # 178: the coverage walk
-    "tests/integration/test_reachability_matrix.py",  # 166
-    "tests/integration/test_gpu_check.py",  # 127
-    "tests/integration/test_busy.py",  # 118
-    "tests/integration/test_api_features.py",  # 109
-    "tests/integration/test_smollm.py",  # 93
-    "tests/integration/test_attacks.py",  # 92
-    "tests/integration/test_readme_tour.py",  # 91
-    "tests/integration/test_failover.py",  # 90
+    "tests/integration/test_families.py",  # 348
+    "tests/integration/test_pretrain.py",  # 335
+    "tests/integration/test_api_features.py",  # 151
+    "tests/integration/test_nat_swarm.py",  # 133
+    "tests/integration/test_readme_tour.py",  # 118
+    "tests/unit/test_family_infer.py",  # 109: the coverage walk
+    "tests/integration/test_busy.py",  # 106
+    "tests/integration/test_smollm.py",  # 98
+    "tests/integration/test_attacks.py",  # 96
+    "tests/integration/test_reachability_matrix.py",  # 86
+    "tests/integration/test_api.py",  # 85
+    "tests/integration/test_lifecycle.py",  # 80
+    "tests/integration/test_failover.py",  # 70
+    "tests/integration/test_replica_heal.py",  # 70
+    "tests/integration/test_chaining.py",  # 62
+    "tests/integration/test_dashboard_browser.py",  # 62
+    "tests/integration/test_speculative_live.py",  # 61
+    "tests/integration/test_verification.py",  # 59
+    "tests/integration/test_gpu_check.py",  # 58
+    "tests/integration/test_runtimes.py",  # 48
+    "tests/integration/test_quantized.py",  # 48
+    "tests/integration/test_wan_swarm.py",  # 44
 )
 
 

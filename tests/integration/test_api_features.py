@@ -167,7 +167,7 @@ def test_a_tool_call_round_trip_streamed_and_not(api):
 
 
 def test_every_json_schema_answer_parses_and_validates(api):
-    """10 schemas x 10 sampled answers (5 choices x 2 seeds each, four requests at a time: the servers batch them)."""
+    """10 schemas x 5 sampled answers (5 choices each, four requests at a time: the servers batch them)."""
     client = _client(api)
     schemas = list(map(closed, SCHEMAS))
 
@@ -186,8 +186,8 @@ def test_every_json_schema_answer_parses_and_validates(api):
         return [(schemas[k], c.finish_reason, c.message.content) for c in reply.choices]
 
     with ThreadPoolExecutor(4) as pool:
-        answers = [a for got in pool.map(ask, [(k, seed) for k in range(10) for seed in (1, 2)]) for a in got]
-    assert len(answers) == 100
+        answers = [a for got in pool.map(ask, [(k, 1) for k in range(10)]) for a in got]
+    assert len(answers) == 50
     for schema, finish, content in answers:
         assert finish == "stop", content
         jsonschema.validate(json.loads(content), schema)
