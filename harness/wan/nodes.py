@@ -93,7 +93,8 @@ class WanSwarm(LocalSwarm):
         # read its environment at import)
         if self.fork is not None and not self.env_overrides:
             log_path.write_text("")
-            proc = self.fork.spawn(cmd[3:], log_path, netns=self.wan.namespace(node))
+            argv = cmd[3:]  # what follows ``python -m swarm.serve``
+            proc = self.fork.spawn(argv, log_path, netns=self.wan.namespace(node))
         else:
             env = child_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
             with open(log_path, "w") as stderr:
