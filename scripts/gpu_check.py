@@ -86,39 +86,30 @@ def block_bytes(folder: Path, fmt: str, dtype: torch.dtype, device: str) -> int:
 def check_model(label: str, folder: Path, dtype: torch.dtype, device: str, cache: Path) -> list[dict[str, Any]]:
     """One swarm: two servers per format; per format a client pinned to it, against the same-device reference."""
     from harness.fork_server import ForkServer
-    from swarm.model_files import load_config
 
-    name = str(dtype).removeprefix("torch.")
-    n = int(load_config(folder).num_hidden_layers)
-    spans: list[str | None] = [f"0:{n // 2}", f"{n // 2}:{n}"]
-    common = ("--device", device, "--dtype", name, "--throughput", "100")
     # on a CPU the six servers fork from one process that imported torch and the rest once (``harness.fork_server``);
     # never on a GPU: a process forked after CUDA was touched cannot use it
     spawner = ForkServer() if device == "cpu" else None
     try:
-        return _check_formats(label, folder, dtype, device, cache, spans, common, spawner)
+        return _check_formats(label, folder, dtype, device, cache, spawner)
     finally:
         if spawner is not None:
             spawner.close()
 
 
 def _check_formats(
-    label: str,
-    folder: Path,
-    dtype: torch.dtype,
-    device: str,
-    cache: Path,
-    spans: list[str | None],
-    common: tuple[str, ...],
-    spawner: Any,
+    label: str, folder: Path, dtype: torch.dtype, device: str, cache: Path, spawner: Any
 ) -> list[dict[str, Any]]:
     from swarm import DistributedModelForCausalLM
     from swarm.families.selfcheck import TOLERANCES
     from swarm.launch import LocalSwarm
-    from swarm.model_files import weights_fingerprint
+    from swarm.model_files import load_config, weights_fingerprint
     from swarm.quantization import weights_format
 
     name = str(dtype).removeprefix("torch.")
+    n = int(load_config(folder).num_hidden_layers)
+    spans: list[str | None] = [f"0:{n // 2}", f"{n // 2}:{n}"]
+    common = ("--device", device, "--dtype", name, "--throughput", "100")
     rows = []
     with LocalSwarm(str(folder), spans, extra_args=common, startup_timeout=600, spawner=spawner) as swarm:
         for fmt in FORMATS[1:]:

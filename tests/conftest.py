@@ -81,10 +81,13 @@ LONGEST_FIRST = (
 )
 
 
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def _file_order(item: pytest.Item) -> tuple[int, int]:
-    path = item.nodeid.split("::", 1)[0]
-    if path in LONGEST_FIRST:
-        return 0, LONGEST_FIRST.index(path)
+    if _file(item) in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(_file(item))
     return (1 if item.get_closest_marker("slow") is not None else 2), 0  # then files with a slow test, then the rest
 
 
@@ -94,10 +97,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ordered longest first (``LONGEST_FIRST``), each file's tests kept together in their own order."""
     files: dict[str, tuple[int, int]] = {}
     for item in items:  # a file goes where its heaviest test puts it
-        path = item.nodeid.split("::", 1)[0]
-        files[path] = min(files.get(path, (3, 0)), _file_order(item))
+        files[_file(item)] = min(files.get(_file(item), (3, 0)), _file_order(item))
     position = {path: i for i, path in enumerate(files)}
-    items.sort(key=lambda it: (*files[it.nodeid.split("::", 1)[0]], position[it.nodeid.split("::", 1)[0]]))
+    items.sort(key=lambda it: (*files[_file(it)], position[_file(it)]))
     phase = os.environ.get("SWARM_TEST_PHASE", "")
     if phase not in ("shared", "alone"):
         return
