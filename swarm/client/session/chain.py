@@ -28,7 +28,7 @@ from swarm import wire
 from swarm.client import replies
 from swarm.client.connection import RTT_SLACK, SwarmConnection
 from swarm.client.session.hop import HopState
-from swarm.client.session.hop_replies import Sent, read_acks, read_outputs
+from swarm.client.session.hop_replies import UNTIMED, Sent, read_acks, read_outputs
 from swarm.client.session.liveness import judge_silence
 from swarm.client.session.steps import Step, chunks
 from swarm.codecs import Codec
@@ -113,6 +113,23 @@ class Chain:
             link.rerouted = True
             await link.stream.send(InferenceRequest(route=signed), {})
         link.generation = generation
+
+    async def keep_alive(self, states: list[HopState]) -> None:
+        """A message without a step to each hop (``session.keepalive``), its answer read with the next step's replies
+        like a route's acknowledgement (anything still unread in the stream comes before it), no round trip
+        measured by it."""
+
+        async def one(state: HopState) -> None:
+            link = state.link
+            assert link.stream is not None
+            try:
+                await link.stream.send(InferenceRequest(), {})
+            except SwarmError:
+                link.fail()
+                return
+            link.acks.append(UNTIMED)
+
+        await asyncio.gather(*(one(s) for s in states))
 
     # ---- a step, and a replay --------------------------------------------------------------------------------------
     async def run(self, states: list[HopState], step: Step, done: list[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from swarm.rpc.commit import digest
 from swarm.rpc.remote import unavailable
 
 MAX_STALE = 64  # replies of abandoned attempts skipped in one read before the stream counts as broken
+UNTIMED = -1.0  # an acknowledgement whose round trip is not measured (a keep-alive's: read only at the next step)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ async def read_acks(conn: SwarmConnection, state: HopState, timeout: float) -> N
     assert link.stream is not None
     while link.acks:
         opening, _, _ = await link.stream.receive(OpenReply, conn.timing.open_timeout + timeout)
-        conn.view.observe_rtt(hop.peer_id, time.perf_counter() - link.acks.pop(0))
+        sent = link.acks.pop(0)
+        if sent != UNTIMED:
+            conn.view.observe_rtt(hop.peer_id, time.perf_counter() - sent)
         state.commitments.certify(opening, hop.peer_id)
         if not state.commitments.seal(opening):
             raise unavailable(hop.peer_id, "signed a chain of commitments other than the one it sent")

@@ -26,6 +26,7 @@ from swarm.client.session.checks import SessionChecks
 from swarm.client.session.handover import Handover
 from swarm.client.session.history import TokenHistory
 from swarm.client.session.hop import HopState
+from swarm.client.session.keepalive import kept_alive
 from swarm.client.session.paths import ChainedPath, MediatedPath, StepPath
 from swarm.client.session.requests import opening
 from swarm.client.session.route import BoundRoute
@@ -147,28 +148,31 @@ class InferenceSession:
 
     async def _replace(self, index: int) -> None:
         """Repair the route: rebind hop ``index`` to new servers for its blocks, replay its history onto them, and
-        take the repaired route (if they fail, the old hop stays, still broken: the next attempt replaces it again)."""
+        take the repaired route (if they fail, the old hop stays, still broken: the next attempt replaces it again).
+        The route's other hops are kept alive meanwhile (``session.keepalive``)."""
         assert self.bound is not None
         old = self.bound.states[index]
         old.close()
         self.checks.audit(self.bound.states)
-        route = await asyncio.to_thread(self.routes.new, old.hop.start, old.hop.end)
-        repaired, fresh = self._repaired(self.bound, index, route)
-        log.info(
-            "replacing a hop",
-            extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
-        )
-        try:
-            if old.replay.inputs:
-                hidden, positions = old.replay.history()
-                mask = None if self.history.mask is None else self.history.mask[:, : self.position]
-                self.replays_on_step += 1
-                await self.path.replay(repaired, fresh, Step(hidden, mask, positions, positions, 0))
-        except BaseException:
-            for state in fresh:
-                state.close()
-            self.routes.release(route)
-            raise
+        others = [s for s in self.bound.states if s is not old]
+        async with kept_alive(others, self.path.keep_alive, self.conn.timing.session_idle):
+            route = await asyncio.to_thread(self.routes.new, old.hop.start, old.hop.end)
+            repaired, fresh = self._repaired(self.bound, index, route)
+            log.info(
+                "replacing a hop",
+                extra={"peer": old.hop.peer_id, "span": f"{old.hop.start}:{old.hop.end}", "session": self.session_id},
+            )
+            try:
+                if old.replay.inputs:
+                    hidden, positions = old.replay.history()
+                    mask = None if self.history.mask is None else self.history.mask[:, : self.position]
+                    self.replays_on_step += 1
+                    await self.path.replay(repaired, fresh, Step(hidden, mask, positions, positions, 0))
+            except BaseException:
+                for state in fresh:
+                    state.close()
+                self.routes.release(route)
+                raise
         self.routes.release([old.hop])
         self.bound = repaired
 

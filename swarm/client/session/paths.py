@@ -11,6 +11,7 @@ adapter is opened again with the adapter's tensors, once, through the one rule o
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -28,7 +29,7 @@ from swarm.client.session.steps import Step
 from swarm.client.tuning.adapters import AdapterDelivery
 from swarm.codecs import Codec
 from swarm.errors import AdapterMissingError, SwarmError
-from swarm.protocol import InferenceRequest, StepReply
+from swarm.protocol import InferenceRequest, OpenReply, StepReply
 from swarm.rpc.remote import Tensors
 
 
@@ -44,6 +45,11 @@ class StepPath(Protocol):
 
     async def extend(self, fresh: list[HopState], step: Step) -> None:
         """Run ``step`` through ``fresh`` hops alone (already replayed), recording it as theirs."""
+        ...
+
+    async def keep_alive(self, states: list[HopState]) -> None:
+        """Send each of ``states`` (open hops, not broken) a message without a step, which resets its server's idle
+        clock (``session.keepalive``); a hop that cannot be reached is marked broken."""
         ...
 
     def leaving(self, state: HopState) -> bool:
@@ -86,6 +92,9 @@ class ChainedPath:
     async def extend(self, fresh: list[HopState], step: Step) -> None:
         await self.chain.run(fresh, step, [])
 
+    async def keep_alive(self, states: list[HopState]) -> None:
+        await self.chain.keep_alive(states)
+
     def leaving(self, state: HopState) -> bool:
         replies = state.commitments.replies  # every reply a chained hop sent is kept there
         return bool(replies) and replies[-1].leaving
@@ -127,6 +136,23 @@ class MediatedPath:
             state.replay.record(h, step.explicit, out)
             done.append(out)
             h = out
+
+    async def keep_alive(self, states: list[HopState]) -> None:
+        """Each answer read at once: a mediated hop's stream holds nothing unread between steps."""
+
+        async def one(state: HopState) -> None:
+            stream = state.link.stream
+            assert stream is not None
+            try:
+                await stream.send(InferenceRequest(), {})
+                head, _, _ = await stream.receive(OpenReply, self.conn.timing.open_timeout, 1 << 16)
+            except SwarmError:
+                state.link.fail()
+                return
+            if not state.commitments.seal(head):
+                state.link.fail()  # it signed another chain than the one it sent: not stepped through again
+
+        await asyncio.gather(*(one(s) for s in states))
 
     async def replay(self, route: BoundRoute, fresh: list[HopState], step: Step) -> None:
         hidden = step.hidden
