@@ -75,6 +75,7 @@ LONGEST_FIRST = (
     "tests/integration/test_speculative_live.py",  # 61
     "tests/integration/test_verification.py",  # 59
     "tests/integration/test_gpu_check.py",  # 58
+    "tests/integration/test_keepalive.py",  # 50
     "tests/integration/test_runtimes.py",  # 48
     "tests/integration/test_quantized.py",  # 48
     "tests/integration/test_wan_swarm.py",  # 44

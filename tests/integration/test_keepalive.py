@@ -18,12 +18,13 @@ pytestmark = pytest.mark.slow  # four servers, one taking 8 s to replay a histor
 REPLAY_S = 8.0  # the replacement's replay: longer than a server's idle limit under the tests' timings (5 s)
 
 
-def test_a_repair_longer_than_the_idle_limit_keeps_the_first_hop(folder, ref):
-    """Route 0:1, 1:3, 3:4; the last hop's server is killed after 3 tokens: the middle hop, which could not push to
-    it, ends its session too, and both are replaced, the last by a server that takes 8 s to replay the history. The
-    first hop hears nothing from the client meanwhile but the keep-alives: its session stays open, so the whole
-    repair is one failover (without them the next step finds the first hop expired: a second failover and another
-    replay), and the tokens are Hugging Face's."""
+@pytest.mark.parametrize("chain", [True, False], ids=["chained", "mediated"])
+def test_a_repair_longer_than_the_idle_limit_keeps_the_first_hop(folder, ref, chain):
+    """Route 0:1, 1:3, 3:4; the last hop's server is killed after 3 tokens and replaced by a server that takes 8 s to
+    replay the history (chained, the middle hop, which could not push to it, is replaced too). The hops left waiting
+    hear nothing from the client meanwhile but the keep-alives: their sessions stay open, so the whole repair is one
+    failover (without them the next step finds them expired: more failovers and replays; measured 2 chained, 3
+    mediated), and the tokens are Hugging Face's."""
     torch.manual_seed(11)
     ids = torch.randint(0, 320, (1, 9))
     expected = ref.generate(ids, max_new_tokens=8, do_sample=False)
@@ -31,7 +32,7 @@ def test_a_repair_longer_than_the_idle_limit_keeps_the_first_hop(folder, ref):
         slow = start_slow_replay(swarm, REPLAY_S, "3:4")
         # the 8 s replay is no fault: steps may take a minute
         timing = dataclasses.replace(patient_timing(), step_timeout=60.0, request_timeout=60.0)
-        with connect(folder, swarm, timing=timing) as client:
+        with connect(folder, swarm, timing=timing, chain=chain) as client:
             killer = Disturber(client, swarm, {3: 2})
             out = client.generate(ids, max_new_tokens=8, do_sample=False, streamer=killer)
             route = [h.peer_id for h in client.route]

@@ -5,7 +5,8 @@ machine, a long history, the tests' 5 s), they all end their sessions meanwhile,
 a time, each repair long enough to let the rest expire again: the client runs out of its retry budget (seen with 24
 peers on 2 cores, ``tests/integration/test_scale.py``). So during a repair every other open hop is sent a message
 without a step, at once and then every third of the idle limit: any message resets a server's idle clock, and the
-server answers it with the signed head of its chain of commitments, which is checked like any."""
+server answers it with the signed head of its chain of commitments (checked against the sealed chain on a chained
+hop; read and dropped on a mediated one, whose outputs are checked step by step)."""
 
 from __future__ import annotations
 

@@ -145,12 +145,11 @@ class MediatedPath:
             assert stream is not None
             try:
                 await stream.send(InferenceRequest(), {})
-                head, _, _ = await stream.receive(OpenReply, self.conn.timing.open_timeout, 1 << 16)
+                # its answer (the signed head of its chain of commitments) is read and dropped: only chained hops
+                # keep a sealed chain to check it against, and a mediated hop's outputs are checked step by step
+                await stream.receive(OpenReply, self.conn.timing.open_timeout, 1 << 16)
             except SwarmError:
                 state.link.fail()
-                return
-            if not state.commitments.seal(head):
-                state.link.fail()  # it signed another chain than the one it sent: not stepped through again
 
         await asyncio.gather(*(one(s) for s in states))
 
