@@ -187,6 +187,7 @@ class Bench:
             repeats=a.repeats,
             prompt_len=a.prompt_len,
             ttft_repeats=1,
+            ttft_again=a.ttft_again,
             ft_batch=a.ft_batch,
             ft_seq=a.ft_seq,
             ft_steps=a.ft_steps,
@@ -358,6 +359,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed generations per decode row")
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument(
+        "--ttft-again", action="store_true", help="ttft: then the same prompt and 64 tokens more, in a new session"
+    )
     p.add_argument("--ft-batch", type=int, default=2)
     p.add_argument("--ft-seq", type=int, default=64)
     p.add_argument("--ft-steps", type=int, default=2)

@@ -130,6 +130,13 @@ class SessionExpiredError(SwarmError):
     retriable = True
 
 
+class PrefixUnknownError(SessionExpiredError):
+    """A step claimed a kept prefix (``swarm.rpc.claims``) this server does not hold for the caller (evicted, or
+    never kept): not a fault, the client sends the step whole, in a session opened again."""
+
+    code = "prefix_unknown"
+
+
 class UnknownHopError(SwarmError):
     """A chained hop sees no signed record of the route's next hop serving the blocks after its own: a server gone
     since the client read the swarm, one that joined or moved a moment ago (this hop re-reads a shard at most every
@@ -168,6 +175,7 @@ _BY_CODE = {
         StaleStepError,
         BusyError,
         SessionExpiredError,
+        PrefixUnknownError,
         UnknownHopError,
         NotMemberError,
     )

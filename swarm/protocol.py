@@ -157,6 +157,16 @@ class PrefixUse(Message):
     share: bool = False
 
 
+class PrefixClaim(Message):
+    """A piece of a session's first step sent without tensors: its positions, from the step's ``position`` to
+    ``end``, are among the first ``length`` of the session's inputs, those whose chain of block digests ends at
+    ``digest`` (hex), which the server kept from an earlier session of the caller (``swarm.rpc.claims``)."""
+
+    length: int = Field(gt=0, le=1 << 24)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    end: int = Field(gt=0, le=1 << 24)
+
+
 class OpenSession(Message):
     """Opens an inference stream's session on blocks ``start:end`` (``prefix``: with prefix caching; sent only when
     set, so an opening without it reads as before)."""
@@ -184,6 +194,9 @@ class InferenceStep(Message):
     position: int = Field(ge=0)
     hops: int = Field(default=0, ge=0, le=MAX_ROUTE)
     tag: int = Field(default=0, ge=0)
+    # a piece of a session's first positions named by a kept prefix instead of sent (``swarm.rpc.claims``); never
+    # passed on: the server passes on (and answers) the piece's output as for one it was sent. Sent only when set.
+    claim: PrefixClaim | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChainHop(Message):
@@ -322,6 +335,11 @@ class OpenReply(Reply):
     commit_cert: str = Field(max_length=1024)
     chain_length: int = Field(default=0, ge=0)
     chain_signature: str = Field(default="", max_length=128)
+    # the answer to an opening with prefix caching that this server keeps: the session's inputs are kept when it
+    # ends, for a later session's claim (``swarm.rpc.claims``), where every sharing session finds them (``shares``)
+    # or its caller's scope only; outside the commitment, sent only when true
+    keeps: bool = Field(default=False, exclude_if=lambda v: not v)
+    shares: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 class StateReply(Reply):

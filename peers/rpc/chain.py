@@ -171,7 +171,7 @@ class StepPusher:
             client=session.caller,
             session_id=nxt.session_id,
             generation=route.generation,
-            step=step.model_copy(update={"hops": step.hops - 1}),
+            step=step.model_copy(update={"hops": step.hops - 1, "claim": None}),  # every position is passed on
             codec=codec,
         )
         carried = {"hidden": out, **{k: v for k, v in tensors.items() if k in ("attention_mask", "position_ids")}}

@@ -27,7 +27,8 @@ from swarm import wire
 from swarm.codecs import Codec
 from swarm.errors import BadInputError, NextHopUnreachableError, SessionExpiredError
 from swarm.protocol import InferenceRequest, InferenceStep, Message, check_version
-from swarm.rpc.commit import CommitSigner, aux_digest, binding
+from swarm.rpc.claims import claim_aux, piece_digest
+from swarm.rpc.commit import CommitSigner, aux_digest, binding, digest
 
 log = logging.getLogger(__name__)
 Frames = AsyncIterator[wire.Frame]
@@ -172,6 +173,8 @@ class InferenceLoop:
         if isinstance(item, Pushed):
             item.free()  # its bytes are the step's now, as a client's own step is once read
             step, tensors = item.push.step, item.tensors
+            if step.claim is not None:  # a claim is the client's own, made to the first hop: never passed on
+                raise BadInputError("a pushed step claims a prefix")
             hidden = tensors.get("hidden")
             if hidden is not None and hidden.is_floating_point():  # the previous hop sent its own dtype
                 tensors = {**tensors, "hidden": hidden.to(self.limits.dtype)}
@@ -188,7 +191,11 @@ class InferenceLoop:
             await self.pusher.bind(session, request.route)
             await self.sessions.notify()
         if request.step is None:
-            return _frames(self.signer.sealed((session.caller, session.id), _bound(session)))
+            sealed = self.signer.sealed((session.caller, session.id), _bound(session))
+            if request.open is not None and session.trail is not None:  # kept when it ends: a later claim may name it
+                shares = session.prefix is not None and session.prefix.share and self.sessions.shares
+                sealed = sealed.model_copy(update={"keeps": True, "shares": shares})
+            return _frames(sealed)
         return await self._step(session, request.step, tensors, tensors.get("hidden"), request.codec)
 
     async def _step(
@@ -206,7 +213,7 @@ class InferenceLoop:
         t0, error = time.perf_counter(), None
         try:
             await self.edge.delay()
-            result = await self.sessions.step(session, step.position, tensors)
+            result = await self.sessions.step(session, step.position, tensors, step.claim)
         except Exception as e:
             error = e
             raise
@@ -218,11 +225,17 @@ class InferenceLoop:
             if self.pusher is None:
                 raise BadInputError("this server does not chain steps")
             self.pusher.push(session, step, out, tensors, codec)
-        assert received is not None  # the step's checks required it
         sent = wire.as_received(out, codec)
-        aux = aux_digest(step.position, received.shape[1], tensors.get("position_ids"), tensors.get("attention_mask"))
+        if step.claim is not None:  # a claimed piece: its input is named by the claim (``swarm.rpc.claims``)
+            claim = step.claim
+            aux, taken = claim_aux(claim.length), piece_digest(bytes.fromhex(claim.digest), step.position, claim.end)
+        else:
+            assert received is not None  # the step's checks required it
+            n = received.shape[1]
+            aux = aux_digest(step.position, n, tensors.get("position_ids"), tensors.get("attention_mask"))
+            taken = digest(received)
         reply = self.signer.reply(
-            (session.caller, session.id), step.position, step.tag, received, sent, _bound(session), aux
+            (session.caller, session.id), step.position, step.tag, taken, sent, _bound(session), aux
         )
         if session.reused:  # positions answered from a kept prefix (``peers.serving.prefixes``): outside the commitment
             reply = reply.model_copy(update={"reused": session.reused})

@@ -11,6 +11,10 @@ and never tells, are kept and compared before anything is reused. Only sessions 
 are kept or reused, only plain steps (default positions, no padding mask) count, and only caches of full-attention
 layers written in place (``GrowingLayer``), without an adapter, on weights that do not learn.
 
+A session's first step may also name a kept prefix instead of sending it (``swarm.rpc.claims``): a claim is looked
+up by its chain's digest under the same scopes as any reuse (the sampled rows cannot be compared: none were sent),
+so naming a chain gains only what sending the inputs it digests would.
+
 Private by default: an entry is found only under the scope it was kept in, the authenticated caller's identity and
 the namespace it gave (``swarm.api`` gives each API key its own), so nobody can probe by timing what another asked.
 Sharing (a public system prompt) needs both sides: the server's ``--share-prefixes`` and the session's
@@ -22,7 +26,6 @@ and given up (the session is then not kept) when a new session needs the room.""
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import weakref
 from collections import OrderedDict
@@ -35,8 +38,8 @@ from transformers import DynamicCache
 from peers.serving.kv_cache import CacheBudget
 from swarm.families.span import GrowingLayer
 from swarm.ids import Span
+from swarm.rpc.claims import BLOCK, block_digests
 
-BLOCK = 64  # positions per digest: what a reuse is rounded down to
 PICKS = 4  # input rows of each block kept beside its digest, at offsets only this server knows: checked on reuse
 SHARED = ("", "shared")  # the scope of entries every sharing session finds
 Scope = tuple[str, str]  # (caller's identity, its namespace), or SHARED
@@ -45,18 +48,6 @@ Scope = tuple[str, str]  # (caller's identity, its namespace), or SHARED
 def eligible(cache: object | None) -> bool:
     """Whether a session's cache can be kept and copied: full-attention layers written in place, nothing else."""
     return type(cache) is DynamicCache and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
-
-
-def block_digests(previous: bytes, hidden: torch.Tensor) -> list[bytes]:
-    """The chained digests of ``hidden``'s [batch, n, hidden] whole blocks of positions, after ``previous``."""
-    out: list[bytes] = []
-    data = hidden.detach()
-    for at in range(0, data.shape[1] - BLOCK + 1, BLOCK):
-        block = data[:, at : at + BLOCK].contiguous()
-        raw = block.reshape(-1).view(torch.uint8) if block.dtype == torch.bfloat16 else block
-        previous = hashlib.sha256(previous + raw.numpy().tobytes()).digest()
-        out.append(previous)
-    return out
 
 
 class Trail:
@@ -95,6 +86,18 @@ class Trail:
         at = start - self.base
         picked = [rows[:, at + b * BLOCK + self.picks] for b in range(len(new))]
         return Seen(digests + new, self.samples[: len(digests)] + picked, rows)
+
+    def adopt(self, entry: Entry, length: int) -> None:
+        """A session that begins with ``entry``'s first ``length`` positions, claimed (``swarm.rpc.claims``): what
+        it holds of them is the entry's (their digests, sampled inputs and outputs), the rest of its inputs follow."""
+        outputs = entry.outputs[:, :length].clone()
+        blocks = length // BLOCK
+        row = outputs.shape[0] * outputs.shape[2] * outputs.element_size()
+        if self.hold is not None and not self.hold(self, row * length + blocks * row * len(self.picks)):
+            self.drop()
+            return
+        self.digests, self.samples = entry.digests[:blocks], entry.samples[:blocks]
+        self.rows, self.base, self.outputs, self.held = None, length, outputs, length
 
     def record(self, position: int, out: torch.Tensor, seen: Seen) -> None:
         """A step at ``position`` answered ``out``; ``seen``: what ``ahead`` said of it."""
@@ -220,6 +223,24 @@ class PrefixStore:
                         continue
                     self.entries.move_to_end(id(entry))
                     return Reuse(entry, k * BLOCK)
+        return None
+
+    def claimed(
+        self, scopes: Iterable[Scope], sub: Span, batch: int, chain: bytes, length: int, weights: object
+    ) -> Entry | None:
+        """The kept prefix under any of ``scopes``, computed by ``weights``, whose chain of block digests is
+        ``chain`` at ``length`` positions (a whole number of blocks): what a claim names."""
+        if length % BLOCK:
+            return None
+        for scope in scopes:
+            hit = self.index.get((scope, sub.start, sub.end, batch, chain))
+            if hit is None or hit[1] * BLOCK != length:
+                continue
+            if hit[0].weights() is not weights:
+                self._drop(hit[0])
+                continue
+            self.entries.move_to_end(id(hit[0]))
+            return hit[0]
         return None
 
     # ---- keeping --------------------------------------------------------------------------------------------------

@@ -20,14 +20,21 @@ from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
-from peers.serving.prefixes import BLOCK, PICKS, SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
+from peers.serving.prefixes import PICKS, SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
 from peers.serving.runtime import Row
 from peers.serving.scheduler import batching, pieces
 from swarm import wire
-from swarm.errors import BadInputError, PeerUnavailableError, SessionExpiredError, SessionLengthError
+from swarm.errors import (
+    BadInputError,
+    PeerUnavailableError,
+    PrefixUnknownError,
+    SessionExpiredError,
+    SessionLengthError,
+)
 from swarm.ids import Span
-from swarm.protocol import ChainRoute, OpenSession, PrefixUse
+from swarm.protocol import ChainRoute, OpenSession, PrefixClaim, PrefixUse
 from swarm.records import Capability, ServerRecord
+from swarm.rpc.claims import BLOCK
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Session:
     prefix: PrefixUse | None = None  # prefix caching asked for (``peers.serving.prefixes``)...
     trail: Trail | None = None  # ...and what it has seen, while it can be kept
     reused: int = 0  # positions of its last step answered from a kept prefix
+    claim: Claimed | None = None  # its first positions, claimed (``swarm.rpc.claims``), while their pieces come
     # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
     inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
 
@@ -57,6 +65,16 @@ class Session:
     def previous(self) -> str | None:
         """The peer id allowed to push into this session: the hop before it on the client's route."""
         return self.route.hops[self.index - 1].peer_id if self.route is not None and self.index > 0 else None
+
+
+@dataclass(eq=False)
+class Claimed:
+    """A session's claimed first positions (``swarm.rpc.claims``): their outputs, and where the next piece starts."""
+
+    length: int
+    digest: str
+    outputs: torch.Tensor
+    next: int = 0
 
 
 class SessionTable:
@@ -187,13 +205,24 @@ class SessionTable:
         store.purge(held)
         store.keep(self._scopes(session)[-1], session.caller, session.sub, trail, cache, self.loaded.current())
 
+    @property
+    def shares(self) -> bool:
+        """Whether sessions that ask share kept prefixes here (``--share-prefixes``)."""
+        return self.prefixes is not None and self.prefixes.share
+
     def _scopes(self, session: Session) -> list[Scope]:
         """Where the session's prefixes are looked up, and (the last) kept."""
         assert session.prefix is not None and self.prefixes is not None
         own = (session.caller, session.prefix.scope)
         return [own, SHARED] if session.prefix.share and self.prefixes.share else [own]
 
-    async def step(self, session: Session, position: int, tensors: Tensors) -> Tensors:
+    async def step(
+        self, session: Session, position: int, tensors: Tensors, claim: PrefixClaim | None = None
+    ) -> Tensors:
+        """Run a step of ``tensors`` at ``position`` (``claim``: a piece of the session's first positions, sent
+        without tensors: answered from a kept prefix, ``swarm.rpc.claims``)."""
+        if claim is not None:
+            return {"hidden": self._claimed(session, position, claim, tensors)}
         check_names(tensors)
         hidden = check_hidden(tensors, self.limits)
         check_finite(hidden, "hidden")  # a NaN would poison this session's cache for every later step
@@ -230,6 +259,7 @@ class SessionTable:
             self.queued.release(session.caller)
         session.last_start = position
         session.position = position + n
+        session.claim = None  # (a claim's pieces come before any step sent)
         self.metrics.served["inference_steps"] += 1
         return {"hidden": out}
 
@@ -274,6 +304,49 @@ class SessionTable:
             self.metrics.prefix_reused += session.reused * session.batch
         trail.record(position, out, seen)
         return out
+
+    def _claimed(self, session: Session, position: int, claim: PrefixClaim, tensors: Tensors) -> torch.Tensor:
+        """A claimed piece's output (``swarm.rpc.claims``). The first, at position 0 of a fresh session, finds the
+        caller's kept prefix the claim names (under the session's scopes, like any reuse; ``PrefixUnknownError``
+        where there is none) and copies all of it into the session; the next pieces follow it in order."""
+        if tensors:
+            raise BadInputError("a claimed piece carries no tensors")
+        if (
+            not position < claim.end <= claim.length
+            or (claim.end - position) * session.batch > self.limits.max_batch_tokens
+        ):
+            raise BadInputError(f"a claimed piece {position}:{claim.end} of {claim.length} positions is malformed")
+        if not position:
+            if session.position or session.last_start is not None:
+                raise BadInputError("only a session's first positions may be claimed")
+            session.claim = self._find_claim(session, claim)
+        held = session.claim
+        if held is None or (held.length, held.digest, held.next) != (claim.length, claim.digest, position):
+            raise BadInputError("a claimed piece out of order (claimed pieces come first, in order)")
+        held.next = claim.end
+        session.reused = claim.end - position
+        self.metrics.prefix_reused += session.reused * session.batch
+        self.metrics.served["inference_steps"] += 1
+        return held.outputs[:, position : claim.end]
+
+    def _find_claim(self, session: Session, claim: PrefixClaim) -> Claimed:
+        trail, store, length = session.trail, self.prefixes, claim.length
+        if length + 1 > session.max_length:
+            raise SessionLengthError(f"session of max_length {session.max_length} cannot claim {length} positions")
+        entry = None
+        if trail is not None and store is not None and not trail.broken:
+            chain = bytes.fromhex(claim.digest)
+            entry = store.claimed(
+                self._scopes(session), session.sub, session.batch, chain, length, self.loaded.current()
+            )
+        if entry is not None and trail is not None:
+            trail.adopt(entry, length)  # its outputs, counted as the trail's (no room: the trail breaks)
+        if entry is None or trail is None or trail.broken or trail.outputs is None:
+            raise PrefixUnknownError(f"no kept prefix of {length} positions matches the claim here: send it whole")
+        assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening
+        copy_prefix(entry.cache, session.cache, 0, length)
+        session.position = length
+        return Claimed(length, claim.digest, trail.outputs[:, :length])
 
     async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from swarm.accusations import Evidence
+from swarm.client.prefix_memory import PrefixMemory
 from swarm.client.retry import Retrier
 from swarm.client.swarm_view import SwarmView
 from swarm.codecs import parse_codec
@@ -97,6 +98,7 @@ class SwarmConnection:
                 software=software,
             )
             self.retrier = Retrier(self.view, cfg.timing)
+            self.claims = PrefixMemory()  # what first hops kept of this client's sessions (``swarm.rpc.claims``)
             # peer id -> measured round trip (s): what chained steps' deadlines add, and what routing prices a hop at
             self.rtt: dict[str, float] = self.view.rtt
             self.trust: Judge | None = None  # the model sets it (``swarm.client.verify.trust``): no circle of imports

@@ -116,17 +116,17 @@ class CommitSigner:
         session: tuple[str, str],
         position: int,
         tag: int,
-        hidden_in: torch.Tensor,
+        hidden_in: torch.Tensor | str,
         out: torch.Tensor,
         bound: str = "",
         aux: str = "",
     ) -> StepReply:
-        """The commitment to one step of ``session`` (bound to ``bound``, at positions and mask ``aux``), added to
-        its chain (and signed with the head every ``sign_every`` steps)."""
+        """The commitment to one step of ``session`` (bound to ``bound``, at positions and mask ``aux``) that took in
+        ``hidden_in`` (or what that digest names: a claimed piece's, ``swarm.rpc.claims``), added to its chain (and
+        signed with the head every ``sign_every`` steps)."""
         chain = self._chain(session, bound)
-        unsigned = StepReply(
-            position=position, tag=tag, input_digest=digest(hidden_in), digest=digest(out), aux=aux, signature=""
-        )
+        taken = hidden_in if isinstance(hidden_in, str) else digest(hidden_in)
+        unsigned = StepReply(position=position, tag=tag, input_digest=taken, digest=digest(out), aux=aux, signature="")
         chain.head = chain_next(chain.head, unsigned)
         chain.length += 1
         if chain.length % self.sign_every:

@@ -19,6 +19,7 @@ import torch
 from swarm.accusations import MAX_COMMITMENTS, MAX_EVIDENCE_BYTES, Commitment, Evidence, Piece, TensorBlob
 from swarm.errors import BadInputError
 from swarm.protocol import OpenReply, StepReply
+from swarm.rpc.claims import claimed_length, input_digest
 from swarm.rpc.commit import CommitKey, binding, chain_next, chain_start, digest
 
 
@@ -90,7 +91,7 @@ def _check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
         raise BadInputError("the bad step's whole input belongs in the context")
     for piece in e.pieces:
         c = e.commitments[piece.index]
-        if c.aux:
+        if c.aux and (claimed_length(c.aux) is None or piece.tail):
             raise BadInputError("a step ran at other positions or with a mask: not re-runnable as a plain prefix")
         part = inputs[:, piece.start : piece.start + piece.length]
         tail = tails[:, taken : taken + piece.tail]
@@ -100,7 +101,7 @@ def _check(evidence: Evidence, accused: str, start: int, end: int) -> Facts:
             piece.start != expected
             or part.shape[1] != piece.length
             or tail.shape[1] != piece.tail
-            or digest(whole) != c.input_digest
+            or input_digest(inputs, piece.start, whole, c.aux) != c.input_digest
         ):
             raise BadInputError(f"the context at {piece.start} is not what commitment {piece.index} took in")
         expected = piece.start + piece.length
@@ -150,12 +151,14 @@ def build(
     for k, (i, start) in enumerate(alive):
         stop = alive[k + 1][1] if k + 1 < len(alive) else end
         part = context[:, start:stop]
-        if chain[i].aux:
+        aux = chain[i].aux
+        if aux and claimed_length(aux) is None:  # (a claimed piece binds its input through the claimed positions)
             return None
         tail = None
-        if digest(part) != chain[i].input_digest:  # undone from inside: the rest of its input is its tail
-            tail = tails.get(start) if k + 1 < len(alive) else None
-            if tail is None or digest(torch.cat([part, tail.to(part.dtype)], dim=1)) != chain[i].input_digest:
+        if input_digest(context, start, part, aux) != chain[i].input_digest:  # undone from inside: its tail
+            tail = tails.get(start) if k + 1 < len(alive) and not aux else None
+            whole = torch.cat([part, tail.to(part.dtype)], dim=1) if tail is not None else part
+            if tail is None or digest(whole) != chain[i].input_digest:
                 return None
             carried.append(tail.to(part.dtype))
         pieces.append(Piece(index=i, start=start, length=stop - start, tail=0 if tail is None else tail.shape[1]))

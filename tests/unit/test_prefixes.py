@@ -12,121 +12,68 @@ import pytest
 import torch
 
 from peers.blocks.backend import SpanBackend
-from peers.blocks.families import family_for
-from peers.blocks.loader import load_span
 from peers.serving import prefixes
-from peers.serving.checks import Limits
-from peers.serving.config import ComputeConfig
-from peers.serving.engine import Engine
-from peers.serving.kv_cache import CacheBudget, KvCost
-from peers.serving.prefixes import BLOCK, PICKS, PrefixStore, Trail, block_digests
-from peers.serving.sessions import SessionTable
-from swarm.config import Timing
+from peers.serving.kv_cache import CacheBudget
+from peers.serving.prefixes import PICKS, PrefixStore, Trail
 from swarm.ids import Span
-from swarm.model_files import load_config
-from swarm.protocol import OpenSession, PrefixUse
-from tests.helpers.models import FAMILY_CONFIGS, make_tiny_model
-
-HIDDEN = 64
-ASKS = PrefixUse()  # a session that asks for prefix caching, in its own caller's default scope
+from swarm.protocol import PrefixUse
+from swarm.rpc.claims import BLOCK, block_digests
+from tests.helpers.prefix_table import ASKS, HIDDEN, fresh, inputs, opening, run, session_table, tiny_span
 
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory) -> SpanBackend:
-    cfg = dict(FAMILY_CONFIGS["llama"])
-    folder = make_tiny_model(tmp_path_factory.mktemp("llama"), str(cfg.pop("model_type")), **cfg)
-    family = family_for(load_config(folder))
-    span = Span(0, 4)
-    return SpanBackend(
-        family.config, family, load_span(folder, family, span, torch.float32, "cpu"), span, "cpu", torch.float32
-    )
-
-
-def _table(backend: SpanBackend, total: int = 1 << 40, share: int | None = None, sharing: bool = False) -> SessionTable:
-    engine = Engine(Limits(HIDDEN, torch.float32, 4, 4096), ComputeConfig(), Timing())
-    engine.loaded.set(backend)
-    engine.loaded.serving = True
-    cost = KvCost(backend.family, 4)  # bytes, as a server counts them
-    table = SessionTable(engine, CacheBudget(total, per_caller=share), cache_wait=0.05, cost=cost)
-    table.prefixes = PrefixStore(table.budget, table.prefix_cost, share=sharing)
-    return table
-
-
-def _open(sid: str, max_length: int = 512, prefix: PrefixUse | None = None) -> OpenSession:
-    return OpenSession(session_id=sid * 32, start=0, end=4, max_length=max_length, batch_size=1, prefix=prefix)
-
-
-async def _run(
-    table: SessionTable, caller: str, sid: str, hidden: torch.Tensor, prefix: PrefixUse | None = ASKS, steps=(None,)
-):
-    """A session of ``caller`` that steps through ``hidden`` (cut at ``steps``) and ends; its outputs and reuse."""
-    session = await table.start(_open(sid, prefix=prefix), {}, caller)
-    outs, reused, at = [], [], 0
-    for end in (*[s for s in steps if s is not None], hidden.shape[1]):
-        outs.append((await table.step(session, at, {"hidden": hidden[:, at:end]}))["hidden"])
-        reused.append(session.reused)
-        at = end
-    await table.end(session)
-    return torch.cat(outs, dim=1), reused
-
-
-def _fresh(backend: SpanBackend, hidden: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return backend.run(hidden, Span(0, 4), cache=backend.new_cache(512), past=0)
-
-
-def _inputs(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(1, n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return tiny_span(tmp_path_factory)
 
 
 async def test_a_session_that_starts_alike_reuses_whole_blocks_and_answers_as_a_fresh_one(backend):
-    table = _table(backend)
-    first = _inputs(3 * BLOCK + 10)
-    out, reused = await _run(table, "me", "a", first, steps=(70, 71))  # a prefill, one decode step, the rest
+    table = session_table(backend)
+    first = inputs(3 * BLOCK + 10)
+    out, reused = await run(table, "me", "a", first, steps=(70, 71))  # a prefill, one decode step, the rest
     assert reused == [0, 0, 0]
-    assert torch.allclose(out, _fresh(backend, first), atol=1e-5)
-    second = torch.cat([first[:, : 2 * BLOCK + 5], _inputs(40, seed=1)], dim=1)  # the same first 133 positions
-    out, reused = await _run(table, "me", "b", second, steps=(150,))
+    assert torch.allclose(out, fresh(backend, first), atol=1e-5)
+    second = torch.cat([first[:, : 2 * BLOCK + 5], inputs(40, seed=1)], dim=1)  # the same first 133 positions
+    out, reused = await run(table, "me", "b", second, steps=(150,))
     assert reused == [2 * BLOCK, 0]  # whole blocks only, and only on the first step
-    assert torch.allclose(out, _fresh(backend, second), atol=1e-5)
+    assert torch.allclose(out, fresh(backend, second), atol=1e-5)
     assert table.metrics.prefix_reused == 2 * BLOCK
     # the whole of the first session again: everything but the last position comes from the kept prefix
-    out, reused = await _run(table, "me", "c", first)
-    assert reused == [3 * BLOCK] and torch.allclose(out, _fresh(backend, first), atol=1e-5)
+    out, reused = await run(table, "me", "c", first)
+    assert reused == [3 * BLOCK] and torch.allclose(out, fresh(backend, first), atol=1e-5)
     # a prompt in pieces (a chained prefill): each piece goes on from where the kept prefix's blocks match
-    out, reused = await _run(table, "me", "d", first, steps=(100, 200))
+    out, reused = await run(table, "me", "d", first, steps=(100, 200))
     assert reused == [BLOCK, 3 * BLOCK - 100, 0]
-    assert torch.allclose(out, _fresh(backend, first), atol=1e-5)
+    assert torch.allclose(out, fresh(backend, first), atol=1e-5)
 
 
 async def test_only_the_same_caller_and_scope_find_a_prefix_and_sharing_takes_both_sides(backend):
-    hidden = _inputs(2 * BLOCK + 3)
-    table = _table(backend)
-    await _run(table, "me", "a", hidden)
-    assert (await _run(table, "other", "b", hidden))[1] == [0]  # another identity
-    assert (await _run(table, "me", "c", hidden, PrefixUse(scope="key-2")))[1] == [0]  # another API key's scope
-    assert (await _run(table, "me", "d", hidden, None))[1] == [0]  # a session that did not ask
-    assert (await _run(table, "me", "e", hidden))[1] == [2 * BLOCK]
+    hidden = inputs(2 * BLOCK + 3)
+    table = session_table(backend)
+    await run(table, "me", "a", hidden)
+    assert (await run(table, "other", "b", hidden))[1] == [0]  # another identity
+    assert (await run(table, "me", "c", hidden, PrefixUse(scope="key-2")))[1] == [0]  # another API key's scope
+    assert (await run(table, "me", "d", hidden, None))[1] == [0]  # a session that did not ask
+    assert (await run(table, "me", "e", hidden))[1] == [2 * BLOCK]
     # sharing: a server that does not allow it keeps a sharing session's prefix private
-    await _run(table, "sharer", "f", hidden, PrefixUse(share=True))
-    assert (await _run(table, "taker", "g", hidden, PrefixUse(share=True)))[1] == [0]
-    shared = _table(backend, sharing=True)
-    await _run(shared, "sharer", "h", hidden, PrefixUse(share=True))
-    assert (await _run(shared, "taker", "i", hidden))[1] == [0]  # the taker did not ask to share
-    assert (await _run(shared, "taker", "j", hidden, PrefixUse(share=True)))[1] == [2 * BLOCK]
+    await run(table, "sharer", "f", hidden, PrefixUse(share=True))
+    assert (await run(table, "taker", "g", hidden, PrefixUse(share=True)))[1] == [0]
+    shared = session_table(backend, sharing=True)
+    await run(shared, "sharer", "h", hidden, PrefixUse(share=True))
+    assert (await run(shared, "taker", "i", hidden))[1] == [0]  # the taker did not ask to share
+    assert (await run(shared, "taker", "j", hidden, PrefixUse(share=True)))[1] == [2 * BLOCK]
 
 
 async def test_other_inputs_padding_and_redone_steps_never_reuse_what_does_not_match(backend):
-    table = _table(backend)
-    hidden = _inputs(2 * BLOCK + 3)
-    await _run(table, "me", "a", hidden)
+    table = session_table(backend)
+    hidden = inputs(2 * BLOCK + 3)
+    await run(table, "me", "a", hidden)
     nudged = hidden.clone()
     nudged[0, 3, 5] += 1e-6  # one value of the first block
-    out, reused = await _run(table, "me", "b", nudged)
-    assert reused == [0] and torch.allclose(out, _fresh(backend, nudged), atol=1e-5)
+    out, reused = await run(table, "me", "b", nudged)
+    assert reused == [0] and torch.allclose(out, fresh(backend, nudged), atol=1e-5)
     # a step with a padding mask is neither looked up nor kept
-    padded = _table(backend)
-    session = await padded.start(_open("p", prefix=PrefixUse()), {}, "me")
+    padded = session_table(backend)
+    session = await padded.start(opening("p", prefix=PrefixUse()), {}, "me")
     mask = torch.ones(1, hidden.shape[1], dtype=torch.int64)
     mask[0, 0] = 0
     await padded.step(session, 0, {"hidden": hidden, "attention_mask": mask})
@@ -134,22 +81,22 @@ async def test_other_inputs_padding_and_redone_steps_never_reuse_what_does_not_m
     assert not padded.prefixes.entries
     # a step sent again from inside the last one (a speculative take-back) is hashed again: the kept digests are
     # those of what the session holds in the end
-    redo = _table(backend)
-    session = await redo.start(_open("r", prefix=PrefixUse()), {}, "me")
+    redo = session_table(backend)
+    session = await redo.start(opening("r", prefix=PrefixUse()), {}, "me")
     await redo.step(session, 0, {"hidden": hidden[:, :100]})
-    drafts = _inputs(60, seed=5)
+    drafts = inputs(60, seed=5)
     await redo.step(session, 100, {"hidden": drafts})  # drafts, taken back from 110 by the next step
     await redo.step(session, 110, {"hidden": hidden[:, 110:]})
     await redo.end(session)
     (entry,) = redo.prefixes.entries.values()
     held = torch.cat([hidden[:, :100], drafts[:, :10], hidden[:, 110:]], dim=1)
     assert entry.digests == block_digests(b"", held) != block_digests(b"", hidden)
-    assert (await _run(redo, "me", "s", hidden))[1] == [BLOCK]  # the first block only is the same
-    assert (await _run(redo, "me", "t", held))[1] == [2 * BLOCK]
+    assert (await run(redo, "me", "s", hidden))[1] == [BLOCK]  # the first block only is the same
+    assert (await run(redo, "me", "t", held))[1] == [2 * BLOCK]
 
 
 def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
-    hidden, out = _inputs(5 * BLOCK + 7), _inputs(5 * BLOCK + 7, seed=3)
+    hidden, out = inputs(5 * BLOCK + 7), inputs(5 * BLOCK + 7, seed=3)
     trail = Trail()
     at = 0
     for end in (1, 64, 65, 200, 201, 202, 5 * BLOCK + 7):
@@ -165,24 +112,24 @@ def test_a_trail_records_the_digests_of_its_inputs_whatever_the_steps():
 
 
 async def test_kept_prefixes_count_in_the_budget_within_the_caller_s_share_and_give_way(backend):
-    probe = _table(backend)
+    probe = session_table(backend)
     one = probe.prefix_cost(Span(0, 4), 1, 2 * BLOCK)  # what one kept prefix of two blocks takes
     # a session's trail after one step of 131: its outputs and inputs, and its blocks' sampled inputs
     trail = (2 * (2 * BLOCK + 3) + 2 * PICKS) * HIDDEN * 4
-    session_cost = probe.session_cost(_open("x", 512))
+    session_cost = probe.session_cost(opening("x", 512))
     assert one > trail
     total = session_cost + trail + one + one // 2
     # a caller's session and its trail fit its share, not with its kept prefix too
-    table = _table(backend, total=total, share=session_cost + trail)
-    await _run(table, "me", "a", _inputs(2 * BLOCK + 3, seed=1))
+    table = session_table(backend, total=total, share=session_cost + trail)
+    await run(table, "me", "a", inputs(2 * BLOCK + 3, seed=1))
     assert table.budget.held["me"] == one == table.budget.used
-    await _run(table, "me", "b", _inputs(2 * BLOCK + 3, seed=2))  # its session's room took its first prefix's
+    await run(table, "me", "b", inputs(2 * BLOCK + 3, seed=2))  # its session's room took its first prefix's
     assert [e.owner for e in table.prefixes.entries.values()] == ["me"] and table.budget.used == one
-    await _run(table, "you", "c", _inputs(2 * BLOCK + 3, seed=3))  # room enough without evicting
+    await run(table, "you", "c", inputs(2 * BLOCK + 3, seed=3))  # room enough without evicting
     assert len(table.prefixes.entries) == 2 and table.budget.used == 2 * one
     assert table.budget.available == total
     # a new session that needs the room takes it from the least recently used
-    session = await table.start(_open("d", 512, PrefixUse()), {}, "them")
+    session = await table.start(opening("d", 512, PrefixUse()), {}, "them")
     assert [e.owner for e in table.prefixes.entries.values()] == ["you"]
     await table.end(session)
     assert table.budget.used == one
@@ -195,22 +142,22 @@ async def test_a_session_s_trail_counts_as_it_grows_and_gives_way_to_a_new_sessi
     """A session that asks for prefix caching reserves what any other does (routing by announced free room holds);
     its trail (outputs and inputs to hash) is counted as its caller's as it grows, and a new session that needs the
     room breaks it: that session answers as before and is simply not kept."""
-    probe = _table(backend)
-    session_cost = probe.session_cost(_open("x", 512))
+    probe = session_table(backend)
+    session_cost = probe.session_cost(opening("x", 512))
     trail = (2 * (2 * BLOCK + 3) + 2 * PICKS) * HIDDEN * 4
-    table = _table(backend, total=2 * session_cost + trail - 1)
-    hidden = _inputs(2 * BLOCK + 3, seed=4)
-    first = await table.start(_open("x", 512, ASKS), {}, "me")
+    table = session_table(backend, total=2 * session_cost + trail - 1)
+    hidden = inputs(2 * BLOCK + 3, seed=4)
+    first = await table.start(opening("x", 512, ASKS), {}, "me")
     assert table.budget.used == session_cost  # nothing reserved for the trail
     out = (await table.step(first, 0, {"hidden": hidden}))["hidden"]
     assert table.prefixes is not None and table.prefixes.trail_bytes == trail
     assert table.budget.available == table.budget.total - session_cost  # announced as room a new session can have
     assert table.budget.held["me"] == session_cost + trail
-    second = await table.start(_open("y", 512, ASKS), {}, "you")  # needs the trail's room: it breaks
+    second = await table.start(opening("y", 512, ASKS), {}, "you")  # needs the trail's room: it breaks
     assert first.trail is not None and first.trail.broken and table.prefixes.trail_bytes == 0
-    more = _inputs(5, seed=5)
+    more = inputs(5, seed=5)
     out2 = (await table.step(first, hidden.shape[1], {"hidden": more}))["hidden"]
-    assert torch.allclose(torch.cat([out, out2], dim=1), _fresh(backend, torch.cat([hidden, more], dim=1)), atol=1e-5)
+    assert torch.allclose(torch.cat([out, out2], dim=1), fresh(backend, torch.cat([hidden, more], dim=1)), atol=1e-5)
     await table.step(second, 0, {"hidden": hidden})  # no room for its trail either: it runs, and is not kept
     await table.end(first)
     await table.end(second)
@@ -221,17 +168,17 @@ async def test_a_digest_that_collides_with_other_inputs_is_never_reused(backend,
     """Digests made to collide (here every block hashes alike) find the kept entry, but its inputs at the offsets only
     the server knows differ: nothing is reused and the answer is a fresh computation's. The same inputs still are."""
     monkeypatch.setattr(prefixes, "block_digests", lambda previous, hidden: [b"same"] * (hidden.shape[1] // BLOCK))
-    table = _table(backend)
-    first = _inputs(3 * BLOCK, seed=6)
-    await _run(table, "me", "a", first)
+    table = session_table(backend)
+    first = inputs(3 * BLOCK, seed=6)
+    await run(table, "me", "a", first)
     assert table.prefixes is not None and len(table.prefixes.entries) == 1
-    other = _inputs(3 * BLOCK + 5, seed=7)
-    out, reused = await _run(table, "me", "b", other)
+    other = inputs(3 * BLOCK + 5, seed=7)
+    out, reused = await run(table, "me", "b", other)
     assert reused == [0] and table.prefixes.collisions == 1
-    assert torch.allclose(out, _fresh(backend, other), atol=1e-5)
+    assert torch.allclose(out, fresh(backend, other), atol=1e-5)
     again = torch.cat([first, other[:, :5]], dim=1)
-    out, reused = await _run(table, "me", "c", again)
-    assert reused == [3 * BLOCK] and torch.allclose(out, _fresh(backend, again), atol=1e-5)
+    out, reused = await run(table, "me", "c", again)
+    assert reused == [3 * BLOCK] and torch.allclose(out, fresh(backend, again), atol=1e-5)
 
 
 async def test_a_caller_s_own_trails_never_make_its_next_session_busy():

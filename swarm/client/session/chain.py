@@ -27,20 +27,23 @@ import torch
 from swarm import wire
 from swarm.client import replies
 from swarm.client.connection import RTT_SLACK, SwarmConnection
+from swarm.client.prefix_memory import keys_of
 from swarm.client.session.hop import HopState
 from swarm.client.session.hop_replies import UNTIMED, Sent, read_acks, read_outputs
 from swarm.client.session.liveness import judge_silence
-from swarm.client.session.steps import Step, chunks
+from swarm.client.session.steps import Chunk, Step, chunks
 from swarm.codecs import Codec
 from swarm.errors import (
     DisagreedInputError,
     NextHopUnreachableError,
+    PrefixUnknownError,
     SessionExpiredError,
     SwarmError,
     UnknownHopError,
 )
 from swarm.identity import Signed
-from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession, StepReply
+from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession, PrefixClaim, PrefixUse, StepReply
+from swarm.rpc.claims import BLOCK, block_digests, piece_digest
 from swarm.rpc.commit import digest
 from swarm.rpc.remote import Tensors, unavailable
 from swarm.rpc.stream import InferenceStream, open_session
@@ -62,8 +65,13 @@ class Chain:
         chunk: int,
         base_timeout: Callable[[int], float],
         observe: Observe,
+        prefix: PrefixUse | None = None,
     ) -> None:
         self.conn, self.opening, self.chunk, self.base_timeout = conn, opening, chunk, base_timeout
+        # prefix caching asked for (``peers.serving.prefixes``); ``claim_next``: the next step run is a session's
+        # first, and may claim what the first hop kept of an earlier one instead of sending it (``swarm.rpc.claims``)
+        self.prefix, self.claim_next = prefix, False
+        self.claimed = 0  # positions the first hop answered from claims
         self.observe = observe  # each hop's share of a step's time (routing's estimates, moving slow hops)
         self._signed: tuple[int, tuple[str, ...], Signed] | None = None
         self._route: list[HopState] = []  # the hops of the route last signed, in order
@@ -136,12 +144,17 @@ class Chain:
         """Send ``step`` through ``states`` in one trip, appending each hop's output (client dtype) to ``done`` as it
         arrives and recording each hop's input. A hop that fails is marked broken (with the hop before it, when the
         two disagree on what passed between them) and its error raised; the hops before it keep what they did."""
-        sent = await self._send(states, step)
+        claimable, self.claim_next = self.claim_next, False
+        sent = await self._send(states, step, claimable)
         inputs, digests = sent.hidden, sent.digests
         before = time.perf_counter()
         for k, state in enumerate(states):
             try:
                 out, digests = await self._collect(states, k, sent, step.position, digests)
+            except PrefixUnknownError:
+                for key in keys_of(state.hop, self.prefix) if self.prefix is not None else ():
+                    self.conn.claims.forget(key)  # it keeps no more of what this client remembers: no claims there
+                raise
             except DisagreedInputError as e:
                 if k == 0:  # the client's own input: the first hop alone is wrong
                     raise
@@ -149,6 +162,7 @@ class Chain:
                 prior.replay.unrecord()  # the step runs again from the sender
                 done.pop()
                 raise _blame(prior, state) from e
+            self.claimed += sent.claimed if k == 0 else 0
             state.replay.lossy |= sent.lossy
             state.replay.record(inputs, step.explicit, out)
             inputs = out.to(step.hidden.dtype)
@@ -179,8 +193,9 @@ class Chain:
         await self.observe(state, now - before, tokens)
         return now
 
-    async def _send(self, states: list[HopState], step: Step) -> Sent:
-        """Send the step's pieces to the first hop, for the rest of ``states``."""
+    async def _send(self, states: list[HopState], step: Step, claimable: bool = False) -> Sent:
+        """Send the step's pieces to the first hop, for the rest of ``states`` (``claimable``: a session's first step,
+        whose start the first hop's server may have kept from an earlier session: ``swarm.rpc.claims``)."""
         self._tag += 1
         first = states[0]
         stream = first.link.stream
@@ -189,21 +204,59 @@ class Chain:
         xs = [step.hidden[:, c.start : c.end].to(getattr(torch, first.hop.dtype)) for c in pieces]
         codec = self.codec(states, xs[0])
         lossy = codec not in (None, Codec.none)
+        found = self._claim(first, step, xs, codec) if claimable else None
+        claimed: list[Chunk] = []
+        if found is not None:  # the claimed positions go as pieces without tensors, then the rest as usual
+            length = found[0].length
+            claimed = chunks(length, self.chunk)
+            pieces = claimed + [
+                Chunk(length + c.start, length + c.end) for c in chunks(step.tokens - length, self.chunk)
+            ]
+            xs = [step.hidden[:, c.start : c.end].to(xs[0].dtype) for c in pieces[len(claimed) :]]
         hidden = step.hidden
         if lossy:  # what the first hop takes in, as kept for replays and verification
-            hidden = torch.cat([wire.as_received(x, codec) for x in xs], dim=1).to(hidden.dtype)
+            parts = ([found[1]] if found is not None else []) + [wire.as_received(x, codec) for x in xs]
+            hidden = torch.cat(parts, dim=1).to(hidden.dtype)
         digests: list[str] = []
-        for c, x in zip(pieces, xs, strict=True):
+        hops = len(states) - 1
+        for c in claimed:
+            assert found is not None
+            claim = found[0].model_copy(update={"end": c.end})
+            await stream.send(
+                InferenceRequest(step=InferenceStep(position=c.start, hops=hops, tag=self._tag, claim=claim)), {}
+            )
+            digests.append(piece_digest(bytes.fromhex(claim.digest), c.start, c.end))
+        for c, x in zip(pieces[len(claimed) :], xs, strict=True):
             tensors: Tensors = {"hidden": x}
             if step.mask is not None:
                 tensors["attention_mask"] = step.mask[:, : step.position + c.end]
             if step.positions is not None:
                 tensors["position_ids"] = step.positions[:, c.start : c.end]
-            request = InferenceStep(position=step.position + c.start, hops=len(states) - 1, tag=self._tag)
+            request = InferenceStep(position=step.position + c.start, hops=hops, tag=self._tag)
             await stream.send(InferenceRequest(step=request), tensors, codec)
             # what the first hop decodes and commits to: worked out while it computes, not before it can start
             digests.append(digest(wire.as_received(x, codec)))
-        return Sent(pieces, digests, hidden, lossy, self._tag)
+        return Sent(pieces, digests, hidden, lossy, self._tag, found[0].length if found is not None else 0)
+
+    def _claim(
+        self, first: HopState, step: Step, xs: list[torch.Tensor], codec: Codec | None
+    ) -> tuple[PrefixClaim, torch.Tensor] | None:
+        """The longest start of the step's input (whole blocks, the last position always sent) that an earlier
+        session of this client sent the same first hop's server, which said it keeps them (``swarm.rpc.claims``);
+        with those positions as that server took them in. None: nothing to claim."""
+        plain = step.positions is None and (step.mask is None or bool((step.mask == 1).all()))
+        if self.prefix is None or step.position or not plain or step.tokens <= BLOCK:
+            return None
+        memory = self.conn.claims
+        keys = [key for key in keys_of(first.hop, self.prefix) if memory.has(key)]
+        if not keys:
+            return None
+        taken = torch.cat([wire.as_received(x, codec) for x in xs], dim=1)
+        chain = block_digests(b"", taken[:, : ((step.tokens - 1) // BLOCK) * BLOCK])
+        k = max(memory.longest(key, chain) for key in keys)
+        if not k:
+            return None
+        return PrefixClaim(length=k * BLOCK, digest=chain[k - 1].hex(), end=k * BLOCK), taken[:, : k * BLOCK]
 
     def codec(self, states: list[HopState], piece: torch.Tensor) -> Codec:
         """One codec for a chained step's activations on every link it crosses: what the slowest link calls for

@@ -159,6 +159,8 @@ class HopState:
         self.replay = Replay()
         self.commitments = Commitments(self.session_id, hop.start, hop.end)
         self.reused = 0  # positions its server answered from a kept prefix (``peers.serving.prefixes``)
+        self.keeps = False  # its server said it keeps the session's inputs when it ends (``OpenReply.keeps``)...
+        self.shares = False  # ...where every sharing session finds them
 
     def close(self) -> None:
         self.link.close()

@@ -31,6 +31,7 @@ class Sent:
     hidden: torch.Tensor
     lossy: bool
     tag: int
+    claimed: int = 0  # its first positions, claimed instead of sent (``swarm.rpc.claims``)
 
 
 async def read_acks(conn: SwarmConnection, state: HopState, timeout: float) -> None:
@@ -44,6 +45,8 @@ async def read_acks(conn: SwarmConnection, state: HopState, timeout: float) -> N
         if sent != UNTIMED:
             conn.view.observe_rtt(hop.peer_id, time.perf_counter() - sent)
         state.commitments.certify(opening, hop.peer_id)
+        state.keeps |= opening.keeps
+        state.shares |= opening.shares
         if not state.commitments.seal(opening):
             raise unavailable(hop.peer_id, "signed a chain of commitments other than the one it sent")
 

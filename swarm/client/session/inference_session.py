@@ -21,6 +21,7 @@ import torch
 
 from swarm.client.connection import SwarmConnection
 from swarm.client.executor import Context, PlanCache, Schedule, schedule
+from swarm.client.prefix_memory import key_of
 from swarm.client.session.chain import Chain
 from swarm.client.session.checks import SessionChecks
 from swarm.client.session.handover import Handover
@@ -40,6 +41,7 @@ from swarm.plan.compile import ModelShape, generate_plan, repair
 from swarm.plan.ir import Plan
 from swarm.protocol import OpenSession, PrefixUse
 from swarm.records import Capability
+from swarm.rpc.claims import block_digests
 from swarm.rpc.remote import Tensors
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,10 @@ class InferenceSession:
         self.checks = SessionChecks(conn, verifier, self._chunk, self.session_id)
         self.verifier, self.caught = verifier, self.checks.caught  # the servers it caught computing wrong answers
         self.path: StepPath = (
-            ChainedPath(Chain(conn, self._opening, self._chunk, self._base_timeout, self.routes.observe), delivery)
+            ChainedPath(
+                Chain(conn, self._opening, self._chunk, self._base_timeout, self.routes.observe, self.prefix_use),
+                delivery,
+            )
             if conn.cfg.chain
             else MediatedPath(conn, delivery, self._opening, self._base_timeout, self.routes.observe)
         )
@@ -93,6 +98,7 @@ class InferenceSession:
         # speculative decoding (``swarm.client.speculative.loop``): a provisional step's drafts may still be taken back;
         # ``_last_n``: the last step's positions (what ``take_back`` may cut)
         self.provisional, self._last_n = False, 0
+        self._plain = True  # every step at default positions without padding: what a server keeps, and claims name
 
     @property
     def plan(self) -> Plan | None:
@@ -112,6 +118,11 @@ class InferenceSession:
     def reused(self) -> int:
         """Positions every hop of the route answered from prefixes its server kept, instead of computing them."""
         return min((state.reused for state in self.hop_states), default=0)
+
+    @property
+    def claimed(self) -> int:
+        """Positions of its first step the first hop answered from a claim, not sent (``swarm.rpc.claims``)."""
+        return self.path.chain.claimed if isinstance(self.path, ChainedPath) else 0
 
     @property
     def failovers(self) -> int:
@@ -226,6 +237,8 @@ class InferenceSession:
         self.checks.before_step(self.bound.states)
         done: list[torch.Tensor] = []  # outputs of the hops this step got through, kept across attempts
         conn = self.conn
+        if not self.position and isinstance(self.path, ChainedPath):  # its start may be claimed (``swarm.rpc.claims``)
+            self.path.chain.claim_next = self.prefix_use is not None
         out = conn.retrier.run(lambda: conn.loop.run(self._attempt(step, done)), "inference step", confirm=True)
         self.position += step.tokens
         self._last_n = step.tokens
@@ -250,6 +263,8 @@ class InferenceSession:
         # a padded session keeps sending the mask of all positions; replays need positions even where servers infer them
         explicit = position_ids if position_ids is not None else torch.arange(self.position, self.position + n)
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
+        mask = self.history.mask
+        self._plain &= position_ids is None and (mask is None or bool((mask == 1).all()))
         return Step(hidden, self.history.mask, position_ids, explicit, self.position)
 
     def take_back(self, drop: int) -> None:
@@ -277,10 +292,24 @@ class InferenceSession:
                 except Exception as e:  # noqa: BLE001 - at the session's end: a fresh hop's stream is all it holds
                     log.info("dropping a move failed: %s", e, extra={"session": self.session_id})
             self.checks.finish(self.hop_states, chained=self.conn.cfg.chain)
+            self._remember()
         finally:
             for state in self.hop_states:
                 state.close()
             self.routes.release(self.route)
+
+    def _remember(self) -> None:
+        """What the first hop took in, as the chain of block digests its server keeps it under when the session
+        ends (if it said it keeps it), for a later session's claim (``swarm.rpc.claims``)."""
+        states = self.hop_states
+        if self.prefix_use is None or not self._plain or not states or not self.conn.cfg.chain:
+            return
+        first = states[0]
+        if not first.keeps or first.link.broken or not first.replay.inputs:
+            return
+        hidden, _ = first.replay.history()
+        rows = hidden[:, : self.position].to(getattr(torch, first.hop.dtype))
+        self.conn.claims.remember(key_of(first.hop, self.prefix_use, first.shares), block_digests(b"", rows))
 
     def __enter__(self) -> InferenceSession:
         return self
