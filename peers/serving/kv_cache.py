@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
 from swarm.errors import BusyError, CacheFullError
 from swarm.families import kv
 from swarm.families.spec import Family
@@ -124,3 +126,24 @@ class CacheBudget:
 
 def _mb(nbytes: int) -> str:
     return f"{nbytes / 2**20:.3g} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
+def rewind(cache: object | None, drop: int) -> None:
+    """Forget the last ``drop`` positions ``cache`` holds; with 0, sliding-window layers only give back what their
+    window no longer needs (see ``swarm.families.span.new_cache``). Layers of blocks this span does not hold were
+    never filled and are skipped (transformers' sliding layer cannot crop an empty layer). The ONNX runtime's cache
+    is read up to the session's position whatever it holds beyond, so it has nothing to crop."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # convolution states: back to the kernel's width
+            if any(layer.is_conv_states_initialized.values()):
+                layer.crop(-drop)
+        elif layer.is_initialized:
+            layer.crop(-drop)
+
+
+def recurrent(cache: object | None) -> bool:
+    """Whether ``cache`` holds recurrent (state-space, linear-attention) states: a step folded into them is final."""
+    return any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.is_recurrent_states_initialized.values())
+        for layer in getattr(cache, "layers", ())
+    )

@@ -12,15 +12,25 @@ from functools import partial
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from peers.serving.adapters import Adapter, Pin
 from peers.serving.checks import check_aux, check_finite, check_hidden, check_names
 from peers.serving.engine import Engine
-from peers.serving.kv_cache import CacheBudget, KvCost
+from peers.serving.kv_cache import CacheBudget, KvCost, recurrent, rewind
 from peers.serving.limits import Quota
 from peers.serving.ports import Tensors
-from peers.serving.prefixes import PICKS, SHARED, PrefixStore, Scope, Trail, copy_prefix, crop_to, eligible
+from peers.serving.prefixes import (
+    PICKS,
+    SHARED,
+    Claimed,
+    PrefixStore,
+    Scope,
+    Trail,
+    claim_prefix,
+    copy_prefix,
+    crop_to,
+    eligible,
+)
 from peers.serving.runtime import Row
 from peers.serving.scheduler import batching, pieces
 from swarm import wire
@@ -65,16 +75,6 @@ class Session:
     def previous(self) -> str | None:
         """The peer id allowed to push into this session: the hop before it on the client's route."""
         return self.route.hops[self.index - 1].peer_id if self.route is not None and self.index > 0 else None
-
-
-@dataclass(eq=False)
-class Claimed:
-    """A session's claimed first positions (``swarm.rpc.claims``): their outputs, and where the next piece starts."""
-
-    length: int
-    digest: str
-    outputs: torch.Tensor
-    next: int = 0
 
 
 class SessionTable:
@@ -244,14 +244,14 @@ class SessionTable:
             )
         mask, pos = check_aux(tensors, batch, n, position + n, self.limits)
         if position < session.position:  # (part of) the last step undone: forget it first
-            if _recurrent(session.cache):  # a state-space state cannot be taken back: the client replays elsewhere
+            if recurrent(session.cache):  # a state-space state cannot be taken back: the client replays elsewhere
                 await self.end(session)
                 raise SessionExpiredError("this span's recurrent states cannot redo a step: reopen it and replay")
-            _rewind(session.cache, session.position - position)
+            rewind(session.cache, session.position - position)
             self.metrics.step_replays += 1
             session.position = position
         else:
-            _rewind(session.cache, 0)
+            rewind(session.cache, 0)
         self.queued.acquire(session.caller)
         try:
             out = await self._reusing(session, hidden, mask, pos)
@@ -330,23 +330,18 @@ class SessionTable:
         return held.outputs[:, position : claim.end]
 
     def _find_claim(self, session: Session, claim: PrefixClaim) -> Claimed:
-        trail, store, length = session.trail, self.prefixes, claim.length
-        if length + 1 > session.max_length:
-            raise SessionLengthError(f"session of max_length {session.max_length} cannot claim {length} positions")
-        entry = None
-        if trail is not None and store is not None and not trail.broken:
-            chain = bytes.fromhex(claim.digest)
-            entry = store.claimed(
-                self._scopes(session), session.sub, session.batch, chain, length, self.loaded.current()
+        if claim.length + 1 > session.max_length:
+            raise SessionLengthError(
+                f"session of max_length {session.max_length} cannot claim {claim.length} positions"
             )
-        if entry is not None and trail is not None:
-            trail.adopt(entry, length)  # its outputs, counted as the trail's (no room: the trail breaks)
-        if entry is None or trail is None or trail.broken or trail.outputs is None:
-            raise PrefixUnknownError(f"no kept prefix of {length} positions matches the claim here: send it whole")
-        assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening
-        copy_prefix(entry.cache, session.cache, 0, length)
-        session.position = length
-        return Claimed(length, claim.digest, trail.outputs[:, :length])
+        trail, store = session.trail, self.prefixes
+        if trail is None or store is None or not isinstance(session.cache, DynamicCache):
+            raise PrefixUnknownError("this session keeps no prefixes: send the step whole")
+        scopes = self._scopes(session)
+        weights = self.loaded.current()
+        found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
+        session.position = claim.length
+        return found
 
     async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None
@@ -391,24 +386,3 @@ class SessionTable:
                 past=past,
                 adapter=session.adapter,
             )
-
-
-def _rewind(cache: object | None, drop: int) -> None:
-    """Forget the last ``drop`` positions ``cache`` holds; with 0, sliding-window layers only give back what their
-    window no longer needs (see ``swarm.families.span.new_cache``). Layers of blocks this span does not hold were
-    never filled and are skipped (transformers' sliding layer cannot crop an empty layer). The ONNX runtime's cache
-    is read up to the session's position whatever it holds beyond, so it has nothing to crop."""
-    for layer in getattr(cache, "layers", ()):
-        if isinstance(layer, LinearAttentionCacheLayerMixin):  # convolution states: back to the kernel's width
-            if any(layer.is_conv_states_initialized.values()):
-                layer.crop(-drop)
-        elif layer.is_initialized:
-            layer.crop(-drop)
-
-
-def _recurrent(cache: object | None) -> bool:
-    """Whether ``cache`` holds recurrent (state-space, linear-attention) states: a step folded into them is final."""
-    return any(
-        isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.is_recurrent_states_initialized.values())
-        for layer in getattr(cache, "layers", ())
-    )

@@ -94,7 +94,7 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
     from peers.blocks.backend import SpanBackend
     from peers.blocks.families import family_for
     from peers.blocks.loader import load_span
-    from peers.serving.sessions import _rewind
+    from peers.serving.kv_cache import rewind
     from swarm.ids import Span
     from swarm.model_files import load_config
 
@@ -124,7 +124,7 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
 
     def settle() -> None:
         for cache in caches:
-            _rewind(cache, 0)  # as the server does before every new step: sliding layers give back what they kept
+            rewind(cache, 0)  # as the server does before every new step: sliding layers give back what they kept
 
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
@@ -134,7 +134,7 @@ def test_server_runtime_matches_hugging_face(name, tmp_path):
         settle()
         step(torch.randint(1, 320, (2, 2)), 9)
         for cache in caches:
-            _rewind(cache, 2)
+            rewind(cache, 2)
         got.append(step(ids[:, 9:11], 9))
         for t in (11, 12):
             settle()

@@ -13,8 +13,8 @@ from peers.blocks.loader import load_span
 from peers.serving.checks import Limits
 from peers.serving.config import ComputeConfig
 from peers.serving.engine import Engine
-from peers.serving.kv_cache import CacheBudget
-from peers.serving.sessions import Session, SessionTable, _recurrent
+from peers.serving.kv_cache import CacheBudget, recurrent
+from peers.serving.sessions import Session, SessionTable
 from swarm.config import Timing
 from swarm.errors import SessionExpiredError
 from swarm.ids import Span
@@ -49,7 +49,7 @@ def _tiny(tmp_path, name: str):
 
 async def test_a_redone_step_over_recurrent_states_ends_the_session_for_a_replay(tmp_path):
     backend, cache = _prefilled(_tiny(tmp_path, "nemotron_h"))
-    assert _recurrent(cache)
+    assert recurrent(cache)
     sessions = _table(backend)
     sessions.quota.acquire("me")
     session = Session("s" * 32, Span(0, 4), 16, 1, cache, 0, position=7, caller="me", last_start=5)
@@ -61,7 +61,7 @@ async def test_a_redone_step_over_recurrent_states_ends_the_session_for_a_replay
 
 def test_an_attention_cache_holds_no_recurrent_state(tmp_path):
     _, cache = _prefilled(_tiny(tmp_path, "llama"))
-    assert not _recurrent(cache)
+    assert not recurrent(cache)
 
 
 async def test_a_step_may_start_only_inside_the_last_step(tmp_path):
