@@ -46,7 +46,9 @@ def test_a_session_that_starts_alike_reuses_every_server_s_kept_prefix_and_answe
             assert reused == 2 * BLOCK  # whole blocks of the 170 common positions, on both servers
             assert claimed == 2 * BLOCK  # ...which the client did not send the first hop
             assert torch.allclose(logits, expected, atol=1e-4)
-            assert torch.equal(client.generate(later, max_new_tokens=8, do_sample=False), greedy)
+            with client.inference_session(max_length=later.shape[1] + 8) as session:  # positions given: the defaults
+                assert torch.equal(client.generate(later, max_new_tokens=8, do_sample=False), greedy)
+                assert session.claimed == 3 * BLOCK  # what the last session kept (of 210 positions)
             again, reused, claimed = _logits(client, later)  # kept too, by the generation's session: three blocks now
             assert reused == claimed == 3 * BLOCK and torch.allclose(again, expected, atol=1e-4)
             assert client.failovers == 0

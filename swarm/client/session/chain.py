@@ -244,8 +244,7 @@ class Chain:
         """The longest start of the step's input (whole blocks, the last position always sent) that an earlier
         session of this client sent the same first hop's server, which said it keeps them (``swarm.rpc.claims``);
         with those positions as that server took them in. None: nothing to claim."""
-        plain = step.positions is None and (step.mask is None or bool((step.mask == 1).all()))
-        if self.prefix is None or step.position or not plain or step.tokens <= BLOCK:
+        if self.prefix is None or step.position or not step.plain or step.tokens <= BLOCK:
             return None
         memory = self.conn.claims
         keys = [key for key in keys_of(first.hop, self.prefix) if memory.has(key)]

@@ -263,9 +263,9 @@ class InferenceSession:
         # a padded session keeps sending the mask of all positions; replays need positions even where servers infer them
         explicit = position_ids if position_ids is not None else torch.arange(self.position, self.position + n)
         explicit = explicit.expand(batch, -1) if explicit.ndim == 1 else explicit
-        mask = self.history.mask
-        self._plain &= position_ids is None and (mask is None or bool((mask == 1).all()))
-        return Step(hidden, self.history.mask, position_ids, explicit, self.position)
+        step = Step(hidden, self.history.mask, position_ids, explicit, self.position)
+        self._plain &= step.plain
+        return step
 
     def take_back(self, drop: int) -> None:
         """Forget the last ``drop`` positions of the last step (a speculative step's rejected drafts; its first

@@ -23,6 +23,15 @@ class Step:
     def tokens(self) -> int:
         return self.hidden.shape[1]
 
+    @property
+    def plain(self) -> bool:
+        """At the default positions, without padding: what servers keep of a session, and claims name."""
+        default = self.positions is None or torch.equal(
+            self.positions.to(torch.int64),
+            torch.arange(self.position, self.position + self.tokens).expand_as(self.positions),
+        )
+        return default and (self.mask is None or bool((self.mask == 1).all()))
+
     def entering(self, hidden: torch.Tensor) -> Step:
         """The same step, entering a later hop with that hop's input."""
         return Step(hidden, self.mask, self.positions, self.explicit, self.position)
