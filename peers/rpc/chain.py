@@ -31,7 +31,8 @@ from peers.rpc.directory import ServerDirectory
 from peers.rpc.edge import Edge
 from peers.rpc.push_link import PushLink
 from peers.serving.limits import CallerContext, StreamIdle, caller_of
-from peers.serving.sessions import Session, SessionTable
+from peers.serving.session import Session
+from peers.serving.sessions import SessionTable
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.errors import BadInputError, BusyError, NextHopUnreachableError, UnknownHopError

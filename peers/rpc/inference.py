@@ -22,7 +22,8 @@ from peers.rpc.chain import Pushed, StepPusher
 from peers.rpc.edge import Edge
 from peers.serving.checks import Limits
 from peers.serving.limits import CallerContext, GuardedFrames, StreamIdle, StreamStalled, caller_of
-from peers.serving.sessions import Session, SessionTable
+from peers.serving.session import Session
+from peers.serving.sessions import SessionTable
 from swarm import wire
 from swarm.codecs import Codec
 from swarm.errors import BadInputError, NextHopUnreachableError, SessionExpiredError

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 
 from peers.serving.counters import PeerMetrics
-from peers.serving.sessions import Session
+from peers.serving.session import Session
 from swarm import wire
 from swarm.config import Timing
 from swarm.errors import BusyError

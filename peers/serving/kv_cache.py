@@ -46,7 +46,9 @@ class Spare(Protocol):
     @property
     def nbytes(self) -> int: ...
 
-    def evict(self, nbytes: int, owner: str | None = None) -> None: ...
+    def evict(self, nbytes: int, owner: str | None = None, trails: bool = True, entries: bool = True) -> None: ...
+
+    def kept_by(self, owner: str) -> int: ...
 
 
 class CacheBudget:
@@ -84,8 +86,10 @@ class CacheBudget:
                 f"a session whose KV cache takes {_mb(nbytes)} (batch x max_length through this span) exceeds this "
                 f"server's whole budget of {_mb(self.total)}"
             )
-        if self._over_share(caller, nbytes) and self.spare is not None:  # its own kept prefixes go first
-            self.spare.evict(self.held[caller] + nbytes - self.per_caller, caller)
+        # its own trails go first; its kept prefixes stand while the session may reuse them, counted in its share
+        # again after its first step that reuses nothing (``PrefixStore.settle``)
+        if self._over_share(caller, nbytes) and self.spare is not None:
+            self.spare.evict(self._excess(caller, nbytes), caller, entries=False)
         if self._over_share(caller, nbytes):  # refused at once: only the caller's own sessions can free its share
             raise BusyError(
                 f"a session of {_mb(nbytes)} of KV cache would take this caller past its share of this server's KV "
@@ -102,7 +106,7 @@ class CacheBudget:
             # while this waited, the caller's other sessions may have taken its share, or their trails grown into it
             # (``peers.serving.prefixes``): what it keeps for later goes first, as above
             if self._over_share(caller, nbytes) and self.spare is not None:
-                self.spare.evict(self.held[caller] + nbytes - self.per_caller, caller)
+                self.spare.evict(self._excess(caller, nbytes), caller, entries=False)
             if self._over_share(caller, nbytes):
                 raise BusyError(f"this caller holds {_mb(self.held[caller])} of its {_mb(self.per_caller)} of KV cache")
             if self.free < nbytes and self.spare is not None:  # the least recently used kept prefixes make room
@@ -111,9 +115,14 @@ class CacheBudget:
             self.held[caller] += nbytes
         return nbytes
 
+    def _excess(self, caller: str, nbytes: int) -> int:
+        """How far a new session of ``nbytes`` takes the caller past its share, its kept prefixes aside."""
+        kept = self.spare.kept_by(caller) if self.spare is not None else 0
+        return self.held[caller] - kept + nbytes - self.per_caller
+
     def _over_share(self, caller: str, nbytes: int) -> bool:
         # a share of the whole budget is no share: then the caller waits for room like everyone
-        return self.per_caller < self.total and self.held[caller] + nbytes > self.per_caller
+        return self.per_caller < self.total and self._excess(caller, nbytes) > 0
 
     async def release(self, nbytes: int, caller: str = "") -> None:
         async with self._changed:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -224,6 +224,7 @@ class PrefixStore:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by id, least recently used first
         self.index: dict[tuple[object, ...], tuple[Entry, int]] = {}  # (scope, span, batch, digest) -> (entry, blocks)
         self.kept = 0  # bytes of the kept entries
+        self.owned: Counter[str] = Counter()  # ...by owner
         self.picks = tuple(sorted(secrets.SystemRandom().sample(range(BLOCK), PICKS)))  # offsets checked on reuse
         self.collisions = 0  # digests that matched other inputs
         self.trails: dict[int, tuple[Trail, str]] = {}  # open sessions' trails that hold bytes, with their caller
@@ -344,6 +345,7 @@ class PrefixStore:
         entry = Entry(owner, sub, digests, samples, cache, outputs.clone(), nbytes, ref)
         self.budget.charge(nbytes, owner)
         self.kept += nbytes
+        self.owned[owner] += nbytes
         self.entries[id(entry)] = entry
         for k, d in enumerate(digests, 1):
             key = (scope, sub.start, sub.end, batch, d)
@@ -352,18 +354,35 @@ class PrefixStore:
         return entry
 
     def _room_for(self, owner: str, nbytes: int, trails: bool = True) -> bool:
+        """Room for ``nbytes`` more of ``owner``'s: a kept entry (``trails``: open sessions' trails may break for it),
+        or a trail's growth (``trails`` False), beside which the owner's kept entries stand, outside its share, until
+        its session settles (``settle``): the session may be reusing them piece by piece."""
         budget = self.budget
         if nbytes > budget.per_caller or nbytes > budget.total:
             return False
-        self.evict(max(0, budget.held[owner] + nbytes - budget.per_caller), owner, trails)
+        aside = 0 if trails else self.owned[owner]
+        self.evict(max(0, budget.held[owner] - aside + nbytes - budget.per_caller), owner, trails, entries=trails)
         self.evict(max(0, nbytes - budget.free), None, trails)
-        return budget.held[owner] + nbytes <= budget.per_caller and budget.free >= nbytes
+        return budget.held[owner] - aside + nbytes <= budget.per_caller and budget.free >= nbytes
 
     # ---- giving room back -----------------------------------------------------------------------------------------
-    def evict(self, nbytes: int, owner: str | None = None, trails: bool = True) -> None:
-        """Drop least recently used entries (``owner``'s only, if given) until ``nbytes`` are given back; then, if
-        that is not enough, break open sessions' trails (those sessions will not be kept; ``trails``=False: not)."""
-        for entry in list(self.entries.values()):
+    def kept_by(self, owner: str) -> int:
+        """Bytes of ``owner``'s kept entries."""
+        return self.owned[owner]
+
+    def settle(self, owner: str) -> None:
+        """``owner``'s kept entries and trails back within its share, least recently used first: what its sessions'
+        openings and trails let stand (``CacheBudget.reserve``, ``_room_for``) while they may reuse them, until a
+        step that reused nothing."""
+        budget = self.budget
+        if budget.per_caller < budget.total:
+            self.evict(budget.held[owner] - budget.per_caller, owner)
+
+    def evict(self, nbytes: int, owner: str | None = None, trails: bool = True, entries: bool = True) -> None:
+        """Drop least recently used entries (``owner``'s only, if given; ``entries``=False: none) until ``nbytes``
+        are given back; then, if that is not enough, break open sessions' trails (those sessions will not be kept;
+        ``trails``=False: not)."""
+        for entry in list(self.entries.values()) if entries else ():
             if nbytes <= 0:
                 return
             if owner is None or entry.owner == owner:
@@ -389,4 +408,5 @@ class PrefixStore:
             if self.index.get(key, (None, 0))[0] is entry:
                 del self.index[key]
         self.kept -= entry.nbytes
+        self.owned[entry.owner] -= entry.nbytes
         self.budget.discharge(entry.nbytes, entry.owner)

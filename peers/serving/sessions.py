@@ -7,14 +7,14 @@ quota, the limits and the counters."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from transformers import DynamicCache
 
-from peers.serving.adapters import Adapter, Pin
+from peers.serving.adapters import Pin
 from peers.serving.checks import check_aux, check_finite, check_hidden, check_names
+from peers.serving.claiming import claimed_piece
 from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, KvCost, recurrent, rewind
 from peers.serving.limits import Quota
@@ -22,59 +22,25 @@ from peers.serving.ports import Tensors
 from peers.serving.prefixes import (
     PICKS,
     SHARED,
-    Claimed,
     PrefixStore,
     Scope,
-    Trail,
-    claim_prefix,
     copy_prefix,
     crop_to,
     eligible,
 )
 from peers.serving.runtime import Row
 from peers.serving.scheduler import batching, pieces
-from swarm import wire
+from peers.serving.session import Session
 from swarm.errors import (
     BadInputError,
     PeerUnavailableError,
-    PrefixUnknownError,
     SessionExpiredError,
     SessionLengthError,
 )
 from swarm.ids import Span
-from swarm.protocol import ChainRoute, OpenSession, PrefixClaim, PrefixUse
-from swarm.records import Capability, ServerRecord
+from swarm.protocol import OpenSession, PrefixClaim
+from swarm.records import Capability
 from swarm.rpc.claims import BLOCK
-
-
-@dataclass
-class Session:
-    id: str
-    sub: Span
-    max_length: int
-    batch: int
-    cache: object | None  # the runtime's own KV cache (``SpanRuntime.new_cache``)
-    reserved: int
-    position: int = 0
-    adapter: Adapter | None = None  # the client's adapter, bound for the session's life
-    pin: Pin | None = None  # ...and held in the adapter cache (counted, not evictable) until the session ends
-    caller: str = ""
-    last_start: int | None = None  # where the last step began: a step sent again from there redoes it
-    route: ChainRoute | None = None  # the client's signed route, once it gave one (``peers.rpc.chain``)
-    index: int = 0  # this session's place in it
-    next_hop: ServerRecord | None = None  # the signed record of the hop after it, which pushes are sent to
-    room: wire.SessionRoom | None = None  # its room in the byte budget: its steps and pushes count there first
-    prefix: PrefixUse | None = None  # prefix caching asked for (``peers.serving.prefixes``)...
-    trail: Trail | None = None  # ...and what it has seen, while it can be kept
-    reused: int = 0  # positions of its last step answered from a kept prefix
-    claim: Claimed | None = None  # its first positions, claimed (``swarm.rpc.claims``), while their pieces come
-    # steps waiting to run, from the client's stream and pushed by the previous hop, in arrival order
-    inbox: asyncio.Queue[object] = field(default_factory=asyncio.Queue)
-
-    @property
-    def previous(self) -> str | None:
-        """The peer id allowed to push into this session: the hop before it on the client's route."""
-        return self.route.hops[self.index - 1].peer_id if self.route is not None and self.index > 0 else None
 
 
 class SessionTable:
@@ -194,6 +160,7 @@ class SessionTable:
             self._keep(session, cache)
             if session.trail is not None:  # kept or not, the trail's bytes go back
                 session.trail.drop()
+                await self.notify()  # a claim may be waiting for what it kept
 
     def _keep(self, session: Session, cache: object | None) -> None:
         """An ended session's whole blocks of positions into the kept prefixes, if it asked and is whole."""
@@ -203,14 +170,14 @@ class SessionTable:
         if trail.held != session.position or not isinstance(cache, DynamicCache):
             return
         store.purge(held)
-        store.keep(self._scopes(session)[-1], session.caller, session.sub, trail, cache, self.loaded.current())
+        store.keep(self.scopes(session)[-1], session.caller, session.sub, trail, cache, self.loaded.current())
 
     @property
     def shares(self) -> bool:
         """Whether sessions that ask share kept prefixes here (``--share-prefixes``)."""
         return self.prefixes is not None and self.prefixes.share
 
-    def _scopes(self, session: Session) -> list[Scope]:
+    def scopes(self, session: Session) -> list[Scope]:
         """Where the session's prefixes are looked up, and (the last) kept."""
         assert session.prefix is not None and self.prefixes is not None
         own = (session.caller, session.prefix.scope)
@@ -222,7 +189,7 @@ class SessionTable:
         """Run a step of ``tensors`` at ``position`` (``claim``: a piece of the session's first positions, sent
         without tensors: answered from a kept prefix, ``swarm.rpc.claims``)."""
         if claim is not None:
-            return {"hidden": self._claimed(session, position, claim, tensors)}
+            return {"hidden": await claimed_piece(self, session, position, claim, tensors)}
         check_names(tensors)
         hidden = check_hidden(tensors, self.limits)
         check_finite(hidden, "hidden")  # a NaN would poison this session's cache for every later step
@@ -257,6 +224,8 @@ class SessionTable:
             out = await self._reusing(session, hidden, mask, pos)
         finally:
             self.queued.release(session.caller)
+        if self.prefixes is not None and not session.reused:  # past what it reuses: its caller back within its share
+            self.prefixes.settle(session.caller)
         session.last_start = position
         session.position = position + n
         session.claim = None  # (a claim's pieces come before any step sent)
@@ -282,7 +251,7 @@ class SessionTable:
             return await self._chunks(session, hidden, mask, pos)
         assert isinstance(session.cache, DynamicCache)  # ``eligible`` at the opening
         found = self.prefixes.find(
-            self._scopes(session), session.sub, session.batch, seen, position, self.loaded.current()
+            self.scopes(session), session.sub, session.batch, seen, position, self.loaded.current()
         )
         if found is None:
             out = await self._chunks(session, hidden, mask, pos)
@@ -304,44 +273,6 @@ class SessionTable:
             self.metrics.prefix_reused += session.reused * session.batch
         trail.record(position, out, seen)
         return out
-
-    def _claimed(self, session: Session, position: int, claim: PrefixClaim, tensors: Tensors) -> torch.Tensor:
-        """A claimed piece's output (``swarm.rpc.claims``). The first, at position 0 of a fresh session, finds the
-        caller's kept prefix the claim names (under the session's scopes, like any reuse; ``PrefixUnknownError``
-        where there is none) and copies all of it into the session; the next pieces follow it in order."""
-        if tensors:
-            raise BadInputError("a claimed piece carries no tensors")
-        if (
-            not position < claim.end <= claim.length
-            or (claim.end - position) * session.batch > self.limits.max_batch_tokens
-        ):
-            raise BadInputError(f"a claimed piece {position}:{claim.end} of {claim.length} positions is malformed")
-        if not position:
-            if session.position or session.last_start is not None:
-                raise BadInputError("only a session's first positions may be claimed")
-            session.claim = self._find_claim(session, claim)
-        held = session.claim
-        if held is None or (held.length, held.digest, held.next) != (claim.length, claim.digest, position):
-            raise BadInputError("a claimed piece out of order (claimed pieces come first, in order)")
-        held.next = claim.end
-        session.reused = claim.end - position
-        self.metrics.prefix_reused += session.reused * session.batch
-        self.metrics.served["inference_steps"] += 1
-        return held.outputs[:, position : claim.end]
-
-    def _find_claim(self, session: Session, claim: PrefixClaim) -> Claimed:
-        if claim.length + 1 > session.max_length:
-            raise SessionLengthError(
-                f"session of max_length {session.max_length} cannot claim {claim.length} positions"
-            )
-        trail, store = session.trail, self.prefixes
-        if trail is None or store is None or not isinstance(session.cache, DynamicCache):
-            raise PrefixUnknownError("this session keeps no prefixes: send the step whole")
-        scopes = self._scopes(session)
-        weights = self.loaded.current()
-        found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
-        session.position = claim.length
-        return found
 
     async def _chunks(
         self, session: Session, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor | None

@@ -81,6 +81,7 @@ def test_a_claim_the_first_hop_cannot_honour_costs_only_a_step_sent_whole(folder
             logits, reused, claimed = _logits(client, never)
             assert claimed == reused == 0 and client.failovers == 1
             assert torch.allclose(logits, expected, atol=1e-4)
+            assert not memory.keys()  # that server is left alone a while: not even what it keeps now is claimed
 
 
 def test_a_server_killed_in_a_session_that_reused_its_prefix_costs_no_token(folder, ref):

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from peers.blocks.backend import SpanBackend
 from peers.blocks.batched import batchable
 from peers.serving.adapters import Adapter
+from peers.serving.kv_cache import rewind
 from peers.serving.runtime import Row
-from peers.serving.sessions import _rewind
 from swarm.families.spec import family_of
 from swarm.ids import Span
 from tests.helpers.families import FAMILIES, tiny_config
@@ -73,7 +73,7 @@ def test_a_batch_of_sessions_equals_each_alone(name):
         for _ in range(3):  # three decode steps of all four sessions, batched and alone
             inputs = [torch.randn(w, 1, hidden_size, generator=g) for w in widths]
             for c in (*caches, *alone):
-                _rewind(c, 0)
+                rewind(c, 0)
             rows = [
                 Row(h, c, p, m[:, : p + 1] if m is not None else None, None, a)
                 for h, c, p, m, a in zip(inputs, caches, positions, masks, adapters, strict=True)
@@ -118,7 +118,7 @@ def test_a_batch_that_fails_half_way_leaves_every_cache_as_it_was():
         for c, length in zip(caches, (4, 12, 7), strict=True):
             backend.run(torch.randn(1, length, hidden), span, cache=c)
         for c in caches:
-            _rewind(c, 0)
+            rewind(c, 0)
         before = copy.deepcopy(caches)
 
         def fail(*_: object) -> None:

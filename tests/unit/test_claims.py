@@ -5,18 +5,24 @@ piece's commitment binds the claimed inputs, so evidence built on it checks, and
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from peers.serving import claiming
+from peers.serving.prefixes import PICKS
 from peers.serving.sessions import SessionTable
+from swarm.client.prefix_memory import MISS_BACKOFF, PrefixMemory
 from swarm.errors import BadInputError, PrefixUnknownError
 from swarm.identity import Credentials
+from swarm.ids import Span
 from swarm.protocol import PrefixClaim, PrefixUse
 from swarm.rpc.claims import BLOCK, block_digests, claim_aux, input_digest, piece_digest
 from swarm.rpc.commit import CommitSigner, binding
 from swarm.rpc.evidence import build, check
-from tests.helpers.prefix_table import ASKS, fresh, inputs, opening, run, session_table, tiny_span
+from tests.helpers.prefix_table import ASKS, HIDDEN, fresh, inputs, opening, run, session_table, tiny_span
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +144,81 @@ def test_a_claimed_piece_s_commitment_binds_the_claimedinputs():
     last = build(context=context, output=outs[:, BLOCK : 2 * BLOCK], **{**kwargs, "bad": BLOCK})
     assert last is not None and check(last, server.peer_id, 0, 4).offset == BLOCK
     assert build(context=context, output=outs[:, :BLOCK], **{**kwargs, "bad": 0}) is None
+
+
+async def test_a_claim_waits_for_the_caller_s_session_that_holds_it_to_end(backend, monkeypatch):
+    """The client closed the session that holds what it claims a moment ago; its end may reach the server after the
+    claim: the claim waits for it (bounded), and is refused if it does not end."""
+    table = session_table(backend)
+    hidden = inputs(2 * BLOCK + 3)
+    first = await table.start(opening("a", prefix=ASKS), {}, "me")
+    await table.step(first, 0, {"hidden": hidden})
+
+    async def end_soon() -> None:
+        await asyncio.sleep(0.2)
+        await table.end(first)
+
+    ending = asyncio.ensure_future(end_soon())
+    out, reused = await _claiming(table, "me", "b", hidden, 2 * BLOCK)
+    await ending
+    assert reused == [BLOCK, BLOCK, 0] and torch.allclose(out, fresh(backend, hidden), atol=1e-5)
+    monkeypatch.setattr(claiming, "CLAIM_WAIT", 0.2)
+    other = inputs(2 * BLOCK + 3, seed=9)
+    open_one = await table.start(opening("c", prefix=ASKS), {}, "me")
+    await table.step(open_one, 0, {"hidden": other})  # never ended
+    with pytest.raises(PrefixUnknownError):
+        await _claiming(table, "me", "d", other, 2 * BLOCK)
+    await table.end(open_one)
+
+
+def test_the_client_s_memory_is_bounded_and_leaves_a_refusing_server_alone_a_while():
+    now = [0.0]
+    memory = PrefixMemory(limit=4, clock=lambda: now[0])
+    key, other = ("peer", 0, 4, "float32", "", False), ("peer2", 0, 4, "float32", "", False)
+    chain = [bytes([i]) * 32 for i in range(3)]
+    memory.remember(key, chain)
+    assert memory.has(key) and memory.longest(key, chain) == 3 and memory.longest(key, chain[:1] + [b"x" * 32]) == 1
+    memory.remember(other, [b"y" * 32, b"z" * 32])  # over the limit: the least recently used goes (block 2's)
+    assert memory.longest(key, chain[:2]) == 1 and memory.longest(other, [b"y" * 32, b"z" * 32]) == 2
+    for backoff in (MISS_BACKOFF, 2 * MISS_BACKOFF):
+        memory.refused(key)
+        memory.remember(key, chain)
+        assert not memory.has(key)
+        now[0] += backoff - 1
+        assert not memory.has(key)
+        now[0] += 1
+        memory.remember(key, chain)
+        assert memory.has(key)
+    memory.honoured(key)  # answered: the next refusal starts over
+    memory.refused(key)
+    now[0] += MISS_BACKOFF
+    memory.remember(key, chain)
+    assert memory.has(key) and memory.has(other)
+
+
+async def test_a_caller_s_next_session_reuses_its_kept_prefix_at_the_edge_of_its_share(backend):
+    """The kept prefix and a new session of its caller do not fit the caller's share together: the prefix stands
+    while the session reuses it (piece by piece, or claimed), and the caller is back within its share after the
+    session's first step that reuses nothing (``PrefixStore.settle``)."""
+    probe = session_table(backend)
+    one = probe.prefix_cost(Span(0, 4), 1, 2 * BLOCK)
+    trail = (2 * (2 * BLOCK + 3) + 2 * PICKS) * HIDDEN * 4  # a trail after 131 positions
+    session_cost = probe.session_cost(opening("x", 512))
+    share = session_cost + 2 * trail  # room for the session and its trail (whose outputs' room grows by doubling)
+    assert session_cost + one > share
+    table = session_table(backend, share=share)
+    hidden = inputs(2 * BLOCK + 3)
+    await run(table, "me", "a", hidden)
+    session = await table.start(opening("b", prefix=ASKS), {}, "me")
+    outs, reused = [], []
+    for at, end in ((0, BLOCK), (BLOCK, 2 * BLOCK + 2), (2 * BLOCK + 2, 2 * BLOCK + 3)):  # pieces, then a decode step
+        outs.append((await table.step(session, at, {"hidden": hidden[:, at:end]}))["hidden"])
+        reused.append(session.reused)
+        if end < 2 * BLOCK:
+            assert table.budget.held["me"] > share  # the prefix stands beside the session while it reuses it
+    assert reused == [BLOCK, BLOCK, 0] and table.budget.held["me"] <= share
+    assert torch.allclose(torch.cat(outs, dim=1), fresh(backend, hidden), atol=1e-5)
+    await table.end(session)
+    out, reused = await _claiming(table, "me", "c", hidden, 2 * BLOCK)
+    assert reused == [BLOCK, BLOCK, 0] and torch.allclose(out, fresh(backend, hidden), atol=1e-5)
+    assert table.budget.held["me"] <= share

@@ -14,7 +14,8 @@ from peers.serving.checks import Limits
 from peers.serving.config import ComputeConfig
 from peers.serving.engine import Engine
 from peers.serving.kv_cache import CacheBudget, recurrent
-from peers.serving.sessions import Session, SessionTable
+from peers.serving.session import Session
+from peers.serving.sessions import SessionTable
 from swarm.config import Timing
 from swarm.errors import SessionExpiredError
 from swarm.ids import Span

@@ -153,7 +153,7 @@ class Chain:
                 out, digests = await self._collect(states, k, sent, step.position, digests)
             except PrefixUnknownError:
                 for key in keys_of(state.hop, self.prefix) if self.prefix is not None else ():
-                    self.conn.claims.forget(key)  # it keeps no more of what this client remembers: no claims there
+                    self.conn.claims.refused(key)  # it keeps no more of what this client remembers
                 raise
             except DisagreedInputError as e:
                 if k == 0:  # the client's own input: the first hop alone is wrong
@@ -162,7 +162,10 @@ class Chain:
                 prior.replay.unrecord()  # the step runs again from the sender
                 done.pop()
                 raise _blame(prior, state) from e
-            self.claimed += sent.claimed if k == 0 else 0
+            if k == 0 and sent.claimed and self.prefix is not None:
+                self.claimed += sent.claimed
+                for key in keys_of(state.hop, self.prefix):
+                    self.conn.claims.honoured(key)
             state.replay.lossy |= sent.lossy
             state.replay.record(inputs, step.explicit, out)
             inputs = out.to(step.hidden.dtype)

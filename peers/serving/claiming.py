@@ -1,0 +1,100 @@
+"""A session's claimed first positions (``swarm.rpc.claims``) on a server: each claimed piece answered from the
+kept prefix its claim names, found under the session's scopes like any reuse (``peers.serving.prefixes``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from peers.serving.checks import Limits
+from peers.serving.counters import PeerMetrics
+from peers.serving.engine import Loaded
+from peers.serving.ports import Tensors
+from peers.serving.prefixes import Claimed, PrefixStore, Scope, claim_prefix
+from peers.serving.session import Session
+from swarm.errors import BadInputError, PrefixUnknownError, SessionLengthError
+from swarm.protocol import PrefixClaim
+from swarm.rpc.claims import BLOCK
+
+CLAIM_WAIT = 2.0  # seconds a claim waits for the caller's session that holds it to end (its close is on its way)
+
+
+class SessionTable(Protocol):
+    """What claims use of a server's session table (``peers.serving.sessions.SessionTable``)."""
+
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def metrics(self) -> PeerMetrics: ...
+    @property
+    def loaded(self) -> Loaded: ...
+    @property
+    def prefixes(self) -> PrefixStore | None: ...
+    @property
+    def open(self) -> Mapping[tuple[str, str], Session]: ...
+    @property
+    def changed(self) -> asyncio.Condition: ...
+    def scopes(self, session: Session) -> list[Scope]: ...
+
+
+async def claimed_piece(
+    table: SessionTable, session: Session, position: int, claim: PrefixClaim, tensors: Tensors
+) -> torch.Tensor:
+    """A claimed piece's output (``swarm.rpc.claims``). The first, at position 0 of a fresh session, finds the
+    caller's kept prefix the claim names (under the session's scopes, like any reuse; ``PrefixUnknownError``
+    where there is none) and copies all of it into the session; the next pieces follow it in order."""
+    if tensors:
+        raise BadInputError("a claimed piece carries no tensors")
+    if (
+        not position < claim.end <= claim.length
+        or (claim.end - position) * session.batch > table.limits.max_batch_tokens
+    ):
+        raise BadInputError(f"a claimed piece {position}:{claim.end} of {claim.length} positions is malformed")
+    if not position:
+        if session.position or session.last_start is not None:
+            raise BadInputError("only a session's first positions may be claimed")
+        session.claim = await _find(table, session, claim)
+    held = session.claim
+    if held is None or (held.length, held.digest, held.next) != (claim.length, claim.digest, position):
+        raise BadInputError("a claimed piece out of order (claimed pieces come first, in order)")
+    held.next = claim.end
+    session.reused = claim.end - position
+    table.metrics.prefix_reused += session.reused * session.batch
+    table.metrics.served["inference_steps"] += 1
+    return held.outputs[:, position : claim.end]
+
+
+async def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Claimed:
+    if claim.length + 1 > session.max_length:
+        raise SessionLengthError(f"session of max_length {session.max_length} cannot claim {claim.length} positions")
+    trail, store = session.trail, table.prefixes
+    if trail is None or store is None or not isinstance(session.cache, DynamicCache):
+        raise PrefixUnknownError("this session keeps no prefixes: send the step whole")
+    scopes, weights = table.scopes(session), table.loaded.current()
+    chain, blocks = bytes.fromhex(claim.digest), claim.length // BLOCK
+
+    def ending() -> bool:  # the caller's session that holds the claimed inputs, closed a moment ago, not yet kept
+        return any(
+            other is not session
+            and other.caller == session.caller
+            and other.trail is not None
+            and not other.trail.broken
+            and other.sub == session.sub
+            and other.batch == session.batch
+            and table.scopes(other)[-1] in scopes
+            and other.trail.digests[blocks - 1 : blocks] == [chain]
+            for other in table.open.values()
+        )
+
+    if ending() and store.claimed(scopes, session.sub, session.batch, chain, claim.length, weights) is None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLAIM_WAIT), table.changed:
+                await table.changed.wait_for(lambda: not ending())
+    found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
+    session.position = claim.length
+    return found
