@@ -220,9 +220,9 @@ def wan(codecs: list[str], prompt: int) -> None:
         rows.append((codec, row["sent_bytes"], compute, floor, row["ttft_s"]))
         print(f"  {codec}: {row['ttft_s']:.2f} s, floor {floor:.2f} s: {row['ttft_s'] / floor:.2f}x", flush=True)
         # the same prompt and 64 tokens more in a new session: the first hop's kept prefix claimed, not sent
-        print(
-            f"  {codec}, again +64 tokens: {again['ttft_s']:.2f} s, sent {again['sent_bytes'] / 1e6:.2f} MB", flush=True
-        )
+        cells = f"{again['ttft_s']:.2f} s, sent {again['sent_bytes'] / 1e6:.2f} MB"
+        cells += f", {again.get('claimed', 0)} positions claimed, {again.get('reused', 0)} reused on every hop"
+        print(f"  {codec}, again +64 tokens: {cells}", flush=True)
     print("| codec | bytes per hop | compute | floor | first token | x floor |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for codec, sent, compute, floor, ttft in rows:

@@ -272,6 +272,9 @@ class InferenceRequest(Request):
     step: InferenceStep | None = None
     route: Signed | None = None  # the client's signed ``ChainRoute`` (at the opening, and after every repair)
     codec: Codec | None = None  # how this step's reply ``hidden`` travels (None: exact)
+    # (a message without a step) the client is done: the server ends the session, keeping what prefix caching
+    # keeps of it, before it answers, so the client's next session finds it (sent only when true)
+    end: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 class BandwidthProbe(Request):

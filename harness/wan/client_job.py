@@ -215,10 +215,21 @@ def task_decode_ttft(spec: dict[str, Any], mode: dict[str, Any], do_decode: bool
             emit(task="ttft", mode=mode["name"], applied=applied, ttft_s=ttft, sent_bytes=sent)
             if spec.get("ttft_again"):  # the same prompt and a next turn, in a new session: what the servers kept
                 more = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(1))
+                prompt = torch.cat([long, more], dim=1)
                 before = dict(traffic)
-                again = measure_ttft(client, torch.cat([long, more], dim=1), 1)
+                with client.inference_session(max_length=prompt.shape[1] + 1) as session:
+                    again = measure_ttft(client, prompt, 1)
+                    reused, claimed = session.reused, session.claimed
                 sent = traffic.get("sent_bytes", 0) - before.get("sent_bytes", 0)
-                emit(task="ttft_again", mode=mode["name"], applied=applied, ttft_s=again, sent_bytes=sent)
+                emit(
+                    task="ttft_again",
+                    mode=mode["name"],
+                    applied=applied,
+                    ttft_s=again,
+                    sent_bytes=sent,
+                    reused=reused,
+                    claimed=claimed,
+                )
 
 
 def task_finetune(spec: dict[str, Any], mode: dict[str, Any]) -> None:

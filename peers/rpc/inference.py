@@ -171,6 +171,8 @@ class InferenceLoop:
             session.inbox.put_nowait(_Ended(e))
 
     async def _handle(self, session: Session, item: object) -> list[wire.Frame]:
+        if (session.caller, session.id) not in self.sessions.open:
+            raise BadInputError("this session has ended")
         if isinstance(item, Pushed):
             item.free()  # its bytes are the step's now, as a client's own step is once read
             step, tensors = item.push.step, item.tensors
@@ -193,6 +195,8 @@ class InferenceLoop:
             await self.sessions.notify()
         if request.step is None:
             sealed = self.signer.sealed((session.caller, session.id), _bound(session))
+            if request.end:  # its prefix kept before the answer: the client's next session may reuse it
+                await self.sessions.end(session)
             if request.open is not None and session.trail is not None:  # kept when it ends: a later claim may name it
                 shares = session.prefix is not None and session.prefix.share and self.sessions.shares
                 sealed = sealed.model_copy(update={"keeps": True, "shares": shares})

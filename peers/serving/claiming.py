@@ -4,7 +4,6 @@ kept prefix its claim names, found under the session's scopes like any reuse (``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -19,9 +18,6 @@ from peers.serving.prefixes import Claimed, PrefixStore, Scope, claim_prefix
 from peers.serving.session import Session
 from swarm.errors import BadInputError, PrefixUnknownError, SessionLengthError
 from swarm.protocol import PrefixClaim
-from swarm.rpc.claims import BLOCK
-
-CLAIM_WAIT = 2.0  # seconds a claim waits for the caller's session that holds it to end (its close is on its way)
 
 
 class SessionTable(Protocol):
@@ -76,25 +72,6 @@ async def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Cl
     if trail is None or store is None or not isinstance(session.cache, DynamicCache):
         raise PrefixUnknownError("this session keeps no prefixes: send the step whole")
     scopes, weights = table.scopes(session), table.loaded.current()
-    chain, blocks = bytes.fromhex(claim.digest), claim.length // BLOCK
-
-    def ending() -> bool:  # the caller's session that holds the claimed inputs, closed a moment ago, not yet kept
-        return any(
-            other is not session
-            and other.caller == session.caller
-            and other.trail is not None
-            and not other.trail.broken
-            and other.sub == session.sub
-            and other.batch == session.batch
-            and table.scopes(other)[-1] in scopes
-            and other.trail.digests[blocks - 1 : blocks] == [chain]
-            for other in table.open.values()
-        )
-
-    if ending() and store.claimed(scopes, session.sub, session.batch, chain, claim.length, weights) is None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CLAIM_WAIT), table.changed:
-                await table.changed.wait_for(lambda: not ending())
     found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
     session.position = claim.length
     return found

@@ -99,3 +99,18 @@ def test_a_server_killed_in_a_session_that_reused_its_prefix_costs_no_token(fold
             assert killer.killed and client.failovers >= 1
             assert killer.killed[0] not in {h.peer_id for h in client.route}
             assert torch.equal(out, greedy)
+
+
+def test_claims_through_a_lossy_codec_are_reused_on_every_hop(folder, ref):
+    """Through 8-bit blocks the claimed pieces' outputs travel on in the step's codec, as the first session's did:
+    the next hop takes in the same bytes, finds its own kept prefix by them, and every hop reuses the claim."""
+    first = _ids(200, seed=7)
+    later = torch.cat([first, _ids(20, seed=8)], dim=1)
+    with torch.inference_mode():
+        expected = ref(later).logits
+    with running_swarm(folder, SPANS) as swarm:
+        with connect(folder, swarm, timing=patient_timing(), prefix_cache=True, codec="block8") as client:
+            _logits(client, first)
+            logits, reused, claimed = _logits(client, later)
+    assert claimed == reused == 3 * BLOCK  # the least any hop reused: all of the claim, on both
+    assert (logits - expected).abs().mean() < 0.15  # 8-bit activations (tests/integration/test_compression.py)

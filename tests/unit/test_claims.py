@@ -5,13 +5,10 @@ piece's commitment binds the claimed inputs, so evidence built on it checks, and
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from peers.serving import claiming
 from peers.serving.prefixes import PICKS
 from peers.serving.sessions import SessionTable
 from swarm.client.prefix_memory import MISS_BACKOFF, PrefixMemory
@@ -144,31 +141,6 @@ def test_a_claimed_piece_s_commitment_binds_the_claimedinputs():
     last = build(context=context, output=outs[:, BLOCK : 2 * BLOCK], **{**kwargs, "bad": BLOCK})
     assert last is not None and check(last, server.peer_id, 0, 4).offset == BLOCK
     assert build(context=context, output=outs[:, :BLOCK], **{**kwargs, "bad": 0}) is None
-
-
-async def test_a_claim_waits_for_the_caller_s_session_that_holds_it_to_end(backend, monkeypatch):
-    """The client closed the session that holds what it claims a moment ago; its end may reach the server after the
-    claim: the claim waits for it (bounded), and is refused if it does not end."""
-    table = session_table(backend)
-    hidden = inputs(2 * BLOCK + 3)
-    first = await table.start(opening("a", prefix=ASKS), {}, "me")
-    await table.step(first, 0, {"hidden": hidden})
-
-    async def end_soon() -> None:
-        await asyncio.sleep(0.2)
-        await table.end(first)
-
-    ending = asyncio.ensure_future(end_soon())
-    out, reused = await _claiming(table, "me", "b", hidden, 2 * BLOCK)
-    await ending
-    assert reused == [BLOCK, BLOCK, 0] and torch.allclose(out, fresh(backend, hidden), atol=1e-5)
-    monkeypatch.setattr(claiming, "CLAIM_WAIT", 0.2)
-    other = inputs(2 * BLOCK + 3, seed=9)
-    open_one = await table.start(opening("c", prefix=ASKS), {}, "me")
-    await table.step(open_one, 0, {"hidden": other})  # never ended
-    with pytest.raises(PrefixUnknownError):
-        await _claiming(table, "me", "d", other, 2 * BLOCK)
-    await table.end(open_one)
 
 
 def test_the_client_s_memory_is_bounded_and_leaves_a_refusing_server_alone_a_while():

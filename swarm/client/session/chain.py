@@ -226,8 +226,8 @@ class Chain:
             assert found is not None
             claim = found[0].model_copy(update={"end": c.end})
             await stream.send(
-                InferenceRequest(step=InferenceStep(position=c.start, hops=hops, tag=self._tag, claim=claim)), {}
-            )
+                InferenceRequest(step=InferenceStep(position=c.start, hops=hops, tag=self._tag, claim=claim)), {}, codec
+            )  # (the codec its output travels in, to the next hop and back, as the rest's)
             digests.append(piece_digest(bytes.fromhex(claim.digest), c.start, c.end))
         for c, x in zip(pieces[len(claimed) :], xs, strict=True):
             tensors: Tensors = {"hidden": x}

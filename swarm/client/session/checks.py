@@ -63,13 +63,13 @@ class SessionChecks:
                 error = unavailable(state.hop.peer_id, "signed its commitments with a key it did not certify")
                 self.conn.retrier.note_failure(error, "commitment audit")
 
-    def seal(self, states: list[HopState]) -> None:
+    def seal(self, states: list[HopState], end: bool = False) -> None:
         """Have every live hop sign the head of its chain of commitments, so the session's last steps are signed too;
         a hop that signs another chain than the one it sent is banned. Best effort: a hop that does not answer in
         time keeps its last steps unsigned (and is not blamed: it may just be gone)."""
         timeout = self.conn.timing.notice_timeout
         try:
-            bad = self.conn.loop.run(seal_chains(states, timeout), timeout + 1.0)
+            bad = self.conn.loop.run(seal_chains(states, timeout, end), timeout + 1.0)
         except Exception as e:  # noqa: BLE001 - best effort at the session's end: its tokens are already out
             log.info("sealing the session's commitments failed: %s", e, extra={"session": self.session_id})
             return
@@ -88,5 +88,5 @@ class SessionChecks:
             if self.verifier is not None:
                 self.verifier.close()
             if chained:
-                self.seal(states)
+                self.seal(states, end=True)
             self.audit(states)

@@ -170,21 +170,23 @@ class HopState:
         return ChainHop(peer_id=h.peer_id, session_id=self.session_id, direct=h.direct, maddrs=h.maddrs[:8])
 
 
-async def seal_chains(states: list[HopState], timeout: float) -> list[HopState]:
+async def seal_chains(states: list[HopState], timeout: float, end: bool = False) -> list[HopState]:
     """Ask every live hop whose last steps are not yet signed to sign the head of its chain of commitments (the
     answer to a message without a step); the hops that signed another chain than the one they sent. A hop that does
-    not answer in time keeps its last steps unsigned (and is not blamed: it may just be gone)."""
+    not answer in time keeps its last steps unsigned (and is not blamed: it may just be gone). ``end``: the session
+    ends, and hops that keep it (``HopState.keeps``) are asked too, to end it before they answer, so what they keep
+    of it is there for the client's next session (``peers.serving.prefixes``)."""
 
     async def one(state: HopState) -> bool:
-        stream = state.link.stream
-        if stream is None or state.link.broken or state.link.acks or not state.commitments.unsigned:
+        stream, ending = state.link.stream, end and state.keeps
+        if stream is None or state.link.broken or state.link.acks or not (state.commitments.unsigned or ending):
             return True
         try:
-            await stream.send(InferenceRequest(), {})
+            await stream.send(InferenceRequest(end=ending), {})
             opening, _, _ = await stream.receive(OpenReply, timeout, 1 << 16)
         except SwarmError:
             return True
-        return state.commitments.seal(opening)
+        return state.commitments.seal(opening) if state.commitments.unsigned else True
 
     results = await asyncio.gather(*(one(s) for s in states))
     return [s for s, ok in zip(states, results, strict=True) if not ok]
