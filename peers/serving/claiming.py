@@ -3,8 +3,6 @@ kept prefix its claim names, found under the session's scopes like any reuse (``
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -31,10 +29,6 @@ class SessionTable(Protocol):
     def loaded(self) -> Loaded: ...
     @property
     def prefixes(self) -> PrefixStore | None: ...
-    @property
-    def open(self) -> Mapping[tuple[str, str], Session]: ...
-    @property
-    def changed(self) -> asyncio.Condition: ...
     def scopes(self, session: Session) -> list[Scope]: ...
 
 
@@ -54,7 +48,7 @@ async def claimed_piece(
     if not position:
         if session.position or session.last_start is not None:
             raise BadInputError("only a session's first positions may be claimed")
-        session.claim = await _find(table, session, claim)
+        session.claim = _find(table, session, claim)
     held = session.claim
     if held is None or (held.length, held.digest, held.next) != (claim.length, claim.digest, position):
         raise BadInputError("a claimed piece out of order (claimed pieces come first, in order)")
@@ -65,7 +59,7 @@ async def claimed_piece(
     return held.outputs[:, position : claim.end]
 
 
-async def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Claimed:
+def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Claimed:
     if claim.length + 1 > session.max_length:
         raise SessionLengthError(f"session of max_length {session.max_length} cannot claim {claim.length} positions")
     trail, store = session.trail, table.prefixes
