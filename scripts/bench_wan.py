@@ -359,9 +359,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed generations per decode row")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument(
-        "--ttft-again", action="store_true", help="ttft: then the same prompt and 64 tokens more, in a new session"
-    )
+    p.add_argument("--ttft-again", action="store_true", help="ttft: then the same prompt +64 tokens, new session")
     p.add_argument("--ft-batch", type=int, default=2)
     p.add_argument("--ft-seq", type=int, default=64)
     p.add_argument("--ft-steps", type=int, default=2)

@@ -12,9 +12,10 @@ from peers.serving.checks import Limits
 from peers.serving.counters import PeerMetrics
 from peers.serving.engine import Loaded
 from peers.serving.ports import Tensors
-from peers.serving.prefixes import Claimed, PrefixStore, Scope, claim_prefix
-from peers.serving.session import Session
+from peers.serving.prefixes import PrefixStore, Scope, Trail, copy_prefix
+from peers.serving.session import Claimed, Session
 from swarm.errors import BadInputError, PrefixUnknownError, SessionLengthError
+from swarm.ids import Span
 from swarm.protocol import PrefixClaim
 
 
@@ -69,3 +70,26 @@ def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Claimed:
     found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
     session.position = claim.length
     return found
+
+
+def claim_prefix(
+    store: PrefixStore,
+    trail: Trail,
+    scopes: list[Scope],
+    sub: Span,
+    batch: int,
+    claim: PrefixClaim,
+    cache: DynamicCache,
+    weights: object,
+) -> Claimed:
+    """A fresh session's first ``claim.length`` positions from the kept prefix ``claim`` names under ``scopes``:
+    its KV copied into ``cache``, its outputs taken into the session's ``trail`` (counted there: with no room for them
+    the claim is refused too); ``PrefixUnknownError`` where none is kept."""
+    chain = bytes.fromhex(claim.digest)
+    entry = None if trail.broken else store.claimed(scopes, sub, batch, chain, claim.length, weights)
+    if entry is not None:
+        trail.adopt(entry, claim.length)
+    if entry is None or trail.broken or trail.outputs is None:
+        raise PrefixUnknownError(f"no kept prefix of {claim.length} positions matches the claim here: send it whole")
+    copy_prefix(entry.cache, cache, 0, claim.length)
+    return Claimed(claim.length, claim.digest, trail.outputs[:, : claim.length])

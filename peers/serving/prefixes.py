@@ -36,10 +36,8 @@ import torch
 from transformers import DynamicCache
 
 from peers.serving.kv_cache import CacheBudget
-from swarm.errors import PrefixUnknownError
 from swarm.families.span import GrowingLayer
 from swarm.ids import Span
-from swarm.protocol import PrefixClaim
 from swarm.rpc.claims import BLOCK, block_digests
 
 PICKS = 4  # input rows of each block kept beside its digest, at offsets only this server knows: checked on reuse
@@ -165,39 +163,6 @@ class Entry:
 class Reuse:
     entry: Entry
     length: int  # positions reused
-
-
-@dataclass(eq=False)
-class Claimed:
-    """A session's claimed first positions (``swarm.rpc.claims``): their outputs, and where the next piece starts."""
-
-    length: int
-    digest: str
-    outputs: torch.Tensor
-    next: int = 0
-
-
-def claim_prefix(
-    store: PrefixStore,
-    trail: Trail,
-    scopes: list[Scope],
-    sub: Span,
-    batch: int,
-    claim: PrefixClaim,
-    cache: DynamicCache,
-    weights: object,
-) -> Claimed:
-    """A fresh session's first ``claim.length`` positions from the kept prefix ``claim`` names under ``scopes``:
-    its KV copied into ``cache``, its outputs taken into the session's ``trail`` (counted there: with no room for them
-    the claim is refused too); ``PrefixUnknownError`` where none is kept."""
-    chain = bytes.fromhex(claim.digest)
-    entry = None if trail.broken else store.claimed(scopes, sub, batch, chain, claim.length, weights)
-    if entry is not None:
-        trail.adopt(entry, claim.length)
-    if entry is None or trail.broken or trail.outputs is None:
-        raise PrefixUnknownError(f"no kept prefix of {claim.length} positions matches the claim here: send it whole")
-    copy_prefix(entry.cache, cache, 0, claim.length)
-    return Claimed(claim.length, claim.digest, trail.outputs[:, : claim.length])
 
 
 def copy_prefix(src: DynamicCache, dst: DynamicCache, start: int, end: int) -> None:

@@ -6,12 +6,24 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import torch
+
 from peers.serving.adapters import Adapter, Pin
-from peers.serving.prefixes import Claimed, Trail
+from peers.serving.prefixes import Trail
 from swarm import wire
 from swarm.ids import Span
 from swarm.protocol import ChainRoute, PrefixUse
 from swarm.records import ServerRecord
+
+
+@dataclass(eq=False)
+class Claimed:
+    """A session's claimed first positions (``swarm.rpc.claims``): their outputs, and where the next piece starts."""
+
+    length: int
+    digest: str
+    outputs: torch.Tensor
+    next: int = 0
 
 
 @dataclass
