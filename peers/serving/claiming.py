@@ -12,10 +12,9 @@ from peers.serving.checks import Limits
 from peers.serving.counters import PeerMetrics
 from peers.serving.engine import Loaded
 from peers.serving.ports import Tensors
-from peers.serving.prefixes import PrefixStore, Scope, Trail, copy_prefix
+from peers.serving.prefixes import PrefixStore, Scope, copy_prefix
 from peers.serving.session import Claimed, Session
 from swarm.errors import BadInputError, PrefixUnknownError, SessionLengthError
-from swarm.ids import Span
 from swarm.protocol import PrefixClaim
 
 
@@ -33,7 +32,7 @@ class SessionTable(Protocol):
     def scopes(self, session: Session) -> list[Scope]: ...
 
 
-async def claimed_piece(
+def claimed_piece(
     table: SessionTable, session: Session, position: int, claim: PrefixClaim, tensors: Tensors
 ) -> torch.Tensor:
     """A claimed piece's output (``swarm.rpc.claims``). The first, at position 0 of a fresh session, finds the
@@ -61,35 +60,20 @@ async def claimed_piece(
 
 
 def _find(table: SessionTable, session: Session, claim: PrefixClaim) -> Claimed:
+    """The kept prefix ``claim`` names under the session's scopes: its KV copied into the session's cache, its
+    outputs taken into the session's trail (counted there: with no room for them the claim is refused too);
+    ``PrefixUnknownError`` where none is kept."""
     if claim.length + 1 > session.max_length:
         raise SessionLengthError(f"session of max_length {session.max_length} cannot claim {claim.length} positions")
-    trail, store = session.trail, table.prefixes
-    if trail is None or store is None or not isinstance(session.cache, DynamicCache):
-        raise PrefixUnknownError("this session keeps no prefixes: send the step whole")
-    scopes, weights = table.scopes(session), table.loaded.current()
-    found = claim_prefix(store, trail, scopes, session.sub, session.batch, claim, session.cache, weights)
-    session.position = claim.length
-    return found
-
-
-def claim_prefix(
-    store: PrefixStore,
-    trail: Trail,
-    scopes: list[Scope],
-    sub: Span,
-    batch: int,
-    claim: PrefixClaim,
-    cache: DynamicCache,
-    weights: object,
-) -> Claimed:
-    """A fresh session's first ``claim.length`` positions from the kept prefix ``claim`` names under ``scopes``:
-    its KV copied into ``cache``, its outputs taken into the session's ``trail`` (counted there: with no room for them
-    the claim is refused too); ``PrefixUnknownError`` where none is kept."""
-    chain = bytes.fromhex(claim.digest)
-    entry = None if trail.broken else store.claimed(scopes, sub, batch, chain, claim.length, weights)
-    if entry is not None:
-        trail.adopt(entry, claim.length)
-    if entry is None or trail.broken or trail.outputs is None:
+    trail, store, cache = session.trail, table.prefixes, session.cache
+    entry = None
+    if trail is not None and store is not None and isinstance(cache, DynamicCache) and not trail.broken:
+        chain, weights = bytes.fromhex(claim.digest), table.loaded.current()
+        entry = store.claimed(table.scopes(session), session.sub, session.batch, chain, claim.length, weights)
+        if entry is not None:
+            trail.adopt(entry, claim.length)
+    if entry is None or trail is None or trail.outputs is None or not isinstance(cache, DynamicCache):
         raise PrefixUnknownError(f"no kept prefix of {claim.length} positions matches the claim here: send it whole")
     copy_prefix(entry.cache, cache, 0, claim.length)
+    session.position = claim.length
     return Claimed(claim.length, claim.digest, trail.outputs[:, : claim.length])

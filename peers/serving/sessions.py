@@ -189,7 +189,7 @@ class SessionTable:
         """Run a step of ``tensors`` at ``position`` (``claim``: a piece of the session's first positions, sent
         without tensors: answered from a kept prefix, ``swarm.rpc.claims``)."""
         if claim is not None:
-            return {"hidden": await claimed_piece(self, session, position, claim, tensors)}
+            return {"hidden": claimed_piece(self, session, position, claim, tensors)}
         check_names(tensors)
         hidden = check_hidden(tensors, self.limits)
         check_finite(hidden, "hidden")  # a NaN would poison this session's cache for every later step

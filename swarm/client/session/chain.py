@@ -217,8 +217,10 @@ class Chain:
             ]
             xs = [step.hidden[:, c.start : c.end].to(xs[0].dtype) for c in pieces[len(claimed) :]]
         hidden = step.hidden
+        taken: list[torch.Tensor | None] = [None] * len(xs)  # each piece as the first hop decodes it, once
         if lossy:  # what the first hop takes in, as kept for replays and verification
-            parts = ([found[1]] if found is not None else []) + [wire.as_received(x, codec) for x in xs]
+            taken = [wire.as_received(x, codec) for x in xs]
+            parts = ([found[1]] if found is not None else []) + [t for t in taken if t is not None]
             hidden = torch.cat(parts, dim=1).to(hidden.dtype)
         digests: list[str] = []
         hops = len(states) - 1
@@ -229,7 +231,7 @@ class Chain:
                 InferenceRequest(step=InferenceStep(position=c.start, hops=hops, tag=self._tag, claim=claim)), {}, codec
             )  # (the codec its output travels in, to the next hop and back, as the rest's)
             digests.append(piece_digest(bytes.fromhex(claim.digest), c.start, c.end))
-        for c, x in zip(pieces[len(claimed) :], xs, strict=True):
+        for c, x, received in zip(pieces[len(claimed) :], xs, taken, strict=True):
             tensors: Tensors = {"hidden": x}
             if step.mask is not None:
                 tensors["attention_mask"] = step.mask[:, : step.position + c.end]
@@ -238,7 +240,7 @@ class Chain:
             request = InferenceStep(position=step.position + c.start, hops=hops, tag=self._tag)
             await stream.send(InferenceRequest(step=request), tensors, codec)
             # what the first hop decodes and commits to: worked out while it computes, not before it can start
-            digests.append(digest(wire.as_received(x, codec)))
+            digests.append(digest(received if received is not None else wire.as_received(x, codec)))
         return Sent(pieces, digests, hidden, lossy, self._tag, found[0].length if found is not None else 0)
 
     def _claim(
