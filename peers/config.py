@@ -68,6 +68,9 @@ class NetworkConfig:
     )
     relay: bool = option(False, help="offer relaying to peers behind NAT (public peers), within the bounds below")
     relay_max_reservations: int = option(16, help="...peers that may hold a relay slot here at once")
+    relay_max_per_range: int = option(
+        4, help="...of them from one address range (a public IPv4 /24 or IPv6 /48; one host elsewhere)"
+    )
     relay_max_circuits: int = option(4, help="...relayed connections per peer")
     relay_mb: int = option(64, help="...MiB relayed each way per connection before it is reset")
     relay_time_s: int = option(600, help="...seconds a relayed connection may last")
@@ -90,6 +93,7 @@ class NetworkConfig:
             reachability=self.reachability,
             offer=self.relay,
             max_reservations=self.relay_max_reservations,
+            max_per_range=self.relay_max_per_range,
             max_circuits=self.relay_max_circuits,
             data_bytes=self.relay_mb * MIB,
             time_s=self.relay_time_s,

@@ -7,7 +7,8 @@ the one its ``-relayService``/``-relay*`` flags configure, so those flags change
 is reset after 128 KiB whatever ``-relayDataLimit`` says; docs/links.md). 128 KiB is a hole-punching budget, not a
 data plane. So every peer takes the relay protocol off its daemon (``take_hop``): a peer that offers no relaying
 answers nothing, and a ``--relay`` peer answers it here, with the circuit v2 protocol (``swarm.circuit``) and its
-own bounds: slots (``max_reservations``, one per peer), connections per peer (``max_circuits``, counted at both
+own bounds: slots (``max_reservations``, one per peer, only for peers of the swarm and at most ``max_per_range``
+from one address range: ``peers.relay_admission``), connections per peer (``max_circuits``, counted at both
 ends), bytes each way per connection (``data_bytes``, then it is closed) and time per connection (``time_s``).
 Every byte it relays goes through this process, where ``RelayStats`` counts it."""
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from hivemind.p2p import P2P, PeerID
 
+from peers.relay_admission import BUSY, Admission, address_range
 from swarm.circuit import (
     CONNECT,
     CONNECTION_FAILED,
@@ -71,9 +73,12 @@ class RelayService:
     """The hop side of circuit relay v2 for one ``--relay`` peer. ``clock`` is wall time (a reservation's expiry
     is a unix time on the wire)."""
 
-    def __init__(self, p2p: P2P, policy: RelayPolicy, clock: Callable[[], float] = time.time) -> None:
-        self.p2p, self.policy, self.clock = p2p, policy, clock
+    def __init__(
+        self, p2p: P2P, policy: RelayPolicy, admission: Admission, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.p2p, self.policy, self.admission, self.clock = p2p, policy, admission, clock
         self.slots: dict[PeerID, float] = {}  # who holds a slot, until when
+        self.ranges: dict[PeerID, str] = {}  # the address range each holder reserved from
         self.circuits: Counter[PeerID] = Counter()  # open connections each peer is an end of
         self.stats = RelayStats()
 
@@ -97,10 +102,11 @@ class RelayService:
         finally:
             writer.close()
 
-    async def _status(self, writer: asyncio.StreamWriter, status: int, **fields: object) -> None:
+    async def _status(self, writer: asyncio.StreamWriter, status: int, why: str = "", **fields: object) -> None:
         if status != OK:
-            self.stats.refused[STATUS_NAMES.get(status, str(status))] += 1
-            log.info("relay refused: %s", STATUS_NAMES.get(status, status))
+            reason = why or STATUS_NAMES.get(status, str(status))
+            self.stats.refused[reason] += 1
+            log.info("relay refused: %s", reason)
         writer.write(frame(hop_message(type=STATUS, status=status, **fields)))
         await writer.drain()
 
@@ -108,19 +114,36 @@ class RelayService:
         now = self.clock()
         for peer in [p for p, until in self.slots.items() if until <= now]:
             del self.slots[peer]
+            self.ranges.pop(peer, None)
         self.stats.reservations = len(self.slots)
+
+    def _full(self, peer: PeerID, where: str) -> str:
+        """Why ``peer`` reserving from range ``where`` would exceed a bound ("" if it would not)."""
+        if peer in self.slots and self.ranges.get(peer) == where:
+            return ""  # a renewal from where it reserved
+        if len(self.slots) - (peer in self.slots) >= self.policy.max_reservations:
+            return "slots_full"
+        others = sum(1 for p, r in self.ranges.items() if r == where and p != peer)
+        return "range_full" if others >= self.policy.max_per_range else ""
 
     async def _reserve(self, info: StreamInfo, writer: asyncio.StreamWriter) -> None:
         self._expire()
-        peer = info.peer_id
+        peer, where = info.peer_id, address_range(str(info.addr))
         if CIRCUIT in str(info.addr):  # a slot is reached over the holder's own connection, not another relay's
             return await self._status(writer, PERMISSION_DENIED)
-        if peer not in self.slots and len(self.slots) >= self.policy.max_reservations:
-            return await self._status(writer, RESOURCE_LIMIT_EXCEEDED)
+        if full := self._full(peer, where):
+            return await self._status(writer, RESOURCE_LIMIT_EXCEEDED, full)
+        refusal = await self.admission.refusal(peer.to_base58(), holder=peer in self.slots)
+        if refusal is not None:
+            status = RESOURCE_LIMIT_EXCEEDED if refusal == BUSY else PERMISSION_DENIED
+            return await self._status(writer, status, refusal)
+        self._expire()
+        if full := self._full(peer, where):  # others may have reserved while the heartbeat was read
+            return await self._status(writer, RESOURCE_LIMIT_EXCEEDED, full)
         expire = int(self.clock()) + RESERVATION_TTL_S
         if peer not in self.slots:
-            log.info("relay slot granted", extra={"peer": str(peer)})
-        self.slots[peer] = float(expire)
+            log.info("relay slot granted", extra={"peer": str(peer), "range": where})
+        self.slots[peer], self.ranges[peer] = float(expire), where
         self.stats.reservations = len(self.slots)
         limit = {"duration": self.policy.time_s, "data": self.policy.data_bytes}
         await self._status(writer, OK, reservation={"expire": expire}, limit=limit)

@@ -35,6 +35,7 @@ from peers.judge import BrokerJudge
 from peers.node import Peer, Reach, Serving
 from peers.observe import Dashboard, Observers, start_metrics
 from peers.reach import reachable
+from peers.relay_admission import Admission
 from peers.relay_service import RelayService, RelayStats
 from peers.relay_slots import RelaySlots
 from peers.rpc.assembly import assemble
@@ -54,6 +55,7 @@ from peers.serving.sessions import SessionTable
 from peers.serving.stage_port import ModelInfo, Stage, StageEnv
 from swarm import wire
 from swarm.circuit import take_hop
+from swarm.dht import RecordStore, dht_time
 from swarm.errors import BadInputError, DhtLostError
 from swarm.records import PeerState
 from swarm.rpc.remote import Remote
@@ -139,7 +141,7 @@ async def build(cfg: PeerConfig, stage: Stage, joined: Joined, limit: int, stack
     the pass service on it, and its stage attached to them."""
     store, model = joined.store, stage.model
     p2p = await store.replicate_p2p()
-    relay_service = RelayService(p2p, joined.relay) if joined.relay.offer else None
+    relay_service = RelayService(p2p, joined.relay, relay_admission(cfg, store, model)) if joined.relay.offer else None
     if relay_service is not None:
         await take_hop(p2p, relay_service.handle)
     remote = Remote(p2p, store.credentials(), max_reply_bytes=cfg.compute.max_message_bytes)
@@ -152,6 +154,20 @@ async def build(cfg: PeerConfig, stage: Stage, joined: Joined, limit: int, stack
     stage.attach(StageEnv(store, remote, store.peer_id, engine, cfg.timing))
     mbps = await estimate_link(cfg, store, model, remote)
     return Built(serving, p2p, remote, relay_service.stats if relay_service is not None else None, mbps)
+
+
+def relay_admission(cfg: PeerConfig, store: RecordStore, model: ModelInfo) -> Admission:
+    """Slots for peers whose own heartbeat is in this model's swarm (``peers.relay_admission``), written within a
+    record's life: a peer behind NAT writes one before it reserves, and refreshes it only once it holds its slots."""
+    timing = cfg.timing
+
+    async def member(peer_id: str) -> bool:
+        record = await asyncio.to_thread(store.heartbeat_of, model.name, peer_id)
+        if record is None or record.state == PeerState.LEAVING:
+            return False
+        return -timing.clock_skew <= dht_time() - record.updated_at <= timing.record_ttl
+
+    return Admission(member)
 
 
 def _limits(cfg: PeerConfig, model: ModelInfo) -> Limits:
@@ -217,6 +233,7 @@ async def start_roles(
     )
     await servicer.register(built.p2p, P2PStreams(budget, streams, quota))
     if joined.relay.reached == "relayed" and not net.announce_maddrs:  # announce only relayed addresses that work
+        await peer.publish(PeerState.JOINING)  # relays grant slots only to peers whose heartbeat they find
         slots = RelaySlots(built.p2p, joined.relay.relays)
         await slots.first(timing.dht_start_timeout)
         maddrs = await reachable(peer.peer_id, tuple(slots.maddrs(peer.peer_id)), timing.dht_start_timeout)

@@ -237,6 +237,11 @@ class RecordStore:
                 out.append(record)
         return out
 
+    def heartbeat_of(self, model_id: str, peer_id: str) -> PeerRecord | None:
+        """``peer_id``'s own authentic heartbeat, read from its shard's key alone (one key, however big the swarm)."""
+        found = self.read(peers_key(model_id, shard_of(peer_id)), PeerRecord)
+        return next((r for r in found if r.peer_id == peer_id), None)
+
     def shard(self, model_id: str, shard: int) -> list[ServerRecord]:
         """The authentic server records of one shard, read thoroughly (``_get_thorough``): what a chained server
         checks its neighbours against, where a record stored on any replica must count."""

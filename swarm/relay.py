@@ -32,13 +32,15 @@ MAX_RELAYS = 8
 @dataclass(frozen=True)
 class RelayPolicy:
     """What this peer's p2p daemon does about NAT. ``offer``: serve as a relay for peers behind NAT, with at most
-    ``max_reservations`` peers holding a slot, ``max_circuits`` relayed connections per peer, ``data_bytes`` each way
-    per connection before it is reset, ``time_s`` per connection and ``buffer_bytes`` of buffer per connection.
-    ``relays``: where a private peer reserves its slots (full addresses, ``.../p2p/ID``)."""
+    ``max_reservations`` peers holding a slot (at most ``max_per_range`` from one address range), ``max_circuits``
+    relayed connections per peer, ``data_bytes`` each way per connection before it is reset, ``time_s`` per
+    connection and ``buffer_bytes`` of buffer per connection. ``relays``: where a private peer reserves its slots
+    (full addresses, ``.../p2p/ID``)."""
 
     reachability: Reachability = "auto"
     offer: bool = False
     max_reservations: int = 16
+    max_per_range: int = 4
     max_circuits: int = 4
     data_bytes: int = 64 << 20
     time_s: int = 600
@@ -53,7 +55,7 @@ class RelayPolicy:
         for relay in self.relays:
             if CIRCUIT in relay or relay_peer(relay) is None:
                 raise ValueError(f"a relay is a peer's full address (/ip4/.../tcp/PORT/p2p/ID), not {relay!r}")
-        for name in ("max_reservations", "max_circuits", "data_bytes", "time_s", "buffer_bytes"):
+        for name in ("max_reservations", "max_per_range", "max_circuits", "data_bytes", "time_s", "buffer_bytes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"relay bound {name} must be positive, got {getattr(self, name)}")
 

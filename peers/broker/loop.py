@@ -40,11 +40,14 @@ class DhtLeaseStore:
 
 def live_peers(records: list[PeerRecord], now: float, heartbeat_timeout: float, skew: float) -> list[PeerInfo]:
     """Peers whose heartbeat is fresh (a crash is noticed by missed heartbeats, long before records expire); one
-    dated in the future is refused (it would never go stale)."""
+    dated in the future is refused (it would never go stale), and one joining that has not measured its speed yet
+    waits."""
     out = []
     for r in records:
         if r.state == PeerState.LEAVING or not -skew <= now - r.updated_at <= heartbeat_timeout:
             continue
+        if r.state == PeerState.JOINING and r.block_throughput <= 0:
+            continue  # not measured yet (a peer behind NAT heartbeats before it holds its relay slots)
         role = Role.SERVE if r.state == PeerState.ONLINE else Role.STANDBY if r.state == PeerState.STANDBY else None
         link = math.inf
         if r.network_mbps and r.token_bytes:  # every token crosses the link twice: into and out of the span

@@ -16,7 +16,9 @@ from hivemind.p2p import P2P
 
 from peers.relay_slots import reserve
 from swarm.circuit import CircuitError
-from swarm.dht import start_dht
+from swarm.dht import dht_time, start_dht
+from swarm.identity import new_identity_file
+from swarm.records import PeerRecord, PeerState
 from swarm.relay import RelayPolicy, dial_addr
 from tests.helpers.swarms import connect, descendants, running_swarm
 
@@ -115,27 +117,59 @@ async def _through(stranger: P2P, target: P2P, relay: str, size: int) -> int:
     return got
 
 
+def _member(relay: str, model_id: str, state: PeerState = PeerState.JOINING) -> Path:
+    """A new identity whose own signed heartbeat is in the swarm, written by a DHT peer of that identity that is
+    gone again: a daemon of it can then listen nowhere, as behind a NAT (two daemons of one identity would confuse
+    the relay's connections)."""
+    path = new_identity_file()
+    store = start_dht(initial_peers=(relay,), identity=path)
+    try:
+        now = dht_time()
+        beat = PeerRecord(
+            peer_id=store.peer_id, state=state, block_throughput=1.0, memory=1, max_blocks=1, updated_at=now
+        )
+        assert store.heartbeat(model_id, beat, now + 60)
+    finally:
+        store.shutdown()
+    return path
+
+
+async def _reserve(p2p: P2P, relay: str) -> str:
+    try:
+        return f"granted {(await reserve(p2p, relay)).expire > 0}"
+    except CircuitError as e:
+        return str(e)
+
+
 def test_a_relay_carries_what_its_bounds_allow_and_no_more(tiny_models):
+    """Slots go only to peers whose own signed heartbeat is in the swarm, within the relay's bounds: an identity
+    that never heartbeated and one whose heartbeat says it left are refused, and take no slot."""
     folder = str(tiny_models["llama"])
+    model_id = Path(folder).name
     bounds = ("--relay", "--reachability", "public", "--relay-max-reservations", "2", "--relay-max-circuits", "1")
     with running_swarm(folder, ["0:4"], *bounds, "--relay-mb", "1") as swarm:
         relay = swarm.peers[0].maddr
 
         async def push() -> dict[str, object]:
             # listening nowhere, as behind a NAT: reached only through the relay (on one machine the daemons would
-            # otherwise find each other's addresses in their own DHT and connect directly)
-            peers = [await P2P.create(initial_peers=[relay], no_listen=True) for _ in range(4)]
-            target, second, third, stranger = peers
+            # otherwise find each other's addresses and connect directly)
+            made: list[P2P] = []
+
+            async def create(identity: Path | None = None) -> P2P:
+                made.append(await P2P.create(initial_peers=[relay], no_listen=True, identity_path=identity))
+                return made[-1]
+
             out: dict[str, object] = {}
             try:
+                out["never_heartbeated"] = await _reserve(await create(), relay)
+                leaver = await create(await asyncio.to_thread(_member, relay, model_id, PeerState.LEAVING))
+                out["left"] = await _reserve(leaver, relay)
+                peers = [await create(await asyncio.to_thread(_member, relay, model_id)) for _ in range(3)]
+                target, second, third = peers
+                stranger = await create()
+                for name, p2p in zip(("first", "second", "third"), peers, strict=True):
+                    out[name] = await _reserve(p2p, relay)
                 await target.add_binary_stream_handler(ECHO, _echo)
-                out["first"] = (await reserve(target, relay)).expire > 0
-                out["second"] = (await reserve(second, relay)).expire > 0
-                try:
-                    await reserve(third, relay)
-                    out["third"] = "granted"
-                except CircuitError as e:
-                    out["third"] = str(e)
                 out["small"] = await _through(stranger, target, relay, 256 << 10)  # twice p2pd's own 128 KiB limit
                 out["big"] = await _through(stranger, target, relay, 3 * MIB)
                 # one connection to the target at a time: a second stranger's dial while one is open is refused
@@ -148,12 +182,14 @@ def test_a_relay_carries_what_its_bounds_allow_and_no_more(tiny_models):
                 except Exception as e:
                     out["second_circuit"] = str(e)
             finally:
-                for p in peers:
+                for p in made:
                     await p.shutdown()
             return out
 
         out = asyncio.run(push())
-        assert out["first"] is True and out["second"] is True
+        assert "PERMISSION_DENIED" in str(out["never_heartbeated"]), out
+        assert "PERMISSION_DENIED" in str(out["left"]), out
+        assert out["first"] == out["second"] == "granted True", out
         assert "RESOURCE_LIMIT_EXCEEDED" in str(out["third"]), out
         assert out["small"] == 256 << 10, out
         assert int(out["big"]) <= MIB, out  # closed at --relay-mb, not carried to the end
