@@ -54,30 +54,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # this checkout's ``swarm`` and ``harness`` (the workers import them from here too)
     sys.path.insert(0, str(ROOT))
 
-from harness.serving_load import (  # noqa: E402
-    api_worker,
-    cell,
-    client_worker,
-    fmt_load,
-    machine,
-    measured,
-    rule,
-    summarize,
-    verdict,
-)
+from harness.serving_load import api_worker, client_worker, machine, summarize  # noqa: E402
+from harness.serving_report import MODEL, WAN_DELAY_MS, WAN_MBIT, Run, report  # noqa: E402
 
-MODEL = "smollm2-135m"
 SPANS = {"s1": "0:10", "s2": "10:20", "s3": "20:30"}  # WAN node -> span; on loopback the same spans
-WAN_DELAY_MS, WAN_MBIT = 50.0, 100.0
 PROMPT_TOKENS = 64  # at most, with the chat template: sizes the servers' KV-cache budget
 WORKER = (sys.executable, str(Path(__file__).resolve()), "--worker")
-TARGETS = {  # (net, path) -> least aggregate tokens/s of 16 streams over one stream's (issue 29)
-    ("loopback", "api"): 8.0,
-    ("loopback", "processes"): 5.0,
-    ("wan", "api"): 8.0,
-    ("wan", "processes"): 8.0,
-}
-MANY = 16  # the number of streams the targets are about
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
@@ -101,10 +83,9 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-        self.rows: list[dict[str, Any]] = []
-        self.machine = machine(ROOT)
         self.modes = {"batched": shlex.split(args.batched_args), "unbatched": shlex.split(args.unbatched_args)}
-        self.skipped: dict[str, str] = {}
+        self.out = Run(machine(ROOT), args.nets, args.tokens, args.threads, args.batched_args, args.unbatched_args)
+        self.rows, self.skipped = self.out.rows, self.out.skipped
 
     def log(self, text: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -262,9 +243,28 @@ class Bench:
                 if "processes" in self.args.paths and self.args.processes:
                     self.process_rounds(wan, net, mode, peers, logs)
 
+    def measure_ceiling(self) -> None:
+        """One process's batched decode of the same streams (``harness.ceiling``), before any swarm starts."""
+        a = self.args
+        counts = sorted({*a.streams, *a.processes} if "processes" in a.paths else set(a.streams))
+        if not counts or a.ceiling_threads < 1:
+            return
+        self.log(f"the ceiling: one process, batches of {' '.join(map(str, counts))}, {a.ceiling_threads} threads")
+        cmd = [sys.executable, "-m", "harness.ceiling", "--model", MODEL, "--tokens", str(a.tokens)]
+        cmd += ["--threads", str(a.ceiling_threads), "--streams", *map(str, counts)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True, timeout=a.timeout)
+        for line in done.stdout.splitlines():
+            item = json.loads(line)
+            self.out.ceiling[item["streams"]] = row = summarize(item["records"])
+            self.log(
+                f"  batch of {item['streams']}: {row['tokens_per_s']:.1f} tokens/s, p50 {row['tbt_p50_s'] * 1e3:.0f} ms"
+            )
+        self.out.ceiling_threads = a.ceiling_threads
+
     def run(self) -> None:
         from harness.wan import Wan, WanConfig, unavailable_reason
 
+        self.measure_ceiling()
         for net in self.args.nets:
             if net == "loopback":
                 self.measure(net, None)
@@ -277,25 +277,9 @@ class Bench:
             with Wan(WanConfig(nodes=("c", *SPANS), delay_ms=WAN_DELAY_MS, mbit=WAN_MBIT)) as wan:
                 self.measure(net, wan)
 
-    @classmethod
-    def saved(cls, path: Path) -> Bench:
-        """A finished run, from its ``--json`` file."""
-        data = json.loads(path.read_text())
-        c = data["config"]
-        args = argparse.Namespace(
-            tokens=c["tokens"],
-            threads=c.get("threads", 1),
-            nets=list(dict.fromkeys(r["net"] for r in data["rows"])) + list(data["skipped"]),
-            batched_args=shlex.join(c["modes"]["batched"]),
-            unbatched_args=shlex.join(c["modes"]["unbatched"]),
-        )
-        bench = cls.__new__(cls)
-        bench.args, bench.rows, bench.skipped, bench.machine = args, data["rows"], data["skipped"], data["machine"]
-        return bench
-
     def save(self) -> None:
-        a = self.args
-        self.machine["load_end"] = os.getloadavg()
+        a, run = self.args, self.out
+        run.machine["load_end"] = os.getloadavg()
         config = dict(
             model=MODEL,
             spans=list(SPANS.values()),
@@ -304,96 +288,23 @@ class Bench:
             server_args=self.server_args(),
             modes=self.modes,
             wan=dict(delay_ms=WAN_DELAY_MS, mbit=WAN_MBIT),
+            ceiling_threads=run.ceiling_threads,
         )
-        a.json.write_text(
-            json.dumps(dict(machine=self.machine, config=config, rows=self.rows, skipped=self.skipped), indent=1)
-        )
-
-    # -- the report ----------------------------------------------------------------------------------------------
-
-    def row(self, net: str, mode: str, path: str, streams: int) -> dict[str, Any] | None:
-        match = (net, mode, path, streams)
-        return next((r for r in self.rows if (r["net"], r["mode"], r["path"], r["streams"]) == match), None)
-
-    def report(self) -> None:
-        m = self.machine
-        load = f"{fmt_load(m['load_start'])} at the start, {fmt_load(m['load_end'])} at the end"
-        print(
-            f"\nMeasured on {m['host']}: {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, Python "
-            f"{m['python']}, torch {m['torch']}, commit {m['commit']}; load average {load} (1, 5, 15 min; other "
-            "work on this machine included)."
-        )
-        print(
-            f"{MODEL} over 3 peers ({' '.join(SPANS.values())}), {self.args.tokens} tokens a stream, greedy, "
-            f"{self.args.threads} torch thread(s) per server and API, 1 per client process. Server flags: "
-            "batched = defaults"
-            + (f" + {self.args.batched_args}" if self.args.batched_args.strip() else "")
-            + f", unbatched = {self.args.unbatched_args.strip() or 'defaults (the same as batched)'}."
-        )
-        modes = [m for m in ("batched", "unbatched") if any(r["mode"] == m for r in self.rows)]
-        for net in self.args.nets:
-            if net in self.skipped:
-                print(f"\n## {net_name(net)}: skipped ({self.skipped[net]})")
-                continue
-            print(f"\n## {net_name(net)}")
-            cols = "tok/s    x1  p50 ms  p95 ms   Jain  TTFT s"
-            head = f"| {'path':<9} | {'streams':>7} | " + " | ".join(f"{mode}: {cols}" for mode in modes)
-            head += " | tok/s b/u |" if len(modes) == 2 else " |"
-            print(head)
-            print(rule(head))
-            for path in ("api", "processes"):
-                counts = sorted({r["streams"] for r in self.rows if r["net"] == net and r["path"] == path})
-                for n in counts:
-                    cells = []
-                    for mode in modes:
-                        r, one = self.row(net, mode, path, n), self.row(net, mode, path, 1)
-                        cells.append(cell(r, one, len(mode) + 2 + len(cols)))
-                    line = f"| {path:<9} | {n:>7} | " + " | ".join(cells)
-                    if len(modes) == 2:
-                        b, u = (self.row(net, mode, path, n) for mode in modes)
-                        ratio = "-"
-                        if b is not None and u is not None and measured(b) and measured(u):
-                            ratio = f"{b['tokens_per_s'] / u['tokens_per_s']:.2f}x"
-                        line += f" | {ratio:>9}"
-                    print(line + " |")
-            for mode in modes:
-                for text in self.targets(net, mode) or [f"[{net} {mode}] targets need the 1- and {MANY}-stream rows"]:
-                    print(text)
-        for r in self.rows:
-            if not measured(r):
-                print(f"failed: {r['net']}/{r['mode']}/{r['path']} x{r['streams']}: {'; '.join(r['errors'])}")
-        short = [r for r in self.rows if measured(r) and r["fewest_tokens"] < self.args.tokens]
-        for r in short:
-            print(
-                f"note: {r['net']}/{r['mode']}/{r['path']} x{r['streams']}: a stream ended after {r['fewest_tokens']} "
-                f"of {self.args.tokens} tokens (EOS): its rows weigh fewer tokens"
-            )
-
-    def targets(self, net: str, mode: str) -> list[str]:
-        """Issue 29's targets as PASS/FAIL lines, where the rows they compare were measured."""
-        out = []
-        for path in ("api", "processes"):
-            many, one = self.row(net, mode, path, MANY), self.row(net, mode, path, 1)
-            if many is None or one is None:
-                continue
-            tag = f"[{net} {mode} {path}]"
-            if not (measured(many) and measured(one)):
-                out.append(f"FAIL {tag} streams failed at {MANY if not measured(many) else 1}: no ratio")
-                continue
-            x = many["tokens_per_s"] / one["tokens_per_s"]
-            least = TARGETS[(net, path)]
-            out.append(f"{verdict(x >= least)} {tag} {MANY} streams: {x:.2f}x one stream's tokens/s (>= {least:g}x)")
-            if path == "api" and net == "loopback":
-                t = many["tbt_p50_s"] / one["tbt_p50_s"]
-                out.append(f"{verdict(t <= 2.0)} {tag} p50 time between tokens {t:.2f}x one stream's (<= 2x)")
-                out.append(f"{verdict(many['jain'] >= 0.95)} {tag} Jain's index {many['jain']:.3f} (>= 0.95)")
-        return out
+        ceiling = {str(n): r for n, r in run.ceiling.items()}
+        data = dict(machine=run.machine, config=config, rows=run.rows, skipped=run.skipped, ceiling=ceiling)
+        a.json.write_text(json.dumps(data, indent=1))
 
 
-def net_name(net: str) -> str:
-    if net == "loopback":
-        return "loopback (127.0.0.1, no WAN)"
-    return f"WAN: 3 hops, {WAN_DELAY_MS:.0f} ms one way between any two nodes, {WAN_MBIT:.0f} Mbit/s per node"
+def saved(path: Path) -> Run:
+    """A finished run, from its ``--json`` file."""
+    data = json.loads(path.read_text())
+    c = data["config"]
+    nets = list(dict.fromkeys(r["net"] for r in data["rows"])) + list(data["skipped"])
+    modes = [shlex.join(c["modes"][m]) for m in ("batched", "unbatched")]
+    run = Run(data["machine"], nets, c["tokens"], c.get("threads", 1), *modes, data["rows"], data["skipped"])
+    run.ceiling = {int(n): r for n, r in data.get("ceiling", {}).items()}
+    run.ceiling_threads = c.get("ceiling_threads", 0)
+    return run
 
 
 def main(argv: list[str]) -> int:
@@ -413,12 +324,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--modes", nargs="+", choices=["batched", "unbatched"], default=["batched", "unbatched"])
     p.add_argument("--batched-args", default="", help="extra server flags of the batched rows (default: none)")
     p.add_argument("--unbatched-args", default="--max-batch 1", help="extra server flags of the unbatched rows")
+    p.add_argument(
+        "--ceiling-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the ceiling: one process decoding the streams as one batch (0: no ceiling)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a worker may go without a result")
     p.add_argument("--json", type=Path, default=None, help="also write every row here (after each one)")
     p.add_argument("--report", type=Path, default=None, help="print the tables of a run saved with --json; run none")
     args = p.parse_args(argv)
     if args.report:
-        Bench.saved(args.report).report()
+        report(saved(args.report))
         return 0
     if args.threads < 1:
         p.error("--threads must be at least 1")
@@ -433,8 +350,8 @@ def main(argv: list[str]) -> int:
     try:
         bench.run()
     finally:
-        bench.machine["load_end"] = os.getloadavg()
-        bench.report()
+        bench.out.machine["load_end"] = os.getloadavg()
+        report(bench.out)
         if args.json:
             bench.save()
         print(f"\nwall time {time.perf_counter() - t0:.0f} s; logs in {bench.tmp}")

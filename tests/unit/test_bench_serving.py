@@ -63,3 +63,24 @@ def test_unknown_server_flag_is_refused(bench):
         bench.check_flags("--unbatched-args", ["--max-batch", "1"], known)
     with pytest.raises(SystemExit, match="--max-batch"):
         bench.check_flags("--unbatched-args", ["--max-batch=1"], known)
+
+
+def test_the_swarm_is_measured_against_one_process_s_batch_of_the_same_streams(capsys):
+    from harness.serving_report import Run, report, targets
+
+    def row(n: int, tps: float, p50: float, **over) -> dict:
+        r = dict(streams=n, tokens=32 * n, fewest_tokens=32, tokens_per_s=tps, tbt_p50_s=p50, tbt_p95_s=p50 * 2)
+        return {**r, "jain": 0.99, "ttft_p50_s": 0.5, "wall_s": 1.0, **over}
+
+    machine = dict(host="h", cores=2, cpu="c", memory_gib=1, python="3", torch="t", commit="x")
+    run = Run({**machine, "load_start": (1, 1, 1), "load_end": (1, 1, 1)}, ["loopback"], 32, 1, "", "--max-batch 1")
+    run.rows += [dict(net="loopback", mode="batched", path="api", **row(1, 13.0, 0.08))]
+    run.rows += [dict(net="loopback", mode="batched", path="api", **row(16, 70.0, 0.21))]
+    run.ceiling, run.ceiling_threads = {1: row(1, 15.0, 0.06), 16: row(16, 100.0, 0.14)}, 2
+    lines = targets(run, "loopback", "batched")
+    assert "FAIL [loopback batched api] 16 stream(s): 0.70x one process's batch of 16 (>= 0.75x)" in lines
+    assert "PASS [loopback batched api] 1 stream(s): 0.87x one process's batch of 1 (>= 0.85x)" in lines
+    assert "FAIL [loopback batched api] p50 time between tokens 2.62x one stream's (<= 2.5x)" in lines
+    report(run)
+    out = capsys.readouterr().out
+    assert "## the ceiling" in out and "0.70x" in out  # the table's column beside the 16-stream row
