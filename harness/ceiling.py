@@ -65,7 +65,8 @@ def run(model_name: str, streams: Sequence[int], tokens: int, threads: int) -> N
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train(False)  # inference: no dropout
     batch_records(model, tokenizer, 2, 4)  # warm-up
     for n in streams:
         print(json.dumps({"streams": n, "records": batch_records(model, tokenizer, n, tokens)}), flush=True)

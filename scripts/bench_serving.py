@@ -92,9 +92,12 @@ class Bench:
 
     def server_args(self) -> tuple[str, ...]:
         """Room for every stream: the API is one caller to the servers and holds all of its streams' sessions."""
+        from swarm.api.conversations import Conversations
+
         a = self.args
         most = max([*a.streams, *a.processes, 1])
-        per_stream = PROMPT_TOKENS + a.tokens + 8
+        # the API opens each session with room for its conversation to go on (``swarm.api.conversations``)
+        per_stream = PROMPT_TOKENS + a.tokens + 8 + Conversations.headroom
         cache = max(8192, 2 * most * per_stream + max([*a.processes, 0]) * per_stream)  # a caller may hold half
         sessions = 2 * most + 8
         return (

@@ -166,11 +166,14 @@ class Reuse:
 
 
 def copy_prefix(src: DynamicCache, dst: DynamicCache, start: int, end: int) -> None:
-    """Append ``src``'s positions ``start:end`` to ``dst``, which holds ``start`` positions (of the same layers)."""
-    for have, into in zip(src.layers, dst.layers, strict=True):
-        if isinstance(have, GrowingLayer) and have.is_initialized and isinstance(into, GrowingLayer):
-            assert have.keys is not None and have.values is not None
-            into.update(have.keys[..., start:end, :].clone(), have.values[..., start:end, :].clone())
+    """Append ``src``'s positions ``start:end`` to ``dst``, which holds ``start`` positions (of the same layers).
+    In inference mode, as the steps that filled both ran: ``dst``'s room, made by an earlier step of its session on
+    the compute thread, is an inference tensor, which takes no in-place write outside it."""
+    with torch.inference_mode():
+        for have, into in zip(src.layers, dst.layers, strict=True):
+            if isinstance(have, GrowingLayer) and have.is_initialized and isinstance(into, GrowingLayer):
+                assert have.keys is not None and have.values is not None
+                into.update(have.keys[..., start:end, :].clone(), have.values[..., start:end, :].clone())
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

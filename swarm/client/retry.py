@@ -23,6 +23,7 @@ from typing import Protocol, TypeVar
 from swarm.config import Timing
 from swarm.errors import (
     BadInputError,
+    BusyError,
     MissingBlocksError,
     SessionExpiredError,
     SessionLengthError,
@@ -56,6 +57,8 @@ class Bans(Protocol):
 
     def parole(self) -> frozenset[str]: ...
 
+    def busy(self, peer_id: str, seconds: float) -> None: ...
+
 
 class Retrier:
     def __init__(
@@ -70,6 +73,7 @@ class Retrier:
         self.clock = clock
         self.sleep = sleep
         self.failures: dict[str, int] = {}  # peer -> failures counted against it (kept when its ban expires)
+        self.banned_until: dict[str, float] = {}  # peer -> when the ban of its latest counted failure ends
         # peer -> the error of its latest counted failure: why it was banned, as a typed fact (its class, and a
         # ``PeerUnavailableError``'s ``cause``) for callers and tests, where the log says it in words
         self.last_failure: dict[str, SwarmError] = {}
@@ -96,7 +100,9 @@ class Retrier:
                     # the blocks may be held by peers this client banned for failing (a saturated server's timeout,
                     # a step lost through a dead relay): before the call fails, they are tried once more
                     paroled = True
-                    if self.view.parole():
+                    if lifted := self.view.parole():
+                        for peer in lifted:  # tried again: a failure now bans it again
+                            self.banned_until.pop(peer, None)
                         continue
                 if left <= 0:
                     raise
@@ -128,6 +134,7 @@ class Retrier:
         """The suspect's claim was not contradicted: lift its ban; the claim is what the caller gets."""
         assert suspect.peer_id is not None
         self.view.unban(suspect.peer_id)
+        self.banned_until.pop(suspect.peer_id, None)
         return suspect
 
     def note_failure(self, e: SwarmError, what: str = "call") -> None:
@@ -135,11 +142,21 @@ class Retrier:
         session that idled out is no fault of the server's, and a server that missed a deadline but answered its
         liveness check is busy, not dead (``SlowPeerError``: set aside by routing, ``SwarmView.slow``), and a hop
         that does not see its neighbour's record yet (``UnknownHopError``: a server that just moved) is no one's
-        fault: no ban."""
+        fault: no ban. A server at one of its limits (``BusyError``: its open sessions, queue, or this caller's
+        share of its cache) is busy too: set aside (``SwarmView.busy``), not banned, so calls go elsewhere where they
+        can and come back to it with the backoff where it alone serves their blocks (banned, 16 streams of one API
+        refused at once had banned it for 2^15 times the base within a second, and their calls failed as if its
+        blocks were gone). Failures of a peer still banned for an earlier one (other sessions routed to it before
+        the ban) count once."""
         peer = e.peer_id
-        if peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):
-            n = self.failures[peer] = self.failures.get(peer, 0) + 1
+        if peer is not None and isinstance(e, BusyError):
+            self.view.busy(peer, self.timing.ban_base)
+        elif peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):
             self.last_failure[peer] = e
-            self.view.ban(peer, self.timing.ban_base * 2 ** (n - 1))
+            if self.clock() >= self.banned_until.get(peer, -float("inf")):
+                n = self.failures[peer] = self.failures.get(peer, 0) + 1
+                seconds = self.timing.ban_base * 2 ** (n - 1)
+                self.banned_until[peer] = self.clock() + seconds
+                self.view.ban(peer, seconds)
         self.failovers += 1
         log.warning("%s failed, failing over: %s", what, e, extra={"peer": peer})

@@ -174,6 +174,12 @@ class SwarmView:
         its blocks), and its steps get longer deadlines (``patience``) when it is the one left."""
         self._slow[peer_id] = (time.monotonic() + seconds, self._slow.get(peer_id, (0.0, 0))[1] + 1)
 
+    def busy(self, peer_id: str, seconds: float) -> None:
+        """``peer_id`` refused a call at one of its limits (``BusyError``): set aside as ``slow`` is for ``seconds``,
+        its steps' deadlines unchanged (it answered at once)."""
+        until, times = self._slow.get(peer_id, (0.0, 0))
+        self._slow[peer_id] = (max(until, time.monotonic() + seconds), times)
+
     def patience(self, peer_id: str) -> float:
         """How many times the usual deadline a step to ``peer_id`` gets: doubled each time it was found slow but
         alive (at most ``MAX_PATIENCE``), so a busy server that alone serves some blocks is waited for, not lost."""

@@ -22,6 +22,7 @@ class FakeView:
 
     def __init__(self) -> None:
         self.bans: list[tuple[str, float]] = []
+        self.busied: list[tuple[str, float]] = []
 
     def ban(self, peer: str, seconds: float) -> None:
         self.bans.append((peer, seconds))
@@ -31,6 +32,9 @@ class FakeView:
 
     def invalidate(self) -> None:
         pass
+
+    def busy(self, peer: str, seconds: float) -> None:
+        self.busied.append((peer, seconds))
 
     def parole(self) -> frozenset[str]:
         return frozenset()

@@ -46,6 +46,21 @@ async def test_a_session_that_starts_alike_reuses_whole_blocks_and_answers_as_a_
     assert torch.allclose(out, fresh(backend, first), atol=1e-5)
 
 
+def test_a_kept_prefix_is_copied_into_room_a_step_made(backend):
+    """A session's cache room is made by its steps, in inference mode on the compute thread, and grown ahead; a kept
+    prefix copied into room already there (an API's kept conversation going on) is written in place. It failed: an
+    in-place write to an inference tensor outside inference mode."""
+    x = inputs(100)
+    kept, session = backend.new_cache(512), backend.new_cache(512)
+    with torch.inference_mode():
+        backend.run(x, Span(0, 4), cache=kept, past=0)
+        backend.run(x, Span(0, 4), cache=session, past=0)  # room for 125 positions
+    prefixes.crop_to(session, 10)
+    prefixes.copy_prefix(kept, session, 10, 60)
+    for mine, theirs in zip(session.layers, kept.layers, strict=True):
+        assert mine.get_seq_length() == 60 and torch.equal(mine.keys, theirs.keys[..., :60, :])
+
+
 async def test_only_the_same_caller_and_scope_find_a_prefix_and_sharing_takes_both_sides(backend):
     hidden = inputs(2 * BLOCK + 3)
     table = session_table(backend)

@@ -21,6 +21,7 @@ from swarm.protocol import ErrorReply
 class FakeView:
     def __init__(self) -> None:
         self.bans: list[tuple[str, float]] = []
+        self.busied: list[tuple[str, float]] = []
         self.banned: set[str] = set()
         self.for_cause: set[str] = set()
         self.invalidated = 0
@@ -34,6 +35,9 @@ class FakeView:
 
     def invalidate(self) -> None:
         self.invalidated += 1
+
+    def busy(self, peer: str, seconds: float) -> None:
+        self.busied.append((peer, seconds))
 
     def parole(self) -> frozenset[str]:
         lifted = frozenset(self.banned - self.for_cause)
@@ -60,11 +64,12 @@ def make(budget: float = 10.0, missing_wait: float = 2.0) -> tuple[Retrier, Fake
 
 
 def test_retries_and_bans_with_growing_duration():
-    retrier, view, _ = make()
+    retrier, view, now = make(budget=100.0)
     errors = [failing("a"), failing("a"), failing("b")]
     latest = {"a": errors[1], "b": errors[2]}
 
     def attempt() -> str:
+        now[0] += 10.0  # each attempt after the last ban ended
         if errors:
             raise errors.pop(0)
         return "ok"
@@ -73,6 +78,23 @@ def test_retries_and_bans_with_growing_duration():
     assert view.bans == [("a", 2.0), ("a", 4.0), ("b", 2.0)]
     assert retrier.failovers == 3
     assert retrier.failures == {"a": 2, "b": 1} and retrier.last_failure == latest  # the very errors, kept past bans
+
+
+def test_failures_of_a_peer_already_banned_count_once_and_a_busy_one_is_set_aside_not_banned():
+    """Sessions routed to a peer before its ban fail there too: one ban, not one doubling per session; and a server
+    at one of its limits is busy, not dead."""
+    from swarm.errors import BusyError
+
+    retrier, view, now = make()
+    for _ in range(16):
+        retrier.note_failure(failing("a"))
+    assert view.bans == [("a", 2.0)] and retrier.failures == {"a": 1}
+    now[0] += 2.0  # the ban is over: the next failure doubles it
+    retrier.note_failure(failing("a"))
+    assert view.bans[-1] == ("a", 4.0)
+    for _ in range(16):
+        retrier.note_failure(failing("b", BusyError))
+    assert ("b", 2.0) in view.busied and not [b for b in view.bans if b[0] == "b"] and "b" not in retrier.failures
 
 
 def test_bad_input_is_not_retried():
