@@ -17,7 +17,10 @@ Every stream has a prompt of its own. Per row: aggregate tokens/s (every stream'
 first request to the last token), p50 and p95 time between tokens (pooled over all streams' consecutive tokens; on
 the API path, between streamed chunks that carry text), Jain's fairness index of the per-stream rates (a stream's
 tokens over its own time from request to last token), median time to first token, and ``x1``: aggregate tokens/s
-over the same path's one-stream row. Targets (issue 29) print as PASS/FAIL lines; nothing is asserted.
+over the same path's one-stream row. Before any swarm starts, the ceiling: one process holding the whole model
+decodes the same streams as one batch with ``--ceiling-threads`` threads (``harness.ceiling``); its table prints
+first and every row gets its ratio to it (``x ceiling``). Targets (issues 29 and 60) print as PASS/FAIL lines
+(``harness.serving_report``); nothing is asserted.
 
 Nets: ``loopback`` (127.0.0.1) and ``wan``: the client side (the API and its load, or the client processes) in one
 WAN node and each server in its own, 50 ms one way between any two, 100 Mbit/s per node (``harness.wan``; needs

@@ -216,17 +216,8 @@ def test_live_peers_drop_missed_heartbeats_and_convert_links():
     from swarm.records import PeerRecord, PeerState
 
     def rec(pid, updated, **kw):
-        return PeerRecord(
-            peer_id=pid,
-            state=PeerState.ONLINE,
-            start=0,
-            end=2,
-            block_throughput=10.0,
-            memory=GB,
-            max_blocks=2,
-            updated_at=updated,
-            **kw,
-        )
+        fields = dict(state=PeerState.ONLINE, start=0, end=2, block_throughput=10.0, memory=GB, max_blocks=2)
+        return PeerRecord(peer_id=pid, updated_at=updated, **{**fields, **kw})
 
     peers = live_peers(
         [
@@ -234,12 +225,16 @@ def test_live_peers_drop_missed_heartbeats_and_convert_links():
             rec("silent", 80.0),
             rec("leaving", 99.0).model_copy(update={"state": PeerState.LEAVING}),
             rec("from-the-future", 10_000.0),  # would never go stale
+            # joining, speed not measured yet (a peer behind NAT heartbeats before it reserves relay slots): it
+            # waits; measured, it is placed
+            rec("unmeasured", 99.0, block_throughput=0.0, start=None, end=None, state=PeerState.JOINING),
+            rec("measured", 99.0, start=None, end=None, state=PeerState.JOINING),
         ],
         now=100.0,
         heartbeat_timeout=15.0,
         skew=1.0,
     )
-    assert [p.peer_id for p in peers] == ["fresh"]
+    assert [p.peer_id for p in peers] == ["fresh", "measured"]
     assert peers[0].link_tokens == 500.0 and peers[0].role == Role.SERVE and peers[0].span == Span(0, 2)
 
 

@@ -352,3 +352,16 @@ def test_an_accusation_no_one_can_judge_is_dropped_after_its_attempts(server):
     assert looks == MAX_ATTEMPTS
     assert docket.due(records, 100 * RETRY_AFTER, 10.0) == [] and docket.convicted == set()
     assert "p" not in docket.false_accusers
+
+
+def test_a_re_run_cuts_its_pieces_around_every_prompt_as_the_hop_ran_it():
+    """A verifier runs a window as one piece but each multi-token step (a prompt, a prefill chunk) as the hop ran
+    it: in bfloat16 a prefill's first positions round by its length (SmolLM2: 0.19-0.25 apart at position 1, over
+    the 0.1 honest servers may differ by), and a window that began with the prompt set honest servers in dispute."""
+    from swarm.client.verify.shadow import step_cuts
+
+    assert step_cuts([8, 1, 1, 1]) == [8]  # the prompt alone, then the decode steps together
+    assert step_cuts([1, 1, 1]) == []  # decode steps only: one piece
+    assert step_cuts([1, 1, 5, 1, 3]) == [2, 7, 8]  # each longer step on its own, single steps grouped
+    assert step_cuts([256, 256, 1]) == [256, 512]
+    assert step_cuts([]) == []

@@ -33,7 +33,7 @@ import torch
 
 from swarm.client.connection import SwarmConnection
 from swarm.client.session.hop import HopState
-from swarm.client.verify.shadow import Opening, Shadow, plain_opening
+from swarm.client.verify.shadow import Opening, Shadow, plain_opening, step_cuts
 from swarm.errors import SwarmError
 from swarm.hop import Hop
 from swarm.records import Capability
@@ -238,7 +238,7 @@ class Verifier:
         x = torch.cat(state.replay.inputs[first:n], dim=1)
         positions = torch.cat(state.replay.positions[first:n], dim=1)
         shadow_first = len(shadow.state.replay.inputs)
-        ran = await shadow.run(x, positions)
+        ran = await shadow.run(x, positions, step_cuts([t.shape[1] for t in state.replay.inputs[first:n]]))
         watch.sent = n
         # already compared with an earlier verifier
         skip = sum(t.shape[1] for t in state.replay.inputs[first:checked])
@@ -300,7 +300,8 @@ class Verifier:
         for hop in candidates[:2]:  # a third that fails is banned and replaced once: its failure decides nothing
             third = Shadow(self.conn, hop, opening, self.chunk)
             try:
-                ref = (await third.run(x, torch.cat(state.replay.positions[:n], dim=1)))[:, -mine.shape[1] :]
+                cuts = step_cuts([t.shape[1] for t in state.replay.inputs[:n]])
+                ref = (await third.run(x, torch.cat(state.replay.positions[:n], dim=1), cuts))[:, -mine.shape[1] :]
             except SwarmError as e:
                 self.conn.retrier.note_failure(e, "verification")
                 continue
