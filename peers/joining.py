@@ -128,21 +128,38 @@ def directory_of(store: RecordStore, model: ModelInfo, ttl: float) -> ServerDire
 
 async def punching(joined: Joined, p2p: P2P, direct: DirectServer, model: ModelInfo, timeout: float) -> Puncher | None:
     """Hole punching for a peer behind NAT, observed through its relays' direct planes (their records say where),
-    or None where none answers (callers then stay on the relayed path)."""
+    or None where none answers (callers then stay on the relayed path).
+
+    Two observers tell a symmetric NAT (which no punch gets through) by the two ports they see; with one, the peer
+    cannot tell and offers punches that fail. So the relays' records are read again, for at most two ``timeout``s,
+    until two of them are seen (a read of a loaded DHT can miss one: a peer behind a symmetric NAT then offered
+    punching and its callers' punches failed)."""
     store = joined.store
     relays = {relay_peer(r) for r in joined.relay.relays}
-    records = servers(await asyncio.to_thread(store.view, model.name, model.num_blocks)).values()
-    observers = tuple(
-        f"{r.peer_id}@{r.direct_address}"
-        for r in records
-        if r.peer_id in relays and r.direct_address and re.match(OBSERVER, f"{r.peer_id}@{r.direct_address}")
-    )[:4]
+    want = min(len(relays), 2)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2 * timeout
+    observers = await _observers(store, model, relays)
+    while len(observers) < want and loop.time() < deadline:
+        await asyncio.sleep(min(1.0, timeout))
+        observers = await _observers(store, model, relays)
+    log.info("observed by %d of its relays", len(observers), extra={"observers": observers})
     puncher = Puncher(direct, store.credentials(), lambda: observers, admit_of(store), timeout)
     if not observers or not await puncher.refresh():
         log.warning("no hole punching: no relay's direct plane told this peer its address")
         return None
     await p2p.add_protobuf_handler(RPC_PUNCH, puncher.rpc_punch, wire.Frame)
     return puncher
+
+
+async def _observers(store: RecordStore, model: ModelInfo, relays: set[str | None]) -> tuple[str, ...]:
+    """The direct planes of this peer's relays that their records name (at most 4)."""
+    records = servers(await asyncio.to_thread(store.view, model.name, model.num_blocks)).values()
+    return tuple(
+        f"{r.peer_id}@{r.direct_address}"
+        for r in records
+        if r.peer_id in relays and r.direct_address and re.match(OBSERVER, f"{r.peer_id}@{r.direct_address}")
+    )[:4]
 
 
 async def estimate_link(cfg: PeerConfig, store: RecordStore, model: ModelInfo, remote: Remote) -> float | None:
