@@ -62,30 +62,40 @@ class Puncher:
     async def refresh(self) -> bool:
         """Move to a fresh port and observe it; whether an observer answered and the NAT keeps one mapping for it.
         Observed by two observers where there are two: a NAT that shows them different ports maps per destination
-        (symmetric), and no caller could guess the port it would show them, so it takes no punches."""
+        (symmetric), and no caller could guess the port it would show them, so it takes no punches. Where two are
+        known and only one answers (twice asked), the peer cannot tell, and takes none this time: a peer behind a
+        symmetric NAT that went by one answer offered punches its callers could not get through."""
         port = bound_socket()
-        seen: list[str] = []
+        observers = self.observers()
+        needed = min(len(observers), 2)
+        seen: dict[str, str] = {}  # observer -> the endpoint it saw
         errors: list[str] = []
-        for observer in self.observers():
-            try:
-                seen.append(
-                    (await observe(port.getsockname()[1], observer, self.creds, self.tls, self.timeout)).address
-                )
-            except DirectDialError as e:
-                errors.append(str(e))
-            if len(seen) == 2:
+        for _ in range(2):
+            for observer in (o for o in observers if o not in seen):
+                if len(seen) == needed:
+                    break
+                try:
+                    seen[observer] = (
+                        await observe(port.getsockname()[1], observer, self.creds, self.tls, self.timeout)
+                    ).address
+                except DirectDialError as e:
+                    errors.append(str(e))
+            if len(seen) >= needed:
                 break
-        if not seen or len(set(seen)) > 1:
+        endpoints = set(seen.values())
+        if len(seen) < needed or len(endpoints) != 1:
             port.close()
-            if seen:
+            if len(endpoints) > 1:
                 self.symmetric = True
                 log.warning("this peer's NAT maps per destination (%s): callers reach it through its relays", seen)
+            elif seen:
+                log.warning("one of two observers answered: no punching this time (%s)", "; ".join(errors))
             else:
                 log.warning("no observer told this peer its address: %s", "; ".join(errors) or "none known")
             return False
         if self.port is not None:
             self.port.close()
-        self.port, self.endpoint = port, seen[0]
+        self.port, self.endpoint = port, endpoints.pop()
         return True
 
     async def run(self, stop: asyncio.Event) -> None:

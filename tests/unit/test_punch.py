@@ -133,3 +133,37 @@ def test_a_peer_punches_only_toward_its_caller_s_own_observed_endpoint():
     assert "too old" in out["stale"]
     assert "a private endpoint" in out["lan"] and "a loopback endpoint" in out["loopback"]
     assert out["own"] == "punching toward 127.0.0.1:5000"
+
+
+@pytest.mark.parametrize(
+    "answers, ok, symmetric",
+    [
+        ({"a": ["1.2.3.4:100"], "b": ["1.2.3.4:100"]}, True, False),  # one mapping for both: punch-able
+        ({"a": ["1.2.3.4:100"], "b": ["1.2.3.4:200"]}, False, True),  # two ports: symmetric, no punches
+        ({"a": ["1.2.3.4:100"], "b": [None, None]}, False, False),  # one answer of two, twice: cannot tell
+        ({"a": ["1.2.3.4:100"], "b": [None, "1.2.3.4:200"]}, False, True),  # the second answers when asked again
+        ({"a": ["1.2.3.4:100"]}, True, False),  # one relay, one observer: all it can know
+    ],
+)
+def test_a_peer_offers_punches_only_when_its_observers_agree(monkeypatch, answers, ok, symmetric):
+    """``Puncher.refresh``: two observers where two are known; a peer that went by one answer while behind a
+    symmetric NAT offered punches its callers could not get through (a CI run of test_nat_swarm)."""
+    import peers.rpc.punch_server as punch_server
+    from peers.rpc.punch_server import Puncher
+
+    left = {k: list(v) for k, v in answers.items()}
+    asked: list[str] = []
+
+    async def observe(port, observer, creds, tls, timeout):
+        asked.append(observer)
+        address = left[observer].pop(0) if len(left[observer]) > 1 else left[observer][0]
+        if address is None:
+            raise DirectDialError(f"{observer} did not answer")
+        return type("Reply", (), {"address": address})()
+
+    monkeypatch.setattr(punch_server, "observe", observe)
+    puncher = Puncher(None, _peer_key(), lambda: tuple(answers), None)  # type: ignore[arg-type]
+    assert asyncio.run(puncher.refresh()) is ok
+    assert puncher.symmetric is symmetric
+    assert (puncher.endpoint is not None) is ok
+    assert asked.count("a") == 1  # an observer that answered is not asked again
