@@ -6,6 +6,7 @@ and offline mode reads the cache alone."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections import namedtuple
@@ -287,3 +288,31 @@ def test_the_span_bytes_script_counts_shards_from_the_index_alone(hub, checkpoin
     assert float(rows[0][2]) == pytest.approx(size(span) / 1e9, abs=0.006)
     assert rows[-1][0].strip() == "the whole checkpoint" and int(rows[-1][1]) == len(set(index.values()))
     assert not {p for p in hub.sent_for(REPO) if p.endswith(".safetensors")}  # nothing but the index was read
+
+
+def test_the_span_bytes_script_reads_a_clone_s_lfs_pointers_as_the_hub_s_list(
+    hub, checkpoints, tmp_path, monkeypatch, capsys
+):
+    """``--clone``: a Git clone without LFS files (each weight file a pointer naming its size and sha256) gives the
+    rows the Hub's file list gives; a weight file that is not a pointer is refused by name."""
+    from tests.helpers.scripts import load_script
+
+    _hub_env(monkeypatch, hub)
+    script = load_script("hub_span_bytes")
+    assert script.main([REPO, "--blocks", "0:2", "3:4"]) == 0
+    from_hub = capsys.readouterr().out.splitlines()[2:]
+    clone, original = tmp_path / "clone", checkpoints[0]
+    clone.mkdir()
+    for path in original.iterdir():
+        if path.suffix == ".safetensors":
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            pointer = f"{script.LFS_POINTER}\noid sha256:{digest}\nsize {path.stat().st_size}\n"
+            (clone / path.name).write_text(pointer)
+        elif path.suffix == ".json":
+            shutil.copy(path, clone / path.name)
+    assert script.main(["--clone", str(clone), "--blocks", "0:2", "3:4"]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == from_hub
+    shard = sorted(p for p in clone.iterdir() if p.suffix == ".safetensors")[0]
+    shutil.copy(original / shard.name, shard)  # a clone that fetched its LFS files
+    with pytest.raises(SystemExit, match=f"{shard.name} is not a Git LFS pointer"):
+        script.main(["--clone", str(clone), "--blocks", "0:2"])
