@@ -316,3 +316,22 @@ def test_the_span_bytes_script_reads_a_clone_s_lfs_pointers_as_the_hub_s_list(
     shutil.copy(original / shard.name, shard)  # a clone that fetched its LFS files
     with pytest.raises(SystemExit, match=f"{shard.name} is not a Git LFS pointer"):
         script.main(["--clone", str(clone), "--blocks", "0:2"])
+
+
+def test_a_drafter_named_by_the_hub_is_fetched_whole_and_runs_its_weights(hub, checkpoints, monkeypatch):
+    """``generate(..., speculative="ORG/NAME@REV")``, ``swarm.api --draft ORG/NAME``: the draft model runs whole on
+    the client, so every shard of that revision is fetched (and checked), and its logits are that checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    from swarm.client.speculative import drafting
+
+    _hub_env(monkeypatch, hub)
+    compared = []  # the tiny checkpoints have no tokenizer to compare: the check is called, not run
+    monkeypatch.setattr(drafting, "same_tokenizer", lambda folder, served: compared.append((folder, served)))
+    drafter = drafting.drafter_factory(f"{REPO}@v2", checkpoints[0], hub.settings.cache_dir)()
+    assert compared and compared[0][1] == checkpoints[0]
+    assert {p for p in hub.sent_for(REPO) if p.endswith(".safetensors")} == set(_weight_map(checkpoints[1]).values())
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints[1], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(drafter.model(ids).logits, ref(ids).logits, atol=1e-6)

@@ -27,6 +27,7 @@ from swarm.client.speculative.loop import Draft, Drafter, Sampler
 from swarm.config import load_model_card
 from swarm.errors import BadInputError
 from swarm.hf_calls import model_from_config
+from swarm.hub_snapshot import ensure
 from swarm.model_files import load_config, load_tokenizer, model_folder, read_tensors, weight_map
 
 DrafterFactory = Callable[[], Drafter]
@@ -165,6 +166,7 @@ def drafter_factory(spec: str, served: Path, cache_dir: Path) -> DrafterFactory:
     card = load_model_card(spec)
     folder = model_folder(card, cache_dir)
     same_tokenizer(folder, served)
+    ensure(folder, set(weight_map(folder).values()))  # a Hub snapshot starts with no weights; a drafter runs them all
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.train(False)
     lock, speeds = threading.Lock(), Speeds()
