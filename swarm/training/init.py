@@ -42,9 +42,13 @@ def initial_model(run: RunConfig) -> PreTrainedModel:
     """The whole model a run starts from: the weights it continues from, or the seeded initialisation."""
     from transformers import AutoModelForCausalLM
 
+    from swarm.hub_snapshot import ensure
+    from swarm.model_files import weight_map
+
     folder = run.source_folder()
     if folder is None:
         return init_full_model(run.hf_config(), run.seed)
+    ensure(folder, set(weight_map(folder).values()))  # a Hub snapshot starts with no weights; all are read here
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model
 

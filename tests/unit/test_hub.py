@@ -335,3 +335,24 @@ def test_a_drafter_named_by_the_hub_is_fetched_whole_and_runs_its_weights(hub, c
     ref = AutoModelForCausalLM.from_pretrained(checkpoints[1], dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(drafter.model(ids).logits, ref(ids).logits, atol=1e-6)
+
+
+def test_a_run_continuing_from_a_hub_model_starts_from_its_weights(hub, checkpoints, monkeypatch, tmp_path):
+    """A run file's ``from = "ORG/NAME"``: the whole model one process trains (the swarm's reference) fetches every
+    shard and starts from that checkpoint's weights, not from seeds."""
+    from swarm.training.init import initial_model
+    from swarm.training.run import load_run
+
+    _hub_env(monkeypatch, hub)
+    text = (Path(__file__).parents[2] / "configs/runs/tiny-llama.toml").read_text()
+    head, _, rest = text.partition("[model]")
+    rest = rest[rest.index("\n[data]") :]  # the seeded config's fields out, the Hub name in
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(f'{head}[model]\nfrom = "{REPO}"\n{rest}')
+    model = initial_model(load_run(run_file, tmp_path / "cache"))
+    assert {p for p in hub.sent_for(REPO) if p.endswith(".safetensors")} == set(_weight_map(checkpoints[0]).values())
+    saved = {}
+    for file in set(_weight_map(checkpoints[0]).values()):
+        saved.update(load_file(str(checkpoints[0] / file)))
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
