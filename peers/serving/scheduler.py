@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from peers.serving.rhythm import Rhythm, hold
 from peers.serving.runtime import Batcher, Row
 from swarm.ids import Span
 
@@ -132,84 +133,6 @@ def pieces(runtime: object, n: int, past: int, chunk: int, prompts: int) -> list
     return [(at, min(n, at + size)) for at in range(0, n, size)]
 
 
-CONTENDED = 0.85  # of a core: below it, the device is shared with other work (see ``hold``)
-CONTENDED_FORWARDS = 8  # ... and a batch may wait this many forwards' price for companions
-
-
-@dataclass
-class Rhythm:
-    """When each session's steps arrive: the last arrival and the gap before it, so the scheduler can tell which
-    sessions are busy elsewhere in their chain and about to come back (``hold``), and what a forward costs."""
-
-    last: dict[Hashable, tuple[float, float | None]] = field(default_factory=dict)  # session -> (arrival, gap)
-    forwards: list[float] = field(default_factory=list)  # the last few forwards' durations
-    batch_of: dict[Hashable, int] = field(default_factory=dict)  # session -> the last forward it ran in
-    share: float = 1.0  # of a core the compute thread got during recent forwards (CPU time over wall time)
-    count: int = 0  # forwards run
-
-    def arrived(self, session: Hashable, now: float) -> None:
-        before = self.last.get(session)
-        self.last[session] = (now, now - before[0] if before is not None else None)
-        if len(self.last) > 4096:  # sessions that stopped stepping (closed ones are forgotten at once)
-            self.last = {k: v for k, v in self.last.items() if v[1] is not None and now - v[0] < 2 * v[1]}
-
-    def alive(self, session: Hashable, now: float) -> bool:
-        """It still steps: it came back within twice its last gap (a session whose client vanished stops counting)."""
-        t, gap = self.last.get(session, (now, None))
-        return gap is None or now - t < 2 * gap
-
-    def forgot(self, session: Hashable) -> None:
-        self.last.pop(session, None)
-        self.batch_of.pop(session, None)
-
-    def ran(self, seconds: float, sessions: Sequence[Hashable], cpu: float | None = None) -> None:
-        """A forward of ``sessions`` took ``seconds`` (``cpu`` of them on the compute thread's core, where the
-        device is the CPU)."""
-        self.forwards = [*self.forwards[-15:], seconds]
-        if cpu is not None and seconds > 0:
-            self.share = 0.8 * self.share + 0.2 * min(1.0, cpu / seconds)
-        self.count += 1
-        for session in sessions:
-            if session is not None:
-                self.batch_of[session] = self.count
-
-    @property
-    def price(self) -> float:
-        """What one more forward costs: the quickest of the last few (the smallest batches' time, its fixed part)."""
-        return min(self.forwards, default=0.0)
-
-
-def hold(waiting: Sequence[Waiting], rhythm: Rhythm, now: float, max_rows: int, max_wait: float) -> float:
-    """How long to hold the waiting steps for companions before running them (0: run now).
-
-    Companions are sessions computing elsewhere in their chains that will be back soon: those that ran in the same
-    forward as a waiting step last time and have not come back yet (a round of a client's streams, split by the
-    client's own work between steps), and those whose rhythm (the gap between their last two steps) makes them due.
-    Running now and again when they come costs a whole extra forward, so the steps wait for them, at most one
-    forward's price after the oldest arrived (the ski-rental bound: never more than the wait may save). Where this
-    server's compute thread gets less than ``CONTENDED`` of a core (its device shared with other work: stages of a
-    chain on one machine's cores, say), every forward saved is compute the others get back, and the bound grows to
-    ``CONTENDED_FORWARDS`` prices (at most half of ``max_wait``), long enough for rounds that drifted apart to merge.
-    A lone session, a full batch or a step that has waited long enough never waits."""
-    if not waiting or max_rows <= 1 or sum(w.row.rows for w in waiting) >= max_rows:
-        return 0.0
-    price = rhythm.price * (CONTENDED_FORWARDS if rhythm.share < CONTENDED else 1)
-    limit = min(w.since for w in waiting) + min(price, max_wait / 2)
-    if limit <= now:
-        return 0.0
-    here = {w.session for w in waiting}
-    theirs = {rhythm.batch_of.get(w.session) for w in waiting} - {None}
-    mates = (s for s, b in rhythm.batch_of.items() if b in theirs and s not in here)
-    if any(rhythm.alive(s, now) for s in mates):
-        return limit - now  # a step that ran with these last time is still on its way (its arrival wakes the loop)
-    due = [
-        t + gap
-        for session, (t, gap) in rhythm.last.items()
-        if session not in here and gap is not None and rhythm.alive(session, now) and t + gap <= limit
-    ]
-    return max(0.0, max(due) - now) if due else 0.0
-
-
 class StepScheduler:
     """The server's compute gate and inference batcher (see the module's doc)."""
 
@@ -258,7 +181,7 @@ class StepScheduler:
         loop and the next would find nothing waiting, so nothing would ever batch)."""
         tokens = int(row.hidden.shape[0] * row.hidden.shape[1])
         if session is not None:
-            self.rhythm.arrived(session, self.clock())
+            self.rhythm.arrived(session, self.clock(), row.rows)
         # unbatched (``--max-batch 1``), every small step runs inline as before batching existed
         alone_anyway = lone or self.max_rows == 1
         if alone_anyway and not self._batching and not self.waiting and tokens <= self.inline_tokens:
@@ -315,7 +238,8 @@ class StepScheduler:
                 await asyncio.sleep(self.window)
             while not self._busy and (self.waiting or self._others):
                 now = self.clock()
-                wait = 0.0 if self._others else hold(self.waiting, self.rhythm, now, self.max_rows, self.max_wait)
+                rows = self.rhythm.cohort(now, self.max_rows)
+                wait = 0.0 if self._others else hold(self.waiting, self.rhythm, now, rows, self.max_wait)
                 if wait > 0:  # companions are due: a step that arrives wakes the loop, which looks again
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -327,7 +251,7 @@ class StepScheduler:
                         self._busy = True  # until ``other`` releases it
                         gate.set_result(None)
                     continue
-                batch = pick(self.waiting, self.shares, self.max_rows, self.max_tokens, self.max_room)
+                batch = pick(self.waiting, self.shares, rows, self.max_tokens, self.max_room)
                 self.waiting = [w for w in self.waiting if w not in batch]
                 self._busy = self._batching = True
                 try:
@@ -342,7 +266,7 @@ class StepScheduler:
         self._observe(sum(w.row.rows for w in live))
         try:
             outs, seconds, cpu = await self._thread(_run_batch, live)
-            self.rhythm.ran(seconds, [w.session for w in live], cpu)
+            self.rhythm.ran(seconds, [w.session for w in live], cpu, self.clock())
         except Exception as e:
             if len(live) == 1:
                 live[0].future.set_exception(e)

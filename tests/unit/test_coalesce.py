@@ -90,3 +90,67 @@ def test_a_lone_call_goes_straight_through():
         x = torch.randn(1, 1, 8)
         assert torch.equal(c(x), x @ W)
     assert c.joined == 0
+
+
+class _Stream(threading.Thread):
+    """A decoding stream: a thread of its own that calls the coalescer when told to, one call at a time."""
+
+    def __init__(self, c: Coalescer) -> None:
+        super().__init__(daemon=True)
+        self.c, self.todo, self.done = c, threading.Semaphore(0), threading.Semaphore(0)
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            self.todo.acquire()
+            with torch.inference_mode():
+                self.c(torch.ones(1, 5))
+            self.done.release()
+
+    def call(self) -> None:
+        self.todo.release()
+
+    def finished(self, timeout: float) -> bool:
+        return self.done.acquire(timeout=timeout)
+
+
+def _paced(sizes: list[int], clock: list[float]) -> Coalescer:
+    """A coalescer on a clock that moves only when the function runs (10 s a call: its price), with a long gap."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.shape[0])
+        clock[0] += 10.0
+        return x @ W.T
+
+    return Coalescer(fn, clock=lambda: clock[0], gap=60.0, recent=1000.0)
+
+
+def test_the_first_call_of_a_burst_waits_for_a_stream_still_to_come():
+    """Two streams decode; the first to come back holds (at most a call's price) and the second joins it: one call
+    for both. Without the hold, the first would run alone and the second after it."""
+    sizes: list[int] = []
+    clock = [0.0]
+    c = _paced(sizes, clock)
+    a, b = _Stream(c), _Stream(c)
+    a.call()  # a lone stream so far: runs at once, and a call's price is known
+    assert a.finished(30)
+    b.call()  # a decodes too: b holds for it (the clock stands still: only a's call ends the hold)
+    deadline = time.monotonic() + 30
+    while not (c._leading and len(c._pending) == 1):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    a.call()
+    assert a.finished(30) and b.finished(30)
+    assert sizes == [1, 2] and c.calls == 2
+
+
+def test_a_lone_stream_never_waits():
+    """With no other stream calling, the call runs at once (a hold on this still clock would never end)."""
+    sizes: list[int] = []
+    clock = [0.0]
+    c = _paced(sizes, clock)
+    a = _Stream(c)
+    for _ in range(3):
+        a.call()
+        assert a.finished(10), "a lone call waited for companions"
+    assert sizes == [1, 1, 1]

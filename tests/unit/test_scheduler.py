@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
+from peers.serving.rhythm import Rhythm, hold
 from peers.serving.runtime import Row
-from peers.serving.scheduler import Rhythm, Shares, StepScheduler, Waiting, batching, hold, pick, pieces
+from peers.serving.scheduler import Shares, StepScheduler, Waiting, batching, pick, pieces
 from swarm.ids import Span
 
 SUB = Span(0, 4)
@@ -247,6 +248,91 @@ def test_a_held_round_runs_as_one_forward():
     finally:
         pool.shutdown()
     assert sizes == [2] and runtime.batches == [2]
+
+
+def _stepping(rhythm: Rhythm, sessions: list[str], every: float, upto: float, rows: int = 1) -> None:
+    """``sessions`` stepping every ``every`` seconds until ``upto``."""
+    t = 0.0
+    while t <= upto:
+        for name in sessions:
+            rhythm.arrived(name, t, rows)
+        t += every
+
+
+def test_a_server_idle_most_of_a_round_takes_half_its_stepping_rows_per_forward():
+    """Pipeline micro-batches: 16 sessions stepping every 0.25 s through a server whose forwards fill a fifth of its
+    time go in two forwards of 8 (the next hop computes one while this one computes the other); a busy server, a
+    server whose forwards are not known yet, a lone session and sessions that stopped stepping keep the whole batch."""
+    rhythm = Rhythm()
+    names = [f"s{i}" for i in range(16)]
+    _stepping(rhythm, names, 0.25, 1.0)
+    assert rhythm.cohort(1.0, 32) == 32  # no forward measured yet: busy counts as 1
+    for end in (0.30, 0.55, 0.80, 1.05):
+        rhythm.ran(0.05, names, end=end)
+    assert rhythm.busy(1.05) == pytest.approx(0.2 / 0.80)
+    assert rhythm.cohort(1.05, 32) == 8
+    assert rhythm.cohort(1.05, 6) == 6  # never over --max-batch
+    _stepping(rhythm, names[:3], 0.25, 1.0, rows=4)  # three of them now step with 4 rows each: 13 + 12 rows
+    assert rhythm.cohort(1.05, 32) == 13
+    assert rhythm.cohort(5.0, 32) == 32  # all silent for two of their gaps: no one steps here any more
+    busy = Rhythm()
+    _stepping(busy, names, 0.25, 1.0)
+    for end in (0.25, 0.5, 0.75, 1.0):
+        busy.ran(0.2, names, end=end)  # forwards fill 80% of the time: this is the slow hop, batch all
+    assert busy.cohort(1.0, 32) == 32
+    lone = Rhythm()
+    _stepping(lone, ["a"], 0.25, 1.0)
+    for end in (0.3, 0.55, 0.8, 1.05):
+        lone.ran(0.01, ["a"], end=end)
+    assert lone.cohort(1.05, 32) == 32
+
+
+def test_an_idle_server_runs_a_round_as_two_forwards_and_sends_the_first_half_on_before_the_second():
+    """The scheduler's loop with a pipelining rhythm: 16 steps waiting together run as 8 + 8, and the first eight
+    steps' outputs are out (their callers resumed) before the second forward starts; a half that comes back alone
+    runs at once, without waiting for the other half."""
+    import threading
+
+    runtime, sizes, outs, released = _Runtime(), [], [], []
+    first_half_out = threading.Event()
+    pool, on_thread = _thread_runner()
+    names = [f"s{i}" for i in range(16)]
+
+    async def main():
+        clock = [100.0]
+        scheduler = StepScheduler(on_thread, 32, 1024, 20.0, 0, sizes.append, clock=lambda: clock[0])
+        _stepping(scheduler.rhythm, [("c", n) for n in names], 0.25, 99.9)
+        for end in (99.3, 99.55, 99.8, 100.0):
+            scheduler.rhythm.ran(0.05, [], end=end)  # forwards fill a fifth of the time
+        real = runtime.run_batch
+
+        def run_batch(rows, sub):
+            if runtime.batches:  # a later forward: are the first half's callers on their way (pushing on)?
+                released.append(first_half_out.wait(5.0))
+            return real(rows, sub)
+
+        runtime.run_batch = run_batch
+
+        async def one(name: str):
+            x = torch.ones(1, 1, 4)
+            out = await scheduler.step("c", SUB, Row(x, None, 0), lambda: x, runtime, "decode", session=("c", name))
+            outs.append(name)
+            if len(outs) == 8:
+                first_half_out.set()
+            return out
+
+        await asyncio.gather(*(one(n) for n in names))
+        assert sizes == [8, 8] and released == [True]  # the first half went on while the second computed
+        first = outs[:8]
+        clock[0] += 0.25  # the first half is back on its own: it does not wait for the other half
+        await asyncio.wait_for(asyncio.gather(*(one(n) for n in first)), 5.0)
+        assert sizes == [8, 8, 8]
+        scheduler.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
 
 
 class _Batching:
