@@ -81,8 +81,8 @@ def test_a_swarm_of_hub_named_peers_downloads_only_its_shards_and_answers_as_hug
             middle = shards_for(index, blocks(10, 20))
             assert len(middle) == 2 and set(sent()) == middle  # ``swarm.serve --blocks 10:20``: its shards alone
             assert sum(sent().values()) <= sum(size.values()) / 3, (sent(), size)
-            swarm.add_peer("0:10")
-            swarm.add_peer("20:30")
+            for peer in [swarm.add_peer(span, wait=False) for span in ("0:10", "20:30")]:  # started together
+                peer.wait_ready(swarm.startup_timeout)
             servers = set(index.values())  # together they read every shard, each once in their shared cache
             assert set(sent()) == servers and sent() == {f: size[f] for f in servers}
             monkeypatch.setenv("HF_ENDPOINT", hub.url)  # the client, in this process, reads them when it loads

@@ -10,6 +10,8 @@ cores can pay."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import signal
 import threading
 import time
@@ -110,6 +112,26 @@ def test_two_dozen_peers_with_churn_answer_exactly(tmp_path: Path, fork_server: 
     # `SessionExpiredError` after its retry budget (stop 71, a fresh-clone run). The default is 60 s.
     args = ("--throughput", "100", "--max-blocks", "2", "--session-idle", "30")
     logs = tmp_path / "logs"  # kept for a post-mortem (pytest keeps the last three runs)
+    logs.mkdir(parents=True, exist_ok=True)
+    # the clients' failovers, timed, beside the peers' logs (pytest's captured log has no times, and a churn failure
+    # is read by matching the clients' retries to the peers' clocks)
+    trail = logging.FileHandler(logs / "clients.log")
+    trail.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s"))
+    client_log = logging.getLogger("swarm.client")
+    client_log.addHandler(trail)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(client_log.removeHandler, trail)
+        cleanup.callback(trail.close)
+        _drill(fork_server, folder, work, args, logs)
+
+
+def _drill(
+    fork_server: ForkServer,
+    folder: Path,
+    work: tuple[list[torch.Tensor], list[torch.Tensor]],
+    args: tuple[str, ...],
+    logs: Path,
+) -> None:
     with LocalSwarm(
         str(folder), [None] * PEERS, extra_args=args, spawner=fork_server, test_timings=True, log_dir=logs
     ) as swarm:
