@@ -75,6 +75,16 @@ class NextHopUnreachableError(PeerUnavailableError):
     code = "next_hop_unreachable"
 
 
+class UnseenHopError(NextHopUnreachableError):
+    """A chained hop (``reporter``) sees no record of the route's next hop (``peer_id``) serving the blocks after its
+    own (its ``UnknownHopError``): raised by the client, never named by a server. The retry helper reads that
+    peer's record itself before blaming anyone (``Retrier.note_failure``)."""
+
+    def __init__(self, message: str, reporter: str) -> None:
+        super().__init__(message)
+        self.reporter = reporter
+
+
 class SlowPeerError(PeerUnavailableError):
     """A peer missed a step's deadline but answered a liveness check at once (``swarm.client.session.liveness``):
     busy, not dead. Its hop is replaced and new routes avoid it for a while, but it is never banned for it (raised by

@@ -30,6 +30,7 @@ from swarm.errors import (
     SlowPeerError,
     SwarmError,
     UnknownHopError,
+    UnseenHopError,
 )
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ T = TypeVar("T")
 # The declared errors a second server must confirm, by exact class. ``SessionLengthError`` too: the client refuses a
 # step past max_length itself before sending it, so a server claiming one contradicts what the client knows. Not
 # ``StaleStepError``: honest stages answer it whenever another trainer finished the step, and the trainer acts on it.
+MAX_DOUBLINGS = 6  # a hop whose claims this client contradicted is set aside at most 2^6 x ban_base
+
 CONFIRMED: tuple[type[SwarmError], ...] = (BadInputError, SessionLengthError)
 
 
@@ -59,6 +62,8 @@ class Bans(Protocol):
 
     def busy(self, peer_id: str, seconds: float) -> None: ...
 
+    def listed(self, peer_id: str) -> bool: ...
+
 
 class Retrier:
     def __init__(
@@ -77,6 +82,8 @@ class Retrier:
         # peer -> the error of its latest counted failure: why it was banned, as a typed fact (its class, and a
         # ``PeerUnavailableError``'s ``cause``) for callers and tests, where the log says it in words
         self.last_failure: dict[str, SwarmError] = {}
+        # peer -> how many times it said it saw no record of its next hop where this client's own read found one
+        self.contradicted: dict[str, int] = {}
         self.failovers = 0  # how many times a call moved on after a failure (exposed to users and tests)
 
     def run(self, attempt: Callable[[], T], what: str = "call", confirm: bool = False) -> T:
@@ -110,6 +117,10 @@ class Retrier:
                 self.sleep(min(self.timing.view_refresh, left))
                 continue
             except SwarmError as e:
+                # the attempt routed, so every block was served: blocks missing again later are a new wait (each
+                # wait once paroled), not the rest of this one (two moves a minute apart, each leaving a block
+                # unserved for a second, ended a call that had waited two seconds in all: stop 75's churn drill)
+                missing_since, paroled = None, False
                 if confirm and suspect is None and suspicious(e) and self.clock() <= deadline:
                     suspect = e
                     assert e.peer_id is not None
@@ -146,10 +157,20 @@ class Retrier:
         share of its cache) is busy too: set aside (``SwarmView.busy``), not banned, so calls go elsewhere where they
         can and come back to it with the backoff where it alone serves their blocks (banned, 16 streams of one API
         refused at once had banned it for 2^15 times the base within a second, and their calls failed as if its
-        blocks were gone). Failures of a peer still banned for an earlier one (other sessions routed to it before
-        the ban) count once."""
+        blocks were gone). A hop that says it sees no record of its next hop (``UnseenHopError``) gets the next hop
+        banned only if this client's own read of that peer's shard finds no live record either; otherwise the hop
+        that said so is set aside. Failures of a peer still banned for an earlier one (other sessions routed to it
+        before the ban) count once."""
         peer = e.peer_id
-        if peer is not None and isinstance(e, BusyError):
+        if isinstance(e, UnseenHopError) and peer is not None and self.view.listed(peer):
+            # the hop before it sees no record of it where this client, reading the same shard now, does: the
+            # reporter's reading lags (or it lies), not the next hop gone (banned, the only server of some blocks was
+            # lost to the call for a neighbour's view: stop 75's churn drill). The reporter is set aside as a busy one
+            # is, nobody banned; for longer each time (a liar would otherwise cost a failover every ban_base)
+            n = self.contradicted[e.reporter] = self.contradicted.get(e.reporter, 0) + 1
+            self.view.busy(e.reporter, self.timing.ban_base * 2 ** min(n - 1, MAX_DOUBLINGS))
+            log.info("this client finds the record its hop says is missing: the hop is set aside", extra={"peer": peer})
+        elif peer is not None and isinstance(e, BusyError):
             self.view.busy(peer, self.timing.ban_base)
         elif peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):
             self.last_failure[peer] = e

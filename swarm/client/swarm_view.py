@@ -22,12 +22,13 @@ from swarm.client.routing import Mode, choose_route, eligible, pick_fingerprint
 from swarm.codecs import choose_codec, parse_codec
 from swarm.config import ClientConfig
 from swarm.dht import RecordStore
-from swarm.errors import MissingBlocksError
+from swarm.errors import MissingBlocksError, SwarmError
 from swarm.hop import Hop
+from swarm.ids import shard_of
 from swarm.perf.calibration import CODEC_BYTES
 from swarm.perf.model import Software
 from swarm.perf.placement import RouteCosts
-from swarm.records import Capability, ServerRecord, View
+from swarm.records import Capability, PeerState, ServerRecord, View
 
 log = logging.getLogger(__name__)
 ROUTE_SAMPLE = 8  # online servers per block a client reads before routing (all of a swarm with fewer)
@@ -179,6 +180,15 @@ class SwarmView:
         its steps' deadlines unchanged (it answered at once)."""
         until, times = self._slow.get(peer_id, (0.0, 0))
         self._slow[peer_id] = (max(until, time.monotonic() + seconds), times)
+
+    def listed(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` announces a live server record of this model now, by a thorough read of its shard (what
+        a chained server reads to check its next hop). A read that fails says no."""
+        try:
+            records = self.store.shard(self.model_id, shard_of(peer_id))
+        except (SwarmError, TimeoutError, OSError):
+            return False
+        return any(r.peer_id == peer_id and r.state in (PeerState.ONLINE, PeerState.LEAVING) for r in records)
 
     def patience(self, peer_id: str) -> float:
         """How many times the usual deadline a step to ``peer_id`` gets: doubled each time it was found slow but

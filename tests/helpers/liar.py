@@ -6,7 +6,9 @@ and transports) whose compute and inference answers are rewritten in this proces
 Modes: ``no_hidden`` (a reply without ``hidden``: its tensor under another name), ``oversized`` (the true reply plus
 16 MiB of padding), ``bad_input`` (refuses every valid request as bad input), ``oom`` (fails every request with an
 internal "CUDA out of memory" error, which the servicer answers with code ``swarm_error``), ``fork`` (in chained
-inference, passes the next hop another output than the one it reports to the client). It announces itself ten
+inference, passes the next hop another output than the one it reports to the client), ``blind`` (in chained
+inference, claims to see no record of any next hop: refuses every route with ``unknown_hop``, to get an honest next
+hop banned by the clients it names it to). It announces itself ten
 times faster than the honest test servers, so clients route to it first. ``start_liar`` starts one in a
 ``LocalSwarm``, which stops it with its own peers."""
 
@@ -24,7 +26,7 @@ from tests.helpers.wrapped import start_wrapped
 
 Tensors = dict[str, torch.Tensor]
 MODES = ("no_hidden", "oversized", "bad_input", "oom")  # replies that lie (each liar test starts one of each)
-CHAIN_MODES = ("fork",)  # chained steps that lie
+CHAIN_MODES = ("fork", "blind")  # chained steps that lie
 PADDING = 4 << 20  # float32 elements: 16 MiB
 
 
@@ -46,6 +48,8 @@ def install(mode: str) -> None:
     """Rewrite forward, backward and inference-step answers of this process's server."""
     if mode == "fork":
         return install_fork()
+    if mode == "blind":
+        return install_blind()
     from peers.serving.pass_service import PassService
     from peers.serving.sessions import SessionTable
 
@@ -75,6 +79,22 @@ def install_fork() -> None:
         push(self, session, step, out + 1e-3, tensors)
 
     StepPusher.push = forking_push  # type: ignore[method-assign]
+
+
+def install_blind() -> None:
+    """Say no record of the route's next hop exists, whatever the DHT holds."""
+    from peers.rpc.chain import StepPusher
+    from swarm.errors import UnknownHopError
+
+    bind = StepPusher.bind
+
+    async def blind_bind(self: StepPusher, session: Any, signed: Any) -> None:
+        await bind(self, session, signed)  # the route checked as an honest hop does: only a next hop is denied
+        if session.next_hop is not None:
+            session.next_hop = None
+            raise UnknownHopError(f"the route's next hop announces no record serving block {session.sub.end} (a lie)")
+
+    StepPusher.bind = blind_bind  # type: ignore[method-assign]
 
 
 def start_liar(swarm: LocalSwarm, mode: str, span: str, wait: bool = True) -> PeerProcess:

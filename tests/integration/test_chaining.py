@@ -298,3 +298,26 @@ def test_a_session_refuses_a_route_signed_by_someone_else(folder):
         with pytest.raises(SwarmError, match="another client"):
             conn.loop.run(stream.send(InferenceRequest(open=opening, route=signed), {}))
             conn.loop.run(stream.receive(OpenReply, 10.0))
+
+
+def test_a_hop_that_denies_its_next_hop_gets_nobody_banned(folder, ref):
+    """A hop claiming it sees no record of its next hop (``unknown_hop``: a lie here, a lagging DHT read in a churning
+    swarm) does not get that next hop banned when the client, reading the same shard, sees its record: the only
+    server of blocks 2:4 stays in the client's view (banned, the call would wait for its blocks, then fail), and the
+    hop that denied it is set aside instead."""
+    ids = prompt(9)
+    expected = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    with running_swarm(folder, ["0:2", "2:4"]) as swarm:
+        liar = start_liar(swarm, "blind", "0:2")  # announced ten times faster: routes try it first
+        liar_id = liar.maddr.split("/p2p/")[1]
+        only = swarm.peers[1].peer_id
+        with connect(folder, swarm) as client:
+            wait_for(lambda: len(client.connection.view.servers()) == 3, 60, "every server in the client's view")
+            with client.inference_session(max_length=64) as session:
+                out = client.generate(ids, max_new_tokens=8, do_sample=False)
+                route = [s.hop.peer_id for s in session.hop_states]
+            assert torch.equal(out, expected)
+            retrier, view = client.connection.retrier, client.connection.view
+            assert client.failovers >= 1 and liar_id not in route and only in route
+            assert only not in retrier.failures and only not in view.banned()
+            assert retrier.contradicted.get(liar_id, 0) >= 1 and liar_id not in retrier.failures

@@ -39,6 +39,9 @@ class FakeView:
     def parole(self) -> frozenset[str]:
         return frozenset()
 
+    def listed(self, peer: str) -> bool:
+        return False
+
 
 class _Store:
     def __init__(self, view):

@@ -25,6 +25,7 @@ class FakeView:
         self.banned: set[str] = set()
         self.for_cause: set[str] = set()
         self.invalidated = 0
+        self.live: set[str] = set()  # peers whose records a fresh read of their shard finds
 
     def ban(self, peer: str, seconds: float) -> None:
         self.bans.append((peer, seconds))
@@ -38,6 +39,9 @@ class FakeView:
 
     def busy(self, peer: str, seconds: float) -> None:
         self.busied.append((peer, seconds))
+
+    def listed(self, peer: str) -> bool:
+        return peer in self.live
 
     def parole(self) -> frozenset[str]:
         lifted = frozenset(self.banned - self.for_cause)
@@ -263,3 +267,41 @@ def test_budget_outlasts_one_hung_attempt(timing):
         return "ok"
 
     assert retrier.run(attempt) == "ok" and len(calls) == 2
+
+
+def test_blocks_missing_twice_in_one_call_are_two_waits_not_one():
+    """Blocks unserved for a moment, then routed (the attempt failed elsewhere), then unserved again later in the same
+    call: each gap gets its own wait (one wait over both ended a call whose blocks were missing 2 s in all, while a
+    broker moved peers: stop 75's churn drill)."""
+    retrier, view, now = make(budget=100.0, missing_wait=2.0)
+    script = iter(["missing"] * 3 + ["fail"] + ["missing"] * 3 + ["ok"])  # 1.5 s missing, a failure, 1.5 s missing
+
+    def attempt() -> str:
+        step = next(script)
+        if step == "missing":
+            raise MissingBlocksError([3], "m")
+        if step == "fail":
+            raise failing("a")
+        return "routed"
+
+    assert retrier.run(attempt) == "routed"
+    assert retrier.failures == {"a": 1}
+
+
+def test_a_hop_denying_its_next_hop_gets_it_banned_only_if_this_client_cannot_find_it_either():
+    from swarm.errors import UnseenHopError
+
+    def unseen() -> UnseenHopError:
+        e = UnseenHopError("r sees no record of the next hop n", reporter="r")
+        e.peer_id = "n"
+        return e
+
+    retrier, view, _ = make()
+    view.live = {"n"}  # this client's own read finds n's record: the reporter's view lags, or it lies
+    for _ in range(3):
+        retrier.note_failure(unseen())
+    assert view.bans == [] and retrier.failures == {} and retrier.contradicted == {"r": 3}
+    assert view.busied == [("r", 2.0), ("r", 4.0), ("r", 8.0)]  # set aside, longer each time
+    retrier, view, _ = make()  # n is gone indeed: it is the one failed
+    retrier.note_failure(unseen())
+    assert view.bans == [("n", 2.0)] and retrier.failures == {"n": 1} and view.busied == []

@@ -40,6 +40,7 @@ from swarm.errors import (
     SessionExpiredError,
     SwarmError,
     UnknownHopError,
+    UnseenHopError,
 )
 from swarm.identity import Signed
 from swarm.protocol import ChainRoute, InferenceRequest, InferenceStep, OpenSession, PrefixClaim, PrefixUse, StepReply
@@ -304,11 +305,9 @@ class Chain:
                 # read the swarm (or not yet seen there, then found again after its parole); that one is replaced.
                 # The next hop is in the route, and not always among the hops stepped here (a replay to fresh hops
                 # whose route goes on past them): left unnamed, each retry would route through it again
-                if k + 1 < len(states):
-                    raise _unreached(state, states[k + 1]) from None
-                following = self._next_in_route(state)
+                following = states[k + 1] if k + 1 < len(states) else self._next_in_route(state)
                 if following is not None:
-                    raise _unreached_peer(state, following) from None
+                    raise _unseen(state, following) from None
             if k > 0 and isinstance(e, DisagreedInputError):
                 states[k - 1].link.fail()  # either of the two lies: both are replaced
             if isinstance(e, SwarmError):  # a missed deadline: busy (no ban) or dead, as its liveness check says
@@ -364,12 +363,15 @@ def _unreached(reporter: HopState, suspect: HopState) -> SwarmError:
     return e
 
 
-def _unreached_peer(reporter: HopState, suspect: HopState) -> SwarmError:
-    """As ``_unreached``, for a next hop of the route that is not among the hops stepped now (a replay to fresh hops
-    whose route goes on past them): failed too, so the next attempt replaces it with the rest of the route's broken
-    hops (banned alone, it would stay in the route and every replay would be refused for it again)."""
+def _unseen(reporter: HopState, suspect: HopState) -> SwarmError:
+    """``reporter`` sees no record of its next hop ``suspect``, which may be among the hops stepped now or the next of
+    the route past them (a replay to fresh hops whose route goes on): both are failed, so the next attempt replaces
+    them (the suspect, left in the route, would have every replay refused for it again), and the retry helper judges
+    whose view is wrong (``Retrier.note_failure``)."""
     suspect.link.fail()
-    e = NextHopUnreachableError(f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect.hop.peer_id}")
+    e = UnseenHopError(
+        f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect.hop.peer_id}", reporter.hop.peer_id
+    )
     e.peer_id = suspect.hop.peer_id
     return e
 
