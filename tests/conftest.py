@@ -49,6 +49,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["SWARM_CACHE_DIR"] = str(root / "swarm")
     os.environ["HF_HOME"] = str(root / "huggingface")
     FAST_SUBSET.append("not slow" in (config.getoption("markexpr") or ""))
+    # One torch thread in the test processes, as the peers run (``--threads`` 1): two workers of two threads each,
+    # beside the peers, on the suite's two cores, spun in each other's way (the coverage walk took 3x its time alone)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 # The files that take longest (seconds in a fresh-clone run on the 2-core VM, two workers, stop 71), longest first:

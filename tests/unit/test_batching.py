@@ -19,8 +19,6 @@ from swarm.families.spec import family_of
 from swarm.ids import Span
 from tests.helpers.families import FAMILIES, tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 EXACT = 1e-5  # relative to the outputs' scale where it exceeds 1: GPT-2's hidden states reach ~10, where float32's
 # rounding alone (a batched matmul blocks its sums otherwise) is ~1e-6 of it; measured 1.1e-5 absolute on an AMD EPYC
 

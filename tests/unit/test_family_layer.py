@@ -18,8 +18,6 @@ from swarm.families.selfcheck import TOLERANCE, TOLERANCES, check_split, require
 from swarm.families.spec import SPECS, family_of
 from tests.helpers.families import FAMILIES, tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_split_path_equals_hugging_face(name):

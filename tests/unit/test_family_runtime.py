@@ -17,8 +17,6 @@ from swarm.families.selfcheck import TOLERANCE
 from swarm.families.spec import family_of
 from tests.helpers.families import FAMILIES, tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def saved_reference(name: str, folder: Path) -> PreTrainedModel:
     """A Hugging Face model of ``name``'s tiny config, weights perturbed (norms at 0 or 1 would hide mistakes),
