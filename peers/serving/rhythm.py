@@ -32,31 +32,28 @@ class Rhythm:
     """When each session's steps arrive: the last arrival and the gap before it, so the scheduler can tell which
     sessions are busy elsewhere in their chain and about to come back (``hold``), and what a forward costs."""
 
-    last: dict[Hashable, tuple[float, float | None]] = field(default_factory=dict)  # session -> (arrival, gap)
+    # session -> (its last arrival, the gap before it, the rows of that step)
+    last: dict[Hashable, tuple[float, float | None, int]] = field(default_factory=dict)
     forwards: list[float] = field(default_factory=list)  # the last few forwards' durations
     batch_of: dict[Hashable, int] = field(default_factory=dict)  # session -> the last forward it ran in
     share: float = 1.0  # of a core the compute thread got during recent forwards (CPU time over wall time)
     count: int = 0  # forwards run
-    rows: dict[Hashable, int] = field(default_factory=dict)  # session -> rows of its last step
     ends: list[float] = field(default_factory=list)  # when the last few forwards ended (``busy``)
 
     def arrived(self, session: Hashable, now: float, rows: int = 1) -> None:
         before = self.last.get(session)
-        self.last[session] = (now, now - before[0] if before is not None else None)
-        self.rows[session] = rows
+        self.last[session] = (now, now - before[0] if before is not None else None, rows)
         if len(self.last) > 4096:  # sessions that stopped stepping (closed ones are forgotten at once)
             self.last = {k: v for k, v in self.last.items() if v[1] is not None and now - v[0] < 2 * v[1]}
-            self.rows = {k: v for k, v in self.rows.items() if k in self.last}
 
     def alive(self, session: Hashable, now: float) -> bool:
         """It still steps: it came back within twice its last gap (a session whose client vanished stops counting)."""
-        t, gap = self.last.get(session, (now, None))
+        t, gap, _ = self.last.get(session, (now, None, 0))
         return gap is None or now - t < 2 * gap
 
     def forgot(self, session: Hashable) -> None:
         self.last.pop(session, None)
         self.batch_of.pop(session, None)
-        self.rows.pop(session, None)
 
     def ran(
         self, seconds: float, sessions: Sequence[Hashable], cpu: float | None = None, end: float | None = None
@@ -94,7 +91,7 @@ class Rhythm:
         half then comes back on its own and runs at once (``hold`` waits for no more than this), so the two stay
         apart. A busy server (the chain's slowest hop) batches everything it has: there, rows per forward are
         what counts."""
-        stepping = sum(r for s, r in self.rows.items() if self.alive(s, now))
+        stepping = sum(rows for s, (_, _, rows) in self.last.items() if self.alive(s, now))
         if stepping < 2 or self.busy(now) >= PIPELINE_BUSY:
             return max_rows
         return min(max_rows, -(-stepping // 2))
@@ -125,7 +122,7 @@ def hold(waiting: Sequence[Step], rhythm: Rhythm, now: float, max_rows: int, max
         return limit - now  # a step that ran with these last time is still on its way (its arrival wakes the loop)
     due = [
         t + gap
-        for session, (t, gap) in rhythm.last.items()
+        for session, (t, gap, _) in rhythm.last.items()
         if session not in here and gap is not None and rhythm.alive(session, now) and t + gap <= limit
     ]
     return max(0.0, max(due) - now) if due else 0.0
