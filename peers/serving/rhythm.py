@@ -90,9 +90,12 @@ class Rhythm:
         computes the second, so the hops of a chain compute at once instead of in turn (pipeline parallelism). Each
         half then comes back on its own and runs at once (``hold`` waits for no more than this), so the two stay
         apart. A busy server (the chain's slowest hop) batches everything it has: there, rows per forward are
-        what counts."""
+        what counts. So does one whose compute thread got less than ``CONTENDED`` of a core during recent forwards:
+        its cores are shared with the chain's other stages, so no stage computes while another does, and a second
+        forward only adds its fixed cost (24 peers on 2 cores ran each pair of rows as two forwards, and the churn
+        drill's steps slowed until sessions idled out)."""
         stepping = sum(rows for s, (_, _, rows) in self.last.items() if self.alive(s, now))
-        if stepping < 2 or self.busy(now) >= PIPELINE_BUSY:
+        if stepping < 2 or self.busy(now) >= PIPELINE_BUSY or self.share < CONTENDED:
             return max_rows
         return min(max_rows, -(-stepping // 2))
 
