@@ -285,12 +285,13 @@ def test_a_server_idle_most_of_a_round_takes_half_its_stepping_rows_per_forward(
     for end in (0.3, 0.55, 0.8, 1.05):
         lone.ran(0.01, ["a"], end=end)
     assert lone.cohort(1.05, 32) == 32
-    shared = Rhythm()  # idle most of the round, but its compute thread got half a core: no stage computes beside it
-    _stepping(shared, names, 0.25, 1.0)
+    few = Rhythm()  # idle most of the round, but two rows step through it: halves of one row cost two fixed costs
+    _stepping(few, names[:2], 0.25, 1.0)
     for end in (0.30, 0.55, 0.80, 1.05):
-        shared.ran(0.05, names, cpu=0.025, end=end)
-    assert shared.busy(1.05) < 0.5 and shared.share < 0.85
-    assert shared.cohort(1.05, 32) == 32
+        few.ran(0.05, names[:2], end=end)
+    assert few.busy(1.05) < 0.5 and few.cohort(1.05, 32) == 32
+    _stepping(few, names[:4], 0.25, 1.0)  # four rows: two halves of two
+    assert few.cohort(1.05, 32) == 2
 
 
 def test_an_idle_server_runs_a_round_as_two_forwards_and_sends_the_first_half_on_before_the_second():
