@@ -76,13 +76,13 @@ class NextHopUnreachableError(PeerUnavailableError):
 
 
 class UnseenHopError(NextHopUnreachableError):
-    """A chained hop (``reporter``) sees no record of the route's next hop (``peer_id``) serving the blocks after its
-    own (its ``UnknownHopError``): raised by the client, never named by a server. The retry helper reads that
-    peer's record itself before blaming anyone (``Retrier.note_failure``)."""
+    """A chained hop (``reporter``) sees no record of the route's next hop (``peer_id``) serving ``block``, the first
+    after its own (its ``UnknownHopError``): raised by the client, never named by a server. The retry helper reads
+    that peer's record itself before blaming anyone (``Retrier.note_failure``)."""
 
-    def __init__(self, message: str, reporter: str) -> None:
+    def __init__(self, message: str, reporter: str, block: int) -> None:
         super().__init__(message)
-        self.reporter = reporter
+        self.reporter, self.block = reporter, block
 
 
 class SlowPeerError(PeerUnavailableError):

@@ -35,12 +35,11 @@ from swarm.errors import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_DOUBLINGS = 6  # a hop whose claims this client contradicted is set aside at most 2^6 x ban_base
 
 # The declared errors a second server must confirm, by exact class. ``SessionLengthError`` too: the client refuses a
 # step past max_length itself before sending it, so a server claiming one contradicts what the client knows. Not
 # ``StaleStepError``: honest stages answer it whenever another trainer finished the step, and the trainer acts on it.
-MAX_DOUBLINGS = 6  # a hop whose claims this client contradicted is set aside at most 2^6 x ban_base
-
 CONFIRMED: tuple[type[SwarmError], ...] = (BadInputError, SessionLengthError)
 
 
@@ -62,7 +61,7 @@ class Bans(Protocol):
 
     def busy(self, peer_id: str, seconds: float) -> None: ...
 
-    def listed(self, peer_id: str) -> bool: ...
+    def listed(self, peer_id: str, block: int) -> bool: ...
 
 
 class Retrier:
@@ -162,14 +161,17 @@ class Retrier:
         that said so is set aside. Failures of a peer still banned for an earlier one (other sessions routed to it
         before the ban) count once."""
         peer = e.peer_id
-        if isinstance(e, UnseenHopError) and peer is not None and self.view.listed(peer):
+        if isinstance(e, UnseenHopError) and peer is not None and self.view.listed(peer, e.block):
             # the hop before it sees no record of it where this client, reading the same shard now, does: the
             # reporter's reading lags (or it lies), not the next hop gone (banned, the only server of some blocks was
             # lost to the call for a neighbour's view: stop 75's churn drill). The reporter is set aside as a busy one
             # is, nobody banned; for longer each time (a liar would otherwise cost a failover every ban_base)
             n = self.contradicted[e.reporter] = self.contradicted.get(e.reporter, 0) + 1
             self.view.busy(e.reporter, self.timing.ban_base * 2 ** min(n - 1, MAX_DOUBLINGS))
-            log.info("this client finds the record its hop says is missing: the hop is set aside", extra={"peer": peer})
+            log.info(
+                "this client finds the record its hop says is missing: the hop is set aside",
+                extra={"peer": e.reporter, "next_hop": peer},
+            )
         elif peer is not None and isinstance(e, BusyError):
             self.view.busy(peer, self.timing.ban_base)
         elif peer is not None and not isinstance(e, SessionExpiredError | SlowPeerError | UnknownHopError):

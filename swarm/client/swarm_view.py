@@ -181,14 +181,15 @@ class SwarmView:
         until, times = self._slow.get(peer_id, (0.0, 0))
         self._slow[peer_id] = (max(until, time.monotonic() + seconds), times)
 
-    def listed(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` announces a live server record of this model now, by a thorough read of its shard (what
-        a chained server reads to check its next hop). A read that fails says no."""
+    def listed(self, peer_id: str, block: int) -> bool:
+        """Whether ``peer_id`` announces a live server record of this model holding ``block`` now, by a thorough read
+        of its shard (what a chained server reads to check its next hop). A read that fails says no."""
         try:
             records = self.store.shard(self.model_id, shard_of(peer_id))
         except (SwarmError, TimeoutError, OSError):
             return False
-        return any(r.peer_id == peer_id and r.state in (PeerState.ONLINE, PeerState.LEAVING) for r in records)
+        live = (PeerState.ONLINE, PeerState.LEAVING)
+        return any(r.peer_id == peer_id and r.state in live and r.start <= block < r.end for r in records)
 
     def patience(self, peer_id: str) -> float:
         """How many times the usual deadline a step to ``peer_id`` gets: doubled each time it was found slow but

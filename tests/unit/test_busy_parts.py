@@ -39,7 +39,7 @@ class FakeView:
     def parole(self) -> frozenset[str]:
         return frozenset()
 
-    def listed(self, peer: str) -> bool:
+    def listed(self, peer: str, block: int) -> bool:
         return False
 
 

@@ -25,7 +25,7 @@ class FakeView:
         self.banned: set[str] = set()
         self.for_cause: set[str] = set()
         self.invalidated = 0
-        self.live: set[str] = set()  # peers whose records a fresh read of their shard finds
+        self.live: set[tuple[str, int]] = set()  # (peer, block): what a fresh read of the peer's shard finds
 
     def ban(self, peer: str, seconds: float) -> None:
         self.bans.append((peer, seconds))
@@ -40,8 +40,8 @@ class FakeView:
     def busy(self, peer: str, seconds: float) -> None:
         self.busied.append((peer, seconds))
 
-    def listed(self, peer: str) -> bool:
-        return peer in self.live
+    def listed(self, peer: str, block: int) -> bool:
+        return (peer, block) in self.live
 
     def parole(self) -> frozenset[str]:
         lifted = frozenset(self.banned - self.for_cause)
@@ -292,16 +292,17 @@ def test_a_hop_denying_its_next_hop_gets_it_banned_only_if_this_client_cannot_fi
     from swarm.errors import UnseenHopError
 
     def unseen() -> UnseenHopError:
-        e = UnseenHopError("r sees no record of the next hop n", reporter="r")
+        e = UnseenHopError("r sees no record of the next hop n", reporter="r", block=4)
         e.peer_id = "n"
         return e
 
     retrier, view, _ = make()
-    view.live = {"n"}  # this client's own read finds n's record: the reporter's view lags, or it lies
+    view.live = {("n", 4)}  # this client's own read finds n serving block 4: the reporter's view lags, or it lies
     for _ in range(3):
         retrier.note_failure(unseen())
     assert view.bans == [] and retrier.failures == {} and retrier.contradicted == {"r": 3}
     assert view.busied == [("r", 2.0), ("r", 4.0), ("r", 8.0)]  # set aside, longer each time
-    retrier, view, _ = make()  # n is gone indeed: it is the one failed
+    retrier, view, _ = make()  # n serves other blocks now (it moved): it is the one failed
+    view.live = {("n", 9)}
     retrier.note_failure(unseen())
     assert view.bans == [("n", 2.0)] and retrier.failures == {"n": 1} and view.busied == []

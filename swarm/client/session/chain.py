@@ -370,7 +370,9 @@ def _unseen(reporter: HopState, suspect: HopState) -> SwarmError:
     whose view is wrong (``Retrier.note_failure``)."""
     suspect.link.fail()
     e = UnseenHopError(
-        f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect.hop.peer_id}", reporter.hop.peer_id
+        f"peer {reporter.hop.peer_id} sees no record of the next hop {suspect.hop.peer_id}",
+        reporter.hop.peer_id,
+        suspect.hop.start,
     )
     e.peer_id = suspect.hop.peer_id
     return e
